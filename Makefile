@@ -1,0 +1,28 @@
+# `make demo` and `make test` create .venv when it is missing, install, and run.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+EXTRAS ?= test
+STAMP := $(VENV)/.installed-$(EXTRAS)
+
+.PHONY: demo test bench clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --upgrade pip
+
+$(STAMP): pyproject.toml | $(PY)
+	$(PY) -m pip install -e ".[$(EXTRAS)]"
+	touch $@
+
+demo: $(STAMP)
+	JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(PY) -m masked_jax.demo
+
+test: $(STAMP)
+	JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(PY) -m pytest tests
+
+bench: $(STAMP)
+	$(PY) benchmarks/ops.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,14 @@
+"""masked_jax: masked and sparse arrays as first-class JAX pytrees.
+
+Mask convention: ``True`` = valid (the opposite of ``numpy.ma``).
+"""
+
+from masked_jax._core import MaskedArray as MaskedArray
+from masked_jax._core import as_masked as as_masked
+from masked_jax._core import from_numpy_ma as from_numpy_ma
+from masked_jax._core import is_masked as is_masked
+from masked_jax._core import masked_array as masked_array
+from masked_jax import numpy as numpy
+from masked_jax import nn as nn
+
+__version__ = "0.1.0"

@@ -1,0 +1,481 @@
+"""``MaskedArray``: a pytree of ``data`` and a bool ``mask`` (``True`` = valid).
+
+Mask convention: **True means valid / specified**, as in ``jnp.sum(where=...)``,
+``optax.masked`` and ``torch.masked``. This is the *opposite* of ``numpy.ma``,
+whose mask marks invalid entries; :func:`from_numpy_ma` and
+:meth:`MaskedArray.to_numpy_ma` invert it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from masked_jax import ops
+from masked_jax.ops._base import Pair
+
+_R = ops.RULES
+
+
+_REPR_MAX_ELEMENTS = 1000
+
+
+def _is_tracer(x) -> bool:
+    return isinstance(x, jax.core.Tracer)
+
+
+def _check_data(data, argname="data"):
+    if isinstance(data, MaskedArray):
+        raise TypeError(f"{argname} must be an array, not a MaskedArray; pass it directly instead.")
+    if isinstance(data, (str, bytes)) or (isinstance(data, np.ndarray) and data.dtype.kind in "SUOV"):
+        kind = data.dtype if isinstance(data, np.ndarray) else type(data).__name__
+        raise TypeError(f"{argname} must be a numeric or bool array; got {kind}.")
+    try:
+        arr = jnp.asarray(data)
+    except (TypeError, ValueError) as err:
+        raise TypeError(
+            f"{argname} must be a numeric or bool array; got {type(data).__name__} ({err})."
+        ) from None
+    if not (jnp.issubdtype(arr.dtype, jnp.number) or arr.dtype == jnp.bool_):
+        raise TypeError(f"{argname} must have a numeric or bool dtype; got {arr.dtype}.")
+    return arr
+
+
+def _check_mask(mask, shape):
+    if isinstance(mask, MaskedArray):
+        raise TypeError("mask must be a bool array, not a MaskedArray.")
+    try:
+        mask = jnp.asarray(mask)
+    except (TypeError, ValueError):
+        raise TypeError(f"mask must be a bool array; got {type(mask).__name__}.") from None
+    if mask.dtype != jnp.bool_:
+        raise TypeError(
+            f"mask must have dtype bool (True = valid); got {mask.dtype}. "
+            "Convert it with mask.astype(bool) or build it with a comparison."
+        )
+    if mask.shape != tuple(shape):
+        try:
+            mask = jnp.broadcast_to(mask, shape)
+        except ValueError:
+            raise ValueError(
+                f"mask must have the data's shape {tuple(shape)} or broadcast to it; "
+                f"got mask of shape {mask.shape}."
+            ) from None
+    return mask
+
+
+@jax.tree_util.register_pytree_node_class
+class MaskedArray:
+    """An array with a bool validity mask: ``mask[i]`` is ``True`` where ``data[i]`` is valid.
+
+    Masked-out data is unspecified: no result and no gradient depends on it.
+    Build one with :func:`masked_array` or :func:`as_masked`. It is a pytree
+    with children ``(data, mask)``, so it flows through ``jit``, ``vmap``,
+    ``scan`` and ``grad(..., allow_int=True)``.
+
+    Examples:
+        >>> import jax.numpy as jnp, masked_jax as mj
+        >>> x = mj.masked_array(jnp.array([1.0, 2.0, 3.0]), jnp.array([True, False, True]))
+        >>> x
+        MaskedArray([1.0 -- 3.0], dtype=float32)
+        >>> (x * 2).sum()
+        MaskedArray(8.0, dtype=float32)
+    """
+
+    __slots__ = ("_data", "_mask")
+    # numpy defers binary operators to us instead of converting us to an ndarray.
+    __array_ufunc__ = None
+    __array_priority__ = 100
+
+    def __init__(self, data, mask=None):
+        data = _check_data(data)
+        mask = jnp.ones(data.shape, bool) if mask is None else _check_mask(mask, data.shape)
+        self._data = data
+        self._mask = mask
+
+    @classmethod
+    def _from_pair(cls, data, mask):
+        """Trusted constructor for rule outputs: no dtype checks, mask broadcast to data."""
+        obj = object.__new__(cls)
+        data = jnp.asarray(data)
+        obj._data = data
+        if mask is None:
+            obj._mask = jnp.ones(data.shape, bool)
+        else:
+            obj._mask = jnp.broadcast_to(mask, data.shape)
+        return obj
+
+    # -- pytree ---------------------------------------------------------------------------
+    def tree_flatten(self):
+        return (self._data, self._mask), None
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        obj = object.__new__(cls)
+        obj._data, obj._mask = children
+        return obj
+
+    # -- attributes -----------------------------------------------------------------------
+    @property
+    def data(self) -> jax.Array:
+        """The data buffer; values at masked-out positions are unspecified."""
+        return self._data
+
+    @property
+    def mask(self) -> jax.Array:
+        """The bool validity mask, ``True`` where the element is valid."""
+        return self._mask
+
+    shape = property(lambda self: tuple(self._data.shape), doc="Shape of the array.")
+    dtype = property(lambda self: self._data.dtype, doc="Dtype of the data.")
+    ndim = property(lambda self: self._data.ndim, doc="Number of dimensions.")
+    size = property(lambda self: self._data.size, doc="Number of elements, valid or not.")
+
+    def __len__(self):
+        if self.ndim == 0:
+            raise TypeError("len() of a 0-d MaskedArray.")
+        return self.shape[0]
+
+    def filled(self, fill_value=0) -> jax.Array:
+        """A plain array with ``fill_value`` at masked-out positions.
+
+        Examples:
+            >>> import jax.numpy as jnp, masked_jax as mj
+            >>> mj.masked_array(jnp.array([1, 2]), jnp.array([True, False])).filled(-1)
+            Array([ 1, -1], dtype=int32)
+        """
+        return jnp.where(self._mask, self._data, jnp.asarray(fill_value, dtype=self.dtype))
+
+    def count(self, axis=None, keepdims=False) -> jax.Array:
+        """Number of valid elements along ``axis`` (a plain integer array).
+
+        Examples:
+            >>> import jax.numpy as jnp, masked_jax as mj
+            >>> mj.masked_array(jnp.ones((2, 2)), jnp.array([[True, False], [True, True]])).count(1)
+            Array([1, 2], dtype=int32)
+        """
+        return _R["count"](Pair(self._data, self._mask), axis=axis, keepdims=keepdims)
+
+    def astype(self, dtype) -> "MaskedArray":
+        """Cast the data to ``dtype``; the mask is unchanged."""
+        return apply("astype", self, dtype=dtype)
+
+    def to_numpy_ma(self) -> np.ma.MaskedArray:
+        """Convert to ``numpy.ma.MaskedArray``, **inverting** the mask (numpy.ma: True = invalid).
+
+        Examples:
+            >>> import jax.numpy as jnp, masked_jax as mj
+            >>> mj.masked_array(jnp.array([1, 2]), jnp.array([True, False])).to_numpy_ma()
+            masked_array(data=[1, --],
+                         mask=[False,  True],
+                   fill_value=999999,
+                        dtype=int32)
+        """
+        if _is_tracer(self._data) or _is_tracer(self._mask):
+            raise TypeError("to_numpy_ma() needs concrete values; it cannot run inside jit/vmap/grad.")
+        return np.ma.masked_array(np.asarray(self._data), mask=~np.asarray(self._mask))
+
+    # -- conversions that would drop the mask ---------------------------------------------
+    def _no_scalar(self, kind):
+        raise TypeError(
+            f"{kind}() of a MaskedArray is ambiguous: its value may be masked. Use "
+            f"x.filled(fill_value) to choose a value for masked entries, or x.mask to test validity."
+        )
+
+    def __bool__(self):
+        self._no_scalar("bool")
+
+    def __float__(self):
+        self._no_scalar("float")
+
+    def __int__(self):
+        self._no_scalar("int")
+
+    def __complex__(self):
+        self._no_scalar("complex")
+
+    def __index__(self):
+        self._no_scalar("index")
+
+    def __array__(self, dtype=None, copy=None):
+        raise TypeError(
+            "A MaskedArray cannot be converted to a plain array implicitly (the mask would be "
+            "lost). Use x.filled(fill_value), x.data, or x.to_numpy_ma()."
+        )
+
+    def __iter__(self):
+        if self.ndim == 0:
+            raise TypeError("iteration over a 0-d MaskedArray.")
+        return (self[i] for i in range(self.shape[0]))
+
+    # -- repr -------------------------------------------------------------------------------
+    def __repr__(self):
+        if _is_tracer(self._data) or _is_tracer(self._mask) or not hasattr(self._data, "shape"):
+            dt = getattr(self._data, "dtype", "?")
+            shape = ", ".join(str(d) for d in getattr(self._data, "shape", ()))
+            return f"MaskedArray({dt}[{shape}])"
+        data, mask = np.asarray(self._data), np.asarray(self._mask)
+        if data.size > _REPR_MAX_ELEMENTS:
+            shape = ", ".join(str(d) for d in data.shape)
+            return f"MaskedArray({data.dtype}[{shape}], valid={int(mask.sum())})"
+        cells = np.array(
+            [str(v) if ok else "--" for v, ok in zip(data.flat, mask.flat)], dtype=object
+        ).reshape(data.shape)
+        body = np.array2string(cells, separator=" ", formatter={"all": str})
+        body = body.replace("\n", "\n" + " " * len("MaskedArray("))
+        return f"MaskedArray({body}, dtype={self.dtype})"
+
+    __str__ = __repr__
+
+    # -- indexing -----------------------------------------------------------------------------
+    def __getitem__(self, index):
+        _check_index(index)
+        return apply("getitem", self, index=index)
+
+    @property
+    def at(self):
+        """Functional updates as ``jax.Array.at``: ``x.at[i].set(v)`` makes element ``i`` valid.
+
+        Examples:
+            >>> import jax.numpy as jnp, masked_jax as mj
+            >>> x = mj.masked_array(jnp.zeros(3), jnp.array([True, False, False]))
+            >>> x.at[1].set(5.0)
+            MaskedArray([0.0 5.0 --], dtype=float32)
+        """
+        return _AtIndexer(self)
+
+    @property
+    def T(self):
+        """Transpose (reversed axes)."""
+        return apply("transpose", self)
+
+    def __hash__(self):
+        raise TypeError("MaskedArray is unhashable.")
+
+
+class _AtIndexer:
+    __slots__ = ("_x",)
+
+    def __init__(self, x):
+        self._x = x
+
+    def __getitem__(self, index):
+        _check_index(index)
+        return _AtRef(self._x, index)
+
+
+class _AtRef:
+    __slots__ = ("_x", "_index")
+
+    def __init__(self, x, index):
+        self._x, self._index = x, index
+
+    def get(self, **kwargs):
+        return apply("getitem", self._x, index=self._index)
+
+    def _update(self, op, value, kwargs):
+        return _wrap(
+            _R["at_update"](_unwrap(self._x), self._index, op, _unwrap(value, "value"), **kwargs)
+        )
+
+    def set(self, value, **kwargs):
+        return self._update("set", value, kwargs)
+
+    def add(self, value, **kwargs):
+        return self._update("add", value, kwargs)
+
+    def multiply(self, value, **kwargs):
+        return self._update("multiply", value, kwargs)
+
+    def min(self, value, **kwargs):
+        return self._update("min", value, kwargs)
+
+    def max(self, value, **kwargs):
+        return self._update("max", value, kwargs)
+
+
+def _check_index(index):
+    parts = index if isinstance(index, tuple) else (index,)
+    if any(isinstance(p, MaskedArray) for p in parts):
+        raise TypeError(
+            "Indexing with a MaskedArray is not supported: its masked entries have no defined "
+            "position. Use idx.filled(...) or a plain bool/int array."
+        )
+
+
+# -- wrapping rules ----------------------------------------------------------------------------
+def _unwrap(x, argname: str = "argument") -> Pair:
+    """A MaskedArray or array-like as a rule operand (plain arrays are fully valid)."""
+    if isinstance(x, MaskedArray):
+        return Pair(x._data, x._mask)
+    if x is None or isinstance(x, (str, bytes)):
+        raise TypeError(f"{argname} must be an array or MaskedArray; got {type(x).__name__}.")
+    try:
+        arr = jnp.asarray(x)
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"{argname} must be an array, a scalar or a MaskedArray; got {type(x).__name__}."
+        ) from None
+    return Pair(arr, None)
+
+
+def _wrap(out):
+    """A rule output (Pair, list of Pairs, or a plain array) as user-facing values."""
+    if isinstance(out, Pair):
+        return MaskedArray._from_pair(out.data, out.mask)
+    if isinstance(out, list):
+        return [_wrap(o) for o in out]
+    return out
+
+
+def apply(name: str, *operands, **params):
+    """Apply the rule ``name`` to MaskedArray / array operands and wrap the result."""
+    return _wrap(_R[name](*(_unwrap(o, f"operand {i}") for i, o in enumerate(operands)), **params))
+
+
+def _binary_method(name, reflected=False):
+    def method(self, other):
+        if not _is_operand(other):
+            return NotImplemented
+        return apply(name, other, self) if reflected else apply(name, self, other)
+
+    method.__name__ = f"__r{name}__" if reflected else f"__{name}__"
+    return method
+
+
+def _is_operand(x) -> bool:
+    return isinstance(x, (MaskedArray, jax.Array, np.ndarray, np.generic, int, float, complex, bool))
+
+
+_BINARY_OPERATORS = {
+    "add": "add", "sub": "subtract", "mul": "multiply", "truediv": "true_divide",
+    "floordiv": "floor_divide", "mod": "mod", "pow": "power", "matmul": "matmul",
+    "and": "bitwise_and", "or": "bitwise_or", "xor": "bitwise_xor",
+    "lshift": "left_shift", "rshift": "right_shift",
+}
+for _dunder, _rule in _BINARY_OPERATORS.items():
+    setattr(MaskedArray, f"__{_dunder}__", _binary_method(_rule))
+    _m = _binary_method(_rule, reflected=True)
+    _m.__name__ = f"__r{_dunder}__"
+    setattr(MaskedArray, f"__r{_dunder}__", _m)
+
+for _dunder, _rule in {"eq": "equal", "ne": "not_equal", "lt": "less", "le": "less_equal",
+                       "gt": "greater", "ge": "greater_equal"}.items():
+    setattr(MaskedArray, f"__{_dunder}__", _binary_method(_rule))
+
+for _dunder, _rule in {"neg": "negative", "pos": "positive", "abs": "abs", "invert": "invert"}.items():
+    setattr(MaskedArray, f"__{_dunder}__", (lambda r: lambda self: apply(r, self))(_rule))
+
+
+def _method(name, doc):
+    def method(self, *args, **kwargs):
+        return _wrap(_R[name](_unwrap(self), *args, **kwargs))
+
+    method.__name__ = name
+    method.__doc__ = doc
+    return method
+
+
+for _name in ("sum prod mean var std max min ptp argmax argmin any all cumsum cumprod "
+              "round conj").split():
+    setattr(MaskedArray, _name, _method(_name, f"Masked ``{_name}``; see ``masked_jax.numpy.{_name}``."))
+
+
+def _shape_method(name):
+    def method(self, *args, **kwargs):
+        if name in ("reshape", "transpose") and len(args) > 1:
+            args = (args,)
+        return _wrap(_R[name](_unwrap(self), *args, **kwargs))
+
+    method.__name__ = name
+    method.__doc__ = f"``{name}`` of data and mask together; see ``masked_jax.numpy.{name}``."
+    return method
+
+
+for _name in ("reshape transpose ravel squeeze swapaxes flatten take sort argsort repeat").split():
+    setattr(MaskedArray, _name, _shape_method("ravel" if _name == "flatten" else _name))
+
+
+def _clip(self, min=None, max=None):
+    """Clip valid values to ``[min, max]``; see ``masked_jax.numpy.clip``."""
+    bounds = [None if b is None else _unwrap(b, n) for b, n in ((min, "min"), (max, "max"))]
+    return _wrap(_R["clip"](_unwrap(self), *bounds))
+
+
+MaskedArray.clip = _clip
+
+
+def masked_array(data, mask=None, *, dtype=None) -> MaskedArray:
+    """Build a :class:`MaskedArray` from ``data`` and a bool ``mask`` (``True`` = valid).
+
+    Args:
+        data: numeric or bool array-like.
+        mask: bool array of ``data``'s shape, or broadcastable to it (then
+            materialised). ``None`` means every element is valid.
+        dtype: optional dtype to cast ``data`` to.
+
+    Returns:
+        A ``MaskedArray``.
+
+    Raises:
+        TypeError: ``data`` is not numeric/bool, or ``mask`` is not bool.
+        ValueError: ``mask`` does not broadcast to ``data``'s shape.
+
+    Examples:
+        >>> import jax.numpy as jnp, masked_jax as mj
+        >>> x = mj.masked_array(jnp.arange(3.0), jnp.array([True, True, False]))
+        >>> x.mean()
+        MaskedArray(0.5, dtype=float32)
+        >>> mj.masked_array(jnp.ones((2, 3)), jnp.array([True, False, True])).mask.shape
+        (2, 3)
+    """
+    data = _check_data(data)
+    if dtype is not None:
+        data = data.astype(dtype)
+    return MaskedArray(data, mask)
+
+
+def as_masked(a) -> MaskedArray:
+    """``a`` as a fully valid :class:`MaskedArray`; a ``MaskedArray`` passes through unchanged.
+
+    Examples:
+        >>> import jax.numpy as jnp, masked_jax as mj
+        >>> mj.as_masked(jnp.array([1.0, 2.0])).mask
+        Array([ True,  True], dtype=bool)
+    """
+    if isinstance(a, MaskedArray):
+        return a
+    if isinstance(a, np.ma.MaskedArray):
+        return from_numpy_ma(a)
+    return MaskedArray(_check_data(a, "a"))
+
+
+def from_numpy_ma(a) -> MaskedArray:
+    """Convert a ``numpy.ma.MaskedArray``, **inverting** its mask (numpy.ma: True = invalid).
+
+    Examples:
+        >>> import numpy as np, masked_jax as mj
+        >>> x = mj.from_numpy_ma(np.ma.masked_array([1.0, 2.0], mask=[False, True]))
+        >>> x.mask
+        Array([ True, False], dtype=bool)
+    """
+    if not isinstance(a, np.ndarray):
+        raise TypeError(f"a must be a numpy.ma.MaskedArray or ndarray; got {type(a).__name__}.")
+    data = np.ma.getdata(a)
+    valid = ~np.ma.getmaskarray(a)
+    return MaskedArray(_check_data(data, "a"), jnp.asarray(valid))
+
+
+def is_masked(x: Any) -> bool:
+    """Whether ``x`` is a :class:`MaskedArray`.
+
+    Examples:
+        >>> import jax.numpy as jnp, masked_jax as mj
+        >>> mj.is_masked(mj.as_masked(jnp.zeros(2))), mj.is_masked(jnp.zeros(2))
+        (True, False)
+    """
+    return isinstance(x, MaskedArray)
+

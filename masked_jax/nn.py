@@ -1,0 +1,63 @@
+"""``jax.nn`` with masked semantics: normalizations over valid elements only.
+
+``softmax``, ``log_softmax``, ``softmin`` and ``normalize`` work along
+``axis`` over valid elements; masked inputs stay masked, fully masked slices
+stay masked (data 0, never NaN). Activations are elementwise and keep the mask.
+
+Examples:
+    >>> import jax.numpy as jnp, masked_jax as mj, masked_jax.nn as mnn
+    >>> x = mj.masked_array(jnp.array([0.0, 50.0, 0.0]), jnp.array([True, False, True]))
+    >>> mnn.softmax(x)
+    MaskedArray([0.5 -- 0.5], dtype=float32)
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from masked_jax import ops
+from masked_jax._core import MaskedArray, _unwrap, _wrap
+from masked_jax._frontend import first_operand
+
+_M = __name__
+
+for _n in ("relu", "gelu", "silu", "sigmoid", "softplus", "log_sigmoid"):
+    globals()[_n] = first_operand(_n, _M, jax_name=f"jax.nn.{_n}")
+
+for _n in ("softmax", "log_softmax", "softmin", "normalize"):
+    globals()[_n] = first_operand(_n, _M, jax_name=f"jax.nn.{_n}")
+
+logsumexp = first_operand("logsumexp", _M, jax_name="jax.nn.logsumexp")
+
+
+def one_hot(x, num_classes: int, *, dtype=jnp.float32, axis=-1) -> MaskedArray:
+    """One-hot encode integer ``x``; the encoding of a masked index is masked (all classes).
+
+    Args:
+        x: integer array or ``MaskedArray`` of class indices.
+        num_classes: number of classes (static).
+        dtype: dtype of the encoding.
+        axis: where the class axis goes.
+
+    Examples:
+        >>> import jax.numpy as jnp, masked_jax as mj, masked_jax.nn as mnn
+        >>> ids = mj.masked_array(jnp.array([2, 0]), jnp.array([True, False]))
+        >>> mnn.one_hot(ids, 3)
+        MaskedArray([[0.0 0.0 1.0]
+                     [-- -- --]], dtype=float32)
+    """
+    import jax
+
+    p = _unwrap(x, "x")
+    if not jnp.issubdtype(jnp.result_type(p.data), jnp.integer):
+        raise TypeError(f"one_hot needs integer class indices; got dtype {jnp.result_type(p.data)}.")
+    data = jax.nn.one_hot(p.data if p.mask is None else jnp.where(p.mask, p.data, 0),
+                          num_classes, dtype=dtype, axis=axis)
+    if p.mask is None:
+        return _wrap(ops.Pair(data, None))
+    mask = jnp.broadcast_to(jnp.expand_dims(p.mask, axis), data.shape)
+    return _wrap(ops.Pair(data, mask))
+
+
+__all__ = ["gelu", "log_sigmoid", "log_softmax", "logsumexp", "normalize", "one_hot", "relu",
+           "sigmoid", "silu", "softmax", "softmin", "softplus"]

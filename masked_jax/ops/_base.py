@@ -1,0 +1,115 @@
+"""Shared helpers for masked rules.
+
+Every rule in :mod:`masked_jax.ops` works on *pairs* ``(data, mask)`` of plain
+``jax.Array``s, never on :class:`~masked_jax.MaskedArray` itself. ``mask`` is a
+bool array broadcastable to ``data``, or ``None`` meaning "every element is
+valid" (a plain operand), which lets rules skip work for unmasked inputs. The
+same rules therefore serve the ``masked_jax.numpy`` front end, the sparse
+layouts (which apply them to stored values) and the ``maskify`` interpreter.
+
+The one pattern every rule follows is *sanitise on entry*: before data enters a
+nonlinear computation, masked-out positions are replaced by a value that is
+safe for that computation (``safe``). Masked-out NaN/inf then never reaches a
+valid output, and reverse-mode cotangents at masked positions are exactly zero
+instead of ``0 * inf = NaN`` (the ``jnp.where`` double-NaN trap).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, NamedTuple, Optional
+
+import jax.numpy as jnp
+import numpy as np
+
+Mask = Optional[jnp.ndarray]
+
+
+class Pair(NamedTuple):
+    """Data and mask of a masked value inside a rule (``mask=None``: all valid)."""
+
+    data: Any
+    mask: Mask
+
+
+def and_masks(*masks: Mask) -> Mask:
+    """Logical and of masks, where ``None`` is the identity (all valid)."""
+    present = [m for m in masks if m is not None]
+    if not present:
+        return None
+    return functools.reduce(jnp.logical_and, present)
+
+
+def fill(data, mask: Mask, value):
+    """``data`` with masked-out positions replaced by ``value`` (no-op if ``mask`` is None)."""
+    if mask is None:
+        return data
+    data = jnp.asarray(data)
+    return jnp.where(mask, data, scalar_like(value, data.dtype))
+
+
+def scalar_like(value, dtype):
+    """``value`` as a Python scalar of ``dtype``'s kind.
+
+    A Python scalar is weakly typed, so filling with it keeps ``data``'s dtype
+    and weak type exactly (``jnp.where(m, x, 1.0)`` stays float16 for float16 x).
+    """
+    kind = np.dtype(dtype).kind
+    if kind == "b":
+        return bool(value)
+    if kind in "iu":
+        return int(value)
+    if kind == "c":
+        return complex(value)
+    return float(value)
+
+
+def full_mask(shape) -> jnp.ndarray:
+    """An all-valid mask of ``shape``."""
+    return jnp.ones(shape, dtype=bool)
+
+
+def materialize(mask: Mask, shape) -> jnp.ndarray:
+    """``mask`` broadcast to ``shape``, materialising ``None`` as all-valid."""
+    if mask is None:
+        return full_mask(shape)
+    return jnp.broadcast_to(mask, shape)
+
+
+def normalize_axis(axis, ndim: int) -> tuple[int, ...]:
+    """``axis`` (None, int or tuple) as a sorted tuple of non-negative ints."""
+    if axis is None:
+        return tuple(range(ndim))
+    axes = (axis,) if isinstance(axis, (int, np.integer)) else tuple(axis)
+    out = []
+    for a in axes:
+        a = int(a)
+        if not -ndim <= a < max(ndim, 1):
+            raise ValueError(f"axis {a} is out of bounds for an array of dimension {ndim}.")
+        out.append(a % max(ndim, 1))
+    if len(set(out)) != len(out):
+        raise ValueError(f"axis {axis} contains a repeated axis.")
+    return tuple(sorted(out))
+
+
+def lowest(dtype):
+    """The smallest value of ``dtype`` (-inf for floats): the identity of ``max``."""
+    dtype = np.dtype(dtype)
+    if dtype == np.bool_:
+        return False
+    if jnp.issubdtype(dtype, jnp.floating):
+        return -np.inf
+    return np.iinfo(dtype).min
+
+
+def highest(dtype):
+    """The largest value of ``dtype`` (+inf for floats): the identity of ``min``."""
+    dtype = np.dtype(dtype)
+    if dtype == np.bool_:
+        return True
+    if jnp.issubdtype(dtype, jnp.floating):
+        return np.inf
+    return np.iinfo(dtype).max
+
+
+Rule = Callable[..., Pair]

@@ -1,0 +1,169 @@
+"""Shape, indexing and reordering rules: the mask moves with the data.
+
+The passthrough rule is the whole idea: apply the same shape op to the data
+and to the mask. Rules that need more (sort puts masked elements last, pad
+decides the validity of padding, ``.at[]`` updates) are written out below.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from masked_jax.ops._base import Pair, fill, materialize, normalize_axis
+
+
+def _full(x: Pair):
+    """The mask at the data's shape (None stays None)."""
+    return None if x.mask is None else materialize(x.mask, jnp.shape(x.data))
+
+
+def passthrough(fn):
+    """Rule for a shape op ``fn(array, *args, **kwargs)`` applied to data and mask alike."""
+
+    def rule(x: Pair, *args, **kwargs) -> Pair:
+        m = _full(x)
+        return Pair(fn(x.data, *args, **kwargs), None if m is None else fn(m, *args, **kwargs))
+
+    rule.__name__ = getattr(fn, "__name__", "passthrough")
+    rule.fn = fn
+    return rule
+
+
+def split(x: Pair, indices_or_sections, axis=0) -> list[Pair]:
+    datas = jnp.split(x.data, indices_or_sections, axis=axis)
+    m = _full(x)
+    masks = [None] * len(datas) if m is None else jnp.split(m, indices_or_sections, axis=axis)
+    return [Pair(d, mk) for d, mk in zip(datas, masks)]
+
+
+def _join(fn, pairs, axis):
+    data = fn([p.data for p in pairs], axis=axis)
+    if all(p.mask is None for p in pairs):
+        return Pair(data, None)
+    return Pair(data, fn([materialize(p.mask, jnp.shape(p.data)) for p in pairs], axis=axis))
+
+
+def concatenate(pairs, axis=0) -> Pair:
+    return _join(jnp.concatenate, pairs, axis)
+
+
+def stack(pairs, axis=0) -> Pair:
+    return _join(jnp.stack, pairs, axis)
+
+
+PAD_MODES = ("constant", "edge", "wrap", "reflect", "symmetric", "empty")
+
+
+def pad(x: Pair, pad_width, mode="constant", **kwargs) -> Pair:
+    """Pad data and mask. Constant padding is valid (its value is given); ``empty`` padding is
+    masked; ``edge``/``wrap``/``reflect``/``symmetric`` copy validity with the values."""
+    if mode not in PAD_MODES:
+        raise ValueError(
+            f"pad mode must be one of {PAD_MODES} for masked arrays; got {mode!r} (statistic "
+            "modes would read masked-out values)."
+        )
+    m = _full(x)
+    data = jnp.pad(fill(x.data, m, 0) if m is not None else x.data, pad_width, mode=mode, **kwargs)
+    if mode == "empty":
+        m = materialize(m, jnp.shape(x.data))
+        return Pair(data, jnp.pad(m, pad_width, mode="constant", constant_values=False))
+    if m is None:
+        return Pair(data, None)
+    if mode == "constant":
+        return Pair(data, jnp.pad(m, pad_width, mode="constant", constant_values=True))
+    return Pair(data, jnp.pad(m, pad_width, mode=mode))
+
+
+def take(x: Pair, indices, axis=None, mode=None) -> Pair:
+    """``jnp.take``; out-of-range indices in the default ``"fill"`` mode give masked elements."""
+    data = jnp.take(x.data, indices, axis=axis, mode=mode)
+    m = materialize(x.mask, jnp.shape(x.data))
+    if mode in (None, "fill"):
+        mask = jnp.take(m, indices, axis=axis, mode="fill", fill_value=False)
+    else:
+        mask = jnp.take(m, indices, axis=axis, mode=mode)
+    return Pair(data, mask)
+
+
+def _sort_keys(x: Pair, axis):
+    data = jnp.asarray(x.data)
+    m = materialize(x.mask, data.shape)
+    if axis is None:
+        data, m = data.ravel(), m.ravel()
+        axis = 0
+    (axis,) = normalize_axis(axis, data.ndim)
+    return (~m).astype(jnp.int8), fill(data, m, 0), axis
+
+
+def sort(x: Pair, axis=-1) -> Pair:
+    """Sort valid elements ascending; masked elements go last (as ``numpy.ma.sort``)."""
+    invalid, data, axis = _sort_keys(x, axis)
+    inv, out = jax.lax.sort((invalid, data), dimension=axis, num_keys=2, is_stable=True)
+    return Pair(out, inv == 0)
+
+
+def argsort(x: Pair, axis=-1):
+    """Indices that sort valid elements ascending, masked ones last (a plain int array)."""
+    invalid, data, axis = _sort_keys(x, axis)
+    iota = jax.lax.broadcasted_iota(jnp.result_type(int), data.shape, axis)
+    _, _, idx = jax.lax.sort((invalid, data, iota), dimension=axis, num_keys=2, is_stable=True)
+    return idx
+
+
+def getitem(x: Pair, index) -> Pair:
+    m = _full(x)
+    return Pair(jnp.asarray(x.data)[index], None if m is None else m[index])
+
+
+_AT_FILL = {"add": 0, "multiply": 1, "min": None, "max": None}
+
+
+def at_update(x: Pair, index, op: str, value: Pair, **kwargs) -> Pair:
+    """``x.at[index].<op>(value)``. ``set`` copies the value's validity (a valid value makes the
+    element valid); ``add``/``multiply``/``min``/``max`` leave an element valid only where both the
+    element and every value applied to it are valid."""
+    data = jnp.asarray(x.data)
+    m = materialize(x.mask, data.shape)
+    if op == "set":
+        vmask = True if value.mask is None else value.mask
+        return Pair(data.at[index].set(value.data, **kwargs), m.at[index].set(vmask, **kwargs))
+    if op not in _AT_FILL:
+        raise ValueError(f"unsupported .at[] operation {op!r}; expected set, add, multiply, min or max.")
+    vdata = jnp.asarray(value.data)
+    if value.mask is None:
+        return Pair(getattr(data.at[index], op)(vdata, **kwargs), m)
+    # An element touched by a masked value becomes masked, so for min/max its
+    # data does not matter; add/multiply use their identity to stay finite.
+    if _AT_FILL[op] is not None:
+        vdata = fill(vdata, value.mask, _AT_FILL[op])
+    new = getattr(data.at[index], op)(vdata, **kwargs)
+    vm = jnp.broadcast_to(value.mask, jnp.shape(data[index])).astype(jnp.int8)
+    mask = m.astype(jnp.int8).at[index].min(vm, **kwargs) > 0
+    return Pair(new, mask)
+
+
+PASSTHROUGH = {
+    "reshape": jnp.reshape,
+    "ravel": jnp.ravel,
+    "transpose": jnp.transpose,
+    "swapaxes": jnp.swapaxes,
+    "moveaxis": jnp.moveaxis,
+    "expand_dims": jnp.expand_dims,
+    "squeeze": jnp.squeeze,
+    "broadcast_to": jnp.broadcast_to,
+    "flip": jnp.flip,
+    "roll": jnp.roll,
+    "tile": jnp.tile,
+    "repeat": jnp.repeat,
+    "take_along_axis": jnp.take_along_axis,
+    "atleast_1d": jnp.atleast_1d,
+    "atleast_2d": jnp.atleast_2d,
+}
+
+RULES = {name: passthrough(fn) for name, fn in PASSTHROUGH.items()}
+RULES.update(
+    split=split, concatenate=concatenate, stack=stack, pad=pad, take=take, sort=sort,
+    argsort=argsort, getitem=getitem, at_update=at_update,
+)

@@ -1,0 +1,125 @@
+"""Property tests: every elementwise, binary and reduction op against numpy.ma.
+
+Shapes 0-d..4-d with size-0 axes, masks all-valid / none-valid / random, dtypes
+float32, float64, int32 and bool where meaningful, NaN poisoned under the mask.
+numpy.ma's mask is inverted (True = invalid) relative to ours.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+import masked_jax as mj
+import masked_jax.numpy as mnp
+from op_table import BY_FAMILY, quiet
+from strategies import ALL, assert_masked_equal, masked_arrays, masks, poison, tolerance, values
+
+
+def _check_against(result, ref, expected_valid, dtype):
+    ref_valid = ~np.ma.getmaskarray(ref)
+    expected_valid = np.broadcast_to(expected_valid, np.shape(result.mask))
+    # numpy.ma agrees on validity wherever our semantics says valid.
+    assert np.all(np.broadcast_to(ref_valid, expected_valid.shape)[expected_valid]), "numpy.ma masks a valid output"
+    assert_masked_equal(result, np.ma.getdata(ref), expected_valid, **tolerance(dtype))
+    got = np.asarray(result.data)[np.asarray(result.mask)]
+    if got.dtype.kind == "f":
+        exp = np.broadcast_to(np.ma.getdata(ref), expected_valid.shape)[expected_valid]
+        assert not np.any(np.isnan(got) & ~np.isnan(exp)), "NaN leaked into a valid output"
+
+
+@pytest.mark.parametrize("op", BY_FAMILY["elementwise"], ids=repr)
+@given(data=st.data())
+def test_unary_matches_numpy_ma(op, data):
+    x = data.draw(masked_arrays(dtypes=op.dtypes, domain=op.domain))
+    got = op.fn(x)
+    assert isinstance(got, mj.MaskedArray)
+    assert got.shape == x.shape
+    _check_against(got, op.reference(x.to_numpy_ma()), np.asarray(x.mask), x.dtype)
+
+
+@st.composite
+def _binary_operands(draw, op):
+    dtype = draw(st.sampled_from(op.dtypes))
+    shapes = draw(hnp.mutually_broadcastable_shapes(num_shapes=2, min_dims=0, max_dims=4, max_side=3))
+    operands = []
+    for shape, domain in zip(shapes.input_shapes, (op.domain, op.domain2 or op.domain)):
+        mask = draw(masks(shape))
+        data = poison(draw(values(shape, dtype, domain)), mask)
+        operands.append(mj.masked_array(jnp.asarray(data), jnp.asarray(mask)))
+    plain = draw(st.sampled_from([None, 0, 1]))  # optionally make one operand a plain array
+    return operands, plain
+
+
+@pytest.mark.parametrize("op", BY_FAMILY["binary"], ids=repr)
+@given(data=st.data())
+def test_binary_matches_numpy_ma(op, data):
+    (a, b), plain = data.draw(_binary_operands(op))
+    args = [a, b]
+    refs = [a.to_numpy_ma(), b.to_numpy_ma()]
+    if plain is not None:
+        full = mj.as_masked(args[plain].filled(1))
+        args[plain] = full.data
+        refs[plain] = full.to_numpy_ma()
+    got = op.fn(*args)
+    expected_valid = np.logical_and(*[~np.ma.getmaskarray(r) for r in refs])
+    assert got.shape == np.broadcast_shapes(a.shape, b.shape)
+    _check_against(got, op.reference(*refs), expected_valid, a.dtype)
+
+
+def _expected_valid(x, kw, min_count):
+    axis = kw.get("axis")
+    cnt = np.sum(np.asarray(x.mask), axis=axis, keepdims=kw.get("keepdims", False))
+    return cnt >= min_count
+
+
+@pytest.mark.parametrize("op", BY_FAMILY["reductions"], ids=repr)
+@given(data=st.data())
+def test_reduction_matches_numpy_ma(op, data):
+    x = data.draw(masked_arrays(dtypes=op.dtypes, domain=op.domain))
+    kw = op.kwargs(data.draw, x.ndim)
+    got = op.fn(x, **kw)
+    expected_valid = _expected_valid(x, kw, 1 + kw.get("ddof", 0))
+    assert np.shape(got.mask) == np.shape(expected_valid)
+    try:
+        ref = op.reference(x.to_numpy_ma(), **kw)
+    except ValueError:
+        assert x.size == 0, "numpy.ma only refuses reductions of empty arrays"
+        ref = np.ma.masked_all(np.shape(got.data))
+    _check_against(got, ref, expected_valid, x.dtype)
+    # Fully masked slices hold a finite documented fill (or ±inf identity for max/min), never NaN.
+    assert not np.any(np.isnan(np.asarray(got.data, dtype=np.float64)[~np.asarray(got.mask)]))
+
+
+@given(x=masked_arrays(dtypes=ALL), data=st.data())
+def test_count_matches_numpy_ma(x, data):
+    from strategies import axes
+
+    axis = data.draw(axes(x.ndim))
+    keepdims = data.draw(st.booleans())
+    got = mnp.count(x, axis=axis, keepdims=keepdims)
+    ref = np.ma.count(x.to_numpy_ma(), axis=axis, keepdims=keepdims)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
+
+
+@pytest.mark.parametrize("name", ["cumsum", "cumprod"])
+@given(x=masked_arrays(dtypes=(np.float32, np.float64, np.int32), domain=(0.5, 1.5)), data=st.data())
+def test_cumulative_matches_numpy_ma(name, x, data):
+    axis = data.draw(st.one_of(st.none(), st.integers(-x.ndim, x.ndim - 1))) if x.ndim else None
+    got = getattr(mnp, name)(x, axis=axis)
+    ref = quiet(getattr(np.ma, name))(x.to_numpy_ma(), axis=axis)
+    _check_against(got, ref, ~np.ma.getmaskarray(ref), x.dtype)
+
+
+@given(x=masked_arrays(dtypes=(np.float32, np.float64), min_dims=1), data=st.data())
+def test_average_matches_numpy_ma(x, data):
+    axis = data.draw(st.one_of(st.none(), st.integers(0, x.ndim - 1)))
+    w = np.random.default_rng(data.draw(st.integers(0, 99))).uniform(0.5, 2.0, x.shape).astype(x.dtype)
+    got = mnp.average(x, axis=axis, weights=jnp.asarray(w))
+    ref = quiet(np.ma.average)(x.to_numpy_ma(), axis=axis, weights=w)
+    expected_valid = np.sum(np.asarray(x.mask), axis=axis) > 0
+    _check_against(got, np.ma.asarray(ref), expected_valid, x.dtype)
