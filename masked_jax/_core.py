@@ -168,11 +168,9 @@ class MaskedArray:
 
         Examples:
             >>> import jax.numpy as jnp, masked_jax as mj
-            >>> mj.masked_array(jnp.array([1, 2]), jnp.array([True, False])).to_numpy_ma()
-            masked_array(data=[1, --],
-                         mask=[False,  True],
-                   fill_value=999999,
-                        dtype=int32)
+            >>> m = mj.masked_array(jnp.array([1, 2]), jnp.array([True, False])).to_numpy_ma()
+            >>> m.mask, m.compressed()
+            (array([False,  True]), array([1], dtype=int32))
         """
         if _is_tracer(self._data) or _is_tracer(self._mask):
             raise TypeError("to_numpy_ma() needs concrete values; it cannot run inside jit/vmap/grad.")

@@ -74,14 +74,23 @@ where = all_operands(
     "where", _M,
     example=(
         "x = mj.masked_array(jnp.array([1.0, 2.0]), jnp.array([True, False]))",
-        "{mod}.where(jnp.array([False, True]), 0.0, x)",
+        "{mod}.where(jnp.array([False, True]), x, 0.0)",
         "MaskedArray([0.0 --], dtype=float32)",
     ),
 )
 
-for _n in ("sum prod mean var std max min ptp argmax argmin any all logsumexp median norm "
-           "cumsum cumprod").split():
+for _n in "sum prod mean var std max min ptp argmax argmin any all logsumexp median norm".split():
     globals()[_n] = first_operand(_n, _M)
+
+for _n, _shown in (("cumsum", "[1.0 -- 4.0]"), ("cumprod", "[1.0 -- 3.0]")):
+    globals()[_n] = first_operand(
+        _n, _M,
+        example=(
+            "x = mj.masked_array(jnp.array([1.0, 2.0, 3.0]), jnp.array([True, False, True]))",
+            "{mod}.{name}(x)",
+            f"MaskedArray({_shown}, dtype=float32)",
+        ),
+    )
 
 amax, amin = max, min  # noqa: F821
 
@@ -130,7 +139,7 @@ for _n, _args in _SHAPE_EXAMPLES.items():
         example=(
             "x = mj.masked_array(jnp.array([[1.0, 2.0], [3.0, 4.0]]), jnp.array([[True, False], [True, True]]))",
             _call,
-            "Array(" + {"tile": "6", "repeat": "6", "broadcast_to": "9", "take_along_axis": "1"}.get(_n, "3") + ", dtype=int32)",
+            "Array(" + {"tile": "6", "repeat": "6", "broadcast_to": "9", "take_along_axis": "2"}.get(_n, "3") + ", dtype=int32)",
         ),
     )
 
@@ -216,6 +225,11 @@ for _n in ops.linalg.CONTRACTIONS:
                 "a = mj.masked_array(jnp.array([1.0, 2.0]), jnp.array([True, False]))",
                 "{mod}.inner(a, jnp.array([10.0, 10.0]))",
                 "MaskedArray(10.0, dtype=float32)",
+            ),
+            "tensordot": (
+                "a = mj.masked_array(jnp.array([[1.0, 2.0], [3.0, 4.0]]), jnp.array([[True, False], [False, False]]))",
+                "{mod}.tensordot(a, jnp.ones((2, 2)), axes=1).mask",
+                "Array([[ True,  True],\n       [False, False]], dtype=bool)",
             ),
             "outer": (
                 "a = mj.masked_array(jnp.array([1.0, 2.0]), jnp.array([True, False]))",

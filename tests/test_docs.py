@@ -1,0 +1,46 @@
+"""Every public function and class documents itself with an example that runs and is right."""
+
+from __future__ import annotations
+
+import doctest
+import inspect
+
+import jax
+import pytest
+
+import masked_jax as mj
+import masked_jax.nn as mnn
+import masked_jax.numpy as mnp
+
+
+def _public():
+    items = []
+    for mod in (mj, mnp, mnn):
+        for name in getattr(mod, "__all__", None) or [n for n in dir(mod) if not n.startswith("_")]:
+            obj = getattr(mod, name)
+            if callable(obj) and not inspect.ismodule(obj):
+                items.append((f"{mod.__name__}.{name}", obj))
+    items.append(("masked_jax.MaskedArray", mj.MaskedArray))
+    for meth in ("filled", "count", "to_numpy_ma", "at"):
+        items.append((f"MaskedArray.{meth}", getattr(mj.MaskedArray, meth)))
+    items += [("masked_jax.numpy", mnp), ("masked_jax.nn", mnn)]
+    return items
+
+
+@pytest.fixture
+def default_precision():
+    """Examples are written for a user's default config: x64 off."""
+    jax.config.update("jax_enable_x64", False)
+    yield
+    jax.config.update("jax_enable_x64", True)
+
+
+@pytest.mark.usefixtures("default_precision")
+@pytest.mark.parametrize("name,obj", _public(), ids=lambda v: v if isinstance(v, str) else "")
+def test_docstring_has_runnable_example(name, obj):
+    doc = inspect.getdoc(obj)
+    assert doc and ">>>" in doc, f"{name} has no example in its docstring"
+    test = doctest.DocTestParser().get_doctest(doc, {}, name, None, 0)
+    runner = doctest.DocTestRunner(optionflags=doctest.NORMALIZE_WHITESPACE)
+    runner.run(test)
+    assert runner.failures == 0, f"example of {name} failed"
