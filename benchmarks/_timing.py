@@ -1,0 +1,63 @@
+"""Timing helpers shared by the benchmarks: warm up, then the median of repeated runs."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+
+import jax
+
+RESULTS = os.path.join(os.path.dirname(__file__), "results")
+
+
+def median_seconds(fn, *args, repeats=20, warmup=3):
+    """Median wall time of ``fn(*args)``, blocking on JAX results."""
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def print_table(title, rows, baseline_cols):
+    """``rows``: {op: {impl: seconds}}; prints ms medians and ratios impl/masked_jax."""
+    impls = list(next(iter(rows.values())).keys())
+    print(f"\n{title}")
+    head = "| op | " + " | ".join(f"{i} (ms)" for i in impls) + " | " + " | ".join(
+        f"{b} / masked_jax" for b in baseline_cols) + " |"
+    print(head)
+    print("|" + "---|" * (1 + len(impls) + len(baseline_cols)))
+    for op, res in rows.items():
+        ms = " | ".join(f"{res[i] * 1e3:.2f}" if res.get(i) is not None else "n/a" for i in impls)
+        ratios = " | ".join(
+            f"{res[b] / res['masked_jax']:.2f}x" if res.get(b) is not None else "n/a" for b in baseline_cols)
+        print(f"| {op} | {ms} | {ratios} |")
+
+
+def save_bar_plot(rows, path, title):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    impls = list(next(iter(rows.values())).keys())
+    ops = list(rows)
+    width = 0.8 / len(impls)
+    fig, ax = plt.subplots(figsize=(9, 4))
+    for k, impl in enumerate(impls):
+        vals = [rows[o].get(impl) or np.nan for o in ops]
+        ax.bar(np.arange(len(ops)) + k * width, np.array(vals) * 1e3, width, label=impl)
+    ax.set_xticks(np.arange(len(ops)) + width * (len(impls) - 1) / 2, ops)
+    ax.set_yscale("log")
+    ax.set_ylabel("median time (ms, log scale)")
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"plot saved to {path}")

@@ -1,0 +1,141 @@
+"""Masked softmax / sum / mean on a (4096, 1024) float32 array with a ~50% random mask.
+
+Compared with hand-written ``jnp.where`` code under jit, ``numpy.ma``, and torch's
+``torch.masked`` (MaskedTensor and the functional ``torch.masked.*``). Prints medians
+and ratios (baseline time / masked_jax time: > 1 means masked_jax is faster) and saves
+a bar plot to ``benchmarks/results/ops.png``.
+
+Run: ``.venv/bin/python benchmarks/ops.py`` (``--quick`` for a smaller smoke run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(__file__))
+import masked_jax as mj  # noqa: E402
+import masked_jax.nn as mnn  # noqa: E402
+import masked_jax.numpy as mnp  # noqa: E402
+from _timing import RESULTS, median_seconds, print_table, save_bar_plot  # noqa: E402
+
+
+# -- hand-written jnp.where baselines (what a careful user writes today) ---------------------------
+@jax.jit
+def where_softmax(x, m):
+    top = jnp.max(jnp.where(m, x, -jnp.inf), axis=-1, keepdims=True)
+    e = jnp.where(m, jnp.exp(jnp.where(m, x, 0.0) - top), 0.0)
+    return e / jnp.sum(e, axis=-1, keepdims=True)
+
+
+@jax.jit
+def where_sum(x, m):
+    return jnp.sum(jnp.where(m, x, 0.0), axis=-1)
+
+
+@jax.jit
+def where_mean(x, m):
+    return jnp.sum(jnp.where(m, x, 0.0), axis=-1) / jnp.sum(m, axis=-1)
+
+
+# Gradient of masked-softmax-then-sum: the double-where version.
+def _where_loss(x, m, w):
+    return jnp.sum(jnp.where(m, where_softmax(x, m), 0.0) * w)
+
+
+where_grad = jax.jit(jax.grad(_where_loss))
+
+mj_softmax = jax.jit(lambda x: mnn.softmax(x, axis=-1))
+mj_sum = jax.jit(lambda x: mnp.sum(x, axis=-1))
+mj_mean = jax.jit(lambda x: mnp.mean(x, axis=-1))
+mj_grad = jax.jit(jax.grad(lambda d, m, w: mnp.sum(mnn.softmax(mj.masked_array(d, m), axis=-1) * w).data))
+
+
+def numpy_ma_impls(a):
+    def softmax():
+        e = np.ma.exp(a - a.max(axis=-1, keepdims=True))
+        return e / e.sum(axis=-1, keepdims=True)
+
+    return {"softmax": softmax, "sum": lambda: a.sum(axis=-1), "mean": lambda: a.mean(axis=-1)}
+
+
+def torch_impls(x, m, w):
+    try:
+        import torch
+        from torch.masked import masked_tensor
+    except ImportError:
+        print("torch not installed: torch.masked columns are n/a (pip install '.[compare]').")
+        return {}, {}, None
+    td, tm, tw = torch.from_numpy(x), torch.from_numpy(m), torch.from_numpy(w)
+    mt = masked_tensor(td, tm)
+    mtensor = {"softmax": lambda: torch.softmax(mt, -1), "sum": lambda: mt.sum(-1),
+               "mean": lambda: mt.mean(-1)}
+    functional = {"softmax": lambda: torch.masked.softmax(td, -1, mask=tm),
+                  "sum": lambda: torch.masked.sum(td, -1, mask=tm),
+                  "mean": lambda: torch.masked.mean(td, -1, mask=tm)}
+
+    def autograd():
+        leaf = masked_tensor(td.clone(), tm, requires_grad=True)
+        out = torch.softmax(leaf, -1) * masked_tensor(tw, tm)
+        out.sum().backward()
+        return leaf.grad
+
+    return mtensor, functional, autograd
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true", help="small shape and few repeats")
+    args = parser.parse_args(argv)
+    shape, repeats = ((256, 128), 3) if args.quick else ((4096, 1024), 15)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=shape).astype(np.float32)
+    m = rng.random(shape) > 0.5
+    w = rng.normal(size=shape).astype(np.float32)
+    xj, mj_mask, wj = jnp.asarray(x), jnp.asarray(m), jnp.asarray(w)
+    xm = mj.masked_array(xj, mj_mask)
+    a = np.ma.masked_array(x, mask=~m)
+    t_mt, t_fn, t_grad = torch_impls(x, m, w)
+    np_ma = numpy_ma_impls(a)
+
+    ours = {"softmax": lambda: mj_softmax(xm), "sum": lambda: mj_sum(xm), "mean": lambda: mj_mean(xm)}
+    where = {"softmax": lambda: where_softmax(xj, mj_mask), "sum": lambda: where_sum(xj, mj_mask),
+             "mean": lambda: where_mean(xj, mj_mask)}
+    rows = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.masked prototype warnings
+        for op in ("softmax", "sum", "mean"):
+            rows[op] = {
+                "masked_jax": median_seconds(ours[op], repeats=repeats),
+                "jnp.where": median_seconds(where[op], repeats=repeats),
+                "numpy.ma": median_seconds(np_ma[op], repeats=max(3, repeats // 3), warmup=1),
+                "MaskedTensor": median_seconds(t_mt[op], repeats=max(3, repeats // 3), warmup=1) if t_mt else None,
+                "torch.masked.*": median_seconds(t_fn[op], repeats=max(3, repeats // 3), warmup=1) if t_fn else None,
+            }
+        rows["grad softmax-sum"] = {
+            "masked_jax": median_seconds(mj_grad, xj, mj_mask, wj, repeats=repeats),
+            "jnp.where": median_seconds(where_grad, xj, mj_mask, wj, repeats=repeats),
+            "numpy.ma": None,
+            "MaskedTensor": median_seconds(t_grad, repeats=max(3, repeats // 3), warmup=1) if t_grad else None,
+            "torch.masked.*": None,
+        }
+    # Results agree before we compare speed.
+    np.testing.assert_allclose(np.asarray(mj_softmax(xm).filled()), np.asarray(where_softmax(xj, mj_mask)) * m, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(np.asarray(mj_grad(xj, mj_mask, wj)), np.asarray(where_grad(xj, mj_mask, wj)), rtol=1e-4, atol=1e-6)
+
+    print(f"shape {shape}, ~50% valid, float32, backend {jax.default_backend()}, "
+          f"devices {jax.devices()}")
+    print_table("Median time (ms); ratio = baseline / masked_jax (> 1: masked_jax faster)", rows,
+                ["jnp.where", "numpy.ma", "MaskedTensor", "torch.masked.*"])
+    save_bar_plot(rows, os.path.join(RESULTS, "ops.png"), f"masked ops on {shape} float32")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
