@@ -191,6 +191,16 @@ def _quantile_ref(a, q, axis=None, keepdims=False):
     return np.ma.masked_invalid(out)
 
 
+def _percentile_kwargs(draw, ndim):
+    kw = _quantile_kwargs(draw, ndim)
+    kw["q"] = kw["q"] * 100
+    return kw
+
+
+def _percentile_ref(a, q, axis=None, keepdims=False):
+    return _quantile_ref(a, q / 100, axis=axis, keepdims=keepdims)
+
+
 def _average_kwargs(draw, ndim):
     return {"axis": draw(axes(ndim, allow_tuple=False)), "weights_seed": draw(st.integers(0, 99))}
 
@@ -212,6 +222,7 @@ REDUCTIONS = {
     "logsumexp": dict(ref=_np_reduce(_logsumexp), dtypes=FLOATS),
     "norm": dict(ref=_np_reduce(_norm2), dtypes=FLOATS),
     "quantile": dict(ref=_quantile_ref, kwargs=_quantile_kwargs, dtypes=FLOATS),
+    "percentile": dict(ref=_percentile_ref, kwargs=_percentile_kwargs, dtypes=FLOATS),
 }
 
 
