@@ -8,6 +8,12 @@ from masked_jax._core import as_masked as as_masked
 from masked_jax._core import from_numpy_ma as from_numpy_ma
 from masked_jax._core import is_masked as is_masked
 from masked_jax._core import masked_array as masked_array
+from masked_jax._ad import grad as grad
+from masked_jax._ad import hessian as hessian
+from masked_jax._ad import jacfwd as jacfwd
+from masked_jax._ad import jacrev as jacrev
+from masked_jax._ad import tangent as tangent
+from masked_jax._ad import value_and_grad as value_and_grad
 from masked_jax import numpy as numpy
 from masked_jax import nn as nn
 

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from masked_jax import ops
-from masked_jax.ops._base import Pair
+from masked_jax.ops._base import Pair, with_mask_tangent
 
 _R = ops.RULES
 
@@ -101,11 +101,11 @@ class MaskedArray:
         """Trusted constructor for rule outputs: no dtype checks, mask broadcast to data."""
         obj = object.__new__(cls)
         data = jnp.asarray(data)
-        obj._data = data
         if mask is None:
             obj._mask = jnp.ones(data.shape, bool)
         else:
             obj._mask = jnp.broadcast_to(mask, data.shape)
+        obj._data = with_mask_tangent(data, obj._mask)
         return obj
 
     # -- pytree ---------------------------------------------------------------------------
@@ -215,6 +215,8 @@ class MaskedArray:
             dt = getattr(self._data, "dtype", "?")
             shape = ", ".join(str(d) for d in getattr(self._data, "shape", ()))
             return f"MaskedArray({dt}[{shape}])"
+        if self._mask.dtype == jax.dtypes.float0:  # a tangent or cotangent
+            return f"MaskedArray(tangent={np.asarray(self._data)!r})"
         data, mask = np.asarray(self._data), np.asarray(self._mask)
         if data.size > _REPR_MAX_ELEMENTS:
             shape = ", ".join(str(d) for d in data.shape)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable, NamedTuple, Optional
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -110,6 +111,32 @@ def highest(dtype):
     if jnp.issubdtype(dtype, jnp.floating):
         return np.inf
     return np.iinfo(dtype).max
+
+
+@jax.custom_jvp
+def mask_tangent(data, mask):
+    """Identity on ``data`` whose tangent is zero wherever ``mask`` is False.
+
+    Applied to every op output: a masked-out output has an exactly-zero tangent
+    in forward mode, and in reverse mode a cotangent placed on a masked-out
+    output never flows back into any input. Together with sanitising inputs on
+    entry, a gradient at a masked-out element is exactly 0 and never NaN.
+    """
+    return data
+
+
+@mask_tangent.defjvp
+def _mask_tangent_jvp(primals, tangents):
+    data, mask = primals
+    t_data, _ = tangents
+    return data, jnp.where(mask, t_data, jnp.zeros((), t_data.dtype))
+
+
+def with_mask_tangent(data, mask):
+    """``mask_tangent`` for differentiable (inexact) data; other dtypes pass through."""
+    if mask is None or not jnp.issubdtype(jnp.result_type(data), jnp.inexact):
+        return data
+    return mask_tangent(data, jnp.broadcast_to(mask, jnp.shape(data)))
 
 
 Rule = Callable[..., Pair]
