@@ -23,6 +23,28 @@ def median_seconds(fn, *args, repeats=20, warmup=3):
     return statistics.median(times)
 
 
+def interleaved_medians(fns, rounds=5, block=5, warmup=2):
+    """Median seconds of each ``fns[name]()``.
+
+    Implementations take turns in ``rounds``, each timing ``block`` consecutive
+    calls, so every implementation sees the same slow drift of this shared
+    machine (up to 3x between runs). Blocks rather than single calls keep
+    one library's after-effects (torch's OpenMP threads spin for a while after a
+    call) out of the median of the next.
+    """
+    for fn in fns.values():
+        for _ in range(warmup):
+            jax.block_until_ready(fn())
+    times = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            for _ in range(block):
+                t0 = time.perf_counter()
+                jax.block_until_ready(fn())
+                times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
 def print_table(title, rows, baseline_cols):
     """``rows``: {op: {impl: seconds}}; prints ms medians and ratios impl/masked_jax."""
     impls = list(next(iter(rows.values())).keys())

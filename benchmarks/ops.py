@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import masked_jax as mj  # noqa: E402
 import masked_jax.nn as mnn  # noqa: E402
 import masked_jax.numpy as mnp  # noqa: E402
-from _timing import RESULTS, median_seconds, print_table, save_bar_plot  # noqa: E402
+from _timing import RESULTS, interleaved_medians, print_table, save_bar_plot  # noqa: E402
 
 
 # -- hand-written jnp.where baselines (what a careful user writes today) ---------------------------
@@ -93,7 +93,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="small shape and few repeats")
     args = parser.parse_args(argv)
-    shape, repeats = ((256, 128), 3) if args.quick else ((4096, 1024), 15)
+    shape, repeats = ((256, 128), 1) if args.quick else ((4096, 1024), 5)
     rng = np.random.default_rng(0)
     x = rng.normal(size=shape).astype(np.float32)
     m = rng.random(shape) > 0.5
@@ -111,20 +111,19 @@ def main(argv=None):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch.masked prototype warnings
         for op in ("softmax", "sum", "mean"):
-            rows[op] = {
-                "masked_jax": median_seconds(ours[op], repeats=repeats),
-                "jnp.where": median_seconds(where[op], repeats=repeats),
-                "numpy.ma": median_seconds(np_ma[op], repeats=max(3, repeats // 3), warmup=1),
-                "MaskedTensor": median_seconds(t_mt[op], repeats=max(3, repeats // 3), warmup=1) if t_mt else None,
-                "torch.masked.*": median_seconds(t_fn[op], repeats=max(3, repeats // 3), warmup=1) if t_fn else None,
-            }
-        rows["grad softmax-sum"] = {
-            "masked_jax": median_seconds(mj_grad, xj, mj_mask, wj, repeats=repeats),
-            "jnp.where": median_seconds(where_grad, xj, mj_mask, wj, repeats=repeats),
-            "numpy.ma": None,
-            "MaskedTensor": median_seconds(t_grad, repeats=max(3, repeats // 3), warmup=1) if t_grad else None,
-            "torch.masked.*": None,
-        }
+            impls = {"masked_jax": ours[op], "jnp.where": where[op], "numpy.ma": np_ma[op]}
+            if t_mt:
+                impls.update({"MaskedTensor": t_mt[op], "torch.masked.*": t_fn[op]})
+            rows[op] = interleaved_medians(impls, rounds=repeats)
+        impls = {"masked_jax": lambda: mj_grad(xj, mj_mask, wj), "jnp.where": lambda: where_grad(xj, mj_mask, wj)}
+        if t_grad:
+            impls["MaskedTensor"] = t_grad
+        rows["grad softmax-sum"] = interleaved_medians(impls, rounds=repeats)
+    for res in rows.values():
+        for name in ("masked_jax", "jnp.where", "numpy.ma", "MaskedTensor", "torch.masked.*"):
+            res.setdefault(name, None)
+        order = ["masked_jax", "jnp.where", "numpy.ma", "MaskedTensor", "torch.masked.*"]
+        res.update({k: res.pop(k) for k in order})
     # Results agree before we compare speed.
     np.testing.assert_allclose(np.asarray(mj_softmax(xm).filled()), np.asarray(where_softmax(xj, mj_mask)) * m, rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose(np.asarray(mj_grad(xj, mj_mask, wj)), np.asarray(where_grad(xj, mj_mask, wj)), rtol=1e-4, atol=1e-6)
