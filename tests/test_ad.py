@@ -176,6 +176,11 @@ def _fd_hessian(f, x, mask, eps=1e-4):
     ("sum_cubed", lambda x: mnp.sum(x**3)),
     ("logsumexp", lambda x: mnp.logsumexp(x)),
     ("softmax", lambda x: mnp.sum(mnn.softmax(x) * jnp.arange(1.0, 6.0))),
+    ("log_softmax", lambda x: mnp.sum(mnn.log_softmax(x) * jnp.arange(1.0, 6.0))),
+    ("var", lambda x: mnp.var(x, ddof=1)),
+    ("std", lambda x: mnp.std(x)),
+    ("normalize", lambda x: mnp.sum(mnn.normalize(x) * jnp.arange(1.0, 6.0))),
+    ("mean_of_exp", lambda x: mnp.mean(mnp.exp(x))),
 ])
 def test_hessians_against_finite_differences(name, f):
     mask = np.array([True, False, True, True, False])
