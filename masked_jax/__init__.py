@@ -14,6 +14,13 @@ from masked_jax._ad import jacfwd as jacfwd
 from masked_jax._ad import jacrev as jacrev
 from masked_jax._ad import tangent as tangent
 from masked_jax._ad import value_and_grad as value_and_grad
+from masked_jax.layouts import BCOOMaskedArray as BCOOMaskedArray
+from masked_jax.layouts import RowSparseArray as RowSparseArray
+from masked_jax.layouts import StorageFallbackError as StorageFallbackError
+from masked_jax.layouts import StorageFallbackWarning as StorageFallbackWarning
+from masked_jax.layouts import from_bcoo as from_bcoo
+from masked_jax.layouts import row_sparse as row_sparse
+from masked_jax.layouts import strict_storage as strict_storage
 from masked_jax import numpy as numpy
 from masked_jax import nn as nn
 

@@ -19,27 +19,45 @@ import jax.numpy as jnp
 import numpy as np
 
 from masked_jax._core import MaskedArray, is_masked
+from masked_jax._storage import SparseMasked
+
+
+def _is_container(x) -> bool:
+    return isinstance(x, (MaskedArray, SparseMasked))
 
 
 def _split(tree):
-    """Leaves of ``tree`` (MaskedArrays as leaves) as data leaves + masks (None for plain)."""
-    leaves, treedef = jax.tree_util.tree_flatten(tree, is_leaf=is_masked)
-    datas = [leaf.data if is_masked(leaf) else leaf for leaf in leaves]
-    masks = [leaf.mask if is_masked(leaf) else None for leaf in leaves]
-    return datas, masks, treedef
+    """Leaves of ``tree`` as differentiable data + what holds them fixed.
+
+    For a MaskedArray that is its mask; for a sparse layout, the layout itself
+    (its indices and shape); ``None`` for a plain array.
+    """
+    leaves, treedef = jax.tree_util.tree_flatten(tree, is_leaf=_is_container)
+    datas = [leaf.data if _is_container(leaf) else leaf for leaf in leaves]
+    metas = [leaf.mask if is_masked(leaf) else (leaf if _is_container(leaf) else None) for leaf in leaves]
+    return datas, metas, treedef
+
+
+def _rebuild(data, meta):
+    if meta is None:
+        return data
+    if isinstance(meta, SparseMasked):
+        return meta.with_data(data)
+    return MaskedArray.tree_unflatten(None, (data, meta))
 
 
 def _join(datas, masks, treedef):
-    leaves = [d if m is None else MaskedArray.tree_unflatten(None, (d, m)) for d, m in zip(datas, masks)]
-    return jax.tree_util.tree_unflatten(treedef, leaves)
+    return jax.tree_util.tree_unflatten(treedef, [_rebuild(d, m) for d, m in zip(datas, masks)])
 
 
-def _as_gradient(g, mask):
-    """A gradient leaf: MaskedArray with the primal mask, exactly 0 where masked."""
-    if mask is None:
+def _as_gradient(g, meta):
+    """A gradient leaf carrying the primal's mask (or sparse indices), exactly 0 where masked."""
+    if meta is None:
         return g
     zero = jnp.zeros((), g.dtype)
-    return MaskedArray.tree_unflatten(None, (jnp.where(jnp.broadcast_to(mask, g.shape), g, zero), mask))
+    if isinstance(meta, SparseMasked):
+        return meta.with_data(jnp.where(meta.block().mask, g, zero))
+    return MaskedArray.tree_unflatten(None, (jnp.where(jnp.broadcast_to(meta, g.shape), g, zero), meta))
 
 
 def _argnums_tuple(argnums, nargs):
@@ -65,7 +83,7 @@ def _reader(fun, args, kwargs, argnums):
 
 
 def _scalar_output(out):
-    if is_masked(out):
+    if _is_container(out):
         return out.filled(0)
     return out
 
@@ -149,6 +167,9 @@ def _jacobian(jax_jac, fun, argnums, has_aux, holomorphic):
 
         def h(d):
             out, aux = _with_aux(g(d), has_aux)
+            out = jax.tree_util.tree_map(  # Jacobians are laid out densely
+                lambda o: o.todense() if isinstance(o, SparseMasked) else o, out,
+                is_leaf=_is_container)
             datas, masks, treedef = _split(out)
             out_info["masks"], out_info["treedef"] = masks, treedef
             filled = [x if m is None else jnp.where(m, x, jnp.zeros((), x.dtype)) for x, m in zip(datas, masks)]
@@ -171,7 +192,12 @@ def _jacobian(jax_jac, fun, argnums, has_aux, holomorphic):
 
 
 def _jac_block(j, m_out, m_in):
-    """d out / d in as a MaskedArray valid where both the output and the input element are."""
+    """d out / d in as a MaskedArray valid where both the output and the input element are.
+
+    For a sparse input the input axes are those of its stored values.
+    """
+    if isinstance(m_in, SparseMasked):
+        m_in = m_in.block().mask
     if m_out is None and m_in is None:
         return j
     out_nd = j.ndim - (0 if m_in is None else m_in.ndim)

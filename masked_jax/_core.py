@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from masked_jax import ops
+from masked_jax import _storage as _layouts
 from masked_jax.ops._base import Pair, with_mask_tangent
 
 _R = ops.RULES
@@ -175,6 +176,32 @@ class MaskedArray:
         if _is_tracer(self._data) or _is_tracer(self._mask):
             raise TypeError("to_numpy_ma() needs concrete values; it cannot run inside jit/vmap/grad.")
         return np.ma.masked_array(np.asarray(self._data), mask=~np.asarray(self._mask))
+
+    def to_bcoo(self, nse=None):
+        """A ``jax.experimental.sparse.BCOO`` holding exactly the valid entries (stored zeros too).
+
+        ``nse`` (the number of valid entries) is counted eagerly; under ``jit`` pass it.
+
+        Examples:
+            >>> import jax.numpy as jnp, masked_jax as mj
+            >>> b = mj.masked_array(jnp.array([0.0, 7.0, 1.0]), jnp.array([True, False, True])).to_bcoo()
+            >>> b.data, b.indices[:, 0]
+            (Array([0., 1.], dtype=float32), Array([0, 2], dtype=int32))
+        """
+        return _layouts.FROM_MASKED["bcoo"](self, nse).to_bcoo()
+
+    def tostype(self, storage: str, nse=None):
+        """This array in ``"dense"``, ``"bcoo"`` or ``"row_sparse"`` storage (same valid entries).
+
+        Examples:
+            >>> import jax.numpy as jnp, masked_jax as mj
+            >>> x = mj.masked_array(jnp.ones((3, 2)), jnp.array([[True], [False], [True]]))
+            >>> x.tostype("row_sparse").indices
+            Array([0, 2], dtype=int32)
+        """
+        return _layouts.tostype(self, storage, nse)
+
+    storage = "dense"
 
     # -- conversions that would drop the mask ---------------------------------------------
     def _no_scalar(self, kind):

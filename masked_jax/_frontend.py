@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from masked_jax import ops
 from masked_jax._core import _unwrap, _wrap
+from masked_jax.layouts import dispatch
 
 _SEMANTICS = {
     "elementwise": "applied to the data; the mask is unchanged.",
@@ -80,8 +81,11 @@ def docstring(name, family, module, jax_name, example=None) -> str:
 def first_operand(name, module, jax_name=None, rule=None, example=None):
     """A function whose first argument is a (masked) operand; the rest are passed through."""
     rule = rule or ops.RULES[name]
+    family = family_of(name)
 
     def fn(x, *args, **kwargs):
+        if dispatch.is_sparse(x):
+            return dispatch.apply(name, family, rule, (x,), args, kwargs, fn)
         return _wrap(rule(_unwrap(x, "x"), *args, **kwargs))
 
     return _finish(fn, name, module, jax_name, example)
@@ -90,8 +94,11 @@ def first_operand(name, module, jax_name=None, rule=None, example=None):
 def all_operands(name, module, jax_name=None, rule=None, example=None):
     """A function whose positional arguments are all (masked) operands."""
     rule = rule or ops.RULES[name]
+    family = family_of(name)
 
     def fn(*operands, **kwargs):
+        if any(dispatch.is_sparse(o) for o in operands):
+            return dispatch.apply(name, family, rule, operands, (), kwargs, fn)
         return _wrap(rule(*(_unwrap(o, f"operand {i}") for i, o in enumerate(operands)), **kwargs))
 
     return _finish(fn, name, module, jax_name, example)

@@ -29,6 +29,7 @@ import types
 from masked_jax import ops
 from masked_jax._core import _unwrap, _wrap, as_masked, masked_array  # noqa: F401
 from masked_jax._frontend import all_operands, first_operand
+from masked_jax import _storage as _layout_base
 
 _M = __name__
 
@@ -255,6 +256,12 @@ einsum = first_operand(
 )
 _einsum_fn.__doc__, _einsum_fn.__name__, _einsum_fn.__qualname__ = einsum.__doc__, "einsum", "einsum"
 einsum = _einsum_fn
+
+_layout_base.OPERATORS.update(
+    add=add, subtract=subtract, multiply=multiply, true_divide=true_divide,  # noqa: F821
+    power=power, matmul=matmul, negative=negative, greater=greater, less=less,  # noqa: F821
+    greater_equal=greater_equal, less_equal=less_equal,  # noqa: F821
+)
 
 linalg = types.SimpleNamespace(norm=norm, matmul=matmul, vecdot=vdot)  # noqa: F821
 

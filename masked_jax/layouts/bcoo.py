@@ -1,0 +1,152 @@
+"""BCOO-backed masked arrays: masked semantics on ``jax.experimental.sparse.BCOO`` storage.
+
+The specified entries are exactly the valid ones; an explicitly stored zero is
+valid. Batch (``n_batch``) and dense (``n_dense``, "hybrid") dimensions are
+kept as BCOO has them: each stored entry covers a whole dense block. Padding
+entries (indices out of range, as BCOO pads) are ignored everywhere. ``nse``
+is static.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import sparse as jsparse
+
+from masked_jax._core import MaskedArray
+from masked_jax._storage import FROM_MASKED, SparseMasked, is_tracer
+from masked_jax.layouts.rows import RowSparseArray
+from masked_jax.ops._base import Pair
+
+
+@jax.tree_util.register_pytree_node_class
+class BCOOMaskedArray(SparseMasked):
+    """A masked array stored as BCOO: build with :func:`from_bcoo` or ``x.tostype("bcoo")``.
+
+    Examples:
+        >>> import jax.numpy as jnp, masked_jax as mj
+        >>> from jax.experimental import sparse
+        >>> x = mj.from_bcoo(sparse.BCOO.fromdense(jnp.array([[0.0, 2.0], [3.0, 0.0]])))
+        >>> x
+        BCOOMaskedArray(float32[2, 2], nse=2, n_batch=0, n_dense=0)
+        >>> x.todense()
+        MaskedArray([[-- 2.0]
+                     [3.0 --]], dtype=float32)
+    """
+
+    storage = "bcoo"
+    __slots__ = ("data", "indices", "shape")
+
+    def tree_flatten(self):
+        return (self.data, self.indices), self.shape
+
+    @classmethod
+    def tree_unflatten(cls, shape, children):
+        obj = object.__new__(cls)
+        obj.data, obj.indices = children
+        obj.shape = tuple(shape)
+        return obj
+
+    dtype = property(lambda self: self.data.dtype)
+    n_batch = property(lambda self: self.indices.ndim - 2)
+    n_sparse = property(lambda self: self.indices.shape[-1])
+    n_dense = property(lambda self: self.data.ndim - self.indices.ndim + 1)
+    nse = property(lambda self: self.indices.shape[-2])
+
+    def __repr__(self):
+        return (f"BCOOMaskedArray({self._repr_shape()}, nse={self.nse}, n_batch={self.n_batch}, "
+                f"n_dense={self.n_dense})")
+
+    @classmethod
+    def from_bcoo(cls, bcoo: jsparse.BCOO) -> "BCOOMaskedArray":
+        if not isinstance(bcoo, jsparse.BCOO):
+            raise TypeError(f"from_bcoo needs a jax.experimental.sparse.BCOO; got {type(bcoo).__name__}.")
+        return cls.tree_unflatten(bcoo.shape, (bcoo.data, bcoo.indices))
+
+    def to_bcoo(self) -> jsparse.BCOO:
+        """The storage as a plain BCOO (dense semantics: unspecified entries read as 0)."""
+        return jsparse.BCOO((self.data, self.indices), shape=self.shape)
+
+    def entry_valid(self):
+        """Per stored entry: True unless it is padding (an index out of range)."""
+        sparse_shape = jnp.array(self.shape[self.n_batch:self.n_batch + self.n_sparse])
+        ok = (self.indices >= 0) & (self.indices < sparse_shape)
+        return jnp.all(ok, axis=-1)
+
+    def block(self) -> Pair:
+        """Stored values as a dense masked block (batch..., nse, dense...): rules run on this."""
+        valid = self.entry_valid().reshape(self.entry_valid().shape + (1,) * self.n_dense)
+        return Pair(self.data, jnp.broadcast_to(valid, self.data.shape))
+
+    def with_data(self, data) -> "BCOOMaskedArray":
+        return BCOOMaskedArray.tree_unflatten(self.shape, (data, self.indices))
+
+    def todense(self) -> MaskedArray:
+        """Dense-storage MaskedArray: stored entries valid (duplicates summed), the rest masked."""
+        data = self.to_bcoo().todense()
+        ones = jnp.ones(self.data.shape, jnp.int32)
+        mask = jsparse.BCOO((ones, self.indices), shape=self.shape).todense() > 0
+        return MaskedArray._from_pair(data, mask)
+
+    def coalesce(self) -> "BCOOMaskedArray":
+        """Sum duplicate entries (static nse; freed slots become padding)."""
+        boolean = self.dtype == jnp.bool_  # duplicates of a bool are or-ed
+        x = self.with_data(self.data.astype(jnp.int32)) if boolean else self
+        summed = jsparse.bcoo_sum_duplicates(x.to_bcoo(), nse=self.nse)
+        data = summed.data > 0 if boolean else summed.data
+        return BCOOMaskedArray.tree_unflatten(self.shape, (data, summed.indices))
+
+    def flatten_dense(self) -> "BCOOMaskedArray":
+        """Move hybrid dense dimensions into the sparse ones (one entry per stored element)."""
+        if self.n_dense == 0:
+            return self
+        return BCOOMaskedArray.from_bcoo(jsparse.bcoo_update_layout(self.to_bcoo(), n_dense=0))
+
+    def transpose(self, axes=None) -> "BCOOMaskedArray":
+        return BCOOMaskedArray.from_bcoo(jsparse.bcoo_transpose(
+            self.to_bcoo(), permutation=tuple(axes) if axes is not None else tuple(range(self.ndim))[::-1]))
+
+    @property
+    def T(self):
+        return self.flatten_dense().transpose()
+
+    def to_row_sparse(self) -> RowSparseArray:
+        """Row-sparse view when the layout is one sparse dimension + dense ones; else via dense."""
+        if self.n_batch == 0 and self.n_sparse == 1:
+            return RowSparseArray.tree_unflatten(self.shape, (self.data, self.indices[:, 0]))
+        return RowSparseArray.from_masked(self.todense())
+
+    @classmethod
+    def from_masked(cls, x, nse=None, n_batch=0, n_dense=0) -> "BCOOMaskedArray":
+        """BCOO storage holding exactly the valid entries of ``x`` (explicit zeros included)."""
+        if isinstance(x, RowSparseArray):
+            return cls.from_bcoo(x.to_bcoo())
+        dense = x if isinstance(x, MaskedArray) else x.todense()
+        if nse is None and is_tracer(dense.mask):
+            raise ValueError("to_bcoo() under jit needs a static nse (number of stored entries).")
+        pattern = jsparse.BCOO.fromdense(dense.mask, nse=nse, n_batch=n_batch, n_dense=n_dense)
+        data = jsparse.bcoo_extract(pattern, dense.data).data
+        return cls.tree_unflatten(dense.shape, (data, pattern.indices))
+
+
+def from_bcoo(bcoo: jsparse.BCOO) -> BCOOMaskedArray:
+    """Masked semantics on a BCOO: its specified entries are the valid ones (stored zeros too).
+
+    Examples:
+        >>> import jax.numpy as jnp, masked_jax as mj, masked_jax.numpy as mnp
+        >>> from jax.experimental import sparse
+        >>> b = sparse.BCOO((jnp.array([0.0, 5.0]), jnp.array([[0], [2]])), shape=(4,))
+        >>> mnp.mean(mj.from_bcoo(b))   # the stored 0 counts, unspecified entries do not
+        MaskedArray(2.5, dtype=float32)
+    """
+    return BCOOMaskedArray.from_bcoo(bcoo)
+
+
+def to_bcoo(x, nse=None) -> jsparse.BCOO:
+    """A BCOO holding exactly the valid entries of ``x`` (a MaskedArray or sparse layout)."""
+    if isinstance(x, BCOOMaskedArray):
+        return x.to_bcoo()
+    return BCOOMaskedArray.from_masked(x, nse).to_bcoo()
+
+
+FROM_MASKED["bcoo"] = lambda x, nse: BCOOMaskedArray.from_masked(x, nse)

@@ -1,0 +1,187 @@
+"""Row-sparse arrays (MXNet ``row_sparse``): K stored rows of an (N, ...) array.
+
+``data[i]`` is row ``indices[i]``; rows not listed do not exist (masked). K is
+static. Duplicate indices are summed (coalesced) before any nonlinear op.
+Out-of-range indices raise ``ValueError`` when the indices are concrete; under
+``jit`` they cannot be checked and are treated as padding: they are dropped
+everywhere (never valid, never written), like padding entries of jax's BCOO.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import sparse as jsparse
+
+from masked_jax._core import MaskedArray, _check_data
+from masked_jax._storage import FROM_MASKED, SparseMasked, is_tracer
+from masked_jax.ops._base import Pair
+
+
+@jax.tree_util.register_pytree_node_class
+class RowSparseArray(SparseMasked):
+    """K stored rows of an array of shape ``(N, ...)``; build with :func:`row_sparse`.
+
+    Examples:
+        >>> import jax.numpy as jnp, masked_jax as mj
+        >>> x = mj.row_sparse(jnp.ones((2, 3)), jnp.array([4, 1]), (6, 3))
+        >>> x
+        RowSparseArray(float32[6, 3], rows=2)
+        >>> x.todense().mask.any(axis=1)
+        Array([False,  True, False, False,  True, False], dtype=bool)
+    """
+
+    storage = "row_sparse"
+    __slots__ = ("data", "indices", "shape")
+
+    def __init__(self, data, indices, shape):
+        self.data, self.indices, self.shape = data, indices, tuple(shape)
+
+    def tree_flatten(self):
+        return (self.data, self.indices), self.shape
+
+    @classmethod
+    def tree_unflatten(cls, shape, children):
+        obj = object.__new__(cls)
+        obj.data, obj.indices = children
+        obj.shape = shape
+        return obj
+
+    dtype = property(lambda self: self.data.dtype)
+    nse = property(lambda self: self.data.shape[0], doc="K, the static number of stored rows.")
+
+    def __repr__(self):
+        return f"RowSparseArray({self._repr_shape()}, rows={self.nse})"
+
+    # -- validity and conversions ------------------------------------------------------------
+    def row_valid(self):
+        """Per stored row: True where the index is in range (padding rows are False)."""
+        return (self.indices >= 0) & (self.indices < self.shape[0])
+
+    def block(self) -> Pair:
+        """The stored rows as a dense masked block of shape (K, ...): the rules run on this."""
+        valid = self.row_valid().reshape((-1,) + (1,) * (self.ndim - 1))
+        return Pair(self.data, jnp.broadcast_to(valid, self.data.shape))
+
+    def with_data(self, data) -> "RowSparseArray":
+        return RowSparseArray.tree_unflatten(self.shape[:1] + tuple(data.shape[1:]), (data, self.indices))
+
+    def todense(self) -> MaskedArray:
+        """Dense-storage MaskedArray: stored rows valid (duplicates summed), the rest masked."""
+        zeros = jnp.zeros(self.shape, self.dtype)
+        data = zeros.at[self.indices].add(self.data, mode="drop")
+        rows = jnp.zeros(self.shape[0], bool).at[self.indices].set(True, mode="drop")
+        mask = jnp.broadcast_to(rows.reshape((-1,) + (1,) * (self.ndim - 1)), self.shape)
+        return MaskedArray._from_pair(data, mask)
+
+    def coalesce(self) -> "RowSparseArray":
+        """Sum duplicate rows; indices become sorted and unique, padding (index N) last. Static K.
+
+        Examples:
+            >>> import jax.numpy as jnp, masked_jax as mj
+            >>> x = mj.row_sparse(jnp.array([[1.0], [2.0], [5.0]]), jnp.array([3, 0, 3]), (4, 1)).coalesce()
+            >>> x.indices, x.data[:, 0]
+            (Array([0, 3, 4], dtype=int32), Array([2., 6., 0.], dtype=float32))
+        """
+        n, k = self.shape[0], self.nse
+        idx = jnp.where(self.row_valid(), self.indices, n).astype(jnp.int32)
+        if k == 0:
+            return RowSparseArray.tree_unflatten(self.shape, (self.data, idx))
+        uniq = jnp.unique(idx, size=k, fill_value=n)
+        seg = jnp.searchsorted(uniq, idx)
+        if self.dtype == jnp.bool_:  # duplicates of a bool are or-ed
+            data = jax.ops.segment_max(self.data, seg, num_segments=k)
+        else:
+            data = jax.ops.segment_sum(self.data, seg, num_segments=k)
+        return RowSparseArray.tree_unflatten(self.shape, (data, uniq))
+
+    def retain(self, rows) -> "RowSparseArray":
+        """Keep only the stored rows whose index is in ``rows`` (MXNet ``retain``); K is unchanged,
+        dropped rows become padding.
+
+        Examples:
+            >>> import jax.numpy as jnp, masked_jax as mj
+            >>> x = mj.row_sparse(jnp.ones((3, 2)), jnp.array([0, 2, 5]), (6, 2))
+            >>> x.retain(jnp.array([2, 5])).todense().mask[:, 0]
+            Array([False, False,  True, False, False,  True], dtype=bool)
+        """
+        rows = jnp.asarray(rows)
+        keep = jnp.isin(self.indices, rows)
+        return RowSparseArray.tree_unflatten(self.shape, (self.data, jnp.where(keep, self.indices, self.shape[0])))
+
+    def to_bcoo(self) -> jsparse.BCOO:
+        """The stored rows as a ``jax.experimental.sparse.BCOO`` (1 sparse + ndim-1 dense dims)."""
+        return jsparse.BCOO((self.data, self.indices[:, None]), shape=self.shape,
+                            indices_sorted=False, unique_indices=False)
+
+    def to_bcoo_masked(self):
+        """The same stored rows as a BCOO-backed masked array (no densifying)."""
+        return FROM_MASKED["bcoo"](self, None)
+
+    @property
+    def T(self):
+        """Transpose as a BCOO-backed masked array (each stored element becomes one entry)."""
+        return FROM_MASKED["bcoo"](self, None).flatten_dense().transpose()
+
+    @classmethod
+    def from_masked(cls, x, nse=None) -> "RowSparseArray":
+        """Row-sparse storage of ``x``: a row is stored iff it has any valid element (its masked
+        elements must be absent: rows are all-or-nothing, so a partly valid row raises eagerly)."""
+        dense = x if isinstance(x, MaskedArray) else x.todense()
+        rows = jnp.any(dense.mask.reshape(dense.shape[0], -1), axis=1) if dense.ndim else None
+        if rows is None:
+            raise ValueError("row-sparse storage needs at least one dimension.")
+        if nse is None:
+            if is_tracer(rows):
+                raise ValueError("tostype('row_sparse') under jit needs a static nse (number of stored rows).")
+            full = jnp.all(dense.mask.reshape(dense.shape[0], -1), axis=1)
+            if not bool(jnp.all(full == rows)):
+                raise ValueError("row-sparse storage needs each row fully valid or fully masked.")
+            nse = int(jnp.sum(rows))
+        idx = jnp.nonzero(rows, size=nse, fill_value=dense.shape[0])[0].astype(jnp.int32)
+        data = jnp.take(dense.data, idx, axis=0, mode="fill", fill_value=0)
+        return cls.tree_unflatten(dense.shape, (data, idx))
+
+
+def row_sparse(data, indices, shape) -> RowSparseArray:
+    """Row-sparse array of ``shape`` with rows ``data[i]`` at row ``indices[i]``.
+
+    Duplicate indices are summed. ``K = len(indices)`` is static. Out-of-range
+    indices raise ``ValueError`` here when concrete; under ``jit`` they are
+    padding and are ignored everywhere.
+
+    Args:
+        data: (K, *shape[1:]) array of row values.
+        indices: (K,) integer row indices.
+        shape: the full shape (N, *shape[1:]).
+
+    Examples:
+        >>> import jax.numpy as jnp, masked_jax as mj, masked_jax.numpy as mnp
+        >>> g = mj.row_sparse(jnp.array([[1.0, 2.0], [3.0, 4.0]]), jnp.array([0, 3]), (5, 2))
+        >>> mnp.sum(g, axis=0)
+        MaskedArray([4.0 6.0], dtype=float32)
+    """
+    data = _check_data(data)
+    shape = tuple(int(s) for s in shape)
+    indices = jnp.asarray(indices)
+    if not jnp.issubdtype(indices.dtype, jnp.integer):
+        raise TypeError(f"indices must be integers; got dtype {indices.dtype}.")
+    if indices.ndim != 1:
+        raise ValueError(f"indices must be 1-D (one row index per stored row); got shape {indices.shape}.")
+    if not shape:
+        raise ValueError("shape must have at least one dimension (the rows).")
+    if data.shape != (indices.shape[0],) + shape[1:]:
+        raise ValueError(
+            f"data must have shape {(indices.shape[0],) + shape[1:]} (K={indices.shape[0]} rows of "
+            f"shape {shape[1:]}); got {data.shape}."
+        )
+    if not is_tracer(indices) and indices.size:
+        lo, hi = int(jnp.min(indices)), int(jnp.max(indices))
+        if lo < 0 or hi >= shape[0]:
+            raise ValueError(f"indices must be in [0, {shape[0]}); got values in [{lo}, {hi}].")
+    return RowSparseArray.tree_unflatten(shape, (data, indices.astype(jnp.int32)))
+
+
+FROM_MASKED["row_sparse"] = lambda x, nse: (
+    x.to_row_sparse() if hasattr(x, "to_row_sparse") else RowSparseArray.from_masked(x, nse)
+)
