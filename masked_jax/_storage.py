@@ -11,11 +11,35 @@ import jax
 
 
 class StorageFallbackWarning(UserWarning):
-    """An op had no sparse rule for a layout and densified its operand (MXNet's storage fallback)."""
+    """An op had no sparse rule for a layout and densified its operand (MXNet's storage fallback).
+
+    Emitted once per op name.
+
+    Examples:
+        >>> import warnings, jax.numpy as jnp, masked_jax as mj, masked_jax.numpy as mnp
+        >>> x = mj.row_sparse(jnp.ones((1, 2)), jnp.array([0]), (3, 2))
+        >>> with warnings.catch_warnings(record=True) as w:
+        ...     warnings.simplefilter("always")
+        ...     mnp.atleast_2d(x)
+        ...     [issubclass(i.category, mj.StorageFallbackWarning) for i in w][:1]
+        MaskedArray(...)
+        [True]
+    """
 
 
 class StorageFallbackError(TypeError):
-    """Raised instead of densifying when strict storage is on (:func:`strict_storage`)."""
+    """Raised instead of densifying when strict storage is on (:func:`strict_storage`).
+
+    Examples:
+        >>> import jax.numpy as jnp, masked_jax as mj, masked_jax.numpy as mnp
+        >>> x = mj.row_sparse(jnp.ones((1, 2)), jnp.array([0]), (3, 2))
+        >>> with mj.strict_storage():
+        ...     try:
+        ...         mnp.transpose(x)
+        ...     except mj.StorageFallbackError as err:
+        ...         print("transpose" in str(err))
+        True
+    """
 
 
 _state = threading.local()
