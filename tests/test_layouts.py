@@ -205,3 +205,14 @@ def test_tostype_round_trips():
         _same(y.tostype("bcoo" if storage == "row_sparse" else "row_sparse"), x)
     with pytest.raises(ValueError, match="fully valid or fully masked"):
         mj.masked_array(jnp.ones((2, 2)), jnp.array([[True, False], [True, True]])).tostype("row_sparse")
+
+
+def test_unique_indices_flag_skips_coalescing_and_is_checked():
+    r = mj.row_sparse(jnp.ones((2, 1)), jnp.array([3, 1]), (4, 1), unique_indices=True)
+    assert r.coalesce() is r and r.unique_indices
+    assert mnp.exp(r).unique_indices  # ops keep the flag
+    plain = mj.row_sparse(jnp.ones((2, 1)), jnp.array([3, 1]), (4, 1))
+    assert not plain.unique_indices and plain.coalesce().unique_indices
+    _same(mnp.exp(r), mnp.exp(plain))
+    with pytest.raises(ValueError, match="has duplicates"):
+        mj.row_sparse(jnp.ones((2, 1)), jnp.array([1, 1]), (4, 1), unique_indices=True)

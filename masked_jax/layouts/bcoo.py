@@ -113,7 +113,7 @@ class BCOOMaskedArray(SparseMasked):
     def to_row_sparse(self) -> RowSparseArray:
         """Row-sparse view when the layout is one sparse dimension + dense ones; else via dense."""
         if self.n_batch == 0 and self.n_sparse == 1:
-            return RowSparseArray.tree_unflatten(self.shape, (self.data, self.indices[:, 0]))
+            return RowSparseArray._make(self.shape, self.data, self.indices[:, 0])
         return RowSparseArray.from_masked(self.todense())
 
     @classmethod

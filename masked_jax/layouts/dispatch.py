@@ -94,10 +94,10 @@ def _rows_intersect(rule, a, b, kwargs):
     n = a.shape[0]
     pos = jnp.clip(jnp.searchsorted(b.indices, a.indices), 0, max(b.nse - 1, 0))
     if b.nse == 0:
-        return RowSparseArray.tree_unflatten(a.shape, (a.data, jnp.full_like(a.indices, n)))
+        return RowSparseArray._make(a.shape, a.data, jnp.full_like(a.indices, n), True)
     hit = (b.indices[pos] == a.indices) & (a.indices < n)
     out = rule(a.block(), Pair(b.data[pos], None), **kwargs).data
-    return RowSparseArray.tree_unflatten(a.shape, (out, jnp.where(hit, a.indices, n)))
+    return RowSparseArray._make(a.shape, out, jnp.where(hit, a.indices, n), True)
 
 
 def _reduce(name, family, rule, x, args, kwargs):

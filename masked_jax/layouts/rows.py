@@ -32,20 +32,21 @@ class RowSparseArray(SparseMasked):
     """
 
     storage = "row_sparse"
-    __slots__ = ("data", "indices", "shape")
-
-    def __init__(self, data, indices, shape):
-        self.data, self.indices, self.shape = data, indices, tuple(shape)
+    __slots__ = ("data", "indices", "shape", "unique_indices")
 
     def tree_flatten(self):
-        return (self.data, self.indices), self.shape
+        return (self.data, self.indices), (self.shape, self.unique_indices)
 
     @classmethod
-    def tree_unflatten(cls, shape, children):
+    def tree_unflatten(cls, aux, children):
         obj = object.__new__(cls)
         obj.data, obj.indices = children
-        obj.shape = shape
+        obj.shape, obj.unique_indices = aux
         return obj
+
+    @classmethod
+    def _make(cls, shape, data, indices, unique_indices=False):
+        return cls.tree_unflatten((tuple(shape), bool(unique_indices)), (data, indices))
 
     dtype = property(lambda self: self.data.dtype)
     nse = property(lambda self: self.data.shape[0], doc="K, the static number of stored rows.")
@@ -64,7 +65,8 @@ class RowSparseArray(SparseMasked):
         return Pair(self.data, jnp.broadcast_to(valid, self.data.shape))
 
     def with_data(self, data) -> "RowSparseArray":
-        return RowSparseArray.tree_unflatten(self.shape[:1] + tuple(data.shape[1:]), (data, self.indices))
+        shape = self.shape[:1] + tuple(data.shape[1:])
+        return RowSparseArray._make(shape, data, self.indices, self.unique_indices)
 
     def todense(self) -> MaskedArray:
         """Dense-storage MaskedArray: stored rows valid (duplicates summed), the rest masked."""
@@ -77,23 +79,28 @@ class RowSparseArray(SparseMasked):
     def coalesce(self) -> "RowSparseArray":
         """Sum duplicate rows; indices become sorted and unique, padding (index N) last. Static K.
 
+        A no-op when the indices are known to be unique (``unique_indices``: set by
+        ``coalesce`` itself, by conversions, or promised to :func:`row_sparse`).
+
         Examples:
             >>> import jax.numpy as jnp, masked_jax as mj
             >>> x = mj.row_sparse(jnp.array([[1.0], [2.0], [5.0]]), jnp.array([3, 0, 3]), (4, 1)).coalesce()
             >>> x.indices, x.data[:, 0]
             (Array([0, 3, 4], dtype=int32), Array([2., 6., 0.], dtype=float32))
         """
+        if self.unique_indices:
+            return self
         n, k = self.shape[0], self.nse
         idx = jnp.where(self.row_valid(), self.indices, n).astype(jnp.int32)
         if k == 0:
-            return RowSparseArray.tree_unflatten(self.shape, (self.data, idx))
+            return RowSparseArray._make(self.shape, self.data, idx, True)
         uniq = jnp.unique(idx, size=k, fill_value=n)
         seg = jnp.searchsorted(uniq, idx)
         if self.dtype == jnp.bool_:  # duplicates of a bool are or-ed
             data = jax.ops.segment_max(self.data, seg, num_segments=k)
         else:
             data = jax.ops.segment_sum(self.data, seg, num_segments=k)
-        return RowSparseArray.tree_unflatten(self.shape, (data, uniq))
+        return RowSparseArray._make(self.shape, data, uniq, True)
 
     def retain(self, rows) -> "RowSparseArray":
         """Keep only the stored rows whose index is in ``rows`` (MXNet ``retain``); K is unchanged,
@@ -107,7 +114,8 @@ class RowSparseArray(SparseMasked):
         """
         rows = jnp.asarray(rows)
         keep = jnp.isin(self.indices, rows)
-        return RowSparseArray.tree_unflatten(self.shape, (self.data, jnp.where(keep, self.indices, self.shape[0])))
+        return RowSparseArray._make(self.shape, self.data, jnp.where(keep, self.indices, self.shape[0]),
+                                    self.unique_indices)
 
     def to_bcoo(self) -> jsparse.BCOO:
         """The stored rows as a ``jax.experimental.sparse.BCOO`` (1 sparse + ndim-1 dense dims)."""
@@ -140,10 +148,10 @@ class RowSparseArray(SparseMasked):
             nse = int(jnp.sum(rows))
         idx = jnp.nonzero(rows, size=nse, fill_value=dense.shape[0])[0].astype(jnp.int32)
         data = jnp.take(dense.data, idx, axis=0, mode="fill", fill_value=0)
-        return cls.tree_unflatten(dense.shape, (data, idx))
+        return cls._make(dense.shape, data, idx, True)
 
 
-def row_sparse(data, indices, shape) -> RowSparseArray:
+def row_sparse(data, indices, shape, *, unique_indices: bool = False) -> RowSparseArray:
     """Row-sparse array of ``shape`` with rows ``data[i]`` at row ``indices[i]``.
 
     Duplicate indices are summed. ``K = len(indices)`` is static. Out-of-range
@@ -154,6 +162,8 @@ def row_sparse(data, indices, shape) -> RowSparseArray:
         data: (K, *shape[1:]) array of row values.
         indices: (K,) integer row indices.
         shape: the full shape (N, *shape[1:]).
+        unique_indices: promise that ``indices`` has no duplicates (as BCOO's flag), so that ops
+            skip coalescing. Checked when the indices are concrete.
 
     Examples:
         >>> import jax.numpy as jnp, masked_jax as mj, masked_jax.numpy as mnp
@@ -179,7 +189,9 @@ def row_sparse(data, indices, shape) -> RowSparseArray:
         lo, hi = int(jnp.min(indices)), int(jnp.max(indices))
         if lo < 0 or hi >= shape[0]:
             raise ValueError(f"indices must be in [0, {shape[0]}); got values in [{lo}, {hi}].")
-    return RowSparseArray.tree_unflatten(shape, (data, indices.astype(jnp.int32)))
+        if unique_indices and int(jnp.unique(indices).size) != indices.size:
+            raise ValueError("unique_indices=True but indices has duplicates.")
+    return RowSparseArray._make(shape, data, indices.astype(jnp.int32), unique_indices)
 
 
 FROM_MASKED["row_sparse"] = lambda x, nse: (
