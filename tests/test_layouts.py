@@ -59,6 +59,7 @@ OPS = {
     "softmax_axis0": (lambda x: mnn.softmax(x, axis=0), ROW),
     "log_softmax_axis1": (lambda x: mnn.log_softmax(x, axis=1), ROW),
     "matmul_dense": (lambda x: x @ W, ALL),
+    "mul_same_layout": (lambda x: x * (x + 1.0), ALL - {"bcoo_batch"}),
     "transpose": (mnp.transpose, {"dense"}),
     "argmax": (lambda x: mnp.argmax(x, axis=0), {"dense"}),
 }
@@ -121,13 +122,22 @@ def test_grad_through_sparse_storage_matches_dense(op, layout):
                                np.asarray(_dense_of(jr).filled(0) if hasattr(jr, "filled") else jr), rtol=1e-10, atol=1e-12)
 
 
-def test_vmap_over_row_sparse_batch():
-    xs = [dense_x(), mj.masked_array(dense_x().data * 2, dense_x().mask)]
-    rs = [x.tostype("row_sparse") for x in xs]
-    batch = jax.tree_util.tree_map(lambda *l: jnp.stack(l), *rs)
-    out = jax.vmap(lambda r: mnn.softmax(r, axis=1).todense())(batch)
+VMAP_OPS = ["exp", "mul_scalar", "sum", "logsumexp", "sum_axis1", "softmax_axis1", "matmul_dense"]
+
+
+@pytest.mark.parametrize("layout", ["bcoo", "bcoo_hybrid", "row_sparse"])
+@pytest.mark.parametrize("op", VMAP_OPS)
+def test_vmap_over_a_batch_of_sparse_arrays(op, layout):
+    fn, keeps = OPS[op]
+    xs = [dense_x(), mj.masked_array(dense_x().data * 2 - 1, dense_x().mask)]
+    build = {"bcoo": lambda x: x.tostype("bcoo"), "row_sparse": lambda x: x.tostype("row_sparse"),
+             "bcoo_hybrid": lambda x: mj.BCOOMaskedArray.from_masked(x, nse=3, n_dense=1)}[layout]
+    batch = jax.tree_util.tree_map(lambda *leaves: jnp.stack(leaves), *[build(x) for x in xs])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", mj.StorageFallbackWarning)
+        out = jax.vmap(lambda v: _dense_of(fn(v)))(batch)
     for i, x in enumerate(xs):
-        _same(out[i], mnn.softmax(x, axis=1))
+        _same(jax.tree_util.tree_map(lambda leaf: leaf[i], out), fn(x))
 
 
 # -- semantics, conversions and edge cases -------------------------------------------------------
@@ -216,3 +226,21 @@ def test_unique_indices_flag_skips_coalescing_and_is_checked():
     _same(mnp.exp(r), mnp.exp(plain))
     with pytest.raises(ValueError, match="has duplicates"):
         mj.row_sparse(jnp.ones((2, 1)), jnp.array([1, 1]), (4, 1), unique_indices=True)
+
+
+@pytest.mark.parametrize("storage", ["bcoo", "row_sparse"])
+def test_binary_ops_of_sparse_operands_with_different_index_sets(storage):
+    rng = np.random.default_rng(3)
+
+    def make(seed):
+        rows = np.random.default_rng(seed).random(8) > 0.5
+        mask = np.repeat(rows[:, None], 3, 1) if storage == "row_sparse" else \
+            np.random.default_rng(seed).random((8, 3)) > 0.5
+        return mj.masked_array(jnp.asarray(rng.uniform(0.5, 2, (8, 3))), jnp.asarray(mask))
+    a, b = make(10), make(11)
+    for fn in (mnp.multiply, mnp.subtract, mnp.maximum, mnp.arctan2):
+        with mj.strict_storage():  # stays sparse
+            got = fn(a.tostype(storage), b.tostype(storage))
+        assert got.storage == storage
+        _same(got, fn(a, b))
+        _same(jax.jit(fn)(a.tostype(storage), b.tostype(storage)), fn(a, b))

@@ -10,7 +10,9 @@ from :mod:`masked_jax.ops` runs on that block. Cost is O(stored entries):
   row-sparse array (same or different rows: the result keeps the rows both have);
   reductions (across rows → dense result; within rows → row-sparse); softmax
   family along any axis; ``matmul``/``dot`` with a dense right operand;
-* BCOO: whole-array reductions; ``matmul``/``dot`` with a dense right operand.
+* BCOO: binary ops with another BCOO (same or different entries: the result keeps the
+  entries both have; no batch dimensions); whole-array reductions; ``matmul``/``dot`` with a
+  dense right operand.
 
 Everything else densifies the sparse operands (warning once per op, or
 ``StorageFallbackError`` under :func:`strict_storage`) and runs the dense rule.
@@ -75,6 +77,9 @@ def _binary(rule, operands, kwargs):
         return x.with_data(rule(_unwrap(a), x.block(), **kwargs).data)
     if isinstance(a, RowSparseArray) and isinstance(b, RowSparseArray) and a.shape == b.shape:
         return _rows_intersect(rule, a, b, kwargs)
+    if isinstance(a, BCOOMaskedArray) and isinstance(b, BCOOMaskedArray) and a.shape == b.shape \
+            and a.n_batch == b.n_batch == 0 and a.n_dense == b.n_dense:
+        return _bcoo_intersect(rule, a, b, kwargs)
     for pos, (x, other) in enumerate(((a, b), (b, a))):
         if isinstance(x, RowSparseArray) and not is_sparse(other) and not isinstance(other, MaskedArray):
             other = jnp.asarray(other)
@@ -98,6 +103,28 @@ def _rows_intersect(rule, a, b, kwargs):
     hit = (b.indices[pos] == a.indices) & (a.indices < n)
     out = rule(a.block(), Pair(b.data[pos], None), **kwargs).data
     return RowSparseArray._make(a.shape, out, jnp.where(hit, a.indices, n), True)
+
+
+def _bcoo_intersect(rule, a, b, kwargs):
+    """BCOO ∘ BCOO: valid on entries both store; ``a``'s nse, its entries missing from ``b`` become
+    padding. Sparse coordinates are compared as linear indices (O(nse log nse))."""
+    a, b = a.coalesce(), b.coalesce()
+    sparse_shape = a.shape[:a.n_sparse]
+
+    def linear(x):
+        lin = jnp.ravel_multi_index(tuple(x.indices.T), sparse_shape, mode="clip")
+        return jnp.where(x.entry_valid(), lin, -1)
+
+    lin_a, lin_b = linear(a), linear(b)
+    padding = jnp.array(sparse_shape, a.indices.dtype)  # one past the end in every sparse dim
+    if b.nse == 0 or a.nse == 0:
+        return BCOOMaskedArray.tree_unflatten(a.shape, (a.data, jnp.broadcast_to(padding, a.indices.shape)))
+    order = jnp.argsort(lin_b)
+    pos = jnp.clip(jnp.searchsorted(lin_b[order], lin_a), 0, b.nse - 1)
+    partner = order[pos]
+    hit = (lin_b[partner] == lin_a) & (lin_a >= 0)
+    out = rule(a.block(), Pair(b.data[partner], None), **kwargs).data
+    return BCOOMaskedArray.tree_unflatten(a.shape, (out, jnp.where(hit[:, None], a.indices, padding)))
 
 
 def _reduce(name, family, rule, x, args, kwargs):
