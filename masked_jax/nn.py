@@ -13,6 +13,7 @@ Examples:
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from masked_jax import ops
@@ -46,8 +47,6 @@ def one_hot(x, num_classes: int, *, dtype=jnp.float32, axis=-1) -> MaskedArray:
         MaskedArray([[0.0 0.0 1.0]
                      [-- -- --]], dtype=float32)
     """
-    import jax
-
     p = _unwrap(x, "x")
     if not jnp.issubdtype(jnp.result_type(p.data), jnp.integer):
         raise TypeError(f"one_hot needs integer class indices; got dtype {jnp.result_type(p.data)}.")

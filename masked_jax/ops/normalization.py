@@ -6,7 +6,6 @@ data is 0, never NaN.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 from masked_jax.ops._base import Pair, fill, materialize
@@ -14,13 +13,8 @@ from masked_jax.ops import reductions
 
 
 def _shifted(x: Pair, axis):
-    m = materialize(x.mask, jnp.shape(x.data))
-    data = fill(x.data, m, 0)
-    if not jnp.issubdtype(data.dtype, jnp.inexact):
-        data = data.astype(jnp.result_type(float))
-    top = jax.lax.stop_gradient(reductions.max(Pair(data, m), axis=axis, keepdims=True).data)
-    top = jnp.where(jnp.isfinite(top), top, 0)
-    return data - top, m
+    z, m, _ = reductions.shifted_by_max(x, axis)
+    return z, m
 
 
 def softmax(x: Pair, axis=-1) -> Pair:

@@ -199,37 +199,46 @@ def all(x: Pair, axis=None, keepdims=False) -> Pair:  # noqa: A001
     return Pair(data, jnp.any(m, axis=axis, keepdims=keepdims))
 
 
-def logsumexp(x: Pair, axis=None, keepdims=False) -> Pair:
+def shifted_by_max(x: Pair, axis):
+    """``(data - max, mask)`` over valid elements of ``axis``: the stable shift of the exp family.
+
+    Masked data is 0 before shifting; the max is a constant for autodiff and 0
+    where a slice has no (finite) valid maximum.
+    """
     m = _mask(x)
     data = fill(x.data, m, 0)
     if not jnp.issubdtype(data.dtype, jnp.inexact):
         data = data.astype(jnp.result_type(float))
     top = jax.lax.stop_gradient(max(Pair(data, m), axis=axis, keepdims=True).data)
     top = jnp.where(jnp.isfinite(top), top, 0)
-    total = jnp.sum(jnp.where(m, jnp.exp(data - top), 0), axis=axis, keepdims=keepdims)
+    return data - top, m, top
+
+
+def logsumexp(x: Pair, axis=None, keepdims=False) -> Pair:
+    z, m, top = shifted_by_max(x, axis)
+    total = jnp.sum(jnp.where(m, jnp.exp(z), 0), axis=axis, keepdims=keepdims)
     valid = jnp.any(m, axis=axis, keepdims=keepdims)
-    top = top if keepdims else jnp.squeeze(top, axis=normalize_axis(axis, data.ndim))
+    top = top if keepdims else jnp.squeeze(top, axis=normalize_axis(axis, z.ndim))
     has_mass = valid & (total > 0)
     out = jnp.log(jnp.where(has_mass, total, 1)) + top
     return Pair(jnp.where(has_mass, out, -jnp.inf), valid)
 
 
-def cumsum(x: Pair, axis=None, dtype=None) -> Pair:
-    """Running sum where masked elements count as 0; the mask is unchanged (as numpy.ma)."""
-    m = _mask(x)
-    data = fill(x.data, m, 0)
-    if axis is None:
-        data, m = data.ravel(), m.ravel()
-    return Pair(jnp.cumsum(data, axis=axis, dtype=dtype), m)
+def _cumulative(fn, identity, what):
+    def rule(x: Pair, axis=None, dtype=None) -> Pair:
+        m = _mask(x)
+        data = fill(x.data, m, identity)
+        if axis is None:
+            data, m = data.ravel(), m.ravel()
+        return Pair(fn(data, axis=axis, dtype=dtype), m)
+
+    rule.__name__ = fn.__name__
+    rule.__doc__ = f"Running {what} where masked elements count as {identity}; the mask is unchanged (as numpy.ma)."
+    return rule
 
 
-def cumprod(x: Pair, axis=None, dtype=None) -> Pair:
-    """Running product where masked elements count as 1; the mask is unchanged."""
-    m = _mask(x)
-    data = fill(x.data, m, 1)
-    if axis is None:
-        data, m = data.ravel(), m.ravel()
-    return Pair(jnp.cumprod(data, axis=axis, dtype=dtype), m)
+cumsum = _cumulative(jnp.cumsum, 0, "sum")
+cumprod = _cumulative(jnp.cumprod, 1, "product")
 
 
 def average(x: Pair, axis=None, weights: Pair | None = None, keepdims=False) -> Pair:
