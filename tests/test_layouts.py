@@ -244,3 +244,13 @@ def test_binary_ops_of_sparse_operands_with_different_index_sets(storage):
         assert got.storage == storage
         _same(got, fn(a, b))
         _same(jax.jit(fn)(a.tostype(storage), b.tostype(storage)), fn(a, b))
+
+
+def test_zero_dimensional_arrays():
+    valid = mj.as_masked(jnp.float32(0.0)).tostype("bcoo")  # an explicit zero stays valid
+    assert valid.nse == 1 and bool(valid.todense().mask) and float(mnp.cos(valid).todense().data) == 1.0
+    assert float(mj.grad(lambda v: mnp.sum(mnp.exp(v)))(valid).data[0]) == 1.0
+    masked = mj.masked_array(jnp.float32(5.0), jnp.array(False)).tostype("bcoo")
+    assert masked.nse == 0 and not bool(masked.todense().mask) and not bool(mnp.sum(masked).mask)
+    with pytest.raises(ValueError, match="at least one dimension"):
+        mj.row_sparse(jnp.ones(()), jnp.zeros((0,), jnp.int32), ())
