@@ -254,3 +254,16 @@ def test_zero_dimensional_arrays():
     assert masked.nse == 0 and not bool(masked.todense().mask) and not bool(mnp.sum(masked).mask)
     with pytest.raises(ValueError, match="at least one dimension"):
         mj.row_sparse(jnp.ones(()), jnp.zeros((0,), jnp.int32), ())
+
+
+def test_sparse_bad_input_errors():
+    with pytest.raises(TypeError, match="from_bcoo needs a jax.experimental.sparse.BCOO"):
+        mj.from_bcoo(jnp.ones(3))
+    with pytest.raises(ValueError, match="needs a static nse"):
+        jax.jit(lambda x: x.tostype("bcoo"))(dense_x())
+    with pytest.raises(ValueError, match="needs a static nse"):
+        jax.jit(lambda x: x.tostype("row_sparse"))(dense_x())
+    rs = jax.jit(lambda x: x.tostype("row_sparse", nse=3))(dense_x())  # with nse it works under jit
+    _same(rs, dense_x())
+    with pytest.raises(TypeError, match="sparse masked array is ambiguous"):
+        bool(layouts()["row_sparse"])
