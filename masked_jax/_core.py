@@ -106,7 +106,7 @@ class MaskedArray:
             obj._mask = jnp.ones(data.shape, bool)
         else:
             obj._mask = jnp.broadcast_to(mask, data.shape)
-        obj._data = with_mask_tangent(data, obj._mask)
+        obj._data = with_mask_tangent(data, mask)  # None (all valid): nothing to mask
         return obj
 
     # -- pytree ---------------------------------------------------------------------------
@@ -363,13 +363,13 @@ def apply(name: str, *operands, **params):
     return _wrap(_R[name](*(_unwrap(o, f"operand {i}") for i, o in enumerate(operands)), **params))
 
 
-def _binary_method(name, reflected=False):
+def _binary_method(name, dunder, reflected=False):
     def method(self, other):
         if not _is_operand(other):
             return NotImplemented
         return apply(name, other, self) if reflected else apply(name, self, other)
 
-    method.__name__ = f"__r{name}__" if reflected else f"__{name}__"
+    method.__name__ = dunder
     return method
 
 
@@ -384,14 +384,12 @@ _BINARY_OPERATORS = {
     "lshift": "left_shift", "rshift": "right_shift",
 }
 for _dunder, _rule in _BINARY_OPERATORS.items():
-    setattr(MaskedArray, f"__{_dunder}__", _binary_method(_rule))
-    _m = _binary_method(_rule, reflected=True)
-    _m.__name__ = f"__r{_dunder}__"
-    setattr(MaskedArray, f"__r{_dunder}__", _m)
+    setattr(MaskedArray, f"__{_dunder}__", _binary_method(_rule, f"__{_dunder}__"))
+    setattr(MaskedArray, f"__r{_dunder}__", _binary_method(_rule, f"__r{_dunder}__", reflected=True))
 
 for _dunder, _rule in {"eq": "equal", "ne": "not_equal", "lt": "less", "le": "less_equal",
                        "gt": "greater", "ge": "greater_equal"}.items():
-    setattr(MaskedArray, f"__{_dunder}__", _binary_method(_rule))
+    setattr(MaskedArray, f"__{_dunder}__", _binary_method(_rule, f"__{_dunder}__"))
 
 for _dunder, _rule in {"neg": "negative", "pos": "positive", "abs": "abs", "invert": "invert"}.items():
     setattr(MaskedArray, f"__{_dunder}__", (lambda r: lambda self: apply(r, self))(_rule))

@@ -104,6 +104,16 @@ def all_operands(name, module, jax_name=None, rule=None, example=None):
     return _finish(fn, name, module, jax_name, example)
 
 
+def custom(name, module, impl, jax_name=None, example=None):
+    """Document a hand-written function (operands in a list, a leading subscripts string...);
+    sparse operands anywhere in its positional arguments densify through the storage fallback."""
+
+    def fn(*args, **kwargs):
+        return impl(*dispatch.densify(args, name), **kwargs)
+
+    return _finish(fn, name, module, jax_name, example)
+
+
 def _finish(fn, name, module, jax_name, example):
     family = family_of(name)
     fn.__name__ = fn.__qualname__ = name

@@ -129,24 +129,6 @@ class SparseMasked:
     __array_ufunc__ = None
     __array_priority__ = 100
 
-    def _op(name, reflected=False):  # noqa: N805 - builds methods below
-        def method(self, other):
-            fn = OPERATORS[name]
-            return fn(other, self) if reflected else fn(self, other)
-
-        return method
-
-    for _dunder, _name in {"add": "add", "sub": "subtract", "mul": "multiply", "truediv": "true_divide",
-                           "pow": "power", "matmul": "matmul"}.items():
-        locals()[f"__{_dunder}__"] = _op(_name)
-        locals()[f"__r{_dunder}__"] = _op(_name, reflected=True)
-    for _dunder, _name in {"gt": "greater", "ge": "greater_equal", "lt": "less", "le": "less_equal"}.items():
-        locals()[f"__{_dunder}__"] = _op(_name)
-    del _dunder, _name
-
-    def __neg__(self):
-        return OPERATORS["negative"](self)
-
     def _repr_shape(self):
         return f"{self.dtype}[{', '.join(str(d) for d in self.shape)}]"
 
@@ -168,6 +150,30 @@ def tostype(x, storage: str, nse: int | None = None):
         return x.todense()
     return FROM_MASKED[storage](x, nse)
 
+
+def _operator(name, dunder, reflected=False):
+    def method(self, other):
+        fn = OPERATORS[name]
+        return fn(other, self) if reflected else fn(self, other)
+
+    method.__name__ = dunder
+    return method
+
+
+for _dunder, _name in {"add": "add", "sub": "subtract", "mul": "multiply", "truediv": "true_divide",
+                       "pow": "power", "matmul": "matmul"}.items():
+    setattr(SparseMasked, f"__{_dunder}__", _operator(_name, f"__{_dunder}__"))
+    setattr(SparseMasked, f"__r{_dunder}__", _operator(_name, f"__r{_dunder}__", reflected=True))
+for _dunder, _name in {"gt": "greater", "ge": "greater_equal", "lt": "less", "le": "less_equal"}.items():
+    setattr(SparseMasked, f"__{_dunder}__", _operator(_name, f"__{_dunder}__"))
+
+
+def _neg(self):
+    return OPERATORS["negative"](self)
+
+
+SparseMasked.__neg__ = _neg
+del _dunder, _name
 
 def is_tracer(x) -> bool:
     return isinstance(x, jax.core.Tracer)

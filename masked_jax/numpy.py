@@ -28,7 +28,7 @@ import types
 
 from masked_jax import ops
 from masked_jax._core import _unwrap, _wrap, as_masked, masked_array  # noqa: F401
-from masked_jax._frontend import all_operands, first_operand
+from masked_jax._frontend import all_operands, custom, first_operand
 from masked_jax import _storage as _layout_base
 
 _M = __name__
@@ -183,31 +183,21 @@ argsort = first_operand(
 )
 
 
-def _join_rule(name):
-    def rule(arrays, *args, **kwargs):
+def _join(name):
+    def impl(arrays, *args, **kwargs):
         if not isinstance(arrays, (list, tuple)):
             raise TypeError(f"{name} takes a sequence of arrays; got {type(arrays).__name__}.")
         pairs = [_unwrap(a, f"arrays[{i}]") for i, a in enumerate(arrays)]
-        return ops.RULES[name](pairs, *args, **kwargs)
+        return _wrap(ops.RULES[name](pairs, *args, **kwargs))
 
-    return rule
-
-
-def _join(name):
-    fn = first_operand(
-        name, _M,
+    return custom(
+        name, _M, impl,
         example=(
             "x = mj.masked_array(jnp.array([1.0, 2.0]), jnp.array([True, False]))",
-            "{mod}.{name}([x, jnp.array([3.0, 4.0])])." + "mask.sum()",
+            "{mod}.{name}([x, jnp.array([3.0, 4.0])]).mask.sum()",
             "Array(3, dtype=int32)",
         ),
     )
-    rule = _join_rule(name)
-    wrapped = lambda arrays, *args, **kwargs: _wrap(rule(arrays, *args, **kwargs))  # noqa: E731
-    wrapped.__name__ = wrapped.__qualname__ = name
-    wrapped.__doc__ = fn.__doc__
-    wrapped.__module__ = _M
-    return wrapped
 
 
 concatenate = _join("concatenate")
@@ -241,21 +231,19 @@ for _n in ops.linalg.CONTRACTIONS:
     )
 
 
-def _einsum_fn(subscripts, *operands, **kwargs):
+def _einsum(subscripts, *operands, **kwargs):
     pairs = [_unwrap(o, f"operand {i}") for i, o in enumerate(operands)]
     return _wrap(ops.RULES["einsum"](subscripts, *pairs, **kwargs))
 
 
-einsum = first_operand(
-    "einsum", _M,
+einsum = custom(
+    "einsum", _M, _einsum,
     example=(
         "a = mj.masked_array(jnp.array([[1.0, 2.0], [3.0, 4.0]]), jnp.array([[True, False], [False, False]]))",
         "{mod}.einsum('ij,jk->ik', a, jnp.ones((2, 2))).mask",
         "Array([[ True,  True],\n       [False, False]], dtype=bool)",
     ),
 )
-_einsum_fn.__doc__, _einsum_fn.__name__, _einsum_fn.__qualname__ = einsum.__doc__, "einsum", "einsum"
-einsum = _einsum_fn
 
 _layout_base.OPERATORS.update(
     add=add, subtract=subtract, multiply=multiply, true_divide=true_divide,  # noqa: F821
@@ -267,6 +255,6 @@ linalg = types.SimpleNamespace(norm=norm, matmul=matmul, vecdot=vdot)  # noqa: F
 
 __all__ = sorted(
     n for n, v in globals().items() if callable(v) and not n.startswith("_") and n not in (
-        "annotations", "types", "ops", "all_operands", "first_operand"
+        "annotations", "types", "ops", "all_operands", "custom", "first_operand"
     )
 )

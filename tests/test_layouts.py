@@ -267,3 +267,18 @@ def test_sparse_bad_input_errors():
     _same(rs, dense_x())
     with pytest.raises(TypeError, match="sparse masked array is ambiguous"):
         bool(layouts()["row_sparse"])
+
+
+def test_list_and_variadic_operands_accept_sparse_layouts():
+    x = dense_x()
+    r = x.tostype("row_sparse")
+    _warned.clear()
+    with pytest.warns(mj.StorageFallbackWarning, match="concatenate"):
+        got = mnp.concatenate([r, x], axis=0)
+    _same(got, mnp.concatenate([x, x], axis=0))
+    with pytest.warns(mj.StorageFallbackWarning, match="einsum"):
+        got = mnp.einsum("ij,jk->ik", r, W)
+    _same(got, mnp.einsum("ij,jk->ik", x, W))
+    _same(-r, -x)
+    with mj.strict_storage(), pytest.raises(mj.StorageFallbackError, match="stack"):
+        mnp.stack([r, r])

@@ -46,10 +46,21 @@ def apply(name: str, family: str, rule, operands, args, kwargs, dense_call):
     out = _sparse_rule(name, family, rule, operands, args, kwargs)
     if out is not NotImplemented:
         return out
-    layout = next(o.storage for o in operands if is_sparse(o))
-    fallback(name, layout)
-    dense = [o.todense() if is_sparse(o) else o for o in operands]
-    return dense_call(*dense, *args, **kwargs)
+    return dense_call(*densify(operands, name), *args, **kwargs)
+
+
+def densify(values, name: str):
+    """``values`` with every sparse operand (also inside lists/tuples) converted to dense storage,
+    through the storage fallback (warns once per op ``name``, raises under strict storage)."""
+    def one(v):
+        if is_sparse(v):
+            fallback(name, v.storage)
+            return v.todense()
+        if isinstance(v, (list, tuple)):
+            return type(v)(one(x) for x in v)
+        return v
+
+    return [one(v) for v in values]
 
 
 def _sparse_rule(name, family, rule, operands, args, kwargs):
