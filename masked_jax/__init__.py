@@ -14,6 +14,7 @@ from masked_jax._ad import jacfwd as jacfwd
 from masked_jax._ad import jacrev as jacrev
 from masked_jax._ad import tangent as tangent
 from masked_jax._ad import value_and_grad as value_and_grad
+from masked_jax._lookup import lookup as lookup
 from masked_jax.layouts import BCOOMaskedArray as BCOOMaskedArray
 from masked_jax.layouts import RowSparseArray as RowSparseArray
 from masked_jax.layouts import StorageFallbackError as StorageFallbackError
@@ -23,5 +24,6 @@ from masked_jax.layouts import row_sparse as row_sparse
 from masked_jax.layouts import strict_storage as strict_storage
 from masked_jax import numpy as numpy
 from masked_jax import nn as nn
+from masked_jax import optim as optim
 
 __version__ = "0.1.0"

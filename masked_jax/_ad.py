@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from masked_jax import _lookup
 from masked_jax._core import MaskedArray, is_masked
 from masked_jax._storage import SparseMasked
 
@@ -97,12 +98,21 @@ def _grad_tree(grads, masks, treedefs, argnums):
 
 
 def value_and_grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False,
-                   holomorphic: bool = False) -> Callable:
+                   holomorphic: bool = False, *, row_sparse=None) -> Callable:
     """``jax.value_and_grad`` that differentiates the data of masked arguments.
 
     ``fun`` returns a scalar array or a 0-d ``MaskedArray`` (a masked loss
     counts as 0). Gradients of ``MaskedArray`` arguments (also inside pytrees)
     are ``MaskedArray``s with the argument's mask and data exactly 0 where masked.
+
+    ``row_sparse`` selects tables (plain arrays of shape (N, ...)) whose gradient
+    should be a :class:`RowSparseArray` of the rows ``fun`` reads with
+    :func:`mj.lookup <masked_jax.lookup>` or ``table[ids]``, instead of a dense
+    array: ``True`` (every array of the differentiated argument), a prefix pytree
+    of bools (as ``optax.masked`` takes), or a callable returning one (a tuple of
+    those for several ``argnums``). The dense ``N x dim`` gradient is never built.
+    ``fun`` is traced twice (see ``masked_jax/_lookup.py``); its lookups must not
+    depend on the values read.
 
     Examples:
         >>> import jax.numpy as jnp, masked_jax as mj, masked_jax.numpy as mnp
@@ -114,10 +124,12 @@ def value_and_grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: boo
 
     @functools.wraps(fun)
     def wrapped(*args, **kwargs):
+        if row_sparse is not None and row_sparse is not False:
+            args = _lookup.substitute(fun, args, kwargs, _argnums_tuple(argnums, len(args)), row_sparse)
         g, diff, masks, treedefs = _reader(fun, args, kwargs, argnums)
         (_, (value, aux)), grads = jax.value_and_grad(
             lambda d: _loss(_with_aux(g(d), has_aux)), has_aux=True, holomorphic=holomorphic)(diff)
-        grads = _grad_tree(grads, masks, treedefs, argnums)
+        grads = _lookup.as_row_sparse(_grad_tree(grads, masks, treedefs, argnums))
         return ((value, aux), grads) if has_aux else (value, grads)
 
     return wrapped
@@ -140,8 +152,11 @@ def _loss(pair):
 
 
 def grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False,
-         holomorphic: bool = False) -> Callable:
+         holomorphic: bool = False, *, row_sparse=None) -> Callable:
     """``jax.grad`` with respect to the data of masked arguments; gradients carry the primal mask.
+
+    ``row_sparse`` asks for row-sparse gradients of tables read by lookups, as in
+    :func:`value_and_grad`.
 
     Examples:
         >>> import jax.numpy as jnp, masked_jax as mj, masked_jax.numpy as mnp
@@ -149,7 +164,8 @@ def grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False,
         >>> mj.grad(lambda x: mnp.sum(x ** 2))(x)
         MaskedArray([2.0 -- 6.0], dtype=float32)
     """
-    vg = value_and_grad(fun, argnums=argnums, has_aux=has_aux, holomorphic=holomorphic)
+    vg = value_and_grad(fun, argnums=argnums, has_aux=has_aux, holomorphic=holomorphic,
+                        row_sparse=row_sparse)
 
     @functools.wraps(fun)
     def wrapped(*args, **kwargs):

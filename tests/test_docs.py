@@ -11,11 +11,12 @@ import pytest
 import masked_jax as mj
 import masked_jax.nn as mnn
 import masked_jax.numpy as mnp
+from masked_jax import optim
 
 
 def _public():
     items = []
-    for mod in (mj, mnp, mnn):
+    for mod in (mj, mnp, mnn, optim):
         for name in getattr(mod, "__all__", None) or [n for n in dir(mod) if not n.startswith("_")]:
             obj = getattr(mod, name)
             if callable(obj) and not inspect.ismodule(obj):
@@ -23,7 +24,7 @@ def _public():
     items.append(("masked_jax.MaskedArray", mj.MaskedArray))
     for meth in ("filled", "count", "to_numpy_ma", "at"):
         items.append((f"MaskedArray.{meth}", getattr(mj.MaskedArray, meth)))
-    items += [("masked_jax.numpy", mnp), ("masked_jax.nn", mnn)]
+    items += [("masked_jax.numpy", mnp), ("masked_jax.nn", mnn), ("masked_jax.optim", optim)]
     return items
 
 

@@ -1,0 +1,100 @@
+"""Masked Adagrad: optax's adagrad (a chain of small transforms) lifted by :func:`lazy`."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from masked_jax.optim._lazy import lazy
+
+_PLACEMENTS = ("inside", "outside")
+
+
+def scale_by_rss(initial_accumulator_value: float = 0.1, eps: float = 1e-7,
+                 eps_placement: str = "inside") -> optax.GradientTransformation:
+    """Scale updates by the inverse root of the running sum of squared gradients.
+
+    .. math::
+        s_t = s_{t-1} + g_t^2, \\qquad
+        u_t = g_t / \\sqrt{s_t + \\epsilon} \\;(\\text{inside}) \\quad\\text{or}\\quad
+        u_t = g_t / (\\sqrt{s_t} + \\epsilon) \\;(\\text{outside})
+
+    ``"inside"`` is optax's ``scale_by_rss`` (bit for bit, including its zero update
+    where the sum is 0); ``"outside"`` is torch's and TensorFlow's Adagrad. The state
+    is optax's ``ScaleByRssState``.
+
+    Args:
+        initial_accumulator_value: starting value of the sums, >= 0.
+        eps: small constant keeping the denominator away from 0.
+        eps_placement: ``"inside"`` or ``"outside"`` the square root.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> from masked_jax import optim
+        >>> t = optim.scale_by_rss(initial_accumulator_value=0.0, eps_placement="outside")
+        >>> t.update(jnp.array([3.0]), t.init(jnp.zeros(1)))[0]
+        Array([1.], dtype=float32)
+    """
+    if eps_placement not in _PLACEMENTS:
+        raise ValueError(f"eps_placement must be one of {_PLACEMENTS}; got {eps_placement!r}.")
+
+    def init_fn(params):
+        return optax.ScaleByRssState(
+            sum_of_squares=jax.tree_util.tree_map(
+                lambda p: jnp.full_like(p, initial_accumulator_value), params))
+
+    def inverse_root(t):
+        if eps_placement == "inside":
+            return jnp.where(t > 0, jax.lax.rsqrt(t + eps), 0.0)
+        return jnp.where(t > 0, 1.0 / (jnp.sqrt(t) + eps), 0.0)
+
+    def update_fn(updates, state, params=None):
+        del params
+        sums = jax.tree_util.tree_map(lambda g, t: (g.conj() * g).real + t, updates,
+                                      state.sum_of_squares)
+        updates = jax.tree_util.tree_map(lambda g, t: inverse_root(t).astype(g.dtype) * g,
+                                         updates, sums)
+        return updates, optax.ScaleByRssState(sum_of_squares=sums)
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+def masked_adagrad(learning_rate: optax.ScalarOrSchedule, initial_accumulator_value: float = 0.1,
+                   eps: float = 1e-7, *, eps_placement: str = "inside") -> optax.GradientTransformation:
+    """Adagrad that updates the accumulator and the parameters only where the gradient is valid.
+
+    ``lazy(chain(scale_by_rss(...), scale_by_learning_rate(learning_rate)))``. With a
+    plain-array gradient it is ``optax.adagrad`` (with the default
+    ``eps_placement="inside"``). With a ``MaskedArray`` or :class:`RowSparseArray`
+    gradient, entries where it is not valid keep their accumulator and parameter
+    bit-identical; for row-sparse gradients the work is O(rows touched).
+    ``eps_placement="outside"`` gives torch's ``Adagrad`` (``lr_decay=0``) and the
+    MaskedTensor seed's numbers.
+
+    Args:
+        learning_rate: a float or an optax schedule.
+        initial_accumulator_value: starting value of the sums of squares.
+        eps: small constant in the denominator.
+        eps_placement: ``"inside"`` (optax) or ``"outside"`` (torch, TensorFlow) the square root.
+
+    Examples:
+        >>> import jax.numpy as jnp, masked_jax as mj
+        >>> from masked_jax import optim
+        >>> param = jnp.arange(4.0)
+        >>> grad = mj.masked_array(jnp.array([3.0, 0.0, 5.0, 0.0]), jnp.array([True, False, True, False]))
+        >>> opt = optim.masked_adagrad(0.1, initial_accumulator_value=0.5, eps=1e-10,
+        ...                            eps_placement="outside")
+        >>> state = opt.init(param)
+        >>> updates, state = opt.update(grad, state)
+        >>> optim.apply_updates(param, updates)
+        Array([-0.09733285,  1.        ,  1.9009852 ,  3.        ], dtype=float32)
+
+    References:
+        Duchi, Hazan and Singer, Adaptive Subgradient Methods for Online Learning and
+        Stochastic Optimization, JMLR 2011.
+    """
+    return lazy(optax.chain(
+        scale_by_rss(initial_accumulator_value, eps, eps_placement),
+        optax.scale_by_learning_rate(learning_rate),
+    ))

@@ -1,0 +1,40 @@
+"""``apply_updates`` for dense, masked and row-sparse updates."""
+
+from __future__ import annotations
+
+import jax
+
+from masked_jax._core import MaskedArray, is_masked
+from masked_jax.optim._views import data_of, is_container, view
+
+
+def apply_updates(params, updates):
+    """``params + updates`` where each update is valid; parameters keep their dtype and storage.
+
+    Update leaves may be plain arrays (added everywhere), ``MaskedArray``s (added
+    where valid: other entries stay bit-identical) or :class:`RowSparseArray`s
+    (scatter-added into the stored rows; duplicate rows add up; O(K x dim)).
+    ``None`` leaves leave the parameter alone. A ``MaskedArray`` parameter keeps its
+    mask. Inside a jitted step that donates ``params`` the scatter is in place.
+
+    Examples:
+        >>> import jax.numpy as jnp, masked_jax as mj
+        >>> from masked_jax import optim
+        >>> table = jnp.zeros((4, 2))
+        >>> up = mj.row_sparse(jnp.ones((2, 2)), jnp.array([3, 3]), (4, 2))
+        >>> optim.apply_updates(table, up)[3]
+        Array([2., 2.], dtype=float32)
+    """
+
+    def one(p, u):
+        if u is None:
+            return p
+        data = data_of(p)
+        if tuple(u.shape) != tuple(data.shape):
+            raise ValueError(f"apply_updates: an update of shape {tuple(u.shape)} for a parameter of "
+                             f"shape {tuple(data.shape)}; they must match.")
+        v, values = view(u, coalesce=False)
+        new = v.add(data, values)
+        return MaskedArray._from_pair(new, p.mask) if is_masked(p) else new
+
+    return jax.tree_util.tree_map(one, params, updates, is_leaf=lambda x: x is None or is_container(x))

@@ -1,0 +1,142 @@
+"""``lazy(inner)``: any optax transformation, updating only where the gradient is valid."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from masked_jax.optim._views import data_of, is_container, view
+
+
+class _Reference(NamedTuple):
+    """The parameters' tree structure and leaf shapes, read off the gradient (or the parameters)."""
+
+    treedef: object
+    shapes: tuple
+
+    @classmethod
+    def of(cls, tree):
+        leaves, treedef = jax.tree_util.tree_flatten(tree, is_leaf=is_container)
+        return cls(treedef, tuple(np.shape(x) if not is_container(x) else x.shape for x in leaves))
+
+    def matches(self, node) -> bool:
+        """Is ``node`` a parameter-shaped subtree of the optimizer state (e.g. adam's ``mu``)?"""
+        leaves, treedef = jax.tree_util.tree_flatten(node)
+        return treedef == self.treedef and tuple(np.shape(x) for x in leaves) == self.shapes
+
+
+def _map_param_shaped(ref: _Reference, fn, state, *rest):
+    """Apply ``fn(leaves_of_state_subtree, *leaves_of_rest_subtrees) -> leaves`` to every
+    parameter-shaped subtree of ``state``; global leaves (step counts, keys) come from the last tree."""
+
+    def one(node, *others):
+        if not ref.matches(node):
+            return others[-1] if others else node
+        leaves, treedef = jax.tree_util.tree_flatten(node)
+        other_leaves = [jax.tree_util.tree_leaves(o) for o in others]
+        return jax.tree_util.tree_unflatten(treedef, fn(leaves, *other_leaves))
+
+    return jax.tree_util.tree_map(one, state, *rest, is_leaf=ref.matches)
+
+
+def _check_liftable(ref: _Reference, state) -> None:
+    """Reject state a row or mask cannot be cut out of: non-scalar float state that is not shaped
+    like the parameters (factored second moments, per-row statistics)."""
+
+    def check(path, node):
+        if ref.matches(node):
+            return
+        if jnp.issubdtype(jnp.result_type(node), jnp.inexact) and np.ndim(node) > 0:
+            raise ValueError(
+                f"lazy() cannot lift this transformation: its state leaf "
+                f"{jax.tree_util.keystr(path)} has shape {np.shape(node)}, which is neither a "
+                f"parameter's shape (per-entry state, updated where the gradient is valid) nor a "
+                f"scalar (global state, e.g. a step count). State that mixes entries (factored "
+                f"moments as in adafactor, per-row norms) cannot be updated lazily."
+            )
+
+    jax.tree_util.tree_map_with_path(check, state, is_leaf=ref.matches)
+
+
+def lazy(inner: optax.GradientTransformation) -> optax.GradientTransformation:
+    """Lift an optax transformation to lazy masked / row-sparse semantics.
+
+    Gradient leaves may be plain arrays (every entry valid), ``MaskedArray``s
+    (valid where the mask is True) or :class:`RowSparseArray`s (valid on the stored
+    rows; duplicates are summed first). Parameters and every parameter-shaped state
+    leaf (adam's ``mu`` and ``nu``, momentum traces, adagrad sums) change only where
+    the gradient is valid and stay bit-identical elsewhere; global state (step
+    counts, schedules) advances as in ``inner``.
+
+    For row-sparse gradients the touched rows of the parameters and state are
+    gathered, ``inner.update`` runs on those ``K`` rows only, and the result is
+    scattered back: O(K x dim) work and memory (torch ``SparseAdam``, MXNet
+    ``lazy_update``). ``inner`` sees untouched entries as absent, so norms (as in
+    ``optax.clip_by_global_norm``) are over valid entries only. Updates come back in
+    the gradient's storage: apply them with :func:`apply_updates`.
+
+    With plain-array gradients ``lazy(inner)`` is ``inner``, exactly.
+
+    Rejected (``ValueError`` at ``init``): transformations whose state mixes entries
+    (non-scalar float state not shaped like the parameters, e.g. factored adafactor).
+    Stateless transformations that mix entries of one parameter (trust ratios as in
+    LARS/LAMB) are accepted but then see only the touched rows.
+
+    Args:
+        inner: the optax transformation to lift.
+
+    Returns:
+        An ``optax.GradientTransformation`` with the same state as ``inner``.
+
+    Examples:
+        >>> import jax.numpy as jnp, optax, masked_jax as mj
+        >>> from masked_jax import optim
+        >>> params = jnp.zeros((4, 2))
+        >>> opt = optim.lazy(optax.adam(0.1))
+        >>> state = opt.init(params)
+        >>> g = mj.row_sparse(jnp.ones((1, 2)), jnp.array([2]), (4, 2))
+        >>> updates, state = opt.update(g, state, params)
+        >>> updates
+        RowSparseArray(float32[4, 2], rows=2)
+        >>> optim.apply_updates(params, updates).round(3)
+        Array([[ 0. ,  0. ],
+               [ 0. ,  0. ],
+               [-0.1, -0.1],
+               [ 0. ,  0. ]], dtype=float32)
+    """
+
+    def init_fn(params):
+        params = jax.tree_util.tree_map(data_of, params, is_leaf=is_container)
+        state = inner.init(params)
+        _check_liftable(_Reference.of(params), state)
+        return state
+
+    def update_fn(updates, state, params=None):
+        if params is not None:
+            params = jax.tree_util.tree_map(data_of, params, is_leaf=is_container)
+        leaves, treedef = jax.tree_util.tree_flatten(updates, is_leaf=is_container)
+        if not any(is_container(g) for g in leaves):
+            return inner.update(updates, state, params)
+        ref = _Reference.of(updates)
+        views, gathered = zip(*(view(g) for g in leaves)) if leaves else ((), ())
+        views = list(views)
+
+        def gather(xs):
+            return [v.gather(x) for v, x in zip(views, xs)]
+
+        if params is not None:
+            params = jax.tree_util.tree_unflatten(treedef, gather(treedef.flatten_up_to(params)))
+        inner_state = _map_param_shaped(ref, gather, state)
+        u, new_inner_state = inner.update(jax.tree_util.tree_unflatten(treedef, list(gathered)),
+                                          inner_state, params)
+        new_state = _map_param_shaped(
+            ref, lambda old, new: [v.scatter(o, n) for v, o, n in zip(views, old, new)],
+            state, new_inner_state)
+        u_leaves = treedef.flatten_up_to(u)
+        return jax.tree_util.tree_unflatten(treedef, [v.wrap(x) for v, x in zip(views, u_leaves)]), new_state
+
+    return optax.GradientTransformation(init_fn, update_fn)

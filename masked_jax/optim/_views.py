@@ -1,0 +1,109 @@
+"""How a gradient leaf sees a parameter-shaped array: all of it, its valid entries, or its rows.
+
+One ``_View`` per gradient leaf, shared by :func:`lazy` (which gathers parameters
+and optimizer state through it and scatters the results back) and
+:func:`apply_updates` (which adds an update through it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from masked_jax._core import MaskedArray, is_masked
+from masked_jax._storage import SparseMasked
+from masked_jax.layouts.rows import RowSparseArray
+
+
+def is_container(x) -> bool:
+    return isinstance(x, (MaskedArray, SparseMasked))
+
+
+def data_of(x):
+    """The array an optimizer works on: a masked parameter's data, or the array itself."""
+    return x.data if is_masked(x) else x
+
+
+def at_least_two_rows(x: RowSparseArray) -> RowSparseArray:
+    """Pad a one-row array with a padding row.
+
+    With a single index XLA rewrites gather and scatter as dynamic slices, and a
+    read-then-write of the same table then copies the whole table (measured: 160 ms
+    instead of 0.05 ms per step on 2M x 64). Two indices keep it an in-place scatter.
+    """
+    if x.nse >= 2:
+        return x
+    pad = 2 - x.nse
+    data = jnp.concatenate([x.data, jnp.zeros((pad,) + x.data.shape[1:], x.dtype)])
+    indices = jnp.concatenate([x.indices, jnp.full((pad,), x.shape[0], x.indices.dtype)])
+    return RowSparseArray._make(x.shape, data, indices, x.unique_indices)
+
+
+@dataclasses.dataclass(frozen=True)
+class _View:
+    kind: str  # "dense" | "masked" | "rows"
+    shape: tuple
+    mask: jax.Array | None = None  # "masked": same shape as the parameter
+    indices: jax.Array | None = None  # "rows": (K,) unique row indices, padding = shape[0]
+
+    def _row_mask(self, ndim):
+        valid = self.indices < self.shape[0]
+        return valid.reshape((-1,) + (1,) * (ndim - 1))
+
+    def gather(self, x):
+        """The part of a parameter-shaped array this gradient touches (zeros where it does not)."""
+        if self.kind == "dense":
+            return x
+        if self.kind == "masked":
+            return jnp.where(self.mask, x, jnp.zeros((), x.dtype))
+        return jnp.take(x, self.indices, axis=0, mode="fill", fill_value=0)
+
+    def scatter(self, old, new):
+        """``old`` with the touched part replaced by ``new`` (as gathered); the rest bit-identical."""
+        new = new.astype(old.dtype)
+        if self.kind == "dense":
+            return new
+        if self.kind == "masked":
+            return jnp.where(self.mask, new, old)
+        return old.at[self.indices].set(new, mode="drop")
+
+    def add(self, param, update):
+        """``param + update`` on the touched part only; dtype of ``param`` kept."""
+        update = update.astype(param.dtype)
+        if self.kind == "dense":
+            return param + update
+        if self.kind == "masked":
+            return jnp.where(self.mask, param + update, param)
+        return param.at[self.indices].add(update, mode="drop")
+
+    def wrap(self, u):
+        """An update (as gathered) in the storage of the gradient it came from."""
+        zero = jnp.zeros((), u.dtype)
+        if self.kind == "dense":
+            return u
+        if self.kind == "masked":
+            return MaskedArray._from_pair(jnp.where(self.mask, u, zero), self.mask)
+        u = jnp.where(self._row_mask(u.ndim), u, zero)
+        return RowSparseArray._make(self.shape, u, self.indices, True)
+
+
+def view(g, *, coalesce: bool = True):
+    """``(view, data)`` for a gradient leaf: how it touches its parameter, and its values as gathered.
+
+    Row-sparse gradients are coalesced (duplicate rows summed: the update is nonlinear)
+    unless ``coalesce=False`` (a plain sum, as in :func:`apply_updates`).
+    """
+    if isinstance(g, SparseMasked) and not isinstance(g, RowSparseArray):
+        g = g.todense()  # BCOO: entry sets are not row sets; work on the dense-storage mask
+    if isinstance(g, RowSparseArray):
+        if coalesce:
+            g = g.coalesce()
+        g = at_least_two_rows(g)
+        v = _View("rows", g.shape, indices=jnp.where(g.row_valid(), g.indices, g.shape[0]))
+        return v, jnp.where(v._row_mask(g.ndim), g.data, jnp.zeros((), g.dtype))
+    if is_masked(g):
+        return _View("masked", g.shape, mask=g.mask), g.filled(0)
+    g = jnp.asarray(g)
+    return _View("dense", g.shape), g
