@@ -1,0 +1,188 @@
+"""Row-sparse optimizer steps on an N x 64 float32 embedding table with K touched rows.
+
+For N in {200k, 2M} and K in {1k, 10k, 100k} (ids drawn with replacement, so duplicates
+occur as in real batches) it times one optimizer step (update + apply, jitted, params and
+state donated) of
+
+* ``masked_adagrad`` and ``lazy(optax.adam)`` on a row-sparse gradient,
+* dense ``optax.adagrad`` / ``optax.adam`` on the same gradient as a dense array (jit + donation),
+* a hand-written lazy Adam in plain JAX (unique + segment_sum, gather, update, scatter),
+* ``torch.optim.Adagrad`` and ``torch.optim.SparseAdam`` on a sparse COO gradient,
+
+and a memory-bandwidth bound: bytes the lazy step must touch (K rows of gradient, and of
+parameters and state, read and written) divided by the measured copy bandwidth.
+Prints a table of medians and ratios, and saves a log-log plot of time against K to
+``benchmarks/results/optim.png``.
+
+Run: ``.venv/bin/python benchmarks/optim.py`` (``--quick`` for a small smoke run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+sys.path.insert(0, os.path.dirname(__file__))
+import masked_jax as mj  # noqa: E402
+from masked_jax import optim  # noqa: E402
+from _timing import RESULTS, interleaved_medians  # noqa: E402
+
+DIM = 64
+LR = 1e-2
+
+
+def copy_bandwidth(nbytes=256 * 2**20, repeats=7):
+    """Bytes per second of a large array copy (one read plus one write per byte copied)."""
+    src = np.ones(nbytes // 4, np.float32)
+    dst = np.empty_like(src)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        times.append(time.perf_counter() - t0)
+    return 2 * nbytes / float(np.median(times))
+
+
+def hand_lazy_adam_step(p, m, v, count, ids, vals, b1=0.9, b2=0.999, eps=1e-8):
+    """Lazy Adam in plain JAX: what a user would write by hand."""
+    n, k = p.shape[0], ids.shape[0]
+    ordered = jnp.sort(ids)  # sum duplicate rows: sort, first of each run, searchsorted
+    first = jnp.concatenate([jnp.ones(1, bool), ordered[1:] != ordered[:-1]])
+    uniq = jnp.full(max(k, 2), n, ids.dtype).at[jnp.cumsum(first) - 1].min(ordered)
+    g = jax.ops.segment_sum(vals, jnp.searchsorted(uniq, ids), num_segments=uniq.shape[0])
+    count = count + 1
+    m_rows = b1 * jnp.take(m, uniq, axis=0, mode="fill", fill_value=0) + (1 - b1) * g
+    v_rows = b2 * jnp.take(v, uniq, axis=0, mode="fill", fill_value=0) + (1 - b2) * g * g
+    m_hat = m_rows / (1 - b1 ** count)
+    v_hat = v_rows / (1 - b2 ** count)
+    p = p.at[uniq].add(-LR * m_hat / (jnp.sqrt(v_hat) + eps), mode="drop")
+    return p, m.at[uniq].set(m_rows, mode="drop"), v.at[uniq].set(v_rows, mode="drop"), count
+
+
+class Stepper:
+    """Holds donated buffers; each call runs one step and keeps the outputs for the next."""
+
+    def __init__(self, step, *carry, args=()):
+        self.step, self.carry, self.args = step, carry, args
+
+    def __call__(self):
+        self.carry = self.step(*self.carry, *self.args)
+        return self.carry
+
+
+def optax_stepper(opt, table, grad):
+    def step(p, s, g):
+        u, s = opt.update(g, s, p)
+        return optim.apply_updates(p, u), s
+
+    return Stepper(jax.jit(step, donate_argnums=(0, 1)), table, opt.init(table), args=(grad,))
+
+
+def torch_stepper(make, table_np, ids, vals):
+    import torch
+
+    param = torch.nn.Parameter(torch.tensor(table_np))
+    opt = make([param])
+    with torch.sparse.check_sparse_tensor_invariants():
+        grad = torch.sparse_coo_tensor(torch.tensor(ids)[None], torch.tensor(vals), param.shape)
+
+    def step():
+        param.grad = grad
+        opt.step()
+        return None
+
+    return step
+
+
+def run(n, k, bandwidth, with_torch=True, rounds=3):
+    import torch
+
+    rng = np.random.default_rng(0)
+    table_np = (0.1 * rng.normal(size=(n, DIM))).astype(np.float32)
+    ids = rng.integers(0, n, size=k).astype(np.int32)
+    vals = rng.normal(size=(k, DIM)).astype(np.float32)
+    grad = mj.row_sparse(jnp.asarray(vals), jnp.asarray(ids), (n, DIM))
+    dense_grad = grad.todense().filled(0)
+    fresh = lambda: jnp.asarray(table_np)  # noqa: E731  (each stepper owns its donated table)
+    fns = {
+        "masked_adagrad": optax_stepper(optim.masked_adagrad(LR), fresh(), grad),
+        "lazy_adam": optax_stepper(optim.lazy(optax.adam(LR)), fresh(), grad),
+        "hand_scatter_adam": Stepper(jax.jit(hand_lazy_adam_step, donate_argnums=(0, 1, 2)),
+                                     fresh(), jnp.zeros((n, DIM)), jnp.zeros((n, DIM)), jnp.zeros(()),
+                                     args=(jnp.asarray(ids), jnp.asarray(vals))),
+        "dense_adagrad": optax_stepper(optax.adagrad(LR), fresh(), dense_grad),
+        "dense_adam": optax_stepper(optax.adam(LR), fresh(), dense_grad),
+    }
+    if with_torch:
+        torch.set_num_threads(os.cpu_count() or 1)
+        fns["torch_adagrad"] = torch_stepper(lambda ps: torch.optim.Adagrad(ps, lr=LR), table_np, ids, vals)
+        fns["torch_sparse_adam"] = torch_stepper(lambda ps: torch.optim.SparseAdam(ps, lr=LR), table_np, ids, vals)
+    slow = {"dense_adagrad", "dense_adam"}
+    t = interleaved_medians({k_: f for k_, f in fns.items() if k_ not in slow}, rounds=rounds, block=5)
+    t.update(interleaved_medians({k_: f for k_, f in fns.items() if k_ in slow}, rounds=2, block=2, warmup=1))
+    touched = min(k, n) * DIM * 4
+    t["bound_adam"] = 7 * touched / bandwidth  # grad read; param, mu, nu read + written
+    t["bound_adagrad"] = 5 * touched / bandwidth  # grad read; param, sum read + written
+    return t
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args(argv)
+    sizes = (20_000, 200_000) if args.quick else (200_000, 2_000_000)
+    ks = (1_000, 10_000) if args.quick else (1_000, 10_000, 100_000)
+    bandwidth = copy_bandwidth()
+    print(f"backend {jax.default_backend()}, {os.cpu_count()} cores, copy bandwidth {bandwidth / 1e9:.1f} GB/s")
+    results = {(n, k): run(n, k, bandwidth) for n in sizes for k in ks}
+    cols = ["masked_adagrad", "lazy_adam", "hand_scatter_adam", "dense_adagrad", "dense_adam",
+            "torch_adagrad", "torch_sparse_adam", "bound_adam"]
+    print("\nmedian ms per step (update + apply, jit, donated)")
+    print("| N | K | " + " | ".join(cols) + " | dense_adam / lazy_adam | lazy_adam / hand | "
+          "torch_adagrad / masked_adagrad | torch_sparse_adam / lazy_adam |")
+    print("|" + "---|" * (len(cols) + 6))
+    for (n, k), t in results.items():
+        ms = " | ".join(f"{t[c] * 1e3:.3f}" for c in cols)
+        print(f"| {n:,} | {k:,} | {ms} | {t['dense_adam'] / t['lazy_adam']:.0f}x | "
+              f"{t['lazy_adam'] / t['hand_scatter_adam']:.2f}x | "
+              f"{t['torch_adagrad'] / t['masked_adagrad']:.1f}x | {t['torch_sparse_adam'] / t['lazy_adam']:.1f}x |")
+    lo, hi = sizes
+    print(f"\nstep time growth N={lo:,} -> N={hi:,} (same K)")
+    for k in ks:
+        print(f"  K={k:,}: masked_adagrad {results[(hi, k)]['masked_adagrad'] / results[(lo, k)]['masked_adagrad']:.2f}x,"
+              f" lazy_adam {results[(hi, k)]['lazy_adam'] / results[(lo, k)]['lazy_adam']:.2f}x")
+    plot(results, sizes, ks, os.path.join(RESULTS, "optim.png"))
+
+
+def plot(results, sizes, ks, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fig, axes = plt.subplots(1, len(sizes), figsize=(11, 4), sharey=True)
+    for ax, n in zip(axes, sizes):
+        for impl in next(iter(results.values())):
+            ax.plot(ks, [results[(n, k)][impl] * 1e3 for k in ks], marker="o", label=impl,
+                    linestyle="--" if impl.startswith("bound") else "-")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("K (touched rows)")
+        ax.set_title(f"N = {n:,} x {DIM}")
+    axes[0].set_ylabel("median ms per step")
+    axes[-1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"plot saved to {path}")
+
+
+if __name__ == "__main__":
+    main()
