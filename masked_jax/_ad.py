@@ -20,11 +20,8 @@ import numpy as np
 
 from masked_jax import _lookup
 from masked_jax._core import MaskedArray, is_masked
+from masked_jax._core import is_container as _is_container
 from masked_jax._storage import SparseMasked
-
-
-def _is_container(x) -> bool:
-    return isinstance(x, (MaskedArray, SparseMasked))
 
 
 def _split(tree):

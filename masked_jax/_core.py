@@ -494,6 +494,11 @@ def from_numpy_ma(a) -> MaskedArray:
     return MaskedArray(_check_data(data, "a"), jnp.asarray(valid))
 
 
+def is_container(x: Any) -> bool:
+    """Whether ``x`` is a masked array in any storage: a leaf for masked-aware tree maps."""
+    return isinstance(x, (MaskedArray, _layouts.SparseMasked))
+
+
 def is_masked(x: Any) -> bool:
     """Whether ``x`` is a :class:`MaskedArray`.
 

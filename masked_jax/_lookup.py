@@ -25,14 +25,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from masked_jax._core import MaskedArray, is_masked
+from masked_jax._core import MaskedArray, is_container, is_masked
 from masked_jax._storage import SparseMasked
-from masked_jax.layouts.rows import RowSparseArray
+from masked_jax.layouts.rows import RowSparseArray, pad_indices
 
 
 def _normalize_ids(ids, n: int):
     """Integer ids with negatives wrapped as numpy does; ids still out of range stay out of range."""
-    if isinstance(ids, (MaskedArray, SparseMasked)):
+    if is_container(ids):
         raise TypeError("lookup ids must be a plain integer array, not a masked array.")
     ids = jnp.asarray(ids)
     if not jnp.issubdtype(ids.dtype, jnp.integer):
@@ -83,11 +83,9 @@ class _LookupRows(RowSparseArray):
 
     @classmethod
     def tree_unflatten(cls, aux, children):
-        obj = object.__new__(cls)
-        obj.data, obj.indices = children
-        obj.shape, obj.segments = aux
-        obj.unique_indices = False
-        obj._cursor = 0
+        shape, segments = aux
+        obj = super().tree_unflatten((shape, False), children)
+        obj.segments, obj._cursor = segments, 0
         return obj
 
     def with_data(self, data):
@@ -166,20 +164,16 @@ def lookup(table, ids):
     return _read(table, _normalize_ids(ids, table.shape[0]))
 
 
-def _is_container(x) -> bool:
-    return isinstance(x, (MaskedArray, SparseMasked))
-
-
 def _flags(spec, arg):
     """Per-leaf bools from ``spec`` (True, a prefix tree of bools, or a callable on ``arg``)."""
     if callable(spec):
         spec = spec(arg)
     if isinstance(spec, bool):
-        return jax.tree_util.tree_map(lambda _: spec, arg, is_leaf=_is_container)
+        return jax.tree_util.tree_map(lambda _: spec, arg, is_leaf=is_container)
     try:
         return jax.tree_util.tree_map(
-            lambda flag, sub: jax.tree_util.tree_map(lambda _: bool(flag), sub, is_leaf=_is_container),
-            spec, arg, is_leaf=_is_container)
+            lambda flag, sub: jax.tree_util.tree_map(lambda _: bool(flag), sub, is_leaf=is_container),
+            spec, arg, is_leaf=is_container)
     except ValueError as err:
         raise ValueError(f"row_sparse must be a bool, a callable, or a prefix of the argument's "
                          f"pytree structure with bool leaves: {err}") from None
@@ -188,32 +182,34 @@ def _flags(spec, arg):
 def substitute(fun, args, kwargs, nums, spec):
     """Return ``args`` with the selected tables replaced by the rows ``fun`` reads from them."""
     specs = spec if len(nums) > 1 and isinstance(spec, tuple) else (spec,) * len(nums)
-    args = list(args)
-    recorders = {}
+    flat = {}  # argnum -> (leaves, treedef), the selected tables replaced by recorders
     for i, s in zip(nums, specs):
         flags = jax.tree_util.tree_leaves(_flags(s, args[i]))  # bools: one per container leaf
-        leaves, treedef = jax.tree_util.tree_flatten(args[i], is_leaf=_is_container)
+        leaves, treedef = jax.tree_util.tree_flatten(args[i], is_leaf=is_container)
         for j, (flag, leaf) in enumerate(zip(flags, leaves)):
             if flag:
                 if not isinstance(leaf, (jax.Array, np.ndarray)) or np.ndim(leaf) == 0:
                     raise TypeError(f"row_sparse must select plain arrays of shape (N, ...) (the "
                                     f"tables); got {type(leaf).__name__} of shape {np.shape(leaf)}.")
-                leaves[j] = recorders[(i, j)] = _Recorder(jnp.asarray(leaf))
-        args[i] = (leaves, treedef)
-    discovery = list(args)
-    for i in nums:
-        discovery[i] = jax.tree_util.tree_unflatten(args[i][1], args[i][0])
-    fun(*discovery, **kwargs)
-    for (i, j), rec in recorders.items():
-        ids = [r.reshape(-1) for r in rec.ids]
-        if sum(r.size for r in ids) == 1:  # one id: see optim._views.at_least_two_rows
-            ids.append(jnp.full((1,), rec.shape[0], jnp.int32))
-        ids = jnp.concatenate(ids) if ids else jnp.zeros((0,), jnp.int32)
-        args[i][0][j] = _LookupRows.tree_unflatten(
-            (rec.shape, tuple(r.shape for r in rec.ids)), (_read(rec.table, ids), ids))
-    for i in nums:
-        args[i] = jax.tree_util.tree_unflatten(args[i][1], args[i][0])
-    return args
+                leaves[j] = _Recorder(jnp.asarray(leaf))
+        flat[i] = (leaves, treedef)
+
+    def with_leaves(replace):
+        out = list(args)
+        for i, (leaves, treedef) in flat.items():
+            out[i] = jax.tree_util.tree_unflatten(treedef, [replace(x) for x in leaves])
+        return out
+
+    fun(*with_leaves(lambda x: x), **kwargs)  # the discovery run: the recorders note the ids
+
+    def replay(x):
+        if not isinstance(x, _Recorder):
+            return x
+        ids = jnp.concatenate([r.reshape(-1) for r in x.ids]) if x.ids else jnp.zeros((0,), jnp.int32)
+        ids = pad_indices(ids, x.shape[0]) if ids.shape[0] == 1 else ids
+        return _LookupRows.tree_unflatten((x.shape, tuple(r.shape for r in x.ids)), (_read(x.table, ids), ids))
+
+    return with_leaves(replay)
 
 
 def as_row_sparse(grads):

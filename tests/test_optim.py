@@ -148,6 +148,15 @@ def test_lazy_rejects_state_that_mixes_entries():
         optim.lazy(optax.adafactor(0.1, min_dim_size_to_factor=4)).init({"w": jnp.zeros((8, 8))})
 
 
+def test_bad_arguments_are_named():
+    with pytest.raises(TypeError, match="inner must be an optax.GradientTransformation"):
+        optim.lazy(optax.adam)  # the factory, not the transformation
+    with pytest.raises(TypeError, match="optimizer must be an optax.GradientTransformation"):
+        optim.make_train_step(lambda p: jnp.sum(p), "adam")
+    with pytest.raises(TypeError, match="loss_fn must be callable"):
+        optim.make_train_step(None, optax.sgd(0.1))
+
+
 def test_global_state_advances_with_inner():
     opt = optim.lazy(optax.adam(0.1))
     _, state = _run(opt, _row_grads(steps=3))

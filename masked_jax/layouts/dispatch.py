@@ -23,7 +23,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from masked_jax._core import MaskedArray, _unwrap, _wrap
+from masked_jax._core import MaskedArray, _unwrap, _wrap, is_container
 from masked_jax._storage import SparseMasked, fallback
 from masked_jax.layouts.bcoo import BCOOMaskedArray
 from masked_jax.layouts.rows import RowSparseArray
@@ -38,7 +38,7 @@ def is_sparse(x) -> bool:
 
 
 def _is_scalar(x) -> bool:
-    return not isinstance(x, (MaskedArray, SparseMasked)) and np.ndim(x) == 0
+    return not is_container(x) and np.ndim(x) == 0
 
 
 def apply(name: str, family: str, rule, operands, args, kwargs, dense_call):

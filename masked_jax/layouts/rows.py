@@ -154,6 +154,29 @@ class RowSparseArray(SparseMasked):
         return cls._make(dense.shape, data, idx, True)
 
 
+def pad_indices(indices, n: int, min_rows: int = 2):
+    """``indices`` with padding rows (index ``n``) appended up to ``min_rows``.
+
+    With a single index XLA rewrites gather and scatter as dynamic slices, and a
+    read-then-write of the same table then copies the whole table (measured: 160 ms
+    instead of 0.05 ms per step on 2M x 64, with or without donation). Two indices
+    keep it an in-place scatter. Used by the optimizers and by row-sparse lookups.
+    """
+    pad = min_rows - indices.shape[0]
+    if pad <= 0:
+        return indices
+    return jnp.concatenate([indices, jnp.full((pad,), n, indices.dtype)])
+
+
+def at_least_two_rows(x: RowSparseArray) -> RowSparseArray:
+    """``x`` with a zero padding row appended if it stores a single row (see :func:`pad_indices`)."""
+    indices = pad_indices(x.indices, x.shape[0])
+    if indices is x.indices:
+        return x
+    pad = jnp.zeros((indices.shape[0] - x.nse,) + x.data.shape[1:], x.dtype)
+    return RowSparseArray._make(x.shape, jnp.concatenate([x.data, pad]), indices, x.unique_indices)
+
+
 def row_sparse(data, indices, shape, *, unique_indices: bool = False) -> RowSparseArray:
     """Row-sparse array of ``shape`` with rows ``data[i]`` at row ``indices[i]``.
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from masked_jax.ops._base import Pair, fill, materialize, normalize_axis
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import jax
 
-from masked_jax._core import MaskedArray, is_masked
-from masked_jax.optim._views import data_of, is_container, view
+from masked_jax._core import MaskedArray, is_container, is_masked
+from masked_jax.optim._views import data_of, view
 
 
 def apply_updates(params, updates):

@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from masked_jax.optim._views import data_of, is_container, view
+from masked_jax._core import is_container
+from masked_jax.optim._views import data_of, view
 
 
 class _Reference(NamedTuple):
@@ -62,6 +63,12 @@ def _check_liftable(ref: _Reference, state) -> None:
     jax.tree_util.tree_map_with_path(check, state, is_leaf=ref.matches)
 
 
+def _check_transformation(obj, argname: str) -> None:
+    if not (callable(getattr(obj, "init", None)) and callable(getattr(obj, "update", None))):
+        raise TypeError(f"{argname} must be an optax.GradientTransformation (with init and update); "
+                        f"got {type(obj).__name__}.")
+
+
 def lazy(inner: optax.GradientTransformation) -> optax.GradientTransformation:
     """Lift an optax transformation to lazy masked / row-sparse semantics.
 
@@ -109,6 +116,8 @@ def lazy(inner: optax.GradientTransformation) -> optax.GradientTransformation:
                [ 0. ,  0. ]], dtype=float32)
     """
 
+    _check_transformation(inner, "inner")
+
     def init_fn(params):
         params = jax.tree_util.tree_map(data_of, params, is_leaf=is_container)
         state = inner.init(params)
@@ -122,8 +131,11 @@ def lazy(inner: optax.GradientTransformation) -> optax.GradientTransformation:
         if not any(is_container(g) for g in leaves):
             return inner.update(updates, state, params)
         ref = _Reference.of(updates)
-        views, gathered = zip(*(view(g) for g in leaves)) if leaves else ((), ())
-        views = list(views)
+        views, gathered = [], []
+        for g in leaves:
+            v, data = view(g)
+            views.append(v)
+            gathered.append(data)
 
         def gather(xs):
             return [v.gather(x) for v, x in zip(views, xs)]
@@ -131,7 +143,7 @@ def lazy(inner: optax.GradientTransformation) -> optax.GradientTransformation:
         if params is not None:
             params = jax.tree_util.tree_unflatten(treedef, gather(treedef.flatten_up_to(params)))
         inner_state = _map_param_shaped(ref, gather, state)
-        u, new_inner_state = inner.update(jax.tree_util.tree_unflatten(treedef, list(gathered)),
+        u, new_inner_state = inner.update(jax.tree_util.tree_unflatten(treedef, gathered),
                                           inner_state, params)
         new_state = _map_param_shaped(
             ref, lambda old, new: [v.scatter(o, n) for v, o, n in zip(views, old, new)],

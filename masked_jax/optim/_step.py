@@ -9,6 +9,7 @@ import optax
 
 from masked_jax._ad import value_and_grad
 from masked_jax.optim._apply import apply_updates
+from masked_jax.optim._lazy import _check_transformation
 
 
 def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation, *,
@@ -36,9 +37,13 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation, 
         (Array([0.5, 0.5], dtype=float32), Array(4., dtype=float32))
     """
 
+    if not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable as loss_fn(params, *batch); got {type(loss_fn).__name__}.")
+    _check_transformation(optimizer, "optimizer")
+    loss_and_grad = value_and_grad(loss_fn, has_aux=has_aux, row_sparse=row_sparse)
+
     def step(params, opt_state, *batch, **kwargs):
-        value, grads = value_and_grad(loss_fn, has_aux=has_aux, row_sparse=row_sparse)(
-            params, *batch, **kwargs)
+        value, grads = loss_and_grad(params, *batch, **kwargs)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return apply_updates(params, updates), opt_state, value
 
