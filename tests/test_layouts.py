@@ -52,21 +52,33 @@ OPS = {
     "mul_rowvec": (lambda x: mnp.multiply(x, ROWVEC), ROW),
     "sum": (mnp.sum, ALL), "max": (mnp.max, ALL), "mean": (mnp.mean, ALL), "var": (mnp.var, ALL),
     "logsumexp": (mnp.logsumexp, ALL),
-    "sum_axis0": (lambda x: mnp.sum(x, axis=0), ROW), "sum_axis1": (lambda x: mnp.sum(x, axis=1), ROW),
-    "mean_axis0": (lambda x: mnp.mean(x, axis=0), ROW), "std_axis1": (lambda x: mnp.std(x, axis=1), ROW),
-    "max_axis1": (lambda x: mnp.max(x, axis=1), ROW), "median_axis0": (lambda x: mnp.median(x, axis=0), ROW),
-    "softmax_axis1": (lambda x: mnn.softmax(x, axis=1), ROW),
-    "softmax_axis0": (lambda x: mnn.softmax(x, axis=0), ROW),
-    "log_softmax_axis1": (lambda x: mnn.log_softmax(x, axis=1), ROW),
+    "sum_axis0": (lambda x: mnp.sum(x, axis=0), ALL), "sum_axis1": (lambda x: mnp.sum(x, axis=1), ALL),
+    "mean_axis0": (lambda x: mnp.mean(x, axis=0), ALL), "std_axis1": (lambda x: mnp.std(x, axis=1), ALL),
+    "var_axis0_ddof1": (lambda x: mnp.var(x, axis=0, ddof=1), ALL),
+    "max_axis1": (lambda x: mnp.max(x, axis=1), ALL), "min_axis0": (lambda x: mnp.min(x, axis=0), ALL),
+    "prod_axis1": (lambda x: mnp.prod(x, axis=1), ALL), "ptp_axis0": (lambda x: mnp.ptp(x, axis=0), ALL),
+    "logsumexp_axis1": (lambda x: mnp.logsumexp(x, axis=1), ALL),
+    "norm_axis0": (lambda x: mnp.norm(x, axis=0), ALL), "norm1_axis1": (lambda x: mnp.norm(x, ord=1, axis=1), ALL),
+    "any_axis1": (lambda x: mnp.any(x > 1.0, axis=1), ALL), "all_axis0": (lambda x: mnp.all(x > 1.0, axis=0), ALL),
+    "sum_keepdims": (lambda x: mnp.sum(x, axis=1, keepdims=True), ALL),
+    "median_axis0": (lambda x: mnp.median(x, axis=0), ROW),
+    "softmax_axis1": (lambda x: mnn.softmax(x, axis=1), ALL),
+    "softmax_axis0": (lambda x: mnn.softmax(x, axis=0), ALL),
+    "log_softmax_axis1": (lambda x: mnn.log_softmax(x, axis=1), ALL),
+    "softmin_axis0": (lambda x: mnn.softmin(x, axis=0), ALL),
+    "normalize_axis1": (lambda x: mnn.normalize(x, axis=1), ALL),
     "matmul_dense": (lambda x: x @ W, ALL),
-    "mul_same_layout": (lambda x: x * (x + 1.0), ALL - {"bcoo_batch"}),
+    "mul_same_layout": (lambda x: x * (x + 1.0), ALL),
     "transpose": (mnp.transpose, {"dense"}),
     "argmax": (lambda x: mnp.argmax(x, axis=0), {"dense"}),
 }
 
 
-# Ops whose result is dense by nature (reductions across the stored axis or the whole array).
-DENSE_RESULT = {"sum", "max", "mean", "var", "logsumexp", "sum_axis0", "mean_axis0", "median_axis0"}
+# Ops whose result is dense by nature: whole-array reductions on every layout, and on row-sparse
+# storage the reductions across the stored axis (BCOO keeps a BCOO result along any axis).
+DENSE_RESULT = {"sum", "max", "mean", "var", "logsumexp"}
+ACROSS_ROWS = {"sum_axis0", "mean_axis0", "median_axis0", "var_axis0_ddof1", "min_axis0", "ptp_axis0", "norm_axis0",
+               "all_axis0"}
 
 
 def _dense_of(y):
@@ -92,7 +104,9 @@ def test_layout_matches_dense_masked_result(op, layout):
     fell_back = any(issubclass(w.category, mj.StorageFallbackWarning) for w in caught)
     assert fell_back == (layout not in keeps), f"{op} on {layout}: fallback={fell_back}"
     if layout in keeps and layout != "dense":
-        expected = "dense" if op in DENSE_RESULT or (op == "matmul_dense" and layout != "row_sparse") else STORAGE[layout]
+        across_rows = op in ACROSS_ROWS and layout == "row_sparse"
+        bcoo_matmul = op == "matmul_dense" and layout != "row_sparse"
+        expected = "dense" if op in DENSE_RESULT or across_rows or bcoo_matmul else STORAGE[layout]
         assert getattr(got, "storage", "dense") == expected, f"{op} on {layout} gave {got!r}"
     _same(got, want)
     jitted = jax.jit(fn)
@@ -102,7 +116,9 @@ def test_layout_matches_dense_masked_result(op, layout):
 
 
 GRAD_OPS = ["exp", "log1p", "cos", "sqrt", "mul_scalar", "rdiv_scalar", "sum_axis1", "mean_axis0",
-            "softmax_axis1", "softmax_axis0", "matmul_dense", "logsumexp", "var"]
+            "softmax_axis1", "softmax_axis0", "matmul_dense", "logsumexp", "var", "var_axis0_ddof1", "std_axis1",
+            "max_axis1", "prod_axis1", "logsumexp_axis1", "norm_axis0", "log_softmax_axis1", "softmin_axis0",
+            "normalize_axis1", "mul_same_layout"]
 
 
 @pytest.mark.parametrize("op,layout", [(op, lay) for op in GRAD_OPS for lay in ("bcoo", "bcoo_hybrid", "row_sparse")
@@ -122,7 +138,8 @@ def test_grad_through_sparse_storage_matches_dense(op, layout):
                                np.asarray(_dense_of(jr).filled(0) if hasattr(jr, "filled") else jr), rtol=1e-10, atol=1e-12)
 
 
-VMAP_OPS = ["exp", "mul_scalar", "sum", "logsumexp", "sum_axis1", "softmax_axis1", "matmul_dense"]
+VMAP_OPS = ["exp", "mul_scalar", "sum", "logsumexp", "sum_axis1", "mean_axis0", "softmax_axis1", "softmax_axis0",
+            "matmul_dense"]
 
 
 @pytest.mark.parametrize("layout", ["bcoo", "bcoo_hybrid", "row_sparse"])
@@ -282,3 +299,89 @@ def test_list_and_variadic_operands_accept_sparse_layouts():
     _same(-r, -x)
     with mj.strict_storage(), pytest.raises(mj.StorageFallbackError, match="stack"):
         mnp.stack([r, r])
+
+
+def _poisoned(shape, seed, p_valid=0.6, block_last=False):
+    rng = np.random.default_rng(seed)
+    mask = rng.random(shape) < p_valid
+    if block_last:  # whole blocks over the last axis: representable by a hybrid layout
+        mask = np.broadcast_to(mask[..., :1], shape)
+    data = np.where(mask, rng.normal(size=shape), np.nan)
+    return mj.masked_array(jnp.asarray(data), jnp.asarray(mask))
+
+
+AXIS_OPS_3D = {
+    "sum_axis1": lambda v: mnp.sum(v, axis=1),
+    "sum_axes02_keepdims": lambda v: mnp.sum(v, axis=(0, 2), keepdims=True),
+    "mean_axis2": lambda v: mnp.mean(v, axis=2),
+    "var_axis0_ddof1": lambda v: mnp.var(v, axis=0, ddof=1),
+    "max_axes01": lambda v: mnp.max(v, axis=(0, 1)),
+    "prod_axis1": lambda v: mnp.prod(v, axis=1),
+    "logsumexp_axis0": lambda v: mnp.logsumexp(v, axis=0),
+    "norm_inf_axis2": lambda v: mnp.norm(v, ord=np.inf, axis=2),
+    "softmax_axis1": lambda v: mnn.softmax(v, axis=1),
+    "softmax_axes01": lambda v: mnn.softmax(v, axis=(0, 1)),
+    "log_softmax_axis0": lambda v: mnn.log_softmax(v, axis=0),
+    "normalize_axis2": lambda v: mnn.normalize(v, axis=2),
+}
+
+
+@pytest.mark.parametrize("layout", ["bcoo", "bcoo_batch2", "bcoo_hybrid"])
+def test_bcoo_reductions_and_softmax_along_axes_stay_sparse_in_3d(layout):
+    x = _poisoned((5, 4, 3), 0, block_last=layout == "bcoo_hybrid")
+    build = {"bcoo": lambda: x.tostype("bcoo"),
+             "bcoo_batch2": lambda: mj.BCOOMaskedArray.from_masked(x, nse=3, n_batch=2),
+             "bcoo_hybrid": lambda: mj.BCOOMaskedArray.from_masked(x, nse=20, n_dense=1)}
+    b = build[layout]()
+    with mj.strict_storage():  # no op may densify
+        for name, fn in AXIS_OPS_3D.items():
+            got = fn(b)
+            assert got.storage == "bcoo", name
+            assert got.data.size <= b.data.size, name  # O(stored entries), never the dense size
+            _same(got, fn(x))
+        loss = lambda v: mnp.sum(mnn.log_softmax(v, axis=1) ** 2) + mnp.sum(mnp.var(v, axis=1))  # noqa: E731
+        g = mj.grad(loss)(b)
+        assert type(g) is type(b) and bool(jnp.all(jnp.isfinite(g.data)))
+        _same(g.todense(), mj.grad(loss)(x))
+
+
+@pytest.mark.parametrize("n_batch", [1, 2])
+def test_bcoo_binary_ops_with_batch_dimensions_keep_storage(n_batch):
+    x, y = _poisoned((3, 4, 5), 1), _poisoned((3, 4, 5), 2)
+    nse = {1: 20, 2: 5}[n_batch]
+    a = mj.BCOOMaskedArray.from_masked(x, nse=nse, n_batch=n_batch)
+    b = mj.BCOOMaskedArray.from_masked(y, nse=nse, n_batch=n_batch)
+    with mj.strict_storage():
+        for fn in (mnp.multiply, mnp.subtract, mnp.maximum):
+            got = fn(a, b)
+            assert got.storage == "bcoo" and got.n_batch == n_batch
+            _same(got, fn(x, y))
+            _same(jax.jit(fn)(a, b), fn(x, y))
+        g = mj.grad(lambda u: mnp.sum(u * b))(a)
+        np.testing.assert_array_equal(np.asarray(g.indices), np.asarray(a.indices))
+        _same(g.todense(), mj.grad(lambda u: mnp.sum(u * y))(x))
+
+
+def test_bcoo_axis_reductions_edge_cases():
+    nse0 = mj.from_bcoo(sparse.BCOO((jnp.zeros((0,)), jnp.zeros((0, 2), jnp.int32)), shape=(3, 2)))
+    with mj.strict_storage():
+        s = mnp.sum(nse0, axis=1)
+        assert s.storage == "bcoo" and s.shape == (3,) and not bool(jnp.any(s.todense().mask))
+        assert mnn.softmax(nse0, axis=0).nse == 0 and mnp.prod(nse0, axis=0).nse == 0
+        # duplicates count once (summed), padding entries are ignored, explicit zeros are valid
+        dup = mj.from_bcoo(sparse.BCOO((jnp.array([1.0, 2.0, 0.0, jnp.nan]), jnp.array([[0, 1], [0, 1], [1, 0], [3, 0]])),
+                                       shape=(3, 2)))
+        np.testing.assert_array_equal(mnp.max(dup, axis=1).todense().filled(-1), [3.0, 0.0, -1])
+        np.testing.assert_array_equal(mnp.mean(dup, axis=0).todense().mask, [True, True])
+        sm = mnn.softmax(dup, axis=1).todense()
+        np.testing.assert_array_equal(sm.filled(-1), [[-1, 1.0], [1.0, -1], [-1, -1]])
+    x = _poisoned((4, 3), 3)
+    with pytest.raises(ValueError, match="fully valid or fully masked"):
+        mj.BCOOMaskedArray.from_masked(mj.masked_array(x.data, x.mask.at[0].set([True, False, True])), n_dense=1)
+    with pytest.raises(ValueError, match="nse=1 is too small"):
+        mj.BCOOMaskedArray.from_masked(x, nse=1)
+    with warnings.catch_warnings(record=True) as caught:  # order statistics and matrix norms densify
+        warnings.simplefilter("always", mj.StorageFallbackWarning)
+        _warned.clear()
+        _same(mnp.median(x.tostype("bcoo"), axis=0), mnp.median(x, axis=0))
+    assert any("median" in str(w.message) for w in caught)

@@ -83,7 +83,10 @@ class BCOOMaskedArray(SparseMasked):
 
     def todense(self) -> MaskedArray:
         """Dense-storage MaskedArray: stored entries valid (duplicates summed), the rest masked."""
-        data = self.to_bcoo().todense()
+        if self.dtype == jnp.bool_:  # duplicates of a bool are or-ed
+            data = self.with_data(self.data.astype(jnp.int32)).to_bcoo().todense() > 0
+        else:
+            data = self.to_bcoo().todense()
         ones = jnp.ones(self.data.shape, jnp.int32)
         mask = jsparse.BCOO((ones, self.indices), shape=self.shape).todense() > 0
         return MaskedArray._from_pair(data, mask)
@@ -118,13 +121,29 @@ class BCOOMaskedArray(SparseMasked):
 
     @classmethod
     def from_masked(cls, x, nse=None, n_batch=0, n_dense=0) -> "BCOOMaskedArray":
-        """BCOO storage holding exactly the valid entries of ``x`` (explicit zeros included)."""
+        """BCOO storage holding exactly the valid entries of ``x`` (explicit zeros included).
+
+        With ``n_dense > 0`` each stored entry is a whole dense block, so a block must be fully
+        valid or fully masked: checked eagerly (``ValueError``); under ``jit`` a partly valid
+        block is stored whole.
+        """
         if isinstance(x, RowSparseArray):
             return cls.from_bcoo(x.to_bcoo())
         dense = x if isinstance(x, MaskedArray) else x.todense()
         if nse is None and is_tracer(dense.mask):
             raise ValueError("to_bcoo() under jit needs a static nse (number of stored entries).")
+        if n_dense and not is_tracer(dense.mask):
+            blocks = dense.mask.reshape(dense.shape[:dense.ndim - n_dense] + (-1,))
+            if not bool(jnp.all(jnp.all(blocks, -1) == jnp.any(blocks, -1))):
+                raise ValueError(
+                    f"a hybrid layout (n_dense={n_dense}) stores whole dense blocks: each block over the "
+                    f"last {n_dense} dimension(s) must be fully valid or fully masked.")
         pattern = jsparse.BCOO.fromdense(dense.mask, nse=nse, n_batch=n_batch, n_dense=n_dense)
+        if nse is not None and not is_tracer(dense.mask):
+            need = jsparse.BCOO.fromdense(dense.mask, n_batch=n_batch, n_dense=n_dense).nse
+            if need > nse:
+                raise ValueError(f"nse={nse} is too small: this layout needs {need} entries to hold every "
+                                 "valid element.")
         data = jsparse.bcoo_extract(pattern, dense.data).data
         return cls.tree_unflatten(dense.shape, (data, pattern.indices))
 

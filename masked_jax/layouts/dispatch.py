@@ -10,9 +10,10 @@ from :mod:`masked_jax.ops` runs on that block. Cost is O(stored entries):
   row-sparse array (same or different rows: the result keeps the rows both have);
   reductions (across rows → dense result; within rows → row-sparse); softmax
   family along any axis; ``matmul``/``dot`` with a dense right operand;
-* BCOO: binary ops with another BCOO (same or different entries: the result keeps the
-  entries both have; no batch dimensions); whole-array reductions; ``matmul``/``dot`` with a
-  dense right operand.
+* BCOO: binary ops with another BCOO of the same layout (same or different entries: the result
+  keeps the entries both have; batch dimensions mapped over); reductions, whole or along axes,
+  and the softmax family along an axis (by segments of entries, :mod:`.segments`);
+  ``matmul``/``dot`` with a dense right operand.
 
 Everything else densifies the sparse operands (warning once per op, or
 ``StorageFallbackError`` under :func:`strict_storage`) and runs the dense rule.
@@ -20,12 +21,14 @@ Everything else densifies the sparse operands (warning once per op, or
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from masked_jax._core import MaskedArray, _unwrap, _wrap, is_container
 from masked_jax._storage import SparseMasked, fallback
 from masked_jax.layouts.bcoo import BCOOMaskedArray
+from masked_jax.layouts import segments
 from masked_jax.layouts.rows import RowSparseArray
 from masked_jax.ops._base import Pair, normalize_axis
 
@@ -89,7 +92,7 @@ def _binary(rule, operands, kwargs):
     if isinstance(a, RowSparseArray) and isinstance(b, RowSparseArray) and a.shape == b.shape:
         return _rows_intersect(rule, a, b, kwargs)
     if isinstance(a, BCOOMaskedArray) and isinstance(b, BCOOMaskedArray) and a.shape == b.shape \
-            and a.n_batch == b.n_batch == 0 and a.n_dense == b.n_dense:
+            and a.n_batch == b.n_batch and a.n_dense == b.n_dense:
         return _bcoo_intersect(rule, a, b, kwargs)
     for pos, (x, other) in enumerate(((a, b), (b, a))):
         if isinstance(x, RowSparseArray) and not is_sparse(other) and not isinstance(other, MaskedArray):
@@ -118,7 +121,17 @@ def _rows_intersect(rule, a, b, kwargs):
 
 def _bcoo_intersect(rule, a, b, kwargs):
     """BCOO ∘ BCOO: valid on entries both store; ``a``'s nse, its entries missing from ``b`` become
-    padding. Sparse coordinates are compared as linear indices (O(nse log nse))."""
+    padding. Sparse coordinates are compared as linear indices (O(nse log nse)); batch dimensions
+    are mapped over, one batch element at a time."""
+    if a.n_batch:
+        batch = a.shape[:1]
+
+        def unbatch(x):  # leading batch dim as a vmapped axis (BCOO may broadcast size-1 batches)
+            leaves = [jnp.broadcast_to(v, batch + v.shape[1:]) for v in (x.data, x.indices)]
+            return BCOOMaskedArray.tree_unflatten(x.shape[1:], leaves)
+
+        out = jax.vmap(lambda u, v: _bcoo_intersect(rule, u, v, kwargs))(unbatch(a), unbatch(b))
+        return BCOOMaskedArray.tree_unflatten(a.shape, (out.data, out.indices))
     a, b = a.coalesce(), b.coalesce()
     sparse_shape = a.shape[:a.n_sparse]
 
@@ -155,10 +168,13 @@ def _reduce(name, family, rule, x, args, kwargs):
         if name == "count":
             return NotImplemented
         return x.with_data(rule(x.block(), *args, **kwargs).data)  # within rows: still row-sparse
-    if isinstance(x, BCOOMaskedArray) and family == "reductions" and kwargs.get("axis") is None \
-            and not kwargs.get("keepdims") and name not in _ROW_REDUCE_ALONG_ROWS_UNSUPPORTED:
+    if family == "normalization":
+        return segments.normalize_along(name, x, **kwargs)
+    if kwargs.get("axis") is None and not kwargs.get("keepdims"):  # whole array: a dense scalar
+        if name in _ROW_REDUCE_ALONG_ROWS_UNSUPPORTED:
+            return NotImplemented
         return _wrap(rule(x.coalesce().block(), *args, **kwargs))
-    return NotImplemented
+    return NotImplemented if args else segments.reduce(name, x, **kwargs)
 
 
 def _matmul_dense(x, w):

@@ -15,6 +15,7 @@ from jax.experimental import sparse as jsparse
 
 from masked_jax._core import MaskedArray, _check_data
 from masked_jax._storage import FROM_MASKED, SparseMasked, is_tracer
+from masked_jax.layouts.segments import unique_ids
 from masked_jax.ops._base import Pair
 
 
@@ -71,7 +72,8 @@ class RowSparseArray(SparseMasked):
     def todense(self) -> MaskedArray:
         """Dense-storage MaskedArray: stored rows valid (duplicates summed), the rest masked."""
         zeros = jnp.zeros(self.shape, self.dtype)
-        data = zeros.at[self.indices].add(self.data, mode="drop")
+        at = zeros.at[self.indices]
+        data = at.max(self.data, mode="drop") if self.dtype == jnp.bool_ else at.add(self.data, mode="drop")
         rows = jnp.zeros(self.shape[0], bool).at[self.indices].set(True, mode="drop")
         mask = jnp.broadcast_to(rows.reshape((-1,) + (1,) * (self.ndim - 1)), self.shape)
         return MaskedArray._from_pair(data, mask)
@@ -94,11 +96,7 @@ class RowSparseArray(SparseMasked):
         idx = jnp.where(self.row_valid(), self.indices, n).astype(jnp.int32)
         if k == 0:
             return RowSparseArray._make(self.shape, self.data, idx, True)
-        # sort + first-of-run + searchsorted: a third of jnp.unique(size=k)'s time on CPU
-        ordered = jnp.sort(idx)
-        first = jnp.concatenate([jnp.ones(1, bool), ordered[1:] != ordered[:-1]])
-        uniq = jnp.full(k, n, jnp.int32).at[jnp.cumsum(first) - 1].min(ordered)
-        seg = jnp.searchsorted(uniq, idx)
+        uniq, seg = unique_ids(idx, n)
         if self.dtype == jnp.bool_:  # duplicates of a bool are or-ed
             data = jax.ops.segment_max(self.data, seg, num_segments=k)
         else:

@@ -1,0 +1,224 @@
+"""Reductions and normalizations of BCOO-backed masked arrays along axes, in O(stored entries).
+
+A reduction along ``axes`` groups the stored entries by their remaining coordinates: every
+group (a *segment*) is one output element, valid because it holds at least one valid entry.
+The result is again BCOO-backed, with one entry per segment (static nse: the input's, freed
+slots are padding), so reducing a 10^6 x 10^6 matrix with 10^4 entries along an axis costs
+O(10^4), never O(10^6). Normalizations (the softmax family, ``normalize``) along an axis group
+the entries the same way and keep the input's entries.
+
+The input is first brought to the flat layout (no batch or dense dimensions: one entry per
+stored element) and coalesced, so that duplicate entries count once, as one summed element.
+Padding entries and masked data never reach a result: their values are replaced by zeros
+before any arithmetic (no NaN in values or gradients).
+
+Supported: ``sum mean var std max min ptp prod any all logsumexp norm`` (vector norms) and
+``softmax log_softmax softmin normalize``. Others fall back to the dense layout.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import sparse as jsparse
+
+from masked_jax.ops._base import highest, lowest, normalize_axis
+from masked_jax.ops.reductions import safe_sqrt
+
+
+def unique_ids(ids, sentinel: int):
+    """``(uniq, seg)``: the sorted distinct values of ``ids`` padded with ``sentinel`` to
+    ``len(ids)`` (static), and each id's position in ``uniq``.
+
+    Sort + first-of-run + ``searchsorted``: about a third of ``jnp.unique(size=...)``'s time on
+    CPU. ``sentinel`` must be larger than every real id; ids equal to it are padding.
+    """
+    k = ids.shape[0]
+    if k == 0:
+        return ids, ids
+    ordered = jnp.sort(ids)
+    first = jnp.concatenate([jnp.ones(1, bool), ordered[1:] != ordered[:-1]])
+    uniq = jnp.full(k, sentinel, ids.dtype).at[jnp.cumsum(first) - 1].min(ordered)
+    return uniq, jnp.searchsorted(uniq, ids)
+
+
+class Segments:
+    """Stored entries of a flat, coalesced BCOO-backed masked array grouped by ``keep`` axes."""
+
+    def __init__(self, x, keep: tuple[int, ...]):
+        self.valid = x.entry_valid()
+        self.k = x.nse
+        self.out_shape = tuple(x.shape[a] for a in keep)
+        sentinel = int(np.prod(self.out_shape))
+        coords = tuple(x.indices[:, a] for a in keep)
+        lin = jnp.ravel_multi_index(coords, self.out_shape, mode="clip") if keep else jnp.zeros(self.k, int)
+        lin = jnp.where(self.valid, lin, sentinel).astype(jnp.int32)
+        self.uniq, self.seg = unique_ids(lin, sentinel)
+        self.out_valid = self.uniq < sentinel
+        self.count = self.sum(self.valid.astype(jnp.int32))
+
+    def clean(self, values, fill_value=0):
+        """Values with padding entries replaced by ``fill_value``."""
+        return jnp.where(self.valid, values, jnp.asarray(fill_value, values.dtype))
+
+    def sum(self, v):
+        return jax.ops.segment_sum(self.clean(v), self.seg, self.k)
+
+    def max(self, v):
+        init = lowest(v.dtype)
+        return jax.ops.segment_max(self.clean(v, init), self.seg, self.k, indices_are_sorted=False)
+
+    def min(self, v):
+        init = highest(v.dtype)
+        return jax.ops.segment_min(self.clean(v, init), self.seg, self.k, indices_are_sorted=False)
+
+    def prod(self, v):
+        """Product per segment by a segmented scan over entries sorted by segment (differentiable,
+        unlike ``segment_prod``'s scatter-multiply)."""
+        if self.k == 0:
+            return jnp.ones(0, v.dtype)
+        order = jnp.argsort(self.seg)
+        seg, vals = self.seg[order], self.clean(v, 1)[order]
+        start = jnp.concatenate([jnp.ones(1, bool), seg[1:] != seg[:-1]])
+
+        def combine(a, b):
+            (va, sa), (vb, sb) = a, b
+            return jnp.where(sb, vb, va * vb), sa | sb
+
+        run, _ = jax.lax.associative_scan(combine, (vals, start))
+        last = jnp.concatenate([seg[1:] != seg[:-1], jnp.ones(1, bool)])
+        slot = jnp.where(last, seg, self.k)  # write each run's total once, drop the rest
+        return jnp.ones(self.k, vals.dtype).at[slot].set(run, mode="drop")
+
+    def back(self, per_segment):
+        """Per-segment values broadcast back to the entries."""
+        return per_segment[self.seg]
+
+    def output_indices(self, keepdims_axes=()):
+        """BCOO indices (k, n_out) of the segments; padding segments hold index 0 (mask them)."""
+        if self.out_shape:
+            cols = jnp.stack(jnp.unravel_index(jnp.where(self.out_valid, self.uniq, 0), self.out_shape), -1)
+        else:
+            cols = jnp.zeros((self.k, 0), jnp.int32)
+        for a in keepdims_axes:  # a size-1 dimension: index 0 (axes ascending)
+            cols = jnp.insert(cols, a, 0, axis=1)
+        return cols.astype(jnp.int32)
+
+
+def flat(x):
+    """``x`` in the flat layout (no batch or dense dimensions), coalesced."""
+    if x.n_batch or x.n_dense:
+        x = type(x).from_bcoo(jsparse.bcoo_update_layout(x.to_bcoo(), n_batch=0, n_dense=0))
+    return x.coalesce()
+
+
+def _float(v):
+    return v if jnp.issubdtype(v.dtype, jnp.inexact) else v.astype(jnp.result_type(float))
+
+
+def _vector_norm(g, v, ord):
+    a = jnp.abs(v)
+    if ord is None or ord == 2:
+        return safe_sqrt(g.sum(a * a))
+    if ord == np.inf:
+        return g.max(a)
+    if ord == -np.inf:
+        return g.min(a)
+    if ord == 0:
+        return g.sum((a != 0).astype(a.dtype))
+    if ord == 1:
+        return g.sum(a)
+    s = g.sum(a**ord)
+    pos = s > 0
+    return jnp.where(pos, jnp.where(pos, s, 1) ** (1.0 / ord), 0)
+
+
+def _var(g, v, ddof=0, dtype=None):
+    v = v.astype(dtype) if dtype else _float(v)
+    n = g.count
+    centre = g.sum(v) / jnp.maximum(n, 1).astype(v.dtype)
+    dev = g.clean(v - g.back(centre))
+    dof = n - ddof
+    return jnp.where(dof > 0, g.sum(dev * dev) / jnp.where(dof > 0, dof, 1).astype(v.dtype), 0), dof > 0
+
+
+def _logsumexp(g, v):
+    v = _float(v)
+    top = jax.lax.stop_gradient(g.max(v))
+    top = jnp.where(jnp.isfinite(top), top, 0)
+    total = g.sum(jnp.exp(g.clean(v - g.back(top))) * g.valid)
+    mass = total > 0
+    return jnp.where(mass, jnp.log(jnp.where(mass, total, 1)) + top, -jnp.inf)
+
+
+def _sum_dtype(v, dtype):
+    return jax.eval_shape(lambda d: jnp.sum(d, dtype=dtype), jax.ShapeDtypeStruct((), v.dtype)).dtype
+
+
+# name -> fn(segments, values, **kwargs) -> per-segment data (or (data, extra validity)).
+REDUCTIONS = {
+    "sum": lambda g, v, dtype=None: g.sum(v.astype(_sum_dtype(v, dtype))),
+    "mean": lambda g, v, dtype=None: (lambda w: g.sum(w) / jnp.maximum(g.count, 1).astype(w.dtype))(
+        v.astype(dtype) if dtype else _float(v)),
+    "var": _var,
+    "std": lambda g, v, ddof=0, dtype=None: (lambda r: (safe_sqrt(r[0]), r[1]))(_var(g, v, ddof, dtype)),
+    "max": lambda g, v: g.max(v),
+    "min": lambda g, v: g.min(v),
+    "ptp": lambda g, v: g.max(v) - g.min(v),
+    "prod": lambda g, v, dtype=None: g.prod(v.astype(_sum_dtype(v, dtype))),
+    "any": lambda g, v: g.max(v.astype(bool)),
+    "all": lambda g, v: g.min(v.astype(bool)),
+    "logsumexp": _logsumexp,
+    "norm": lambda g, v, ord=None: _vector_norm(g, v, ord),
+}
+
+
+def _softmax_parts(g, v):
+    v = _float(v)
+    top = jax.lax.stop_gradient(g.max(v))
+    z = g.clean(v - g.back(jnp.where(jnp.isfinite(top), top, 0)))
+    e = jnp.where(g.valid, jnp.exp(z), 0)
+    total = g.back(g.sum(e))
+    return z, e, jnp.where(total > 0, total, 1)
+
+
+NORMALIZATIONS = {
+    "softmax": lambda g, v: (lambda z, e, t: e / t)(*_softmax_parts(g, v)),
+    "log_softmax": lambda g, v: (lambda z, e, t: g.clean(z - jnp.log(t)))(*_softmax_parts(g, v)),
+    "softmin": lambda g, v: (lambda z, e, t: e / t)(*_softmax_parts(g, -v)),
+    "normalize": lambda g, v, ord=2, eps=1e-12: v / jnp.maximum(g.back(_vector_norm(g, v, ord)), eps),
+}
+
+
+def reduce(name, x, axis=None, keepdims=False, **kwargs):
+    """``name`` over ``axis`` of a BCOO-backed masked array: a BCOO-backed result, or
+    ``NotImplemented`` when the op has no segment rule (matrix norms, order statistics...)."""
+    if name not in REDUCTIONS or (name == "norm" and not _one_axis(axis)):
+        return NotImplemented
+    axes = normalize_axis(axis, x.ndim)
+    x = flat(x)
+    g = Segments(x, tuple(a for a in range(x.ndim) if a not in axes))
+    out = REDUCTIONS[name](g, g.clean(x.data), **kwargs)
+    out, extra = out if isinstance(out, tuple) else (out, None)
+    valid = g.out_valid if extra is None else g.out_valid & extra
+    shape = tuple(1 if a in axes else d for a, d in enumerate(x.shape) if keepdims or a not in axes)
+    indices = g.output_indices(axes if keepdims else ())
+    end = jnp.array(shape, jnp.int32)  # padding: one past the end in every dimension
+    data = jnp.where(valid, out, jnp.zeros((), out.dtype))
+    return type(x).tree_unflatten(shape, (data, jnp.where(valid[:, None], indices, end)))
+
+
+def normalize_along(name, x, axis=-1, **kwargs):
+    """``name`` (softmax family, ``normalize``) along ``axis``: same entries, new values."""
+    if name == "normalize" and not _one_axis(axis):
+        return NotImplemented  # the dense rule takes a matrix norm over two axes
+    axes = normalize_axis(axis, x.ndim)
+    x = flat(x)
+    g = Segments(x, tuple(a for a in range(x.ndim) if a not in axes))
+    out = NORMALIZATIONS[name](g, g.clean(x.data), **kwargs)
+    return x.with_data(g.clean(out))
+
+
+def _one_axis(axis):
+    return isinstance(axis, (int, np.integer)) or (isinstance(axis, (tuple, list)) and len(axis) == 1)
