@@ -1,0 +1,125 @@
+"""``mj.check_jacobian`` against ``torch.autograd.gradcheck`` and ``jax.test_util.check_grads``.
+
+Two float64 functions of n inputs (n = 10, 100, 400): ``sum(tanh(A @ x))`` (scalar output) and
+an elementwise-heavy ``sin(x) * exp(-x**2) + log1p(x**2)`` (n outputs). Every checker verifies
+reverse mode under dense semantics, as gradcheck does by default:
+
+* masked_jax full: ``check_jacobian(..., semantics="dense", modes=("rev",), fast=False)``: the
+  whole numerical Jacobian (2n perturbed evaluations, batched by ``vmap``) and ``jacrev``, in one
+  jit-compiled XLA call;
+* masked_jax fast: the same with ``fast=True`` (random projections);
+* torch gradcheck (default: full) and ``fast_mode=True``;
+* ``jax.test_util.check_grads(order=1, modes=["rev"])`` (random directions, eager).
+
+The first masked_jax call compiles; its time is reported separately from the cached time (the
+same function checked again: one XLA call). Prints medians and the ratios torch / masked_jax,
+and saves a plot to ``benchmarks/results/jacobian.png``.
+
+Run: ``.venv/bin/python benchmarks/jacobian.py`` (``--quick`` for a small smoke run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import jax
+
+jax.config.update("jax_enable_x64", True)
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.test_util import check_grads  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(__file__))
+import masked_jax as mj  # noqa: E402
+from masked_jax.checking import _check  # noqa: E402
+from _timing import RESULTS, interleaved_medians, save_bar_plot  # noqa: E402
+
+
+def functions(n, rng):
+    a = rng.normal(size=(n, n)) / np.sqrt(n)
+    aj = jnp.asarray(a)
+
+    def jax_matvec(x):
+        return jnp.sum(jnp.tanh(aj @ x))
+
+    def jax_elementwise(x):
+        return jnp.sin(x) * jnp.exp(-x**2) + jnp.log1p(x**2)
+
+    import torch
+
+    at = torch.from_numpy(a)
+
+    def torch_matvec(x):
+        return torch.tanh(at @ x).sum()
+
+    def torch_elementwise(x):
+        return torch.sin(x) * torch.exp(-x**2) + torch.log1p(x**2)
+
+    return {"sum(tanh(A @ x))": (jax_matvec, torch_matvec), "sin*exp+log1p (n outputs)": (jax_elementwise, torch_elementwise)}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args(argv)
+    import torch
+
+    torch.set_num_threads(2)
+    sizes = (10, 50) if args.quick else (10, 100, 400)
+    rng = np.random.default_rng(0)
+    rows, compile_rows = {}, {}
+    for n in sizes:
+        for name, (fj, ft) in functions(n, rng).items():
+            x = jnp.asarray(rng.uniform(-1.0, 1.0, n))
+            xt = torch.tensor(np.asarray(x), requires_grad=True)
+            full = lambda: mj.check_jacobian(fj, (x,), semantics="dense", modes=("rev",), fast=False)  # noqa: E731
+            fast = lambda: mj.check_jacobian(fj, (x,), semantics="dense", modes=("rev",), fast=True)  # noqa: E731
+            _check._CACHE.clear()
+            t0 = time.perf_counter()
+            assert full()
+            t_compile_full = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            assert fast()
+            t_compile_fast = time.perf_counter() - t0
+            assert torch.autograd.gradcheck(ft, (xt,))
+            impls = {
+                "masked_jax": full,
+                "masked_jax fast": fast,
+                "torch gradcheck": lambda: torch.autograd.gradcheck(ft, (xt,)),
+                "torch fast_mode": lambda: torch.autograd.gradcheck(ft, (xt,), fast_mode=True),
+                "jax check_grads": lambda: check_grads(fj, (x,), order=1, modes=["rev"]),
+            }
+            rounds = 3 if n >= 400 else 5
+            res = interleaved_medians({k: _returns_none(v) for k, v in impls.items()}, rounds=rounds, block=3, warmup=1)
+            rows[f"{name} n={n}"] = res
+            compile_rows[f"{name} n={n}"] = (t_compile_full, t_compile_fast)
+    _print(rows, compile_rows)
+    save_bar_plot(rows, os.path.join(RESULTS, "jacobian.png"), "Jacobian checks, cached (float64, CPU)")
+    return rows
+
+
+def _returns_none(fn):
+    def run():
+        fn()
+
+    return run
+
+
+def _print(rows, compile_rows):
+    print(f"\nbackend {jax.default_backend()}, float64; medians in ms (cached: the compiled check reused)")
+    impls = list(next(iter(rows.values())))
+    print("| function | " + " | ".join(impls) + " | gradcheck / masked_jax | fast_mode / masked_jax fast |"
+          " masked_jax compile (full, fast) |")
+    print("|---|" + "---|" * (len(impls) + 3))
+    for key, res in rows.items():
+        cells = " | ".join(f"{res[i] * 1e3:.2f}" for i in impls)
+        cf, cq = compile_rows[key]
+        print(f"| {key} | {cells} | {res['torch gradcheck'] / res['masked_jax']:.1f}x | "
+              f"{res['torch fast_mode'] / res['masked_jax fast']:.2f}x | {cf * 1e3:.0f}, {cq * 1e3:.0f} ms |")
+
+
+if __name__ == "__main__":
+    main()

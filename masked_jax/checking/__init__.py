@@ -1,0 +1,6 @@
+"""Jacobian checks that know masked from dense semantics (seed 001), compiled through XLA."""
+
+from masked_jax.checking._check import check_jacobian as check_jacobian
+from masked_jax.checking._report import Check as Check
+from masked_jax.checking._report import JacobianError as JacobianError
+from masked_jax.checking._report import JacobianReport as JacobianReport

@@ -1,0 +1,400 @@
+"""``check_jacobian``: finite differences against ``jax.jacfwd`` / ``jax.jacrev``, under dense and
+masked semantics, as one jit-compiled XLA computation.
+
+Dense semantics (``jax.experimental.sparse`` and gradcheck's default): an unspecified element
+is 0. Every element is perturbed; perturbing an unspecified element makes it specified (a
+masked element becomes valid, a sparse array gains an entry). The analytical Jacobian is taken
+at the original pattern for masked layouts (specifying a masked-out element moves the point, so
+a function with masked semantics fails here, as seed 001's ``sparse.mm`` does) and at the fully
+specified equivalent for a jax BCOO (whose unspecified elements are zeros). Outputs are compared
+everywhere, unspecified outputs read as 0.
+
+Masked semantics (seed 001): an unspecified element does not exist. Only specified elements are
+perturbed and only valid outputs compared, and the check also verifies that the function *has*
+masked semantics, so that a function reading masked-out data cannot pass by accident:
+
+* the data under an input's mask is replaced by random values (twice, differently): the valid
+  outputs and the output mask must not change;
+* perturbing masked-out data must not change any valid output (numerical leak);
+* analytical Jacobian entries at masked-out inputs, and tangents of masked-out outputs, are 0.
+
+All perturbations of one input are batched with ``vmap``; numerical and analytical Jacobians of
+every input are computed inside one ``jit``-compiled function, cached per function and input
+pattern, so a repeated check costs one XLA call on CPU, GPU or TPU.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from masked_jax.checking._inputs import ALL, describe, is_leaf, output_vectors
+from masked_jax.checking._report import Check, JacobianError, JacobianReport
+
+SEMANTICS = ("dense", "masked")
+MODES = ("fwd", "rev")
+FULL_MAX_ELEMENTS = 1024  # fast=None: full Jacobian tables up to this many input elements in all
+N_DIRECTIONS = 4  # random directions per input in fast mode
+_CACHE: collections.OrderedDict = collections.OrderedDict()
+_CACHE_SIZE = 64
+
+
+def default_tolerances(dtype):
+    """``(eps, atol, rtol)`` for central differences in ``dtype``."""
+    dtype = np.dtype(dtype)
+    if dtype == np.float64:
+        return 1e-6, 1e-5, 1e-3
+    if dtype == np.float32:
+        return 1e-3, 1e-2, 1e-2
+    return 3e-2, 1e-1, 1e-1  # float16 / bfloat16
+
+
+def check_jacobian(f, args, *, semantics="both", modes=("fwd", "rev"), eps=None, atol=None, rtol=None,
+                   fast=None, raise_exception=True, seed=0) -> JacobianReport:
+    """Compare finite-difference Jacobians of ``f`` with ``jax.jacfwd``/``jax.jacrev``.
+
+    Inputs (the array leaves of ``args``) and outputs may be pytrees of float arrays,
+    ``MaskedArray``s, BCOO-backed masked arrays, row-sparse arrays and
+    ``jax.experimental.sparse.BCOO``s. Integer and bool leaves (masks, indices) are constants,
+    other Python values are static.
+
+    * ``semantics="dense"`` perturbs every element (unspecified = 0) and compares every output.
+    * ``semantics="masked"`` perturbs specified elements only, compares valid outputs, and checks
+      that the function implements masked semantics: changing masked-out data changes no valid
+      output, and analytical entries at masked-out inputs and outputs are 0.
+    * ``semantics="both"`` runs both; :attr:`JacobianReport.satisfies` names the semantics the
+      function implements, and the report is truthy when it implements at least one.
+
+    Args:
+        f: the function, called as ``f(*args)``.
+        args: a tuple of arguments (a single non-tuple argument is wrapped).
+        semantics: ``"dense"``, ``"masked"`` or ``"both"``.
+        modes: any of ``"fwd"`` (``jacfwd``/``jvp``) and ``"rev"`` (``jacrev``/``vjp``). A
+            function with a ``custom_vjp`` has its forward check skipped, with a note.
+        eps: finite-difference step; default by dtype (1e-6 for float64, 1e-3 for float32).
+        atol, rtol: tolerances, ``|num - an| <= atol + rtol * |num|``; default by dtype.
+        fast: ``True`` compares random projections ``v^T J u`` (cost independent of the
+            Jacobian's size), ``False`` full Jacobian tables, ``None`` chooses by size (full up
+            to 1024 input elements).
+        raise_exception: raise :class:`JacobianError` (carrying the report) on failure.
+        seed: seed of the random fill under masks and of the random directions.
+
+    Returns:
+        A :class:`JacobianReport`, truthy when the check passed.
+
+    Examples:
+        >>> import jax.numpy as jnp, masked_jax as mj, masked_jax.numpy as mnp
+        >>> x = mj.masked_array(jnp.array([1.0, 2.0, 3.0]), jnp.array([True, False, True]))
+        >>> report = mj.check_jacobian(lambda v: mnp.sum(mnp.exp(v)), (x,), raise_exception=False)
+        >>> report.satisfies
+        ('masked',)
+        >>> bool(mj.check_jacobian(lambda v: jnp.sum(v.data ** 2), (x,), semantics="dense"))
+        True
+    """
+    if not callable(f):
+        raise TypeError(f"check_jacobian: f must be callable; got {type(f).__name__}.")
+    if semantics not in ("dense", "masked", "both"):
+        raise ValueError(f"semantics must be 'dense', 'masked' or 'both'; got {semantics!r}.")
+    modes = (modes,) if isinstance(modes, str) else tuple(modes)
+    if not modes or any(m not in MODES for m in modes):
+        raise ValueError(f"modes must be a non-empty sequence of 'fwd' and 'rev'; got {modes!r}.")
+    sems = SEMANTICS if semantics == "both" else (semantics,)
+    args = tuple(args) if isinstance(args, (tuple, list)) else (args,)
+
+    flat, treedef = jax.tree_util.tree_flatten_with_path(args, is_leaf=is_leaf)
+    x64 = bool(jax.config.jax_enable_x64)
+    leaves, positions, values, consts, const_pos, static = [], [], [], [], [], []
+    for pos, (path, x) in enumerate(flat):
+        name = "args" + jax.tree_util.keystr(path)
+        if is_leaf(x) or isinstance(x, (jax.Array, np.ndarray)):
+            d = describe(name, x, "float64" if x64 else None)
+            if d is not None:
+                leaves.append(d[0])
+                positions.append(pos)
+                values.append(d[1])
+                continue
+            consts.append(x)
+            const_pos.append(pos)
+        else:
+            static.append((pos, x))
+    if not leaves:
+        raise TypeError("check_jacobian: no differentiable input: every array leaf of args has an integer "
+                        "or bool dtype. Pass float arrays (or masked / sparse arrays with float data).")
+    dtype = min((np.dtype(leaf.dtype) for leaf in leaves), key=lambda d: d.itemsize)
+    d_eps, d_atol, d_rtol = default_tolerances(dtype)
+    eps = d_eps if eps is None else float(eps)
+    atol = d_atol if atol is None else float(atol)
+    rtol = d_rtol if rtol is None else float(rtol)
+    total = sum(leaf.size for leaf in leaves)
+    fast = total > FULL_MAX_ELEMENTS if fast is None else bool(fast)
+
+    def call(vals, extras, const_vals):
+        objs = [None] * len(flat)
+        for leaf, pos, v, e in zip(leaves, positions, vals, extras):
+            objs[pos] = leaf.build(v, e)
+        for pos, c in zip(const_pos, const_vals):
+            objs[pos] = c
+        for pos, s in static:
+            objs[pos] = s
+        return f(*jax.tree_util.tree_unflatten(treedef, objs))
+
+    notes = []
+    run_modes = modes
+    try:
+        fn, names, skipped = _compiled(f, call, treedef, leaves, static, sems, run_modes, fast, eps, values, consts)
+        raw = fn(values, consts, seed)
+    except TypeError as err:
+        if "fwd" not in modes or "custom_vjp" not in str(err):
+            raise
+        run_modes = tuple(m for m in modes if m != "fwd")
+        notes.append("forward mode skipped: f uses a jax.custom_vjp function, which has no JVP rule")
+        if not run_modes:
+            raise TypeError("check_jacobian: f uses a jax.custom_vjp function, so forward mode cannot be "
+                            "checked; ask for modes=('rev',).") from None
+        fn, names, skipped = _compiled(f, call, treedef, leaves, static, sems, run_modes, fast, eps, values, consts)
+        raw = fn(values, consts, seed)
+    notes += [f"output {s} skipped" for s in skipped]
+    raw = jax.device_get(raw)
+    checks = _compare(raw, leaves, names, sems, run_modes, fast, atol, rtol)
+    report = JacobianReport(checks=checks, semantics=sems, backend=jax.default_backend(), dtype=dtype.name,
+                            eps=eps, atol=atol, rtol=rtol, fast=fast, notes=notes)
+    if raise_exception and not report:
+        raise JacobianError(report)
+    return report
+
+
+def _output_names(call, values, consts, n):
+    found = []
+
+    def probe(vals, cs):
+        names, skipped = output_vectors(call([v.ravel() for v in vals], [None] * n, cs), names_only=True)
+        found.append((names, skipped))
+        return jnp.zeros(())
+
+    jax.eval_shape(probe, values, consts)
+    return found[0]
+
+
+def _compiled(f, call, treedef, leaves, static, sems, modes, fast, eps, values, consts):
+    """``(jitted check, output names, skipped outputs)``, cached per function and input pattern."""
+    try:
+        key = (f, treedef, tuple(leaves), tuple(static), sems, modes, fast, eps)
+        hash(key)
+    except TypeError:  # an unhashable static argument: compile without caching
+        key = None
+    if key is not None and key in _CACHE:
+        _CACHE.move_to_end(key)
+        return _CACHE[key]
+    names, skipped = _output_names(call, values, consts, len(leaves))
+    if not names:
+        raise TypeError("check_jacobian: f returned no float output to differentiate"
+                        + (f" (only {', '.join(skipped)})." if skipped else "."))
+    fn = jax.jit(lambda vals, cs, seed: _run(call, leaves, sems, modes, fast, eps, vals, cs, seed))
+    entry = (fn, names, skipped)
+    if key is not None:
+        _CACHE[key] = entry
+        if len(_CACHE) > _CACHE_SIZE:
+            _CACHE.popitem(last=False)
+    return entry
+
+
+def _random_fills(leaves, values, key, lo, hi):
+    """``values`` with the unspecified elements replaced by uniform random values in [lo, hi)."""
+    keys = jax.random.split(key, len(leaves))
+    return [jnp.where(jnp.asarray(leaf.spec), v, jax.random.uniform(k, v.shape, v.dtype, lo, hi))
+            for leaf, v, k in zip(leaves, values, keys)]
+
+
+def _run(call, leaves, sems, modes, fast, eps, vals, consts, seed):
+    """Everything numerical and analytical, as arrays (traced once under jit)."""
+    n = len(leaves)
+    vals = [v.astype(leaf.dtype).ravel() for leaf, v in zip(leaves, vals)]
+    k_fill, k_alt, rng = jax.random.split(jax.random.PRNGKey(seed), 3)
+    fills = _random_fills(leaves, vals, k_fill, 0.5, 1.5)  # masked semantics: data under masks is random
+    alts = _random_fills(leaves, vals, k_alt, -2.0, -1.0)  # ... and different: valid outputs must not move
+    out = {}
+    base_m = output_vectors(call(fills, [None] * n, consts))
+    alt_m = output_vectors(call(alts, [None] * n, consts))
+    out["valid"] = base_m[2]
+    out["value_leak"] = jnp.where(base_m[2] & alt_m[2], jnp.abs(base_m[0] - alt_m[0]), 0)
+    out["mask_changed"] = jnp.any(base_m[2] != alt_m[2])
+    for i, leaf in enumerate(leaves):
+        for sem in sems:
+            base = vals if sem == "dense" else fills
+            which = 0 if sem == "dense" else 1  # analytical: filled outputs (dense) or raw data (masked)
+
+            def F(v, extra, which, base=base):
+                vs = list(base)
+                vs[i] = v
+                extras = [None] * n
+                extras[i] = extra
+                return output_vectors(call(vs, extras, consts))[which]
+
+            x0 = base[i]
+            if fast:
+                out[f"{i}/{sem}"] = _projections(F, x0, leaf, sem, modes, eps, out["valid"], jax.random.fold_in(rng, i))
+            else:
+                out[f"{i}/{sem}"] = _tables(F, x0, leaf, sem, modes, eps, which)
+    return out
+
+
+def analytic_pattern(leaf, sem):
+    """The pattern the analytical Jacobian is taken at: the original one, except for a jax BCOO under
+    dense semantics, whose unspecified elements *are* zeros (so all are specified, as explicit 0s).
+    A masked layout keeps its pattern: specifying a masked-out element would move the point."""
+    return ALL if sem == "dense" and leaf.kind == "bcoo" else None
+
+
+def _tables(F, x0, leaf, sem, modes, eps, which):
+    """Full numerical and analytical Jacobians (outputs x input elements)."""
+    size = leaf.size
+    dense = sem == "dense"
+
+    def column(k):
+        e = jax.nn.one_hot(k, size, dtype=x0.dtype) * eps
+        extra = k if dense else None
+        return (F(x0 + e, extra, 0) - F(x0 - e, extra, 0)) / (2 * eps)
+
+    res = {"num": jax.vmap(column)(jnp.arange(size)).T}
+    g = lambda v: F(v, analytic_pattern(leaf, sem), which)  # noqa: E731
+    if "fwd" in modes:
+        res["fwd"] = jax.jacfwd(g)(x0)
+    if "rev" in modes:
+        res["rev"] = jax.jacrev(g)(x0)
+    return res
+
+
+def _projections(F, x0, leaf, sem, modes, eps, valid, rng):
+    """Random-direction checks ``v^T J u`` (and, under masked semantics, the leaks)."""
+    spec = jnp.asarray(leaf.spec).astype(x0.dtype)
+    ku, kv = jax.random.split(rng)
+    size = leaf.size
+    out_size = valid.shape[0]
+    U = jax.random.normal(ku, (N_DIRECTIONS, size), x0.dtype)
+    V = jax.random.normal(kv, (N_DIRECTIONS, out_size), x0.dtype)
+    dense = sem == "dense"
+    extra = ALL if dense else None
+    if not dense:
+        V_out = V * ~valid
+        V = V * valid
+        U_off = U * (1 - spec)
+        U = U * spec
+
+    def num(u, v):
+        return jnp.dot(v, (F(x0 + eps * u, extra, 0) - F(x0 - eps * u, extra, 0))) / (2 * eps)
+
+    which = 0 if dense else 1
+    g = lambda w: F(w, analytic_pattern(leaf, sem), which)  # noqa: E731
+    res = {"num": jax.vmap(num)(U, V)}
+    if "fwd" in modes:
+        jvp = jax.vmap(lambda u: jax.jvp(g, (x0,), (u,))[1])
+        t = jvp(U)
+        res["fwd"] = jnp.sum(t * V, axis=1)
+        if not dense:
+            res["fwd_leak_in"] = jnp.max(jnp.abs(jnp.sum(jvp(U_off) * V, axis=1)), initial=0)
+            res["fwd_leak_out"] = jnp.max(jnp.abs(t * ~valid), initial=0)
+    if "rev" in modes:
+        _, pull = jax.vjp(g, x0)
+        back = jax.vmap(lambda v: pull(v)[0])
+        c = back(V)
+        res["rev"] = jnp.sum(c * U, axis=1)
+        if not dense:
+            res["rev_leak_in"] = jnp.max(jnp.abs(c * (1 - spec)), initial=0)
+            res["rev_leak_out"] = jnp.max(jnp.abs(back(V_out)), initial=0)
+    if not dense:
+        res["num_leak"] = jnp.max(jnp.abs(jax.vmap(num)(U_off, V)), initial=0)
+    return res
+
+
+def _compare(raw, leaves, names, sems, modes, fast, atol, rtol):
+    offsets = np.cumsum([0] + [int(np.prod(s, dtype=np.int64)) for _, s in names])
+    valid = np.asarray(raw["valid"], bool)
+    value_leak = np.asarray(raw["value_leak"])
+    checks = []
+    for i, leaf in enumerate(leaves):
+        spec = leaf.spec
+        for sem in sems:
+            res = raw[f"{i}/{sem}"]
+            for j, (oname, oshape) in enumerate(names):
+                rows = slice(offsets[j], offsets[j + 1])
+                ok_rows = valid[rows] if sem == "masked" else np.ones(offsets[j + 1] - offsets[j], bool)
+                leaks = {}
+                if sem == "masked":
+                    leaks["valid outputs vs masked-out data"] = float(np.max(value_leak[rows], initial=0))
+                    if raw["mask_changed"]:
+                        leaks["output mask depends on masked-out data"] = float("inf")
+                for mode in modes:
+                    if fast:
+                        c = _fast_check(res, mode, sem, leaks, atol, rtol)
+                    else:
+                        c = _full_check(res, mode, sem, rows, ok_rows, spec, leaks, oshape, leaf.shape, atol, rtol)
+                    checks.append(Check(input=leaf.name, output=oname, mode=mode, semantics=sem, **c))
+    return checks
+
+
+def _leak_passed(leaks, atol):
+    return all(np.isfinite(v) and v <= atol for v in leaks.values())
+
+
+def _full_check(res, mode, sem, rows, ok_rows, spec, leaks, oshape, ishape, atol, rtol):
+    num = np.asarray(res["num"])[rows]
+    an = np.asarray(res[mode])[rows]
+    cols = spec if sem == "masked" else np.ones(num.shape[1], bool)
+    leaks = dict(leaks)
+    if sem == "masked":
+        off = ~spec
+        leaks["numerical, masked-out inputs"] = _max_abs(num[np.ix_(ok_rows, off)])
+        leaks["analytical, masked-out inputs"] = _max_abs(an[:, off])
+        leaks["analytical, masked-out outputs"] = _max_abs(an[~ok_rows])
+    n_blk, a_blk = num[np.ix_(ok_rows, cols)], an[np.ix_(ok_rows, cols)]
+    err = np.abs(n_blk - a_blk)
+    tol = atol + rtol * np.abs(n_blk)
+    bad = ~(err <= tol)  # NaN counts as a failure
+    excess = np.where(np.isnan(err), np.inf, err - tol)
+    rel = _relative(err, n_blk, atol)
+    r_idx, c_idx = np.flatnonzero(ok_rows), np.flatnonzero(cols)
+    worst = []
+    for flat_pos in np.argsort(-excess, axis=None)[:5] if excess.size else []:
+        r, c = np.unravel_index(flat_pos, excess.shape)
+        worst.append((tuple(int(v) for v in np.unravel_index(r_idx[r], oshape)),
+                      tuple(int(v) for v in np.unravel_index(c_idx[c], ishape)),
+                      float(n_blk[r, c]), float(a_blk[r, c]), bool(bad[r, c])))
+    diff = np.full(num.shape, np.nan)
+    diff[np.ix_(ok_rows, cols)] = err
+    return dict(passed=bool(not bad.any()) and _leak_passed(leaks, atol), max_abs=_nanmax(err),
+                max_rel=_nanmax(rel), worst=worst, leaks=leaks, diff=diff,
+                numerical=num, analytical=an)
+
+
+def _fast_check(res, mode, sem, leaks, atol, rtol):
+    num, an = np.asarray(res["num"]), np.asarray(res[mode])
+    leaks = dict(leaks)
+    if sem == "masked":
+        leaks["numerical, masked-out inputs"] = float(res["num_leak"])
+        leaks["analytical, masked-out inputs"] = float(res[f"{mode}_leak_in"])
+        leaks["analytical, masked-out outputs"] = float(res[f"{mode}_leak_out"])
+    err = np.abs(num - an)
+    bad = ~(err <= atol + rtol * np.abs(num))
+    worst = [(f"direction {d}", "", float(num[d]), float(an[d]), bool(bad[d])) for d in np.argsort(-err)]
+    return dict(passed=bool(not bad.any()) and _leak_passed(leaks, atol), max_abs=_nanmax(err),
+                max_rel=_nanmax(_relative(err, num, atol)), worst=worst,
+                leaks=leaks, diff=None, numerical=num, analytical=an)
+
+
+def _relative(err, num, atol):
+    """``err / |num|`` where ``|num| > atol`` (elsewhere the absolute error is what counts), else 0."""
+    big = np.abs(num) > atol
+    return np.where(big, err / np.where(big, np.abs(num), 1), np.where(np.isnan(err), np.nan, 0))
+
+
+def _max_abs(a):
+    return float(np.max(np.abs(a), initial=0)) if not np.isnan(a).any() else float("inf")
+
+
+def _nanmax(a):
+    if a.size == 0:
+        return 0.0
+    return float("inf") if np.isnan(a).any() else float(np.max(a))

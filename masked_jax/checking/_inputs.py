@@ -1,0 +1,170 @@
+"""Inputs and outputs of a Jacobian check, reduced to flat vectors.
+
+Every differentiable input leaf (a float array, ``MaskedArray``, BCOO-backed masked array,
+``jax.experimental.sparse.BCOO`` or row-sparse array) becomes a :class:`Leaf`: a static
+description (kind, shape, dtype, the pattern of *specified* elements) plus a flat vector of
+values over all its elements. :meth:`Leaf.build` turns a value vector back into an object of
+the original kind, optionally specifying more elements than the original (a dense-semantics
+perturbation of an unspecified element makes it specified). Output leaves become a filled
+vector (unspecified read as 0), the raw data and a validity mask.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import sparse as jsparse
+
+from masked_jax._core import MaskedArray
+from masked_jax._storage import SparseMasked
+from masked_jax.layouts.bcoo import BCOOMaskedArray
+from masked_jax.layouts.rows import RowSparseArray
+
+ALL = "all"  # ``extra`` value: every element specified
+
+
+def is_leaf(x) -> bool:
+    return isinstance(x, (MaskedArray, SparseMasked, jsparse.BCOO))
+
+
+@dataclasses.dataclass(frozen=True)
+class Leaf:
+    """Static description of one differentiable input (hashable: part of the compile cache key)."""
+
+    name: str
+    kind: str  # "array" | "masked" | "bcoo" | "bcoo_masked" | "row_sparse"
+    shape: tuple
+    dtype: str
+    spec_bytes: bytes  # packed bool pattern of specified elements
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    @property
+    def spec(self) -> np.ndarray:
+        return np.unpackbits(np.frombuffer(self.spec_bytes, np.uint8), count=self.size).astype(bool)
+
+    def build(self, values, extra=None):
+        """An object of this leaf's kind holding ``values`` (flat, all elements).
+
+        ``extra``: ``None`` (the original pattern), an int element index that becomes specified
+        too (out of range: none), or :data:`ALL` (every element specified).
+        """
+        values = values.astype(self.dtype)
+        if self.kind == "array":
+            return values.reshape(self.shape)
+        spec = jnp.asarray(self.spec)
+        if self.kind == "masked":
+            if extra is ALL:
+                mask = jnp.ones(self.size, bool)
+            elif extra is None:
+                mask = spec
+            else:
+                mask = spec.at[extra].set(True, mode="drop")
+            # plain unflatten, no tangent masking: what the function does with masked data is tested
+            return MaskedArray.tree_unflatten(None, (values.reshape(self.shape), mask.reshape(self.shape)))
+        if self.kind == "row_sparse":
+            return self._rows(values, extra)
+        return self._bcoo(values, extra)
+
+    def _bcoo(self, values, extra):
+        if extra is ALL:
+            lin = jnp.arange(self.size)
+        else:
+            lin = jnp.asarray(np.flatnonzero(self.spec))
+            if extra is not None:  # one more entry, or padding if the element is already stored
+                new = (extra < self.size) & ~jnp.asarray(self.spec)[jnp.clip(extra, 0, self.size - 1)]
+                lin = jnp.concatenate([lin, jnp.where(new, extra, self.size)[None]])
+        inside = lin < self.size
+        safe = jnp.where(inside, lin, 0)
+        coords = jnp.stack(jnp.unravel_index(safe, self.shape), -1) if self.shape else jnp.zeros((lin.size, 0), int)
+        indices = jnp.where(inside[:, None], coords, jnp.array(self.shape, int)).astype(jnp.int32)
+        b = jsparse.BCOO((values[safe], indices), shape=self.shape)
+        return BCOOMaskedArray.from_bcoo(b) if self.kind == "bcoo_masked" else b
+
+    def _rows(self, values, extra):
+        n = self.shape[0]
+        row_size = self.size // max(n, 1)
+        block = values.reshape((n, -1))
+        stored = self.spec.reshape(n, -1).any(1) if n else np.zeros(0, bool)
+        if extra is ALL:
+            rows = jnp.arange(n)
+        else:
+            rows = jnp.asarray(np.flatnonzero(stored))
+            if extra is not None:
+                r = jnp.asarray(extra) // max(row_size, 1)
+                new = (r < n) & ~jnp.asarray(stored)[jnp.clip(r, 0, max(n - 1, 0))]
+                rows = jnp.concatenate([rows, jnp.where(new, r, n)[None]])
+        data = block[jnp.clip(rows, 0, max(n - 1, 0))].reshape((rows.shape[0],) + self.shape[1:])
+        return RowSparseArray._make(self.shape, data, rows.astype(jnp.int32))
+
+
+def describe(name: str, x, dtype):
+    """``(leaf, values)`` for a differentiable input (``None`` for integer / bool ones).
+
+    ``values``: every element, unspecified ones 0 (the dense-semantics point).
+    """
+    if isinstance(x, MaskedArray):
+        kind, values, spec = "masked", x.filled(0), x.mask
+    elif isinstance(x, RowSparseArray):
+        dense = x.coalesce().todense()
+        kind, values, spec = "row_sparse", dense.filled(0), dense.mask
+    elif isinstance(x, (BCOOMaskedArray, jsparse.BCOO)):
+        dense = (x if isinstance(x, BCOOMaskedArray) else BCOOMaskedArray.from_bcoo(x)).todense()
+        kind = "bcoo_masked" if isinstance(x, BCOOMaskedArray) else "bcoo"
+        values, spec = dense.filled(0), dense.mask
+    elif isinstance(x, (jax.Array, np.ndarray, float, int)) and not isinstance(x, bool):
+        values = jnp.asarray(x)
+        kind, spec = "array", jnp.ones(values.shape, bool)
+    else:
+        raise TypeError(f"check_jacobian: input {name} is a {type(x).__name__}; expected arrays, "
+                        "MaskedArrays, BCOO-backed or row-sparse arrays, or jax BCOOs.")
+    if jnp.issubdtype(values.dtype, jnp.complexfloating):
+        raise TypeError(f"check_jacobian: input {name} is complex ({values.dtype}); complex inputs are "
+                        "not supported: pass the real and imaginary parts as separate inputs.")
+    if not jnp.issubdtype(values.dtype, jnp.floating):
+        return None  # integer / bool: a constant, as torch's gradcheck ignores such inputs
+    spec = np.asarray(spec).ravel()
+    leaf = Leaf(name, kind, tuple(values.shape), np.dtype(dtype or values.dtype).name,
+                np.packbits(spec).tobytes())
+    return leaf, values  # cast and flattened inside the compiled check
+
+
+def output_vectors(out, names_only=False):
+    """Flatten ``f``'s output: ``(names, filled, raw, mask)``; the vectors are concatenated over the
+    differentiable output leaves (float dtypes), others are listed in ``skipped``."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(out, is_leaf=is_leaf)
+    names, filled, raw, mask, sizes, skipped = [], [], [], [], [], []
+    for path, leaf in flat:
+        name = "out" + jax.tree_util.keystr(path)
+        if isinstance(leaf, MaskedArray):
+            d, m = leaf.data, leaf.mask
+        elif isinstance(leaf, SparseMasked):
+            dense = leaf.todense()
+            d, m = dense.data, dense.mask
+        elif isinstance(leaf, jsparse.BCOO):
+            d = leaf.todense()
+            m = jnp.ones(d.shape, bool)
+        elif isinstance(leaf, (jax.Array, np.ndarray, float, int)) and not isinstance(leaf, bool):
+            d = jnp.asarray(leaf)
+            m = jnp.ones(d.shape, bool)
+        else:
+            raise TypeError(f"check_jacobian: output {name} is a {type(leaf).__name__}; the function must "
+                            "return arrays, MaskedArrays or sparse arrays (in any pytree).")
+        if not jnp.issubdtype(d.dtype, jnp.floating):
+            skipped.append(f"{name} ({d.dtype}: not differentiable)")
+            continue
+        m = jnp.broadcast_to(m, d.shape)
+        names.append((name, tuple(d.shape)))
+        filled.append(jnp.where(m, d, 0).ravel())
+        raw.append(d.ravel())
+        mask.append(m.ravel())
+        sizes.append(d.size)
+    if names_only:
+        return names, skipped
+    cat = lambda xs, dt: jnp.concatenate(xs) if xs else jnp.zeros(0, dt)  # noqa: E731
+    return cat(filled, float), cat(raw, float), cat(mask, bool)

@@ -1,0 +1,221 @@
+"""check_jacobian: masked versus dense semantics (seed 001), every layout, full and fast modes."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import sparse
+
+import masked_jax as mj
+import masked_jax.nn as mnn
+import masked_jax.numpy as mnp
+
+MASK = jnp.array([[True, False, True], [True, True, False]])
+X = mj.masked_array(jnp.array([[0.5, jnp.nan, 2.0], [1.5, -0.3, jnp.inf]]), MASK)
+
+
+def seed_foo(x):
+    """Seed 001's ``torch.mm(torch.sparse.mm(x, x), x)``: masked semantics only."""
+    x = x.tostype("dense")  # an explicit conversion: the storage is the user's choice, not the semantics
+    return mnp.matmul(mnp.matmul(x, x), x)
+
+
+SEED_T = sparse.BCOO.fromdense(jnp.array([[0.0, 1.0], [2.0, 3.0]]))  # the 0 is unspecified
+
+
+def test_correct_masked_function_passes_masked_and_reports_it():
+    r = mj.check_jacobian(lambda v: mnn.softmax(v, axis=1), (X,), raise_exception=False)
+    assert r and r.satisfies == ("masked",)  # a masked softmax does not have dense semantics
+    assert all(c.passed for c in r.checks if c.semantics == "masked")
+    assert {c.mode for c in r.checks} == {"fwd", "rev"}
+    with pytest.raises(mj.JacobianError) as err:
+        mj.check_jacobian(lambda v: mnn.softmax(v, axis=1), (X,), semantics="dense")
+    assert "fails dense semantics" in str(err.value) and not err.value.report
+
+
+def test_reading_masked_out_data_passes_dense_and_fails_masked():
+    f = lambda v: jnp.sum(v.data ** 2)  # noqa: E731  (reads the data under the mask)
+    r = mj.check_jacobian(f, (X,), raise_exception=False)
+    assert r.satisfies == ("dense",)
+    failed = [c for c in r.checks if not c.passed]
+    assert failed and all(c.semantics == "masked" for c in failed)
+    for c in failed:
+        assert c.leaks["valid outputs vs masked-out data"] > 1e-3
+        assert c.leaks["analytical, masked-out inputs"] > 1e-3
+        assert c.max_abs < 1e-6  # on the specified elements the derivatives agree: only the leak fails
+    with pytest.raises(mj.JacobianError, match="leak"):
+        mj.check_jacobian(f, (X,), semantics="masked")
+
+
+def test_seed_001_sparse_mm_example_is_masked_only_and_the_fix_passes():
+    t = mj.from_bcoo(SEED_T)
+    r = mj.check_jacobian(seed_foo, (t,), raise_exception=False)
+    assert r.satisfies == ("masked",)
+    dense_fail = [c for c in r.checks if c.semantics == "dense" and not c.passed]
+    assert dense_fail
+    # the seed's printed Jacobians (torch prints inputs x outputs: the transpose of ours)
+    seed_numerical = np.array([[4, 3, 6, 2], [6, 13, 4, 12], [3, 1, 13, 6], [2, 6, 12, 31]], float)
+    num, an = dense_fail[0].numerical, dense_fail[0].analytical
+    np.testing.assert_allclose(num, seed_numerical.T, rtol=1e-6)
+    np.testing.assert_allclose(an[:, 1:], seed_numerical.T[:, 1:], rtol=1e-9)
+    np.testing.assert_array_equal(an[:, 0], 0.0)  # no tangent for the unspecified x[0, 0]
+    # the fix: the function masks its (dense) input itself, so perturbing x[0, 0] changes nothing
+    t_mask = jnp.array([[False, True], [True, True]])
+    fixed = lambda d: seed_foo(mj.masked_array(d, t_mask))  # noqa: E731
+    assert mj.check_jacobian(fixed, (SEED_T.todense(),)).satisfies == ("dense", "masked")
+
+
+def test_wrong_custom_vjp_fails_and_points_at_the_wrong_entries():
+    @jax.custom_vjp
+    def f(x):
+        return jnp.sin(x)
+
+    def bwd(x, g):
+        return (g * jnp.cos(x) * jnp.array([1.0, 1.0, 3.0]),)  # wrong for element 2 only
+
+    f.defvjp(lambda x: (jnp.sin(x), x), bwd)
+    r = mj.check_jacobian(f, (jnp.array([0.1, 0.4, 0.8]),), raise_exception=False)
+    assert not r
+    assert any("forward mode skipped" in n for n in r.notes) and {c.mode for c in r.checks} == {"rev"}
+    worst = r.checks[0].worst[0]
+    assert worst[:2] == ((2,), (2,)) and worst[4]
+    np.testing.assert_allclose([worst[2], worst[3]], [np.cos(0.8), 3 * np.cos(0.8)], rtol=1e-6)
+    assert "out[2] in[2]" in repr(r)
+
+
+@pytest.mark.parametrize("layout", ["dense", "bcoo", "bcoo_batch", "row_sparse"])
+@pytest.mark.parametrize("fast", [False, True])
+def test_layouts_and_modes(layout, fast):
+    rng = np.random.default_rng(0)
+    rows = np.array([True, False, True, True])
+    x = mj.masked_array(jnp.asarray(rng.uniform(0.5, 1.5, (4, 3))), jnp.asarray(np.repeat(rows[:, None], 3, 1)))
+    arg = {"dense": x, "bcoo": x.tostype("bcoo"), "row_sparse": x.tostype("row_sparse"),
+           "bcoo_batch": mj.BCOOMaskedArray.from_masked(x, nse=3, n_batch=1)}[layout]
+    f = lambda v: mnp.sum(mnp.log1p(v) * 2.0, axis=1)  # noqa: E731  f(0) = 0: masked and dense agree? no: sum
+    r = mj.check_jacobian(f, (arg,), fast=fast, raise_exception=False)
+    assert r.fast == fast
+    assert "masked" in r.satisfies, repr(r)
+    assert mj.check_jacobian(lambda v: mnp.exp(v), (arg,), semantics="masked", fast=fast)
+
+
+def test_jax_bcoo_inputs_have_dense_semantics_and_pytrees_of_inputs_and_outputs():
+    w = jnp.array([[1.0, -2.0], [0.5, 0.3], [2.0, 1.0]])
+    b = sparse.BCOO.fromdense(jnp.array([[0.0, 1.5, 0.0], [2.0, 0.0, -1.0]]))
+    f = lambda p: {"y": jnp.tanh(p["b"] @ p["w"]), "n": jnp.sum(p["w"] ** 2)}  # noqa: E731
+    r = mj.check_jacobian(f, ({"b": b, "w": w},), semantics="dense")
+    assert {(c.input, c.output) for c in r.checks} >= {("args[0]['b']", "out['y']"), ("args[0]['w']", "out['n']")}
+    # the product ignores unspecified entries analytically but dense semantics counts them: BCOO's own
+    # matmul has dense semantics, so the check passes with every element perturbed
+    assert r.satisfies == ("dense",)
+
+
+def test_fast_mode_catches_a_wrong_derivative_and_is_chosen_by_size():
+    @jax.custom_jvp
+    def g(x):
+        return jnp.tanh(x)
+
+    g.defjvp(lambda p, t: (jnp.tanh(p[0]), t[0] * 1.5 * (1 - jnp.tanh(p[0]) ** 2)))
+    big = jnp.linspace(-1.0, 1.0, 2000)
+    r = mj.check_jacobian(lambda v: jnp.sum(g(v) * v), (big,), semantics="dense", raise_exception=False)
+    assert r.fast and not r and all(not c.passed for c in r.checks)
+    assert "direction" in repr(r) and "random projections" in repr(r)
+    ok = mj.check_jacobian(lambda v: jnp.sum(jnp.tanh(v) * v), (big,), semantics="dense")
+    assert ok.fast and ok
+
+
+def test_float32_defaults_and_report_content():
+    r = mj.check_jacobian(jnp.sin, (jnp.array([0.1, 0.5], jnp.float32),), semantics="dense")
+    assert (r.dtype, r.eps, r.atol, r.rtol) in {("float64", 1e-6, 1e-5, 1e-3), ("float32", 1e-3, 1e-2, 1e-2)}
+    text = repr(r)
+    for piece in ("PASSED", "backend=cpu", f"eps={r.eps:g}", f"atol={r.atol:g}", "dense  fwd", "dense  rev",
+                  "dout/dargs[0]", "full Jacobian"):
+        assert piece in text, piece
+    jax.config.update("jax_enable_x64", False)
+    try:
+        r32 = mj.check_jacobian(jnp.sin, (jnp.array([0.1, 0.5], jnp.float32),), semantics="dense")
+    finally:
+        jax.config.update("jax_enable_x64", True)
+    assert (r32.dtype, r32.eps, r32.atol, r32.rtol) == ("float32", 1e-3, 1e-2, 1e-2)
+
+
+def test_html_report_has_tables_and_heatmap():
+    r = mj.check_jacobian(lambda v: jnp.sum(v.data ** 2, axis=1), (X,), raise_exception=False)
+    page = r._repr_html_()
+    assert "<table" in page and "satisfies dense semantics" in page and "fails masked semantics" in page
+    assert page.count("<tr") > len(r.checks)
+    r2 = mj.check_jacobian(seed_foo, (mj.from_bcoo(SEED_T),), raise_exception=False)
+    page2 = r2.to_html(heatmap=True)
+    assert "mj-heatmap" in page2 and "4" in page2 and "numerical" in page2
+    assert "mj-heatmap" not in r2.to_html(heatmap=False)
+
+
+def test_bad_input_errors():
+    with pytest.raises(TypeError, match="no differentiable input"):
+        mj.check_jacobian(lambda i: i * 2, (jnp.arange(3),))
+    with pytest.raises(TypeError, match="complex"):
+        mj.check_jacobian(lambda z: jnp.abs(z), (jnp.ones(2, jnp.complex64),))
+    with pytest.raises(TypeError, match="output out\\[1\\] is a str"):
+        mj.check_jacobian(lambda v: (v, "label"), (jnp.ones(2),))
+    with pytest.raises(TypeError, match="no float output"):
+        mj.check_jacobian(lambda v: v > 0, (jnp.ones(2),))
+    with pytest.raises(ValueError, match="semantics must be"):
+        mj.check_jacobian(jnp.sin, (jnp.ones(2),), semantics="sparse")
+    with pytest.raises(ValueError, match="modes must be"):
+        mj.check_jacobian(jnp.sin, (jnp.ones(2),), modes=("backward",))
+    with pytest.raises(TypeError, match="must be callable"):
+        mj.check_jacobian(3, (jnp.ones(2),))
+
+
+def test_constants_static_arguments_and_the_compile_cache():
+    from masked_jax.checking import _check
+
+    def f(v, idx, scale):
+        return jnp.take(v, idx) * scale
+
+    v = jnp.array([0.5, 1.0, 2.0])
+    r = mj.check_jacobian(f, (v, jnp.array([2, 0]), 3.0), semantics="dense")
+    assert {c.input for c in r.checks} == {"args[0]"}
+    n = len(_check._CACHE)
+    mj.check_jacobian(f, (v * 2, jnp.array([1, 1]), 3.0), semantics="dense")
+    assert len(_check._CACHE) == n  # same function and pattern: the compiled check is reused
+
+
+# -- every op of masked_jax.numpy / masked_jax.nn passes the checker in masked semantics ------------
+def _op_table():
+    """name -> (fn of (3, 4) masked operands, arity, domain), from the shared op tables."""
+    from test_ad import ELEMENTWISE, MASKED_REDUCE, OTHER_OPS, REDUCTIONS
+
+    table = {op.name: (op.fn, 2 if op.family == "binary" else 1, op.domain) for op in ELEMENTWISE}
+    domains = {op.name: op.domain for op in REDUCTIONS}
+    for name, fn in MASKED_REDUCE.items():
+        kw = {} if name in ("quantile", "percentile") else {"axis": 1}
+        table[f"{name}_axis1"] = ((lambda fn, kw: lambda x: fn(x, **kw))(fn, kw), 1, domains.get(name, (0.5, 1.5)))
+    for name, (fn, _) in OTHER_OPS.items():  # shape, indexing, contraction and cumulative ops
+        table[name] = (fn, 1, (0.5, 1.5))
+    return table
+
+
+def test_every_op_passes_check_jacobian_in_masked_semantics():
+    table = _op_table()
+    names = sorted(table)
+    rng = np.random.default_rng(7)
+    base = rng.uniform(0.05, 0.95, (len(names), 2, 3, 4))
+    mask = rng.random(base.shape) > 0.35
+    mask[..., 0, 0], mask[..., 2, 3] = True, False
+    x = mj.masked_array(jnp.asarray(np.where(mask, base, np.nan)), jnp.asarray(mask))
+
+    def run(x):
+        out = {}
+        for i, name in enumerate(names):
+            fn, arity, (lo, hi) = table[name]
+            operands = [x[i, j] * (hi - lo) + lo for j in range(arity)]  # into the op's domain
+            out[name] = fn(*operands)
+        return out
+
+    r = mj.check_jacobian(run, (x,), semantics="masked", fast=False, raise_exception=False)
+    by_op = {c.output.removeprefix("out['").removesuffix("']") for c in r.checks}
+    assert by_op == set(names) and len(names) >= 60
+    failed = {c.output for c in r.checks if not c.passed}
+    assert not failed, "\n".join(repr(c) for c in r.checks if not c.passed)
