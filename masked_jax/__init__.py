@@ -15,6 +15,8 @@ from masked_jax._ad import jacrev as jacrev
 from masked_jax._ad import tangent as tangent
 from masked_jax._ad import value_and_grad as value_and_grad
 from masked_jax._lookup import lookup as lookup
+from masked_jax._transform import MaskifyError as MaskifyError
+from masked_jax._transform import maskify as maskify
 from masked_jax.checking import JacobianError as JacobianError
 from masked_jax.checking import JacobianReport as JacobianReport
 from masked_jax.checking import check_jacobian as check_jacobian

@@ -12,6 +12,8 @@ NOTEBOOKS = sorted((pathlib.Path(__file__).resolve().parents[1] / "notebooks").g
 EXPECTED = {  # text each notebook must print
     "row_sparse.ipynb": ["RowSparseArray(float32[5, 2], rows=2)", "strict:", "RowSparseArray [0, 3]"],
     "masked_adagrad.ipynb": ["same as by hand: True", "bcoo, jit: True", "x faster"],
+    "jacobian_check.ipynb": ["('masked',)", "('dense',)", "fix passes: ('dense', 'masked')", "<-- mismatch",
+                             "forward mode skipped", "fast: True passed: True", "4.", "31."],
 }
 
 

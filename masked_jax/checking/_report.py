@@ -167,7 +167,7 @@ class JacobianError(AssertionError):
         >>> try:
         ...     mj.check_jacobian(f, (jnp.array([0.3, 0.7]),), semantics="dense")
         ... except mj.JacobianError as err:
-        ...     print(bool(err.report), err.report.notes[0][:21])
+        ...     print(bool(err.report), err.report.notes[0][:20])
         False forward mode skipped
     """
 

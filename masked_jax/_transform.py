@@ -1,0 +1,264 @@
+"""``maskify``: run ordinary ``jax.numpy`` code with masked semantics, by interpreting its jaxpr.
+
+``maskify(fun)(*args)`` traces ``fun`` on the data of its arguments, then evaluates the jaxpr with
+values that are :class:`~masked_jax.ops._base.Pair` ``(data, mask)``: an equation none of whose
+operands is masked binds its primitive as usual; otherwise the primitive's masked rule from
+:mod:`masked_jax.ops.primitives` runs (the same semantics as ``masked_jax.numpy``). Control flow
+(``jit``, ``cond``, ``while``, ``scan``, ``custom_jvp`` / ``custom_vjp`` calls, ``checkpoint``) is
+interpreted recursively, masks riding along in the carries.
+
+**Means and variances.** ``jnp.mean`` and ``jnp.var`` divide a sum by the *static* number of
+elements it summed. ``maskify`` tracks how many elements each masked ``reduce_sum`` counted:
+dividing such a sum by its static element count (``n``), or by ``n - ddof``, divides by the
+number of *valid* elements (minus ``ddof``) instead, valid where that number is positive. So
+``jnp.mean``, ``jnp.var``, ``jnp.std`` and the layer norms built from them get their masked
+meaning; a sum divided by a number that is not its element count is left alone.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.extend import core as jcore
+
+from masked_jax._core import MaskedArray
+from masked_jax._storage import SparseMasked
+from masked_jax.ops import primitives
+from masked_jax.ops._base import Pair, materialize
+
+_CALLS = ("pjit", "jit", "closed_call", "core_call", "remat", "checkpoint", "custom_jvp_call",
+          "custom_vjp_call", "custom_vjp_call_jaxpr", "named_call")
+
+
+class MaskifyError(NotImplementedError):
+    """A primitive reached by a masked operand has no masked rule (see ``primitives.UNSUPPORTED``).
+
+    Examples:
+        >>> import jax.numpy as jnp, masked_jax as mj
+        >>> x = mj.masked_array(jnp.eye(2), jnp.array([[True, False], [True, True]]))
+        >>> try:
+        ...     mj.maskify(jnp.linalg.cholesky)(x)
+        ... except mj.MaskifyError as err:
+        ...     print("cholesky" in str(err))
+        True
+    """
+
+
+def maskify(fun):
+    """``fun`` with masked semantics: it accepts masked arrays wherever it accepted arrays.
+
+    ``fun`` is ordinary ``jax.numpy`` / ``jax.nn`` / ``lax`` code. Its arguments may be
+    ``MaskedArray``s, sparse layouts (densified to ``MaskedArray``), arrays, and pytrees of them;
+    non-array arguments (Python numbers, strings) and keyword arguments are static. Outputs that
+    depend on a masked input are ``MaskedArray``s; the others are plain arrays. Composes with
+    ``jit``, ``vmap`` and ``mj.grad``; for ``static_argnums``-like use, close over the static
+    values (``maskify(lambda x: f(x, axis))``).
+
+    Reductions see only valid elements, so ``jax.nn.softmax``, ``jax.nn.logsumexp`` and
+    ``jnp.mean`` / ``jnp.var`` become their masked versions. A primitive without a masked rule
+    raises :class:`MaskifyError` naming it and ``fun``.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp, masked_jax as mj
+        >>> x = mj.masked_array(jnp.array([1.0, 2.0, 100.0]), jnp.array([True, True, False]))
+        >>> mj.maskify(jnp.mean)(x)
+        MaskedArray(1.5, dtype=float32)
+        >>> mj.maskify(jax.nn.softmax)(x).mask
+        Array([ True,  True, False], dtype=bool)
+    """
+    name = getattr(fun, "__name__", repr(fun))
+
+    @functools.wraps(fun)
+    def wrapped(*args, **kwargs):
+        flat, tree = jax.tree_util.tree_flatten(args, is_leaf=_is_masked_leaf)
+        pairs, statics, dyn_pos = [], {}, []
+        for i, leaf in enumerate(flat):
+            if isinstance(leaf, SparseMasked):
+                leaf = leaf.todense()
+            if isinstance(leaf, MaskedArray):
+                pairs.append(Pair(leaf.data, leaf.mask))
+                dyn_pos.append(i)
+            elif isinstance(leaf, (jax.Array, np.ndarray, np.generic)):
+                pairs.append(Pair(jnp.asarray(leaf), None))
+                dyn_pos.append(i)
+            else:
+                statics[i] = leaf
+
+        def on_data(*datas):
+            leaves = [statics.get(i) for i in range(len(flat))]
+            for i, d in zip(dyn_pos, datas):
+                leaves[i] = d
+            return fun(*jax.tree_util.tree_unflatten(tree, leaves), **kwargs)
+
+        closed, out_shape = jax.make_jaxpr(on_data, return_shape=True)(*(p.data for p in pairs))
+        outs = _Interpreter(name).run(closed.jaxpr, closed.consts, pairs)
+        out_tree = jax.tree_util.tree_structure(out_shape)
+        return jax.tree_util.tree_unflatten(out_tree, [_wrap(o) for o in outs])
+
+    return wrapped
+
+
+def _is_masked_leaf(x):
+    return isinstance(x, (MaskedArray, SparseMasked))
+
+
+def _wrap(p: Pair):
+    return p.data if p.mask is None else MaskedArray._from_pair(p.data, p.mask)
+
+
+class _Sized:
+    """What a masked ``reduce_sum`` counted: the static element count ``n`` and the valid count."""
+
+    def __init__(self, n, count):
+        self.n, self.count = n, count
+
+
+class _Interpreter:
+    def __init__(self, fun_name):
+        self.fun_name = fun_name
+
+    def run(self, jaxpr, consts, args):
+        env, sized, minus = {}, {}, {}
+
+        def read(v):
+            if isinstance(v, jcore.Literal):
+                return Pair(v.val, None)
+            return env[v]
+
+        for v, c in zip(jaxpr.constvars, consts):
+            env[v] = Pair(c, None)
+        for v, a in zip(jaxpr.invars, args):
+            env[v] = a
+        for eqn in jaxpr.eqns:
+            invals = [read(v) for v in eqn.invars]
+            outs = self.equation(eqn, invals, sized, minus)
+            outs = outs if eqn.primitive.multiple_results else [outs]
+            for v, o in zip(eqn.outvars, outs):
+                env[v] = o
+        return [read(v) for v in jaxpr.outvars]
+
+    # -- one equation ------------------------------------------------------------------------------
+    def equation(self, eqn, invals, sized, minus):
+        prim, params = eqn.primitive, dict(eqn.params)
+        name = prim.name
+        unmasked = all(p.mask is None for p in invals)
+        if (name in _CALLS or name in ("cond", "while", "scan")) and not unmasked:
+            return self.control(name, params, invals)
+        if unmasked:
+            out = prim.bind(*(p.data for p in invals), **params)
+            self._track_literals(eqn, invals, out, minus)
+            return [Pair(o, None) for o in out] if prim.multiple_results else Pair(out, None)
+        special = self._mean_like(eqn, invals, sized, minus)
+        if special is not None:
+            return special
+        rule = primitives.RULES.get(name)
+        if rule is None:
+            why = primitives.UNSUPPORTED.get(name, "no masked rule is registered for it")
+            raise MaskifyError(f"maskify({self.fun_name}): primitive '{name}' has a masked operand but no masked "
+                               f"rule ({why}). Fill the operand first (x.filled(...)) or compute it with "
+                               "masked_jax.numpy.")
+        out = rule(prim, invals, **params)
+        if name == "reduce_sum":
+            x = invals[0]
+            m = materialize(x.mask, jnp.shape(x.data))
+            n = int(np.prod([jnp.shape(x.data)[a] for a in params["axes"]], dtype=np.int64))
+            sized[eqn.outvars[0]] = _Sized(n, jnp.sum(m, axis=tuple(params["axes"])))
+        elif name in ("broadcast_in_dim", "reshape", "convert_element_type") and eqn.invars[0] in sized:
+            s = sized[eqn.invars[0]]
+            count = prim.bind(s.count, **params) if name != "convert_element_type" else s.count
+            sized[eqn.outvars[0]] = _Sized(s.n, count)
+        return out
+
+    @staticmethod
+    def _track_literals(eqn, invals, out, minus):
+        """Remember ``n - ddof`` (a concrete number minus a concrete number): jnp.var's divisor."""
+        if eqn.primitive.name == "sub" and all(_concrete_scalar(p.data) is not None for p in invals):
+            minus[eqn.outvars[0]] = (_concrete_scalar(invals[0].data), _concrete_scalar(invals[1].data))
+
+    def _mean_like(self, eqn, invals, sized, minus):
+        """``sum / n`` -> ``sum / count``; ``sum / (n - ddof)`` -> ``sum / (count - ddof)``."""
+        if eqn.primitive.name != "div" or eqn.invars[0] not in sized:
+            return None
+        s, den = sized[eqn.invars[0]], invals[1]
+        if den.mask is not None:
+            return None
+        value = _concrete_scalar(den.data)
+        if value is not None and value == s.n:
+            ddof = 0
+        elif not isinstance(eqn.invars[1], jcore.Literal) and eqn.invars[1] in minus and minus[eqn.invars[1]][0] == s.n:
+            ddof = minus[eqn.invars[1]][1]
+        else:
+            return None
+        num = invals[0]
+        dof = jnp.broadcast_to(s.count, jnp.shape(num.data)) - ddof
+        valid = dof > 0
+        data = jnp.where(valid, num.data / jnp.where(valid, dof, 1).astype(jnp.result_type(num.data)), 0)
+        return Pair(data, valid if num.mask is None else num.mask & valid)
+
+    # -- control flow ------------------------------------------------------------------------------
+    def control(self, name, params, invals):
+        if name in _CALLS:
+            closed = params.get("jaxpr") or params.get("call_jaxpr") or params.get("fun_jaxpr")
+            if isinstance(closed, jcore.ClosedJaxpr):
+                return self.run(closed.jaxpr, closed.consts, invals)
+            return self.run(closed, (), invals)
+        if name == "cond":
+            index, *ops = invals
+            if index.mask is not None:
+                raise MaskifyError(f"maskify({self.fun_name}): the predicate of lax.cond is masked; a branch "
+                                   "cannot be chosen for a missing value.")
+            ops = _materialized(ops)
+            branches = [functools.partial(self._branch, b) for b in params["branches"]]
+            return lax.switch(index.data, branches, ops)
+        if name == "while":
+            return self._while(params, invals)
+        return self._scan(params, invals)
+
+    def _branch(self, closed, ops):
+        return _materialized(self.run(closed.jaxpr, closed.consts, ops))
+
+    def _while(self, params, invals):
+        nc, nb = params["cond_nconsts"], params["body_nconsts"]
+        cconsts, bconsts, carry = invals[:nc], invals[nc:nc + nb], _materialized(invals[nc + nb:])
+        cj, bj = params["cond_jaxpr"], params["body_jaxpr"]
+
+        def cond_fn(c):
+            (p,) = self.run(cj.jaxpr, cj.consts, list(cconsts) + list(c))
+            return p.data if p.mask is None else p.data & p.mask  # a masked predicate stops the loop
+
+        def body_fn(c):
+            return _materialized(self.run(bj.jaxpr, bj.consts, list(bconsts) + list(c)))
+
+        return lax.while_loop(cond_fn, body_fn, carry)
+
+    def _scan(self, params, invals):
+        nconsts, ncarry = params["num_consts"], params["num_carry"]
+        consts, carry, xs = invals[:nconsts], _materialized(invals[nconsts:nconsts + ncarry]), invals[nconsts + ncarry:]
+        xs = _materialized(xs)
+        body = params["jaxpr"]
+
+        def step(c, x):
+            outs = _materialized(self.run(body.jaxpr, body.consts, list(consts) + list(c) + list(x)))
+            return outs[:ncarry], outs[ncarry:]
+
+        carry, ys = lax.scan(step, carry, xs, length=params["length"], reverse=params["reverse"],
+                             unroll=params["unroll"])
+        return list(carry) + list(ys)
+
+
+def _materialized(pairs):
+    """Pairs with every mask an array (loop carries and branch outputs need one fixed structure)."""
+    return [Pair(p.data, materialize(p.mask, jnp.shape(p.data))) for p in pairs]
+
+
+def _concrete_scalar(x):
+    if isinstance(x, jax.core.Tracer) or np.ndim(x) != 0:
+        return None
+    try:
+        return float(x)
+    except (TypeError, ValueError):
+        return None

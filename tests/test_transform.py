@@ -1,0 +1,255 @@
+"""maskify: plain jax.numpy code run with masked semantics, against masked_jax.numpy and by hand."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import masked_jax as mj
+import masked_jax.nn as mnn
+import masked_jax.numpy as mnp
+from masked_jax.ops import binary, elementwise, primitives
+
+RNG = np.random.default_rng(3)
+MASK = RNG.random((3, 4)) > 0.3
+MASK[0, 0], MASK[2, :] = True, False  # a fully masked row
+X = mj.masked_array(jnp.asarray(np.where(MASK, RNG.uniform(0.1, 0.9, (3, 4)), np.nan)), jnp.asarray(MASK))
+Y = mj.masked_array(jnp.asarray(RNG.uniform(0.1, 0.9, (3, 4))), jnp.asarray(RNG.random((3, 4)) > 0.2))
+W = jnp.asarray(RNG.normal(size=(4, 2)))
+
+UNARY = ["exp", "exp2", "log", "log1p", "log2", "log10", "expm1", "sqrt", "cbrt", "square", "reciprocal", "sin",
+         "cos", "tan", "arcsin", "arccos", "arctan", "sinh", "cosh", "tanh", "arcsinh", "arctanh", "abs",
+         "negative", "sign", "floor", "ceil", "round", "isfinite", "deg2rad"]
+NN_UNARY = ["relu", "sigmoid", "softplus", "silu", "log_sigmoid", "gelu"]
+BINARY = ["add", "subtract", "multiply", "divide", "power", "maximum", "minimum", "arctan2", "hypot",
+          "logaddexp", "equal", "less", "greater_equal"]
+REDUCE = ["sum", "prod", "mean", "var", "std", "max", "min", "ptp", "argmax", "argmin", "cumsum", "cumprod"]
+
+def _unary(f):
+    return lambda x, y: f(x)
+
+
+TABLE = {}  # name -> (plain jnp function of (x, y), the masked_jax function of (x, y))
+TABLE.update({f"jnp.{n}": (_unary(getattr(jnp, n)), _unary(getattr(mnp, n))) for n in UNARY})
+TABLE.update({f"jax.nn.{n}": (_unary(getattr(jax.nn, n)), _unary(getattr(mnn, n))) for n in NN_UNARY})
+TABLE.update({f"jnp.{n}": ((lambda f: lambda x, y: f(x, y))(getattr(jnp, n)), (lambda f: lambda x, y: f(x, y))(getattr(mnp, n)))
+              for n in BINARY})
+for _n in REDUCE:
+    for _axis in (None, 1):
+        TABLE[f"jnp.{_n}(axis={_axis})"] = ((lambda f, a: lambda x, y: f(x, axis=a))(getattr(jnp, _n), _axis),
+                                            (lambda f, a: lambda x, y: f(x, axis=a))(getattr(mnp, _n), _axis))
+TABLE.update({
+    "jnp.var(ddof=1, axis=0)": (lambda x, y: jnp.var(x, axis=0, ddof=1), lambda x, y: mnp.var(x, axis=0, ddof=1)),
+    "jnp.mean(keepdims)": (lambda x, y: jnp.mean(x, axis=1, keepdims=True), lambda x, y: mnp.mean(x, axis=1, keepdims=True)),
+    "jnp.linalg.norm(axis=1)": (lambda x, y: jnp.linalg.norm(x, axis=1), lambda x, y: mnp.norm(x, axis=1)),
+    "jax.nn.logsumexp": (lambda x, y: jax.nn.logsumexp(x, axis=1), lambda x, y: mnp.logsumexp(x, axis=1)),
+    "jax.nn.softmax": (lambda x, y: jax.nn.softmax(x, axis=1), lambda x, y: mnn.softmax(x, axis=1)),
+    "jax.nn.log_softmax": (lambda x, y: jax.nn.log_softmax(x, axis=0), lambda x, y: mnn.log_softmax(x, axis=0)),
+    "jnp.reshape": (lambda x, y: jnp.reshape(x, (4, 3)), lambda x, y: mnp.reshape(x, (4, 3))),
+    "jnp.transpose": (_unary(jnp.transpose), _unary(mnp.transpose)),
+    "jnp.flip": (lambda x, y: jnp.flip(x, 1), lambda x, y: mnp.flip(x, 1)),
+    "jnp.roll": (lambda x, y: jnp.roll(x, 1, 1), lambda x, y: mnp.roll(x, 1, 1)),
+    "jnp.tile": (lambda x, y: jnp.tile(x, 2), lambda x, y: mnp.tile(x, 2)),
+    "jnp.repeat": (lambda x, y: jnp.repeat(x, 2, axis=0), lambda x, y: mnp.repeat(x, 2, axis=0)),
+    "jnp.expand_dims": (lambda x, y: jnp.expand_dims(x, 1), lambda x, y: mnp.expand_dims(x, 1)),
+    "jnp.concatenate": (lambda x, y: jnp.concatenate([x, y], 1), lambda x, y: mnp.concatenate([x, y], 1)),
+    "jnp.stack": (lambda x, y: jnp.stack([x, y]), lambda x, y: mnp.stack([x, y])),
+    "jnp.pad": (lambda x, y: jnp.pad(x, 1), lambda x, y: mnp.pad(x, 1)),
+    "jnp.take": (lambda x, y: jnp.take(x, jnp.array([3, 0]), axis=1), lambda x, y: mnp.take(x, jnp.array([3, 0]), axis=1)),
+    "getitem": (lambda x, y: x[1:, jnp.array([0, 2])], lambda x, y: x[1:, jnp.array([0, 2])]),
+    "at.set": (lambda x, y: x.at[0, 1].set(5.0), lambda x, y: x.at[0, 1].set(5.0)),
+    "at.add": (lambda x, y: x.at[:, 0].add(y[:, 1]), lambda x, y: x.at[:, 0].add(y[:, 1])),
+    "jnp.sort": (lambda x, y: jnp.sort(x, axis=1), lambda x, y: mnp.sort(x, axis=1)),
+    "jnp.where": (lambda x, y: jnp.where(x > 0.5, x, y), lambda x, y: mnp.where(x > 0.5, x, y)),
+    "jnp.clip": (lambda x, y: jnp.clip(x, 0.3, 0.7), lambda x, y: mnp.clip(x, 0.3, 0.7)),
+    "matmul": (lambda x, y: x @ W, lambda x, y: x @ W),
+    "jnp.dot": (lambda x, y: jnp.dot(x, y.T), lambda x, y: mnp.dot(x, y.T)),
+    "jnp.einsum": (lambda x, y: jnp.einsum("ij,kj->ik", x, y), lambda x, y: mnp.einsum("ij,kj->ik", x, y)),
+    "jnp.tensordot": (lambda x, y: jnp.tensordot(x, y, axes=2), lambda x, y: mnp.tensordot(x, y, axes=2)),
+    "jnp.outer": (lambda x, y: jnp.outer(x[0], x[1]), lambda x, y: mnp.outer(x[0], x[1])),
+})
+
+
+def _same(got, want):
+    got, want = mj.as_masked(got), mj.as_masked(want)
+    assert got.shape == want.shape
+    np.testing.assert_array_equal(np.asarray(got.mask), np.asarray(want.mask))
+    np.testing.assert_allclose(np.asarray(got.filled(0)), np.asarray(want.filled(0)), rtol=1e-10, atol=1e-12)
+
+
+def test_the_table_is_large():
+    assert len(TABLE) >= 60
+
+
+@pytest.mark.parametrize("name", list(TABLE))
+def test_maskify_matches_masked_jax_numpy(name):
+    plain, masked = TABLE[name]  # masked operands reach plain code as arguments, never closed over
+    _same(mj.maskify(plain)(X, Y), masked(X, Y))
+
+
+def test_masked_constants_passed_as_arguments_and_jit_vmap_grad():
+    f = mj.maskify(lambda x, y: jnp.mean(x * y, axis=1))
+    _same(f(X, Y), mnp.mean(X * Y, axis=1))
+    _same(jax.jit(f)(X, Y), mnp.mean(X * Y, axis=1))
+    _same(jax.vmap(f)(mnp.stack([X, X]), mnp.stack([Y, Y]))[1], mnp.mean(X * Y, axis=1))
+    g = mj.grad(mj.maskify(lambda x: jnp.var(jnp.exp(x))))(X)
+    g_ref = mj.grad(lambda x: mnp.var(mnp.exp(x)))(X)
+    _same(g, g_ref)
+    assert bool(jnp.all(jnp.isfinite(g.data)))
+    axis = 0  # static arguments through closures
+    _same(mj.maskify(lambda x: jnp.sum(x, axis=axis))(X), mnp.sum(X, axis=0))
+
+
+def test_sparse_layouts_are_accepted():
+    rows = mj.masked_array(X.data, jnp.asarray(np.repeat(MASK.any(1, keepdims=True), 4, 1)) & ~jnp.isnan(X.data))
+    x = mj.masked_array(jnp.nan_to_num(X.data), jnp.asarray(np.repeat([[True], [True], [False]], 4, 1)))
+    for layout in (x.tostype("bcoo"), x.tostype("row_sparse")):
+        _same(mj.maskify(lambda v: jax.nn.softmax(v, axis=1))(layout), mnn.softmax(x, axis=1))
+    assert rows.shape == (3, 4)
+
+
+def test_mean_rule_leaves_other_divisions_alone():
+    # a sum divided by a number that is not its element count is an ordinary division
+    _same(mj.maskify(lambda x: jnp.sum(x, axis=1) / 3.0)(X), mnp.sum(X, axis=1) / 3.0)
+    _same(mj.maskify(lambda x: jnp.sum(x, axis=1) / 4.0)(X), mnp.mean(X, axis=1))  # 4 = the count: a mean
+
+
+def test_unsupported_primitive_names_it_and_the_function():
+    def my_model(x):
+        return jnp.linalg.cholesky(x @ x.T + jnp.eye(3))
+
+    with pytest.raises(mj.MaskifyError, match="my_model.*'cholesky'"):
+        mj.maskify(my_model)(X)
+    # the same primitive on unmasked data runs as usual
+    assert mj.maskify(my_model)(jnp.eye(3)).shape == (3, 3)
+    with pytest.raises(mj.MaskifyError, match="predicate of lax.cond is masked"):
+        mj.maskify(lambda x: jax.lax.cond(x[0, 0] > 0, jnp.sin, jnp.cos, x))(X)
+
+
+def test_one_source_of_truth_with_the_op_tables():
+    for prim_name, op_name in primitives.UNARY.items():
+        assert op_name in elementwise.UNARY, prim_name
+    for prim_name, op_name in primitives.BINARY.items():
+        assert op_name in binary.BINARY, prim_name
+    for prim_name in primitives.UNSUPPORTED:
+        assert prim_name not in primitives.RULES
+
+
+# -- a real model: MLP + layer norm + softmax cross-entropy over padded sequences ----------------
+B, T, D, H, C = 3, 5, 4, 6, 3
+LENGTHS = np.array([5, 2, 3])
+PAD = np.arange(T)[None, :] < LENGTHS[:, None]  # (B, T): True = a real token
+
+
+def _params(seed=0):
+    r = np.random.default_rng(seed)
+    return {"w1": jnp.asarray(r.normal(size=(D, H)) * 0.5), "b1": jnp.asarray(r.normal(size=H) * 0.1),
+            "g": jnp.asarray(1 + 0.1 * r.normal(size=H)), "b": jnp.asarray(0.1 * r.normal(size=H)),
+            "w2": jnp.asarray(r.normal(size=(H, C)) * 0.5)}
+
+
+def plain_loss(params, x, onehot):
+    """Written for unpadded data in plain jax.numpy."""
+    h = jax.nn.relu(x @ params["w1"] + params["b1"])
+    mu = jnp.mean(h, axis=-1, keepdims=True)
+    var = jnp.var(h, axis=-1, keepdims=True)
+    h = (h - mu) / jnp.sqrt(var + 1e-5) * params["g"] + params["b"]
+    logp = jax.nn.log_softmax(h @ params["w2"], axis=-1)
+    return jnp.mean(-jnp.sum(onehot * logp, axis=-1))
+
+
+def hand_masked_loss(params, x, onehot, pad):
+    """The same model written by hand with explicit masks (jnp.where and counts)."""
+    m = pad[..., None]
+    h = jax.nn.relu(jnp.where(m, x, 0) @ params["w1"] + params["b1"])
+    mu = jnp.mean(h, axis=-1, keepdims=True)
+    var = jnp.var(h, axis=-1, keepdims=True)
+    h = (h - mu) / jnp.sqrt(var + 1e-5) * params["g"] + params["b"]
+    logp = jax.nn.log_softmax(h @ params["w2"], axis=-1)
+    nll = -jnp.sum(onehot * logp, axis=-1)
+    return jnp.sum(jnp.where(pad, nll, 0)) / jnp.sum(pad)
+
+
+def test_mlp_with_layer_norm_and_cross_entropy_over_padded_sequences():
+    r = np.random.default_rng(1)
+    x = r.normal(size=(B, T, D))
+    x[~PAD] = np.nan  # padding holds garbage
+    onehot = jnp.asarray(np.eye(C)[r.integers(0, C, (B, T))])
+    xm = mj.masked_array(jnp.asarray(x), jnp.broadcast_to(jnp.asarray(PAD)[..., None], x.shape))
+    params = _params()
+    masked_loss = mj.maskify(plain_loss)
+    got = masked_loss(params, xm, onehot)
+    want = hand_masked_loss(params, jnp.asarray(np.nan_to_num(x)), onehot, jnp.asarray(PAD))
+    np.testing.assert_allclose(float(got.data), float(want), rtol=1e-12)
+    grads = jax.grad(lambda p: masked_loss(p, xm, onehot).data)(params)
+    grads_ref = jax.grad(hand_masked_loss)(params, jnp.asarray(np.nan_to_num(x)), onehot, jnp.asarray(PAD))
+    for k in params:
+        np.testing.assert_allclose(np.asarray(grads[k]), np.asarray(grads_ref[k]), rtol=1e-10, atol=1e-12)
+    jitted = jax.jit(lambda p: masked_loss(p, xm, onehot).data)
+    np.testing.assert_allclose(float(jitted(params)), float(want), rtol=1e-12)
+
+
+# -- control flow ---------------------------------------------------------------------------------
+def test_scan_rnn_and_cond_inside_the_function():
+    r = np.random.default_rng(2)
+    xs = r.normal(size=(T, B, 2))
+    valid = jnp.broadcast_to(jnp.asarray(PAD.T)[..., None], xs.shape)
+    xm = mj.masked_array(jnp.asarray(np.where(np.asarray(valid), xs, np.nan)), valid)
+    u = jnp.asarray(r.normal(size=(2, 2)))
+
+    def rnn(xs, h0):
+        def step(h, xt):
+            h = jnp.tanh(xt @ u + jnp.where(True, h, 0.0))
+            return h, jnp.sum(h, axis=-1)
+        return jax.lax.scan(step, h0, xs)
+
+    h_last, ys = mj.maskify(rnn)(xm, jnp.zeros((B, 2)))
+
+    def by_hand(xs, h0):
+        def step(h, xt):
+            h = mnp.tanh(xt @ u + h)
+            return h, mnp.sum(h, axis=-1)
+        return jax.lax.scan(step, mj.as_masked(h0), xs)
+
+    h_ref, ys_ref = by_hand(xm, jnp.zeros((B, 2)))
+    _same(ys, ys_ref)
+    _same(h_last, h_ref)
+    assert not bool(jnp.any(ys.mask[~PAD.T]))  # padded steps stay masked
+    for flag in (True, False):
+        got = mj.maskify(lambda x: jax.lax.cond(flag, lambda v: jnp.sin(v) * 2, lambda v: jnp.mean(v, 0) + v, x))(X)
+        _same(got, mnp.sin(X) * 2 if flag else mnp.mean(X, axis=0) + X)
+    count = mj.maskify(lambda x: jax.lax.fori_loop(0, 3, lambda i, v: v * 2.0, x))(X)
+    _same(count, X * 8.0)
+
+
+def test_more_primitives_sort_top_k_dynamic_slices_custom_vjp_while():
+    _same(mj.maskify(lambda x: jnp.argsort(x, axis=1))(X).filled(-1), mnp.argsort(X, axis=1))
+    vals, idx = mj.maskify(lambda x: jax.lax.top_k(x, 2))(X)
+    for i in range(3):
+        valid = np.sort(np.asarray(X.data[i])[MASK[i]])[::-1][:2]
+        np.testing.assert_array_equal(np.asarray(vals.mask[i]), np.arange(2) < valid.size)
+        np.testing.assert_allclose(np.asarray(vals.data[i])[: valid.size], valid)
+        np.testing.assert_array_equal(np.asarray(idx.mask[i]), np.arange(2) < valid.size)
+    _same(mj.maskify(lambda x: jax.lax.dynamic_slice(x, (1, 1), (2, 2)))(X), X[1:3, 1:3])
+    _same(mj.maskify(lambda x, y: jax.lax.dynamic_update_slice(x, y[:1, :2], (2, 1)))(X, Y),
+          X.at[2:3, 1:3].set(Y[:1, :2]))
+    g = mj.grad(mj.maskify(lambda x: jnp.sum(jax.lax.stop_gradient(x) * x)))(X)
+    _same(g, mj.grad(lambda x: mnp.sum(jax.lax.stop_gradient(x.data) * x))(X))
+
+    @jax.custom_vjp
+    def double(v):
+        return 2.0 * v
+
+    double.defvjp(lambda v: (2.0 * v, None), lambda _, g: (2.0 * g,))
+    _same(mj.maskify(lambda x: double(jnp.exp(x)))(X), mnp.exp(X) * 2.0)
+
+    def halve_until_small(x):
+        return jax.lax.while_loop(lambda v: jnp.max(v) > 0.1, lambda v: v / 2.0, x)
+
+    out = mj.maskify(halve_until_small)(X)  # the loop's max sees only valid elements (NaN is masked)
+    want = X
+    while float(mnp.max(want).data) > 0.1:
+        want = want / 2.0
+    _same(out, want)
