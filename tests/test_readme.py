@@ -28,5 +28,8 @@ def test_readme_python_blocks_run_and_promises_hold():
         ours = jax.grad(lambda v: mnp.sum(mnp.log(mj.masked_array(v, ns["m"]))).data)(ns["v"])
         assert np.isnan(trap[1])
         np.testing.assert_array_equal(ours, [0.5, 0.0])
+        np.testing.assert_allclose(np.asarray(ns["normed"].data[0, :2]), [-1.0, 1.0], atol=1e-4)
+        np.testing.assert_array_equal(np.asarray(ns["probs"].mask), [[True, True, False]])
+        assert ns["softmax_report"].satisfies == ("masked",) and ns["leak_report"].satisfies == ("dense",)
     finally:
         jax.config.update("jax_enable_x64", True)
