@@ -192,7 +192,7 @@ def _compiled(f, call, treedef, leaves, static, sems, modes, fast, eps, values, 
     if not names:
         raise TypeError("check_jacobian: f returned no float output to differentiate"
                         + (f" (only {', '.join(skipped)})." if skipped else "."))
-    fn = jax.jit(lambda vals, cs, seed: _run(call, leaves, sems, modes, fast, eps, vals, cs, seed))
+    fn = jax.jit(lambda vals, cs, seed: _run(call, leaves, names, sems, modes, fast, eps, vals, cs, seed))
     entry = (fn, names, skipped)
     if key is not None:
         _CACHE[key] = entry
@@ -208,7 +208,7 @@ def _random_fills(leaves, values, key, lo, hi):
             for leaf, v, k in zip(leaves, values, keys)]
 
 
-def _run(call, leaves, sems, modes, fast, eps, vals, consts, seed):
+def _run(call, leaves, names, sems, modes, fast, eps, vals, consts, seed):
     """Everything numerical and analytical, as arrays (traced once under jit)."""
     n = len(leaves)
     vals = [v.astype(leaf.dtype).ravel() for leaf, v in zip(leaves, vals)]
@@ -216,8 +216,17 @@ def _run(call, leaves, sems, modes, fast, eps, vals, consts, seed):
     fills = _random_fills(leaves, vals, k_fill, 0.5, 1.5)  # masked semantics: data under masks is random
     alts = _random_fills(leaves, vals, k_alt, -2.0, -1.0)  # ... and different: valid outputs must not move
     out = {}
-    base_m = output_vectors(call(fills, [None] * n, consts))
-    alt_m = output_vectors(call(alts, [None] * n, consts))
+    def outputs(vs, extras):
+        out = call(vs, extras, consts)
+        got = output_vectors(out, names_only=True)[0]
+        if got != names:
+            raise TypeError(f"check_jacobian: f's outputs changed structure between evaluations ({names} at the "
+                            f"given inputs, {got} at a perturbed or re-specified input); every evaluation must "
+                            "return the same pytree of the same shapes.")
+        return output_vectors(out)
+
+    base_m = outputs(fills, [None] * n)
+    alt_m = outputs(alts, [None] * n)
     out["valid"] = base_m[2]
     out["value_leak"] = jnp.where(base_m[2] & alt_m[2], jnp.abs(base_m[0] - alt_m[0]), 0)
     out["mask_changed"] = jnp.any(base_m[2] != alt_m[2])
@@ -231,7 +240,7 @@ def _run(call, leaves, sems, modes, fast, eps, vals, consts, seed):
                 vs[i] = v
                 extras = [None] * n
                 extras[i] = extra
-                return output_vectors(call(vs, extras, consts))[which]
+                return outputs(vs, extras)[which]
 
             x0 = base[i]
             if fast:
