@@ -24,3 +24,7 @@ settings.load_profile("default")
 @pytest.fixture
 def rng():
     return np.random.default_rng(0)
+
+
+# tests/sharded/ needs 8 devices, so it runs in its own process (tests/test_sharding.py starts it).
+collect_ignore = [] if os.environ.get("MASKED_JAX_SHARDED_TESTS") else ["sharded"]

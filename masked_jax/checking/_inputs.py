@@ -119,7 +119,7 @@ def describe(name: str, x, dtype):
         values, spec = dense.filled(0), dense.mask
     elif isinstance(x, (jax.Array, np.ndarray, float, int)) and not isinstance(x, bool):
         values = jnp.asarray(x)
-        kind, spec = "array", jnp.ones(values.shape, bool)
+        kind, spec = "array", np.ones(values.shape, bool)
     else:
         raise TypeError(f"check_jacobian: input {name} is a {type(x).__name__}; expected arrays, "
                         "MaskedArrays, BCOO-backed or row-sparse arrays, or jax BCOOs.")

@@ -3,7 +3,8 @@
 ``lazy(inner)`` lifts any optax transformation so that parameters and state change
 only where the gradient is valid; ``masked_adagrad`` is Adagrad built that way;
 ``apply_updates`` applies dense, masked and row-sparse updates;
-``make_train_step`` is the jitted, donated training step.
+``make_train_step`` is the jitted, donated training step; ``sharded_update`` and
+``init_sharded`` run it on tables sharded by rows over several devices.
 
 Examples:
     >>> import jax.numpy as jnp, optax, masked_jax as mj
@@ -19,6 +20,9 @@ from masked_jax.optim._adagrad import masked_adagrad as masked_adagrad
 from masked_jax.optim._adagrad import scale_by_rss as scale_by_rss
 from masked_jax.optim._apply import apply_updates as apply_updates
 from masked_jax.optim._lazy import lazy as lazy
+from masked_jax.optim._sharded import init_sharded as init_sharded
+from masked_jax.optim._sharded import sharded_update as sharded_update
 from masked_jax.optim._step import make_train_step as make_train_step
 
-__all__ = ["apply_updates", "lazy", "make_train_step", "masked_adagrad", "scale_by_rss"]
+__all__ = ["apply_updates", "init_sharded", "lazy", "make_train_step", "masked_adagrad", "scale_by_rss",
+           "sharded_update"]
