@@ -31,5 +31,8 @@ def test_readme_python_blocks_run_and_promises_hold():
         np.testing.assert_allclose(np.asarray(ns["normed"].data[0, :2]), [-1.0, 1.0], atol=1e-4)
         np.testing.assert_array_equal(np.asarray(ns["probs"].mask), [[True, True, False]])
         assert ns["softmax_report"].satisfies == ("masked",) and ns["leak_report"].satisfies == ("dense",)
+        table = ns["sharded_params"]["table"]
+        assert table.sharding.spec == jax.sharding.PartitionSpec("rows") and np.isfinite(float(ns["sharded_loss"]))
+        assert float(table[3, 0]) != np.float32(0.01) and float(table[5, 0]) == np.float32(0.01)  # touched rows only
     finally:
         jax.config.update("jax_enable_x64", True)

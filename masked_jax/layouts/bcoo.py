@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import sparse as jsparse
 
 from masked_jax._core import MaskedArray
 from masked_jax._storage import FROM_MASKED, SparseMasked, is_tracer
 from masked_jax.layouts.rows import RowSparseArray
+from masked_jax.layouts.segments import unique_ids
 from masked_jax.ops._base import Pair
 
 
@@ -94,6 +96,18 @@ class BCOOMaskedArray(SparseMasked):
     def coalesce(self) -> "BCOOMaskedArray":
         """Sum duplicate entries (static nse; freed slots become padding)."""
         boolean = self.dtype == jnp.bool_  # duplicates of a bool are or-ed
+        size = int(np.prod(self.shape))
+        if self.n_batch == 0 and self.n_dense == 0 and 0 < self.nse and size < np.iinfo(np.int32).max:
+            # flat layout: sort the entries' linear indices (unique_ids: ~3x faster than
+            # bcoo_sum_duplicates on CPU); padding entries sort last and stay padding
+            lin = jnp.ravel_multi_index(tuple(self.indices.T), self.shape, mode="clip")
+            uniq, seg = unique_ids(jnp.where(self.entry_valid(), lin, size).astype(jnp.int32), size)
+            values = jnp.where(self.entry_valid(), self.data, jnp.zeros((), self.dtype))
+            merge = jax.ops.segment_max if boolean else jax.ops.segment_sum
+            data = merge(values, seg, num_segments=self.nse)
+            cols = jnp.stack(jnp.unravel_index(jnp.minimum(uniq, size - 1), self.shape), -1)
+            indices = jnp.where((uniq < size)[:, None], cols, jnp.array(self.shape)).astype(self.indices.dtype)
+            return BCOOMaskedArray.tree_unflatten(self.shape, (data, indices))
         x = self.with_data(self.data.astype(jnp.int32)) if boolean else self
         summed = jsparse.bcoo_sum_duplicates(x.to_bcoo(), nse=self.nse)
         data = summed.data > 0 if boolean else summed.data

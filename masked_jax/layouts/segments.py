@@ -50,34 +50,41 @@ class Segments:
         self.valid = x.entry_valid()
         self.k = x.nse
         self.out_shape = tuple(x.shape[a] for a in keep)
-        sentinel = int(np.prod(self.out_shape))
+        n_out = int(np.prod(self.out_shape))
         coords = tuple(x.indices[:, a] for a in keep)
         lin = jnp.ravel_multi_index(coords, self.out_shape, mode="clip") if keep else jnp.zeros(self.k, int)
-        lin = jnp.where(self.valid, lin, sentinel).astype(jnp.int32)
-        self.uniq, self.seg = unique_ids(lin, sentinel)
-        self.out_valid = self.uniq < sentinel
+        lin = jnp.where(self.valid, lin, n_out).astype(jnp.int32)
+        if n_out < self.k:
+            # Fewer outputs than entries: one segment per output element (and one for padding),
+            # no sort. The result stores n_out + 1 entries, fewer than the input's nse.
+            self.n_seg = n_out + 1
+            self.uniq, self.seg = jnp.arange(self.n_seg, dtype=jnp.int32), lin
+        else:  # one segment per distinct output element present: sort the entries' outputs
+            self.n_seg = self.k
+            self.uniq, self.seg = unique_ids(lin, n_out)
         self.count = self.sum(self.valid.astype(jnp.int32))
+        self.out_valid = (self.uniq < n_out) & (self.count > 0)
 
     def clean(self, values, fill_value=0):
         """Values with padding entries replaced by ``fill_value``."""
         return jnp.where(self.valid, values, jnp.asarray(fill_value, values.dtype))
 
     def sum(self, v):
-        return jax.ops.segment_sum(self.clean(v), self.seg, self.k)
+        return jax.ops.segment_sum(self.clean(v), self.seg, self.n_seg)
 
     def max(self, v):
         init = lowest(v.dtype)
-        return jax.ops.segment_max(self.clean(v, init), self.seg, self.k, indices_are_sorted=False)
+        return jax.ops.segment_max(self.clean(v, init), self.seg, self.n_seg, indices_are_sorted=False)
 
     def min(self, v):
         init = highest(v.dtype)
-        return jax.ops.segment_min(self.clean(v, init), self.seg, self.k, indices_are_sorted=False)
+        return jax.ops.segment_min(self.clean(v, init), self.seg, self.n_seg, indices_are_sorted=False)
 
     def prod(self, v):
         """Product per segment by a segmented scan over entries sorted by segment (differentiable,
         unlike ``segment_prod``'s scatter-multiply)."""
         if self.k == 0:
-            return jnp.ones(0, v.dtype)
+            return jnp.ones(self.n_seg, v.dtype)
         order = jnp.argsort(self.seg)
         seg, vals = self.seg[order], self.clean(v, 1)[order]
         start = jnp.concatenate([jnp.ones(1, bool), seg[1:] != seg[:-1]])
@@ -88,8 +95,8 @@ class Segments:
 
         run, _ = jax.lax.associative_scan(combine, (vals, start))
         last = jnp.concatenate([seg[1:] != seg[:-1], jnp.ones(1, bool)])
-        slot = jnp.where(last, seg, self.k)  # write each run's total once, drop the rest
-        return jnp.ones(self.k, vals.dtype).at[slot].set(run, mode="drop")
+        slot = jnp.where(last, seg, self.n_seg)  # write each run's total once, drop the rest
+        return jnp.ones(self.n_seg, vals.dtype).at[slot].set(run, mode="drop")
 
     def back(self, per_segment):
         """Per-segment values broadcast back to the entries."""
@@ -100,7 +107,7 @@ class Segments:
         if self.out_shape:
             cols = jnp.stack(jnp.unravel_index(jnp.where(self.out_valid, self.uniq, 0), self.out_shape), -1)
         else:
-            cols = jnp.zeros((self.k, 0), jnp.int32)
+            cols = jnp.zeros((self.n_seg, 0), jnp.int32)
         for a in keepdims_axes:  # a size-1 dimension: index 0 (axes ascending)
             cols = jnp.insert(cols, a, 0, axis=1)
         return cols.astype(jnp.int32)
