@@ -51,19 +51,30 @@ def main(argv=None):
         idx = jnp.asarray(np.sort(rng.choice(n, size=k, replace=False)).astype(np.int32))
         vals = jnp.asarray(rng.normal(size=(k, d)).astype(np.float32))
         rsp = mj.row_sparse(vals, idx, (n, d), unique_indices=True)
-        dense = rsp.todense()
-        for name, op in OPS.items():
-            # float32 sums over 10^4+ rows in a different order: atol 1e-2
-            ts, td = _check_and_time(jax.jit(op), rsp, dense, atol=1e-2)
-            rows[(name, frac)] = (k, ts, td)
-    print(f"{n} x {d} float32, backend {jax.default_backend()}")
-    print("| op | stored rows | row_sparse (ms) | dense layout (ms) | dense / row_sparse | row_sparse ns per stored row |")
-    print("|---|---|---|---|---|---|")
-    for (name, frac), (k, ts, td) in rows.items():
-        print(f"| {name} | {k} ({frac:.0%}) | {ts * 1e3:.3f} | {td * 1e3:.2f} | {td / ts:.1f}x | {ts / k * 1e9:.1f} |")
+        # float32 sums over 10^4+ rows in a different order: atol 1e-2
+        rows.update(_time_ops(OPS, rsp, frac, k, atol=1e-2))
+    _print_table(f"{n} x {d} float32", "row_sparse", "stored rows", rows, ".0%", per_row=True)
     _plot(rows, fractions)
     bcoo_rows = bcoo_table(args.quick, rng)
     return rows, bcoo_rows
+
+
+def _time_ops(ops, sparse, frac, stored, atol):
+    """``{(op name, frac): (stored, sparse seconds, dense-layout seconds)}`` for each jitted op."""
+    dense = sparse.todense()
+    return {(name, frac): (stored, *_check_and_time(jax.jit(op), sparse, dense, atol)) for name, op in ops.items()}
+
+
+def _print_table(title, layout, stored, rows, frac_format, per_row=False):
+    print(f"{title}, backend {jax.default_backend()}")
+    cols = ["op", stored, f"{layout} (ms)", "dense layout (ms)", f"dense / {layout}"]
+    cols += [f"{layout} ns per stored row"] if per_row else []
+    print("| " + " | ".join(cols) + " |")
+    print("|" + "---|" * len(cols))
+    for (name, frac), (k, ts, td) in rows.items():
+        cells = [name, f"{k} ({frac:{frac_format}})", f"{ts * 1e3:.3f}", f"{td * 1e3:.2f}", f"{td / ts:.1f}x"]
+        cells += [f"{ts / k * 1e9:.1f}"] if per_row else []
+        print("| " + " | ".join(cells) + " |")
 
 
 def _check_and_time(f, sparse, dense, atol):
@@ -93,15 +104,8 @@ def bcoo_table(quick, rng):
         idx = jnp.asarray(np.stack(np.unravel_index(flat, (m, n)), -1).astype(np.int32))
         vals = jnp.asarray(rng.normal(size=nse).astype(np.float32))
         b = mj.from_bcoo(jsparse.BCOO((vals, idx), shape=(m, n), indices_sorted=True, unique_indices=True))
-        dense = b.todense()
-        for name, op in BCOO_OPS.items():
-            tb, td = _check_and_time(jax.jit(op), b, dense, atol=1e-4)
-            out[(name, frac)] = (nse, tb, td)
-    print(f"\nBCOO-backed {m} x {n} float32, backend {jax.default_backend()}")
-    print("| op | stored entries | bcoo (ms) | dense layout (ms) | dense / bcoo |")
-    print("|---|---|---|---|---|")
-    for (name, frac), (nse, tb, td) in out.items():
-        print(f"| {name} | {nse} ({frac:.1%}) | {tb * 1e3:.3f} | {td * 1e3:.2f} | {td / tb:.1f}x |")
+        out.update(_time_ops(BCOO_OPS, b, frac, nse, atol=1e-4))
+    _print_table(f"\nBCOO-backed {m} x {n} float32", "bcoo", "stored entries", out, ".1%")
     return out
 
 
