@@ -66,6 +66,7 @@ def _time_ops(ops, sparse, frac, stored, atol):
 
 
 def _print_table(title, layout, stored, rows, frac_format, per_row=False):
+    """Markdown table of ``_time_ops`` results: medians in ms and the dense / sparse ratio."""
     print(f"{title}, backend {jax.default_backend()}")
     cols = ["op", stored, f"{layout} (ms)", "dense layout (ms)", f"dense / {layout}"]
     cols += [f"{layout} ns per stored row"] if per_row else []

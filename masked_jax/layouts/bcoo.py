@@ -97,7 +97,8 @@ class BCOOMaskedArray(SparseMasked):
         """Sum duplicate entries (static nse; freed slots become padding)."""
         boolean = self.dtype == jnp.bool_  # duplicates of a bool are or-ed
         size = int(np.prod(self.shape))
-        if self.n_batch == 0 and self.n_dense == 0 and self.ndim and 0 < self.nse and size < np.iinfo(np.int32).max:
+        flat = self.n_batch == 0 and self.n_dense == 0 and self.ndim > 0  # 0-d: no index to linearize
+        if flat and 0 < self.nse and size < np.iinfo(np.int32).max:
             # flat layout: sort the entries' linear indices (unique_ids: ~3x faster than
             # bcoo_sum_duplicates on CPU); padding entries sort last and stay padding
             lin = jnp.ravel_multi_index(tuple(self.indices.T), self.shape, mode="clip")
