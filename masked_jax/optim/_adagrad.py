@@ -50,6 +50,11 @@ def scale_by_rss(initial_accumulator_value: float = 0.1, eps: float = 1e-7,
         >>> t = optim.scale_by_rss(initial_accumulator_value=0.0, eps_placement="outside")
         >>> t.update(jnp.array([3.0]), t.init(jnp.zeros(1)))[0]
         Array([1.], dtype=float32)
+        >>> import masked_jax as mj
+        >>> g = mj.row_sparse(jnp.array([[3.0], [4.0]]), jnp.array([2, 2]), (4, 1))  # rows summed
+        >>> u, state = t.update(g, t.init(jnp.zeros((4, 1))))
+        >>> u.todense().filled(0)[:, 0], state.sum_of_squares[:, 0]
+        (Array([0., 0., 1., 0.], dtype=float32), Array([ 0.,  0., 49.,  0.], dtype=float32))
     """
     if eps_placement not in _PLACEMENTS:
         raise ValueError(f"eps_placement must be one of {_PLACEMENTS}; got {eps_placement!r}.")
@@ -68,15 +73,9 @@ def scale_by_rss(initial_accumulator_value: float = 0.1, eps: float = 1e-7,
     def update_fn(updates, state, params=None):
         del params
         leaves, treedef = jax.tree_util.tree_flatten(updates, is_leaf=is_container)
-        if not any(is_container(g) for g in leaves):  # optax's code path, bit for bit
-            sums = jax.tree_util.tree_map(lambda g, t: (g.conj() * g).real + t, updates,
-                                          state.sum_of_squares)
-            updates = jax.tree_util.tree_map(lambda g, t: inverse_root(t).astype(g.dtype) * g,
-                                             updates, sums)
-            return updates, optax.ScaleByRssState(sum_of_squares=sums)
         new_updates, new_sums = [], []
         for g, t in zip(leaves, treedef.flatten_up_to(state.sum_of_squares)):
-            v, data = view(g)  # row-sparse: coalesced, padding rows zero
+            v, data = view(g)  # plain: all of it; masked: valid entries; row-sparse: coalesced rows
             t = v.add(t, (data.conj() * data).real)  # only valid entries grow
             new_sums.append(t)
             new_updates.append(v.wrap(inverse_root(v.gather(t)).astype(data.dtype) * data))
