@@ -11,6 +11,13 @@ import jax
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
 
 
+def torch_device():
+    """Where torch baselines run: the GPU when JAX runs on one and torch sees CUDA, else the CPU."""
+    import torch
+
+    return "cuda" if jax.default_backend() == "gpu" and torch.cuda.is_available() else "cpu"
+
+
 def median_seconds(fn, *args, repeats=20, warmup=3):
     """Median wall time of ``fn(*args)``, blocking on JAX results."""
     for _ in range(warmup):

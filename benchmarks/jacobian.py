@@ -15,7 +15,9 @@ The first masked_jax call compiles; its time is reported separately from the cac
 same function checked again: one XLA call). Prints medians and the ratios torch / masked_jax,
 and saves a plot to ``benchmarks/results/jacobian.png``.
 
-Run: ``.venv/bin/python benchmarks/jacobian.py`` (``--quick`` for a small smoke run).
+Run: ``.venv/bin/python benchmarks/jacobian.py`` (``--quick`` for a small smoke run). On a GPU
+(``JAX_PLATFORMS=cuda``) torch checks CUDA tensors when it sees CUDA (gradcheck synchronizes
+when it compares), and the plot is ``jacobian_gpu.png``.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from jax.test_util import check_grads  # noqa: E402
 sys.path.insert(0, os.path.dirname(__file__))
 import masked_jax as mj  # noqa: E402
 from masked_jax.checking import _check  # noqa: E402
-from _timing import RESULTS, interleaved_medians, save_bar_plot  # noqa: E402
+from _timing import RESULTS, interleaved_medians, save_bar_plot, torch_device  # noqa: E402
 
 
 def functions(n, rng):
@@ -50,7 +52,7 @@ def functions(n, rng):
 
     import torch
 
-    at = torch.from_numpy(a)
+    at = torch.from_numpy(a).to(torch_device())
 
     def torch_matvec(x):
         return torch.tanh(at @ x).sum()
@@ -59,6 +61,7 @@ def functions(n, rng):
         return torch.sin(x) * torch.exp(-x**2) + torch.log1p(x**2)
 
     return {"sum(tanh(A @ x))": (jax_matvec, torch_matvec), "sin*exp+log1p (n outputs)": (jax_elementwise, torch_elementwise)}
+
 
 
 def main(argv=None):
@@ -74,7 +77,7 @@ def main(argv=None):
     for n in sizes:
         for name, (fj, ft) in functions(n, rng).items():
             x = jnp.asarray(rng.uniform(-1.0, 1.0, n))
-            xt = torch.tensor(np.asarray(x), requires_grad=True)
+            xt = torch.tensor(np.asarray(x), requires_grad=True, device=torch_device())
             full = lambda: mj.check_jacobian(fj, (x,), semantics="dense", modes=("rev",), fast=False)  # noqa: E731
             fast = lambda: mj.check_jacobian(fj, (x,), semantics="dense", modes=("rev",), fast=True)  # noqa: E731
             _check._CACHE.clear()
@@ -97,7 +100,9 @@ def main(argv=None):
             rows[f"{name} n={n}"] = res
             compile_rows[f"{name} n={n}"] = (t_compile_full, t_compile_fast)
     _print(rows, compile_rows)
-    save_bar_plot(rows, os.path.join(RESULTS, "jacobian.png"), "Jacobian checks, cached (float64, CPU)")
+    backend = jax.default_backend()
+    save_bar_plot(rows, os.path.join(RESULTS, "jacobian" + ("" if backend == "cpu" else f"_{backend}") + ".png"),
+                  f"Jacobian checks, cached (float64, {backend.upper()})")
     return rows
 
 
@@ -109,7 +114,9 @@ def _returns_none(fn):
 
 
 def _print(rows, compile_rows):
-    print(f"\nbackend {jax.default_backend()}, float64; medians in ms (cached: the compiled check reused)")
+    dev = jax.devices()[0].device_kind
+    print(f"\nbackend {jax.default_backend()} ({dev}), torch on {torch_device()}, float64; medians in ms "
+          "(cached: the compiled check reused)")
     impls = list(next(iter(rows.values())))
     print("| function | " + " | ".join(impls) + " | gradcheck / masked_jax | fast_mode / masked_jax fast |"
           " masked_jax compile (full, fast) |")

@@ -14,7 +14,10 @@ parameters and state, read and written) divided by the measured copy bandwidth.
 Prints a table of medians and ratios, and saves a log-log plot of time against K to
 ``benchmarks/results/optim.png``.
 
-Run: ``.venv/bin/python benchmarks/optim.py`` (``--quick`` for a small smoke run).
+Run: ``.venv/bin/python benchmarks/optim.py`` (``--quick`` for a small smoke run). On a GPU
+(``JAX_PLATFORMS=cuda``) torch runs there too when it sees CUDA, its steps end in
+``torch.cuda.synchronize()``, the bandwidth is a device-memory copy, and the plot is
+``optim_gpu.png``.
 
 ``--reuse-memory`` reruns the script with glibc's malloc told never to hand memory back
 (``MALLOC_MMAP_MAX_=0``, ``MALLOC_TRIM_THRESHOLD_`` = 4 GB). XLA:CPU allocates all temporaries
@@ -28,6 +31,7 @@ so both get the same allocator in either configuration.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import time
@@ -40,21 +44,33 @@ import optax
 sys.path.insert(0, os.path.dirname(__file__))
 import masked_jax as mj  # noqa: E402
 from masked_jax import optim  # noqa: E402
-from _timing import RESULTS, interleaved_medians  # noqa: E402
+from _timing import RESULTS, interleaved_medians, torch_device  # noqa: E402
 
 DIM = 64
 LR = 1e-2
 REUSE_MEMORY_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(4 * 2**30)}
 
 
-def copy_bandwidth(nbytes=256 * 2**20, repeats=7):
-    """Bytes per second of a large array copy (one read plus one write per byte copied)."""
-    src = np.ones(nbytes // 4, np.float32)
-    dst = np.empty_like(src)
+def copy_bandwidth(nbytes=None, repeats=7):
+    """Bytes per second of a large array copy (one read plus one write per byte copied).
+
+    On CPU a numpy copy of 256 MiB; on an accelerator a jitted copy of 1 GiB in device memory
+    (large enough that the launch does not count).
+    """
+    on_cpu = jax.default_backend() == "cpu"
+    nbytes = nbytes or (256 if on_cpu else 1024) * 2**20
+    if on_cpu:
+        src = np.ones(nbytes // 4, np.float32)
+        dst = np.empty_like(src)
+        copy = lambda: np.copyto(dst, src)  # noqa: E731
+    else:
+        src = jnp.ones(nbytes // 4, jnp.float32)
+        copy = functools.partial(jax.jit(lambda a: a + 1), src)  # one read, one write per element
+        jax.block_until_ready(copy())
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        np.copyto(dst, src)
+        jax.block_until_ready(copy())
         times.append(time.perf_counter() - t0)
     return 2 * nbytes / float(np.median(times))
 
@@ -97,14 +113,18 @@ def optax_stepper(opt, table, grad):
 def torch_stepper(make, table_np, ids, vals):
     import torch
 
-    param = torch.nn.Parameter(torch.tensor(table_np))
+    dev = torch_device()
+    param = torch.nn.Parameter(torch.tensor(table_np, device=dev))
     opt = make([param])
     with torch.sparse.check_sparse_tensor_invariants():
-        grad = torch.sparse_coo_tensor(torch.tensor(ids)[None], torch.tensor(vals), param.shape)
+        grad = torch.sparse_coo_tensor(torch.tensor(ids, device=dev)[None], torch.tensor(vals, device=dev),
+                                       param.shape)
 
     def step():
         param.grad = grad
         opt.step()
+        if dev == "cuda":
+            torch.cuda.synchronize()  # time the step, not its launch
         return None
 
     return step
@@ -130,7 +150,8 @@ def run(n, k, bandwidth, with_torch=True, rounds=3):
         "dense_adam": optax_stepper(optax.adam(LR), fresh(), dense_grad),
     }
     if with_torch:
-        torch.set_num_threads(os.cpu_count() or 1)
+        if torch_device() == "cpu":
+            torch.set_num_threads(os.cpu_count() or 1)
         fns["torch_adagrad"] = torch_stepper(lambda ps: torch.optim.Adagrad(ps, lr=LR), table_np, ids, vals)
         fns["torch_sparse_adam"] = torch_stepper(lambda ps: torch.optim.SparseAdam(ps, lr=LR), table_np, ids, vals)
     slow = {"dense_adagrad", "dense_adam"}
@@ -155,7 +176,9 @@ def main(argv=None):
     sizes = (20_000, 200_000) if args.quick else (200_000, 2_000_000)
     ks = (1_000, 10_000) if args.quick else (1_000, 10_000, 100_000)
     bandwidth = copy_bandwidth()
-    print(f"backend {jax.default_backend()}, {os.cpu_count()} cores, copy bandwidth {bandwidth / 1e9:.1f} GB/s, "
+    backend = jax.default_backend()
+    where = f"{os.cpu_count()} cores" if backend == "cpu" else jax.devices()[0].device_kind
+    print(f"backend {backend} ({where}), torch on {torch_device()}, copy bandwidth {bandwidth / 1e9:.1f} GB/s, "
           f"malloc {'reusing freed memory' if reuse else 'glibc default'}")
     results = {(n, k): run(n, k, bandwidth) for n in sizes for k in ks}
     cols = ["masked_adagrad", "lazy_adam", "hand_scatter_adam", "dense_adagrad", "dense_adam",
@@ -174,7 +197,8 @@ def main(argv=None):
     for k in ks:
         print(f"  K={k:,}: masked_adagrad {results[(hi, k)]['masked_adagrad'] / results[(lo, k)]['masked_adagrad']:.2f}x,"
               f" lazy_adam {results[(hi, k)]['lazy_adam'] / results[(lo, k)]['lazy_adam']:.2f}x")
-    plot(results, sizes, ks, os.path.join(RESULTS, "optim_reuse_memory.png" if reuse else "optim.png"))
+    name = "optim" + ("_reuse_memory" if reuse else "") + ("" if backend == "cpu" else f"_{backend}")
+    plot(results, sizes, ks, os.path.join(RESULTS, name + ".png"))
 
 
 def plot(results, sizes, ks, path):

@@ -236,7 +236,7 @@ class _Interpreter:
         return lax.while_loop(cond_fn, body_fn, carry)
 
     def _scan(self, params, invals):
-        nconsts, ncarry = params["num_consts"], params["num_carry"]
+        nconsts, ncarry = _scan_counts(params, len(invals))
         consts, carry, xs = invals[:nconsts], _materialized(invals[nconsts:nconsts + ncarry]), invals[nconsts + ncarry:]
         xs = _materialized(xs)
         body = params["jaxpr"]
@@ -248,6 +248,25 @@ class _Interpreter:
         carry, ys = lax.scan(step, carry, xs, length=params["length"], reverse=params["reverse"],
                              unroll=params["unroll"])
         return list(carry) + list(ys)
+
+
+def _scan_counts(params, n_in):
+    """``(consts, carry)`` operand counts of a ``scan`` equation.
+
+    jax up to 0.10 names them ``num_consts`` / ``num_carry``; jax 0.11 passes ``ft_in``, a flat
+    tree that splits the operands into ``(consts, carry, xs)`` the way jax's own scan rules
+    read it (``ft_in.update(operands).unpack()``).
+    """
+    if "num_consts" in params:
+        return params["num_consts"], params["num_carry"]
+    groups = params.get("ft_in")
+    try:
+        consts, carry, _ = groups.update(list(range(n_in))).unpack()
+    except (AttributeError, TypeError, ValueError):
+        raise NotImplementedError(
+            f"maskify: this jax version's scan parameters ({sorted(params)}) are not understood; expected "
+            "num_consts/num_carry, or an ft_in that unpacks into (consts, carry, xs).") from None
+    return len(consts), len(carry)
 
 
 def _materialized(pairs):

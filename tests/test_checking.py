@@ -85,6 +85,37 @@ def test_wrong_custom_vjp_fails_and_points_at_the_wrong_entries():
     assert "out[2] in[2]" in repr(r)
 
 
+@pytest.mark.parametrize("semantics", ["dense", "masked"])
+def test_worst_entries_are_ranked_by_excess_over_tolerance(semantics):
+    # A wrong backward pass: input element j's column scaled by w[j] (NaN for one), so every
+    # output row has a different error; the ranking must match a numpy sort of the same errors.
+    w = np.array([1.0, 1.5, 1.0, 4.0, np.nan, 1.0, 2.5, 1.5])
+
+    @jax.custom_vjp
+    def f(x):
+        return jnp.outer(jnp.arange(1.0, 4.0), jnp.sin(x)).ravel()
+
+    f.defvjp(lambda x: (f(x), x), lambda x, g: ((jnp.arange(1.0, 4.0) @ g.reshape(3, -1)) * jnp.cos(x) * w,))
+    x0 = jnp.linspace(0.1, 0.8, 8)
+    mask = jnp.array([True] * 7 + [False])
+    arg = x0 if semantics == "dense" else mj.masked_array(x0, mask)
+    g = f if semantics == "dense" else lambda m: f(m.filled(0.0))
+    r = mj.check_jacobian(g, (arg,), semantics=semantics, modes=("rev",), fast=False, raise_exception=False)
+    (c,) = r.checks
+    cols = np.arange(8) if semantics == "dense" else np.arange(7)
+    num, an = c.numerical[:, cols], c.analytical[:, cols]
+    excess = np.abs(num - an) - (r.atol + r.rtol * np.abs(num))
+    excess[np.isnan(excess)] = np.inf
+    order = sorted(np.ndindex(excess.shape), key=lambda rc: (-excess[rc], rc))[:5]
+    assert [(w_[0], w_[1]) for w_ in c.worst] == [((i,), (int(cols[j]),)) for i, j in order]
+    assert c.worst[0][1] == (4,) and np.isnan(c.worst[0][3]) and all(w_[4] for w_ in c.worst)
+    assert c.max_abs == np.inf and c.max_rel == np.inf  # the NaN counts as an infinite error
+    if semantics == "masked":
+        assert np.isnan(c.diff[:, 7]).all() and not np.isnan(c.diff[:, :7][:, [0, 1, 2, 3, 5, 6]]).any()
+    else:
+        np.testing.assert_array_equal(c.diff, np.abs(c.numerical - c.analytical))
+
+
 @pytest.mark.parametrize("layout,fast", [("dense", False), ("bcoo", True), ("bcoo_batch", False), ("row_sparse", True),
                                          ("row_sparse", False)])
 def test_layouts_and_modes(layout, fast):
@@ -129,7 +160,7 @@ def test_float32_defaults_and_report_content():
     r = mj.check_jacobian(jnp.sin, (jnp.array([0.1, 0.5], jnp.float32),), semantics="dense")
     assert (r.dtype, r.eps, r.atol, r.rtol) in {("float64", 1e-6, 1e-5, 1e-3), ("float32", 1e-3, 1e-2, 1e-2)}
     text = repr(r)
-    for piece in ("PASSED", "backend=cpu", f"eps={r.eps:g}", f"atol={r.atol:g}", "dense  fwd", "dense  rev",
+    for piece in ("PASSED", f"backend={jax.default_backend()}", f"eps={r.eps:g}", f"atol={r.atol:g}", "dense  fwd", "dense  rev",
                   "dout/dargs[0]", "full Jacobian"):
         assert piece in text, piece
     jax.config.update("jax_enable_x64", False)

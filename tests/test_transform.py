@@ -192,6 +192,32 @@ def test_mlp_with_layer_norm_and_cross_entropy_over_padded_sequences():
 
 
 # -- control flow ---------------------------------------------------------------------------------
+def test_scan_operand_counts_in_both_jax_parameter_layouts():
+    from masked_jax._transform import _scan_counts
+
+    eqn = jax.make_jaxpr(lambda u, c, xs: jax.lax.scan(lambda c, x: ((c[0] * u + x[0], c[1] * u + x), c[0]), c, xs))(
+        2.0, (1.0, jnp.ones(2)), jnp.ones((3, 2))).jaxpr.eqns[-1]
+    assert _scan_counts(eqn.params, len(eqn.invars)) == (1, 2)  # this jax's own layout: u; (c0, c1); xs
+    # jax 0.11's layout: a flat tree ft_in that splits the operands into (consts, carry, xs)
+
+    class FlatTree:  # the two methods of jax 0.11's FlatTree that jax's own scan rules use
+        def __init__(self, sizes, values=None):
+            self.sizes, self.values = sizes, values
+
+        def update(self, values):
+            return FlatTree(self.sizes, list(values))
+
+        def unpack(self):
+            cuts = np.cumsum((0,) + self.sizes)
+            return tuple(self.values[a:b] for a, b in zip(cuts[:-1], cuts[1:]))
+
+    assert _scan_counts({"ft_in": FlatTree((1, 2, 1)), "length": 3}, 4) == (1, 2)
+    with pytest.raises(NotImplementedError, match="scan parameters"):
+        _scan_counts({"ft_in": ((None,), (None,)), "length": 3}, 4)
+    with pytest.raises(NotImplementedError, match="scan parameters"):
+        _scan_counts({"length": 3}, 4)
+
+
 def test_scan_rnn_and_cond_inside_the_function():
     r = np.random.default_rng(2)
     xs = r.normal(size=(T, B, 2))

@@ -358,24 +358,43 @@ def _full_check(res, mode, sem, rows, ok_rows, spec, leaks, oshape, ishape, atol
         leaks["numerical, masked-out inputs"] = _max_abs(num[np.ix_(ok_rows, off)])
         leaks["analytical, masked-out inputs"] = _max_abs(an[:, off])
         leaks["analytical, masked-out outputs"] = _max_abs(an[~ok_rows])
-    n_blk, a_blk = num[np.ix_(ok_rows, cols)], an[np.ix_(ok_rows, cols)]
+    everything = bool(ok_rows.all() and cols.all())  # dense semantics: views, no copies
+    n_blk, a_blk = (num, an) if everything else (num[np.ix_(ok_rows, cols)], an[np.ix_(ok_rows, cols)])
     err = np.abs(n_blk - a_blk)
-    tol = atol + rtol * np.abs(n_blk)
-    bad = ~(err <= tol)  # NaN counts as a failure
-    excess = np.where(np.isnan(err), np.inf, err - tol)
-    rel = _relative(err, n_blk, atol)
+    abs_num = np.abs(n_blk)
+    excess = err - (atol + rtol * abs_num)  # > 0 or NaN: a failure
+    has_nan = bool(np.isnan(err).any())
     r_idx, c_idx = np.flatnonzero(ok_rows), np.flatnonzero(cols)
     worst = []
-    for flat_pos in np.argsort(-excess, axis=None)[:5] if excess.size else []:
+    for flat_pos in _largest(excess.ravel(), 5):
         r, c = np.unravel_index(flat_pos, excess.shape)
         worst.append((tuple(int(v) for v in np.unravel_index(r_idx[r], oshape)),
                       tuple(int(v) for v in np.unravel_index(c_idx[c], ishape)),
-                      float(n_blk[r, c]), float(a_blk[r, c]), bool(bad[r, c])))
-    diff = np.full(num.shape, np.nan)
-    diff[np.ix_(ok_rows, cols)] = err
-    return dict(passed=bool(not bad.any()) and _leak_passed(leaks, atol), max_abs=_nanmax(err),
-                max_rel=_nanmax(rel), worst=worst, leaks=leaks, diff=diff,
+                      float(n_blk[r, c]), float(a_blk[r, c]), bool(not excess[r, c] <= 0)))
+    if everything:
+        diff = err
+    else:
+        diff = np.full(num.shape, np.nan)
+        diff[np.ix_(ok_rows, cols)] = err
+    passed = excess.size == 0 or bool(excess.max() <= 0)
+    return dict(passed=passed and _leak_passed(leaks, atol), max_abs=_max_of(err, has_nan),
+                max_rel=_max_of(_relative(err, abs_num, atol), has_nan), worst=worst, leaks=leaks, diff=diff,
                 numerical=num, analytical=an)
+
+
+def _largest(a, k):
+    """Flat positions of the ``k`` largest entries of 1-d ``a``, largest first, ties by position, NaN
+    before all (``np.argmax`` returns the first NaN).
+
+    ``k`` argmax passes: linear, and unlike a sort or ``argpartition`` (6-9 ms on a 400 x 400
+    table whose off-diagonal entries all tie) not slowed by ties.
+    """
+    a = a.copy()
+    picks = []
+    for _ in range(min(k, a.size)):
+        picks.append(int(np.argmax(a)))
+        a[picks[-1]] = -np.inf
+    return picks
 
 
 def _fast_check(res, mode, sem, leaks, atol, rtol):
@@ -386,24 +405,26 @@ def _fast_check(res, mode, sem, leaks, atol, rtol):
         leaks["analytical, masked-out inputs"] = float(res[f"{mode}_leak_in"])
         leaks["analytical, masked-out outputs"] = float(res[f"{mode}_leak_out"])
     err = np.abs(num - an)
-    bad = ~(err <= atol + rtol * np.abs(num))
+    abs_num = np.abs(num)
+    bad = ~(err <= atol + rtol * abs_num)
+    has_nan = bool(np.isnan(err).any())
     worst = [(f"direction {d}", "", float(num[d]), float(an[d]), bool(bad[d])) for d in np.argsort(-err)]
-    return dict(passed=bool(not bad.any()) and _leak_passed(leaks, atol), max_abs=_nanmax(err),
-                max_rel=_nanmax(_relative(err, num, atol)), worst=worst,
+    return dict(passed=bool(not bad.any()) and _leak_passed(leaks, atol), max_abs=_max_of(err, has_nan),
+                max_rel=_max_of(_relative(err, abs_num, atol), has_nan), worst=worst,
                 leaks=leaks, diff=None, numerical=num, analytical=an)
 
 
-def _relative(err, num, atol):
+def _relative(err, abs_num, atol):
     """``err / |num|`` where ``|num| > atol`` (elsewhere the absolute error is what counts), else 0."""
-    big = np.abs(num) > atol
-    return np.where(big, err / np.where(big, np.abs(num), 1), np.where(np.isnan(err), np.nan, 0))
+    return np.divide(err, abs_num, out=np.zeros_like(err), where=abs_num > atol)
 
 
 def _max_abs(a):
     return float(np.max(np.abs(a), initial=0)) if not np.isnan(a).any() else float("inf")
 
 
-def _nanmax(a):
-    if a.size == 0:
-        return 0.0
-    return float("inf") if np.isnan(a).any() else float(np.max(a))
+def _max_of(a, has_nan):
+    """Largest entry of ``a``; infinity when the errors it came from hold a NaN; 0 when empty."""
+    if has_nan:
+        return float("inf")
+    return float(np.max(a, initial=0))

@@ -111,7 +111,7 @@ def _rows_intersect(rule, a, b, kwargs):
     """Row-sparse ∘ row-sparse: valid on rows both store; K of ``a``, rows only in ``a`` become padding."""
     a, b = a.coalesce(), b.coalesce()
     n = a.shape[0]
-    pos = jnp.clip(jnp.searchsorted(b.indices, a.indices), 0, max(b.nse - 1, 0))
+    pos = jnp.clip(segments.sorted_search(b.indices, a.indices), 0, max(b.nse - 1, 0))
     if b.nse == 0:
         return RowSparseArray._make(a.shape, a.data, jnp.full_like(a.indices, n), True)
     hit = (b.indices[pos] == a.indices) & (a.indices < n)
@@ -144,7 +144,7 @@ def _bcoo_intersect(rule, a, b, kwargs):
     if b.nse == 0 or a.nse == 0:
         return BCOOMaskedArray.tree_unflatten(a.shape, (a.data, jnp.broadcast_to(padding, a.indices.shape)))
     order = jnp.argsort(lin_b)
-    pos = jnp.clip(jnp.searchsorted(lin_b[order], lin_a), 0, b.nse - 1)
+    pos = jnp.clip(segments.sorted_search(lin_b[order], lin_a), 0, b.nse - 1)
     partner = order[pos]
     hit = (lin_b[partner] == lin_a) & (lin_a >= 0)
     out = rule(a.block(), Pair(b.data[partner], None), **kwargs).data

@@ -27,6 +27,22 @@ from masked_jax.ops._base import highest, lowest, normalize_axis
 from masked_jax.ops.reductions import safe_sqrt
 
 
+def sorted_search(sorted_values, queries):
+    """``jnp.searchsorted(sorted_values, queries)`` (left side) as an unrolled binary search.
+
+    The default method is a ``while`` loop of log2(n) trips; on XLA:GPU each trip is a kernel
+    plus a read of the loop predicate by the host, which made a K = 1k row-sparse optimizer step
+    3x slower on an H100 (0.34 against 0.11 ms). Unrolled, the search is one straight-line program;
+    on CPU the two take the same time.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> sorted_search(jnp.array([1, 3, 3, 7]), jnp.array([3, 0, 8]))
+        Array([1, 0, 4], dtype=int32)
+    """
+    return jnp.searchsorted(sorted_values, queries, method="scan_unrolled")
+
+
 def unique_ids(ids, sentinel: int):
     """``(uniq, seg)``: the sorted distinct values of ``ids`` padded with ``sentinel`` to
     ``len(ids)`` (static), and each id's position in ``uniq``.
@@ -40,7 +56,7 @@ def unique_ids(ids, sentinel: int):
     ordered = jnp.sort(ids)
     first = jnp.concatenate([jnp.ones(1, bool), ordered[1:] != ordered[:-1]])
     uniq = jnp.full(k, sentinel, ids.dtype).at[jnp.cumsum(first) - 1].min(ordered)
-    return uniq, jnp.searchsorted(uniq, ids)
+    return uniq, sorted_search(uniq, ids)
 
 
 class Segments:

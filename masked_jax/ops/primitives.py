@@ -43,7 +43,7 @@ def _register_nary(prim_name, safe):
 
 # -- elementwise: primitive -> the masked_jax.numpy op whose sanitising value it shares ------------
 UNARY = {
-    "exp": "exp", "exp2": "exp2", "log": "log", "log1p": "log1p", "expm1": "expm1", "sin": "sin", "cos": "cos",
+    "exp": "exp", "exp2": "exp2", "log": "log", "log2": "log2", "log1p": "log1p", "expm1": "expm1", "sin": "sin", "cos": "cos",
     "tan": "tan", "asin": "arcsin", "acos": "arccos", "atan": "arctan", "sinh": "sinh", "cosh": "cosh",
     "tanh": "tanh", "asinh": "arcsinh", "acosh": "arccosh", "atanh": "arctanh", "sqrt": "sqrt", "cbrt": "cbrt",
     "abs": "abs", "sign": "sign", "floor": "floor", "ceil": "ceil", "round": "round", "neg": "negative",
