@@ -11,6 +11,12 @@ import jax
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
 
 
+def result_path(stem):
+    """``results/<stem>.png``, with ``_<backend>`` appended off the CPU (``optim_gpu.png``)."""
+    backend = jax.default_backend()
+    return os.path.join(RESULTS, stem + ("" if backend == "cpu" else f"_{backend}") + ".png")
+
+
 def torch_device():
     """Where torch baselines run: the GPU when JAX runs on one and torch sees CUDA, else the CPU."""
     import torch

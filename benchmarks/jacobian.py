@@ -37,7 +37,7 @@ from jax.test_util import check_grads  # noqa: E402
 sys.path.insert(0, os.path.dirname(__file__))
 import masked_jax as mj  # noqa: E402
 from masked_jax.checking import _check  # noqa: E402
-from _timing import RESULTS, interleaved_medians, save_bar_plot, torch_device  # noqa: E402
+from _timing import interleaved_medians, result_path, save_bar_plot, torch_device  # noqa: E402
 
 
 def functions(n, rng):
@@ -61,7 +61,6 @@ def functions(n, rng):
         return torch.sin(x) * torch.exp(-x**2) + torch.log1p(x**2)
 
     return {"sum(tanh(A @ x))": (jax_matvec, torch_matvec), "sin*exp+log1p (n outputs)": (jax_elementwise, torch_elementwise)}
-
 
 
 def main(argv=None):
@@ -100,9 +99,7 @@ def main(argv=None):
             rows[f"{name} n={n}"] = res
             compile_rows[f"{name} n={n}"] = (t_compile_full, t_compile_fast)
     _print(rows, compile_rows)
-    backend = jax.default_backend()
-    save_bar_plot(rows, os.path.join(RESULTS, "jacobian" + ("" if backend == "cpu" else f"_{backend}") + ".png"),
-                  f"Jacobian checks, cached (float64, {backend.upper()})")
+    save_bar_plot(rows, result_path("jacobian"), f"Jacobian checks, cached (float64, {jax.default_backend().upper()})")
     return rows
 
 

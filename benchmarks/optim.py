@@ -44,7 +44,7 @@ import optax
 sys.path.insert(0, os.path.dirname(__file__))
 import masked_jax as mj  # noqa: E402
 from masked_jax import optim  # noqa: E402
-from _timing import RESULTS, interleaved_medians, torch_device  # noqa: E402
+from _timing import interleaved_medians, result_path, torch_device  # noqa: E402
 
 DIM = 64
 LR = 1e-2
@@ -197,8 +197,7 @@ def main(argv=None):
     for k in ks:
         print(f"  K={k:,}: masked_adagrad {results[(hi, k)]['masked_adagrad'] / results[(lo, k)]['masked_adagrad']:.2f}x,"
               f" lazy_adam {results[(hi, k)]['lazy_adam'] / results[(lo, k)]['lazy_adam']:.2f}x")
-    name = "optim" + ("_reuse_memory" if reuse else "") + ("" if backend == "cpu" else f"_{backend}")
-    plot(results, sizes, ks, os.path.join(RESULTS, name + ".png"))
+    plot(results, sizes, ks, result_path("optim_reuse_memory" if reuse else "optim"))
 
 
 def plot(results, sizes, ks, path):

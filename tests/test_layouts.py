@@ -192,6 +192,19 @@ def test_row_sparse_duplicates_unsorted_padding_and_retain():
         mj.row_sparse(jnp.ones((1, 1)), jnp.array([0.5]), (3, 1))
 
 
+@pytest.mark.parametrize("n,k", [(1, 5), (7, 3), (64, 200), (1000, 1)])
+def test_sorted_search_is_searchsorted_without_a_loop(n, k):
+    from masked_jax.layouts.segments import sorted_search
+
+    r = np.random.default_rng(n + k)
+    values = jnp.asarray(np.sort(r.integers(0, 20, n)).astype(np.int32))  # duplicates included
+    queries = jnp.asarray(r.integers(-3, 24, k).astype(np.int32))  # below, inside and past the range
+    expected = np.searchsorted(np.asarray(values), np.asarray(queries), side="left")
+    np.testing.assert_array_equal(sorted_search(values, queries), expected)
+    np.testing.assert_array_equal(jax.jit(sorted_search)(values, queries), expected)
+    assert " while(" not in jax.jit(sorted_search).lower(values, queries).compile().as_text()
+
+
 def test_edge_cases_nse0_1d_explicit_zeros_padding():
     empty = mj.row_sparse(jnp.zeros((0, 2)), jnp.zeros((0,), jnp.int32), (4, 2))
     assert not bool(mnp.sum(empty).mask) and not bool(jnp.any(empty.todense().mask))
