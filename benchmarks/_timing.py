@@ -36,14 +36,16 @@ def median_seconds(fn, *args, repeats=20, warmup=3):
     return statistics.median(times)
 
 
-def interleaved_medians(fns, rounds=5, block=5, warmup=2):
+def interleaved_medians(fns, rounds=5, block=5, warmup=2, settle=1):
     """Median seconds of each ``fns[name]()``.
 
     Implementations take turns in ``rounds``, each timing ``block`` consecutive
     calls, so every implementation sees the same slow drift of this shared
-    machine (up to 3x between runs). Blocks rather than single calls keep
-    one library's after-effects (torch's OpenMP threads spin for a while after a
-    call) out of the median of the next.
+    machine (up to 3x between runs). Each block starts with ``settle`` untimed
+    calls: the first call after another library's runs pays for that library's
+    after-effects (torch's OpenMP threads spin for a while after a call, a dense
+    step evicts the caches, idle thread pools go to sleep), which is not the cost
+    of a call in steady use. Every implementation gets the same treatment.
     """
     for fn in fns.values():
         for _ in range(warmup):
@@ -51,6 +53,8 @@ def interleaved_medians(fns, rounds=5, block=5, warmup=2):
     times = {name: [] for name in fns}
     for _ in range(rounds):
         for name, fn in fns.items():
+            for _ in range(settle):
+                jax.block_until_ready(fn())
             for _ in range(block):
                 t0 = time.perf_counter()
                 jax.block_until_ready(fn())
