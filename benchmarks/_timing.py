@@ -36,12 +36,12 @@ def median_seconds(fn, *args, repeats=20, warmup=3):
     return statistics.median(times)
 
 
-def interleaved_medians(fns, rounds=5, block=5, warmup=2, settle=1):
+def interleaved_medians(fns, rounds=5, block=5, warmup=2, settle=0):
     """Median seconds of each ``fns[name]()``.
 
     Implementations take turns in ``rounds``, each timing ``block`` consecutive
     calls, so every implementation sees the same slow drift of this shared
-    machine (up to 3x between runs). Each block starts with ``settle`` untimed
+    machine (up to 3x between runs). Each block may start with ``settle`` untimed
     calls: the first call after another library's runs pays for that library's
     after-effects (torch's OpenMP threads spin for a while after a call, a dense
     step evicts the caches, idle thread pools go to sleep), which is not the cost

@@ -12,7 +12,9 @@ reverse mode under dense semantics, as gradcheck does by default:
 * ``jax.test_util.check_grads(order=1, modes=["rev"])`` (random directions, eager).
 
 The first masked_jax call compiles; its time is reported separately from the cached time (the
-same function checked again: one XLA call). Prints medians and the ratios torch / masked_jax,
+same function checked again: one XLA call). Checkers take turns in blocks of 3 timed calls, each
+block after one untimed call (torch's OpenMP threads spin after its calls, and a thread pool
+idle for a while wakes slowly). Prints medians and the ratios torch / masked_jax,
 and saves a plot to ``benchmarks/results/jacobian.png``.
 
 Run: ``.venv/bin/python benchmarks/jacobian.py`` (``--quick`` for a small smoke run). On a GPU
@@ -95,7 +97,7 @@ def main(argv=None):
                 "jax check_grads": lambda: check_grads(fj, (x,), order=1, modes=["rev"]),
             }
             rounds = 3 if n >= 400 else 5
-            res = interleaved_medians({k: _returns_none(v) for k, v in impls.items()}, rounds=rounds, block=3, warmup=1)
+            res = interleaved_medians({k: _returns_none(v) for k, v in impls.items()}, rounds=rounds, block=3, warmup=1, settle=1)
             rows[f"{name} n={n}"] = res
             compile_rows[f"{name} n={n}"] = (t_compile_full, t_compile_fast)
     _print(rows, compile_rows)
