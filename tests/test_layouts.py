@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax import export
 from jax.experimental import sparse
 
 import masked_jax as mj
@@ -194,8 +195,6 @@ def test_row_sparse_duplicates_unsorted_padding_and_retain():
 
 @pytest.mark.parametrize("n,k", [(0, 3), (1, 5), (2, 4), (7, 3), (64, 200), (1000, 1)])
 def test_sorted_search_is_searchsorted_looping_on_cpu_only(n, k):
-    from jax import export
-
     from masked_jax.layouts.segments import sorted_search
 
     r = np.random.default_rng(n + k)

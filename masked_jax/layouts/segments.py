@@ -32,9 +32,9 @@ def sorted_search(sorted_values, queries):
 
     On XLA:CPU the default method, a ``while`` loop of log2(n) trips, is the fastest: 0.04-0.07 ms
     for 1k queries in 1k values, against 0.19-0.27 ms unrolled (a K = 1k row-sparse Adagrad step
-    on a 2M x 64 table: 0.31-0.37 against 0.43-0.74 ms). On XLA:GPU each trip of that loop is a kernel plus
-    a read of the loop predicate by the host, so there the search is unrolled into one
-    straight-line program (the same step on an H100: 0.11 against 0.34 ms). The choice is made
+    on a 2M x 64 table: 0.31-0.37 against 0.43-0.74 ms). On XLA:GPU each trip of that loop is a
+    kernel plus a read of the loop predicate by the host, so there the search is unrolled into
+    one straight-line program (the same step on an H100: 0.11 against 0.34 ms). The choice is made
     when the program is lowered (``lax.platform_dependent``), not traced. One or no value: a
     single comparison (an unrolled search of zero trips would still be a loop).
     """
