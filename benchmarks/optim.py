@@ -6,7 +6,8 @@ state donated) of
 
 * ``masked_adagrad`` and ``lazy(optax.adam)`` on a row-sparse gradient,
 * dense ``optax.adagrad`` / ``optax.adam`` on the same gradient as a dense array (jit + donation),
-* a hand-written lazy Adam in plain JAX (unique + segment_sum, gather, update, scatter),
+* hand-written lazy Adam and row-sparse Adagrad in plain JAX (sort-based coalescing, gather,
+  update, scatter; checked against masked_jax on a small table first),
 * ``torch.optim.Adagrad`` and ``torch.optim.SparseAdam`` on a sparse COO gradient,
 
 and a memory-bandwidth bound: bytes the lazy step must touch (K rows of gradient, and of
@@ -77,13 +78,18 @@ def copy_bandwidth(nbytes=None, repeats=7):
     return 2 * nbytes / float(np.median(times))
 
 
-def hand_lazy_adam_step(p, m, v, count, ids, vals, b1=0.9, b2=0.999, eps=1e-8):
-    """Lazy Adam in plain JAX: what a user would write by hand."""
-    n, k = p.shape[0], ids.shape[0]
-    ordered = jnp.sort(ids)  # sum duplicate rows: sort, first of each run, searchsorted
+def _hand_coalesce(n, ids, vals):
+    """Distinct ids (padded with ``n``) and their summed rows: sort, first of each run, searchsorted."""
+    k = ids.shape[0]
+    ordered = jnp.sort(ids)
     first = jnp.concatenate([jnp.ones(1, bool), ordered[1:] != ordered[:-1]])
     uniq = jnp.full(max(k, 2), n, ids.dtype).at[jnp.cumsum(first) - 1].min(ordered)
-    g = jax.ops.segment_sum(vals, jnp.searchsorted(uniq, ids), num_segments=uniq.shape[0])
+    return uniq, jax.ops.segment_sum(vals, jnp.searchsorted(uniq, ids), num_segments=uniq.shape[0])
+
+
+def hand_lazy_adam_step(p, m, v, count, ids, vals, b1=0.9, b2=0.999, eps=1e-8):
+    """Lazy Adam in plain JAX: what a user would write by hand."""
+    uniq, g = _hand_coalesce(p.shape[0], ids, vals)
     count = count + 1
     m_rows = b1 * jnp.take(m, uniq, axis=0, mode="fill", fill_value=0) + (1 - b1) * g
     v_rows = b2 * jnp.take(v, uniq, axis=0, mode="fill", fill_value=0) + (1 - b2) * g * g
@@ -91,6 +97,34 @@ def hand_lazy_adam_step(p, m, v, count, ids, vals, b1=0.9, b2=0.999, eps=1e-8):
     v_hat = v_rows / (1 - b2 ** count)
     p = p.at[uniq].add(-LR * m_hat / (jnp.sqrt(v_hat) + eps), mode="drop")
     return p, m.at[uniq].set(m_rows, mode="drop"), v.at[uniq].set(v_rows, mode="drop"), count
+
+
+def hand_adagrad_step(p, s, ids, vals, eps=1e-7):
+    """Row-sparse Adagrad in plain JAX (optax's eps placement), written by hand: sums grow by a
+    scatter-add, then the touched rows of the sums are gathered for the update."""
+    uniq, g = _hand_coalesce(p.shape[0], ids, vals)
+    s = s.at[uniq].add(g * g, mode="drop")
+    rows = jnp.take(s, uniq, axis=0, mode="fill", fill_value=1)
+    return p.at[uniq].add(-LR * g * jax.lax.rsqrt(rows + eps), mode="drop"), s
+
+
+def check_hand_steps(n=1000, k=300):
+    """The hand-written baselines compute what masked_jax computes (two steps, small table)."""
+    rng = np.random.default_rng(1)
+    table = jnp.asarray(rng.normal(size=(n, DIM)).astype(np.float32))
+    ids = jnp.asarray(rng.integers(0, n, size=k).astype(np.int32))
+    vals = jnp.asarray(rng.normal(size=(k, DIM)).astype(np.float32))
+    grad = mj.row_sparse(vals, ids, (n, DIM))
+    for opt, hand, state in [
+        (optim.masked_adagrad(LR), hand_adagrad_step, (table, jnp.full((n, DIM), 0.1))),
+        (optim.lazy(optax.adam(LR)), hand_lazy_adam_step, (table, jnp.zeros((n, DIM)), jnp.zeros((n, DIM)), 0.0)),
+    ]:
+        p, s = table, opt.init(table)
+        for _ in range(2):
+            u, s = opt.update(grad, s, p)
+            p = optim.apply_updates(p, u)
+            state = jax.jit(hand)(*state, ids, vals)
+        np.testing.assert_allclose(np.asarray(state[0]), np.asarray(p), rtol=1e-5, atol=1e-6)
 
 
 class Stepper:
@@ -148,6 +182,9 @@ def run(n, k, bandwidth, with_torch=True, rounds=3):
         "hand_scatter_adam": Stepper(jax.jit(hand_lazy_adam_step, donate_argnums=(0, 1, 2)),
                                      fresh(), jnp.zeros((n, DIM)), jnp.zeros((n, DIM)), jnp.zeros(()),
                                      args=(jnp.asarray(ids), jnp.asarray(vals))),
+        "hand_scatter_adagrad": Stepper(jax.jit(hand_adagrad_step, donate_argnums=(0, 1)),
+                                        fresh(), jnp.full((n, DIM), 0.1, jnp.float32),
+                                        args=(jnp.asarray(ids), jnp.asarray(vals))),
         "dense_adagrad": optax_stepper(optax.adagrad(LR), fresh(), dense_grad),
         "dense_adam": optax_stepper(optax.adam(LR), fresh(), dense_grad),
     }
@@ -177,22 +214,26 @@ def main(argv=None):
                   {**os.environ, **REUSE_MEMORY_ENV})
     sizes = (20_000, 200_000) if args.quick else (200_000, 2_000_000)
     ks = (1_000, 10_000) if args.quick else (1_000, 10_000, 100_000)
+    check_hand_steps()
     bandwidth = copy_bandwidth()
     backend = jax.default_backend()
     where = f"{os.cpu_count()} cores" if backend == "cpu" else jax.devices()[0].device_kind
     print(f"backend {backend} ({where}), torch on {torch_device()}, copy bandwidth {bandwidth / 1e9:.1f} GB/s, "
           f"malloc {'reusing freed memory' if reuse else 'glibc default'}")
     results = {(n, k): run(n, k, bandwidth) for n in sizes for k in ks}
-    cols = ["masked_adagrad", "lazy_adam", "hand_scatter_adam", "dense_adagrad", "dense_adam",
-            "torch_adagrad", "torch_sparse_adam", "bound_adam"]
+    cols = ["masked_adagrad", "lazy_adam", "hand_scatter_adagrad", "hand_scatter_adam", "dense_adagrad",
+            "dense_adam", "torch_adagrad", "torch_sparse_adam", "bound_adam"]
     print("\nmedian ms per step (update + apply, jit, donated)")
     print("| N | K | " + " | ".join(cols) + " | dense_adam / lazy_adam | dense_adagrad / masked_adagrad | "
-          "lazy_adam / hand | torch_adagrad / masked_adagrad | torch_sparse_adam / lazy_adam |")
-    print("|" + "---|" * (len(cols) + 7))
+          "dense / hand (adagrad, adam) | masked_adagrad / hand | lazy_adam / hand | "
+          "torch_adagrad / masked_adagrad | torch_sparse_adam / lazy_adam |")
+    print("|" + "---|" * (len(cols) + 9))
     for (n, k), t in results.items():
         ms = " | ".join(f"{t[c] * 1e3:.3f}" for c in cols)
         print(f"| {n:,} | {k:,} | {ms} | {t['dense_adam'] / t['lazy_adam']:.0f}x | "
               f"{t['dense_adagrad'] / t['masked_adagrad']:.0f}x | "
+              f"{t['dense_adagrad'] / t['hand_scatter_adagrad']:.0f}x, {t['dense_adam'] / t['hand_scatter_adam']:.0f}x | "
+              f"{t['masked_adagrad'] / t['hand_scatter_adagrad']:.2f}x | "
               f"{t['lazy_adam'] / t['hand_scatter_adam']:.2f}x | "
               f"{t['torch_adagrad'] / t['masked_adagrad']:.1f}x | {t['torch_sparse_adam'] / t['lazy_adam']:.1f}x |")
     lo, hi = sizes
