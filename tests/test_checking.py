@@ -13,6 +13,7 @@ from jax.experimental import sparse
 import masked_jax as mj
 import masked_jax.nn as mnn
 import masked_jax.numpy as mnp
+from masked_jax.checking._check import _largest, _unravel
 
 MASK = jnp.array([[True, False, True], [True, True, False]])
 X = mj.masked_array(jnp.array([[0.5, jnp.nan, 2.0], [1.5, -0.3, jnp.inf]]), MASK)
@@ -90,16 +91,14 @@ def test_wrong_custom_vjp_fails_and_points_at_the_wrong_entries():
 @given(st.lists(st.sampled_from([0.0, 1.0, -1.0, 2.5, np.nan, np.inf, -np.inf]), min_size=0, max_size=12),
        st.integers(0, 6), st.lists(st.integers(1, 4), min_size=0, max_size=3), st.integers(0, 10**6))
 def test_largest_and_unravel_helpers_match_numpy(values, k, shape, i):
-    from masked_jax.checking._check import _largest, _unravel
-
     a = np.array(values, float)
     before = a.copy()
     picks = _largest(a, k)
     np.testing.assert_array_equal(a, before)  # searched in place, restored
     key = lambda p: (0, 0, p) if np.isnan(a[p]) else (1, -a[p], p)  # noqa: E731  NaN first, then largest, ties by position
     ranked = sorted(range(a.size), key=key)[:k]
-    finite = [p for p in ranked if a[p] != -np.inf]  # -inf entries tie with the picked ones' marker
-    assert picks[:len(finite)] == finite and len(picks) == min(k, a.size)
+    above_marker = [p for p in ranked if a[p] != -np.inf]  # -inf entries tie with the picked ones' marker
+    assert picks[:len(above_marker)] == above_marker and len(picks) == min(k, a.size)
     shape = tuple(shape)
     flat = i % max(int(np.prod(shape)), 1)
     assert _unravel(flat, shape) == tuple(int(v) for v in np.unravel_index(flat, shape))

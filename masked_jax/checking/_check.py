@@ -373,7 +373,7 @@ def _full_check(res, mode, sem, rows, ok_rows, spec, leaks, oshape, ishape, atol
     r_idx, c_idx = np.flatnonzero(ok_rows), np.flatnonzero(cols)
     worst = []
     for flat_pos in _largest(excess.ravel(), 5):
-        r, c = divmod(flat_pos, excess.shape[1])
+        r, c = _unravel(flat_pos, excess.shape)
         worst.append((_unravel(int(r_idx[r]), oshape), _unravel(int(c_idx[c]), ishape),
                       float(n_blk[r, c]), float(a_blk[r, c]), bool(not excess[r, c] <= 0)))
     if everything:
