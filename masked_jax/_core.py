@@ -8,18 +8,21 @@ whose mask marks invalid entries; :func:`from_numpy_ma` and
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike, DTypeLike
 
 from masked_jax import ops
 from masked_jax import _storage as _layouts
+from masked_jax._methods import ArrayMethods
+
+if TYPE_CHECKING:
+    from jax.experimental import sparse as jsparse
 from masked_jax.ops._base import Pair, with_mask_tangent
-
-_R = ops.RULES
-
+from masked_jax.ops.shape import at_update
 
 _REPR_MAX_ELEMENTS = 1000
 
@@ -69,7 +72,7 @@ def _check_mask(mask, shape):
 
 
 @jax.tree_util.register_pytree_node_class
-class MaskedArray:
+class MaskedArray(ArrayMethods):
     """An array with a bool validity mask: ``mask[i]`` is ``True`` where ``data[i]`` is valid.
 
     Masked-out data is unspecified: no result and no gradient depends on it.
@@ -91,7 +94,7 @@ class MaskedArray:
     __array_ufunc__ = None
     __array_priority__ = 100
 
-    def __init__(self, data, mask=None):
+    def __init__(self, data: ArrayLike, mask: ArrayLike | None = None):
         data = _check_data(data)
         mask = jnp.ones(data.shape, bool) if mask is None else _check_mask(mask, data.shape)
         self._data = data
@@ -140,7 +143,7 @@ class MaskedArray:
             raise TypeError("len() of a 0-d MaskedArray.")
         return self.shape[0]
 
-    def filled(self, fill_value=0) -> jax.Array:
+    def filled(self, fill_value: ArrayLike = 0) -> jax.Array:
         """A plain array with ``fill_value`` at masked-out positions.
 
         Examples:
@@ -149,20 +152,6 @@ class MaskedArray:
             Array([ 1, -1], dtype=int32)
         """
         return jnp.where(self._mask, self._data, jnp.asarray(fill_value, dtype=self.dtype))
-
-    def count(self, axis=None, keepdims=False) -> jax.Array:
-        """Number of valid elements along ``axis`` (a plain integer array).
-
-        Examples:
-            >>> import jax.numpy as jnp, masked_jax as mj
-            >>> mj.masked_array(jnp.ones((2, 2)), jnp.array([[True, False], [True, True]])).count(1)
-            Array([1, 2], dtype=int32)
-        """
-        return _R["count"](Pair(self._data, self._mask), axis=axis, keepdims=keepdims)
-
-    def astype(self, dtype) -> "MaskedArray":
-        """Cast the data to ``dtype``; the mask is unchanged."""
-        return apply("astype", self, dtype=dtype)
 
     def to_numpy_ma(self) -> np.ma.MaskedArray:
         """Convert to ``numpy.ma.MaskedArray``, **inverting** the mask (numpy.ma: True = invalid).
@@ -177,7 +166,7 @@ class MaskedArray:
             raise TypeError("to_numpy_ma() needs concrete values; it cannot run inside jit/vmap/grad.")
         return np.ma.masked_array(np.asarray(self._data), mask=~np.asarray(self._mask))
 
-    def to_bcoo(self, nse=None):
+    def to_bcoo(self, nse: int | None = None) -> jsparse.BCOO:
         """A ``jax.experimental.sparse.BCOO`` holding exactly the valid entries (stored zeros too).
 
         ``nse`` (the number of valid entries) is counted eagerly; under ``jit`` pass it.
@@ -188,9 +177,9 @@ class MaskedArray:
             >>> b.data, b.indices[:, 0]
             (Array([0., 1.], dtype=float32), Array([0, 2], dtype=int32))
         """
-        return _layouts.FROM_MASKED["bcoo"](self, nse).to_bcoo()
+        return _layouts.SparseMasked.LAYOUTS["bcoo"].from_masked(self, nse).to_bcoo()
 
-    def tostype(self, storage: str, nse=None):
+    def tostype(self, storage: str, nse: int | None = None) -> Any:
         """This array in ``"dense"``, ``"bcoo"`` or ``"row_sparse"`` storage (same valid entries).
 
         Examples:
@@ -258,12 +247,12 @@ class MaskedArray:
     __str__ = __repr__
 
     # -- indexing -----------------------------------------------------------------------------
-    def __getitem__(self, index):
+    def __getitem__(self, index) -> "MaskedArray":
         _check_index(index)
         return apply("getitem", self, index=index)
 
     @property
-    def at(self):
+    def at(self) -> "_AtIndexer":
         """Functional updates as ``jax.Array.at``: ``x.at[i].set(v)`` makes element ``i`` valid.
 
         Examples:
@@ -275,7 +264,7 @@ class MaskedArray:
         return _AtIndexer(self)
 
     @property
-    def T(self):
+    def T(self) -> "MaskedArray":
         """Transpose (reversed axes)."""
         return apply("transpose", self)
 
@@ -289,7 +278,7 @@ class _AtIndexer:
     def __init__(self, x):
         self._x = x
 
-    def __getitem__(self, index):
+    def __getitem__(self, index) -> "_AtRef":
         _check_index(index)
         return _AtRef(self._x, index)
 
@@ -300,27 +289,25 @@ class _AtRef:
     def __init__(self, x, index):
         self._x, self._index = x, index
 
-    def get(self, **kwargs):
+    def get(self, **kwargs) -> MaskedArray:
         return apply("getitem", self._x, index=self._index)
 
-    def _update(self, op, value, kwargs):
-        return _wrap(
-            _R["at_update"](_unwrap(self._x), self._index, op, _unwrap(value, "value"), **kwargs)
-        )
+    def _update(self, op, value, kwargs) -> MaskedArray:
+        return _wrap(at_update(_unwrap(self._x), self._index, op, _unwrap(value, "value"), **kwargs))
 
-    def set(self, value, **kwargs):
+    def set(self, value: ArrayLike | MaskedArray, **kwargs) -> MaskedArray:
         return self._update("set", value, kwargs)
 
-    def add(self, value, **kwargs):
+    def add(self, value: ArrayLike | MaskedArray, **kwargs) -> MaskedArray:
         return self._update("add", value, kwargs)
 
-    def multiply(self, value, **kwargs):
+    def multiply(self, value: ArrayLike | MaskedArray, **kwargs) -> MaskedArray:
         return self._update("multiply", value, kwargs)
 
-    def min(self, value, **kwargs):
+    def min(self, value: ArrayLike | MaskedArray, **kwargs) -> MaskedArray:
         return self._update("min", value, kwargs)
 
-    def max(self, value, **kwargs):
+    def max(self, value: ArrayLike | MaskedArray, **kwargs) -> MaskedArray:
         return self._update("max", value, kwargs)
 
 
@@ -359,81 +346,17 @@ def _wrap(out):
 
 
 def apply(name: str, *operands, **params):
-    """Apply the rule ``name`` to MaskedArray / array operands and wrap the result."""
-    return _wrap(_R[name](*(_unwrap(o, f"operand {i}") for i, o in enumerate(operands)), **params))
+    """Apply registered op ``name``'s rule to MaskedArray / array operands and wrap the result."""
+    rule = ops.REGISTRY[name].rule
+    return _wrap(rule(*(_unwrap(o, f"operand {i}") for i, o in enumerate(operands)), **params))
 
 
-def _binary_method(name, dunder, reflected=False):
-    def method(self, other):
-        if not _is_operand(other):
-            return NotImplemented
-        return apply(name, other, self) if reflected else apply(name, self, other)
-
-    method.__name__ = dunder
-    return method
+def is_operand(x) -> bool:
+    """Whether ``x`` can be an operand of a masked operator (an array, scalar or masked array)."""
+    return isinstance(x, (ArrayMethods, jax.Array, np.ndarray, np.generic, int, float, complex, bool))
 
 
-def _is_operand(x) -> bool:
-    return isinstance(x, (MaskedArray, jax.Array, np.ndarray, np.generic, int, float, complex, bool))
-
-
-_BINARY_OPERATORS = {
-    "add": "add", "sub": "subtract", "mul": "multiply", "truediv": "true_divide",
-    "floordiv": "floor_divide", "mod": "mod", "pow": "power", "matmul": "matmul",
-    "and": "bitwise_and", "or": "bitwise_or", "xor": "bitwise_xor",
-    "lshift": "left_shift", "rshift": "right_shift",
-}
-for _dunder, _rule in _BINARY_OPERATORS.items():
-    setattr(MaskedArray, f"__{_dunder}__", _binary_method(_rule, f"__{_dunder}__"))
-    setattr(MaskedArray, f"__r{_dunder}__", _binary_method(_rule, f"__r{_dunder}__", reflected=True))
-
-for _dunder, _rule in {"eq": "equal", "ne": "not_equal", "lt": "less", "le": "less_equal",
-                       "gt": "greater", "ge": "greater_equal"}.items():
-    setattr(MaskedArray, f"__{_dunder}__", _binary_method(_rule, f"__{_dunder}__"))
-
-for _dunder, _rule in {"neg": "negative", "pos": "positive", "abs": "abs", "invert": "invert"}.items():
-    setattr(MaskedArray, f"__{_dunder}__", (lambda r: lambda self: apply(r, self))(_rule))
-
-
-def _method(name, doc):
-    def method(self, *args, **kwargs):
-        return _wrap(_R[name](_unwrap(self), *args, **kwargs))
-
-    method.__name__ = name
-    method.__doc__ = doc
-    return method
-
-
-for _name in ("sum prod mean var std max min ptp argmax argmin any all cumsum cumprod "
-              "round conj").split():
-    setattr(MaskedArray, _name, _method(_name, f"Masked ``{_name}``; see ``masked_jax.numpy.{_name}``."))
-
-
-def _shape_method(name):
-    def method(self, *args, **kwargs):
-        if name in ("reshape", "transpose") and len(args) > 1:
-            args = (args,)
-        return _wrap(_R[name](_unwrap(self), *args, **kwargs))
-
-    method.__name__ = name
-    method.__doc__ = f"``{name}`` of data and mask together; see ``masked_jax.numpy.{name}``."
-    return method
-
-
-for _name in ("reshape transpose ravel squeeze swapaxes flatten take sort argsort repeat").split():
-    setattr(MaskedArray, _name, _shape_method("ravel" if _name == "flatten" else _name))
-
-
-def _clip(self, min=None, max=None):
-    """Clip valid values to ``[min, max]``; see ``masked_jax.numpy.clip``."""
-    bounds = [None if b is None else _unwrap(b, n) for b, n in ((min, "min"), (max, "max"))]
-    return _wrap(_R["clip"](_unwrap(self), *bounds))
-
-
-MaskedArray.clip = _clip
-
-
-def masked_array(data, mask=None, *, dtype=None) -> MaskedArray:
+def masked_array(data: ArrayLike, mask: ArrayLike | None = None, *, dtype: DTypeLike | None = None) -> MaskedArray:
     """Build a :class:`MaskedArray` from ``data`` and a bool ``mask`` (``True`` = valid).
 
     Args:
@@ -463,7 +386,7 @@ def masked_array(data, mask=None, *, dtype=None) -> MaskedArray:
     return MaskedArray(data, mask)
 
 
-def as_masked(a) -> MaskedArray:
+def as_masked(a: ArrayLike | MaskedArray) -> MaskedArray:
     """``a`` as a fully valid :class:`MaskedArray`; a ``MaskedArray`` passes through unchanged.
 
     Examples:
@@ -478,7 +401,7 @@ def as_masked(a) -> MaskedArray:
     return MaskedArray(_check_data(a, "a"))
 
 
-def from_numpy_ma(a) -> MaskedArray:
+def from_numpy_ma(a: np.ndarray) -> MaskedArray:
     """Convert a ``numpy.ma.MaskedArray``, **inverting** its mask (numpy.ma: True = invalid).
 
     Examples:

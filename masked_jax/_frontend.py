@@ -1,16 +1,29 @@
-"""Build user-facing functions (``masked_jax.numpy``, ``masked_jax.nn``) from the rules.
+"""Public functions and ``MaskedArray`` methods, derived from the op registry.
 
-Each public function is a thin wrapper that unwraps ``MaskedArray``/array
-operands into pairs, calls the op's rule, and wraps the result. The docstring
-(summary, semantics of the family, a runnable example) is generated here so
-that every function documents itself in the same shape.
+For every :class:`~masked_jax.ops._registry.OpSpec` this module builds one public function with
+the op's real signature (``inspect.signature`` and ``help()`` show ``jax.numpy``'s parameter
+names and defaults), installs it in ``masked_jax.numpy`` and/or ``masked_jax.nn``, and binds the
+op's methods and operators on :class:`~masked_jax._methods.ArrayMethods`, the base of every
+masked array class. A registration made later (a new op) is installed the same way at once.
+
+A call binds its arguments to the signature, unwraps operands into ``Pair``s (a plain array is
+fully valid), AND-s a ``where=`` argument into the mask (reductions and normalizations), refuses a
+jnp parameter the masked rule does not implement unless it has its default value, sends sparse
+operands to their layout's rule table, and wraps the rule's result.
 """
 
 from __future__ import annotations
 
+import inspect
+
+import jax.numpy as jnp
+
 from masked_jax import ops
-from masked_jax._core import _unwrap, _wrap
-from masked_jax.layouts import dispatch
+from masked_jax._core import _unwrap, _wrap, is_operand
+from masked_jax._methods import ArrayMethods
+from masked_jax._storage import SparseMasked
+from masked_jax.ops._base import Pair, and_masks
+from masked_jax.ops._registry import ANNOTATIONS, OPERAND, OpSpec, on_register
 
 _SEMANTICS = {
     "elementwise": "applied to the data; the mask is unchanged.",
@@ -28,95 +41,240 @@ _SEMANTICS = {
 }
 
 _EXAMPLES = {
-    "elementwise": (
-        "x = mj.masked_array(jnp.array([0.5, 2.0]), jnp.array([True, False]))",
-        "{mod}.{name}(x).mask",
-        "Array([ True, False], dtype=bool)",
-    ),
-    "binary": (
-        "x = mj.masked_array(jnp.array([1, 2]), jnp.array([True, False]))",
-        "{mod}.{name}(x, jnp.array([3, 4])).mask",
-        "Array([ True, False], dtype=bool)",
-    ),
-    "reductions": (
-        "x = mj.masked_array(jnp.array([[1.0, 2.0], [3.0, 4.0]]), jnp.array([[True, False], [False, False]]))",
-        "{mod}.{name}(x, axis=1).mask",
-        "Array([ True, False], dtype=bool)",
-    ),
-    "normalization": (
-        "x = mj.masked_array(jnp.array([[1.0, 2.0], [3.0, 4.0]]), jnp.array([[True, False], [False, False]]))",
-        "{mod}.{name}(x, axis=1).mask",
-        "Array([[ True, False],\n       [False, False]], dtype=bool)",
-    ),
-    "linalg": (
-        "a = mj.masked_array(jnp.array([[1.0, 2.0], [3.0, 4.0]]), jnp.array([[True, False], [False, False]]))",
-        "{mod}.{name}(a, jnp.ones((2, 2))).mask",
-        "Array([[ True,  True],\n       [False, False]], dtype=bool)",
-    ),
+    "elementwise": ("x = mj.masked_array(jnp.array([0.5, 2.0]), jnp.array([True, False]))",
+                    "{mod}.{name}(x).mask", "Array([ True, False], dtype=bool)"),
+    "binary": ("x = mj.masked_array(jnp.array([1, 2]), jnp.array([True, False]))",
+               "{mod}.{name}(x, jnp.array([3, 4])).mask", "Array([ True, False], dtype=bool)"),
+    "reductions": ("x = mj.masked_array(jnp.array([[1.0, 2.0], [3.0, 4.0]]), "
+                   "jnp.array([[True, False], [False, False]]))",
+                   "{mod}.{name}(x, axis=1).mask", "Array([ True, False], dtype=bool)"),
+    "normalization": ("x = mj.masked_array(jnp.array([[1.0, 2.0], [3.0, 4.0]]), "
+                      "jnp.array([[True, False], [False, False]]))",
+                      "{mod}.{name}(x, axis=1).mask", "Array([[ True, False],\n       [False, False]], dtype=bool)"),
+    "shape": ("x = mj.masked_array(jnp.array([[1.0, 2.0], [3.0, 4.0]]), jnp.array([[True, False], [True, True]]))",
+              "{mod}.{name}(x).mask.sum()", "Array(3, dtype=int32)"),
+    "linalg": ("a = mj.masked_array(jnp.array([[1.0, 2.0], [3.0, 4.0]]), jnp.array([[True, False], [False, False]]))",
+               "{mod}.{name}(a, jnp.ones((2, 2))).mask", "Array([[ True,  True],\n       [False, False]], dtype=bool)"),
 }
 
+RETURNS = {"masked": "MaskedArray", "array": "Array", "list": "list[MaskedArray]",
+           "any": "MaskedArray | list[MaskedArray]"}
+_WHERE_FAMILIES = ("reductions", "normalization")
+_UNARY_DUNDERS = {"__neg__", "__pos__", "__abs__", "__invert__"}
+_VARARG_METHODS = {"reshape", "transpose"}  # x.reshape(2, 3) as x.reshape((2, 3))
+_NAMESPACES: dict[str, dict] = {}  # "numpy" / "nn" -> the module's globals
+_MODULE_NAMES = {"numpy": "masked_jax.numpy", "nn": "masked_jax.nn"}
 
-def family_of(name: str) -> str:
-    for family, rules in ops.FAMILIES.items():
-        if name in rules:
-            return family
-    raise KeyError(name)
+
+def public_signature(spec: OpSpec) -> inspect.Signature:
+    """``spec.signature`` with annotations: operands are ``ArrayLike | MaskedArray``."""
+    params = []
+    operand_names = {n.lstrip("*") for n in spec.operands}
+    for p in spec.signature.parameters.values():
+        if p.name in operand_names:
+            ann = f"Sequence[{OPERAND}]" if spec.sequence else OPERAND
+        elif p.name in spec.optional_operands:
+            ann = f"{OPERAND} | None"
+        elif p.kind is inspect.Parameter.VAR_KEYWORD:
+            ann = "Any"
+        else:
+            ann = ANNOTATIONS.get(p.name, "Any")
+        params.append(p.replace(annotation=ann))
+    return spec.signature.replace(parameters=params, return_annotation=RETURNS[spec.returns])
 
 
-def docstring(name, family, module, jax_name, example=None) -> str:
-    setup, call, result = example or _EXAMPLES[family]
+def docstring(spec: OpSpec, module: str) -> str:
+    setup, call, result = spec.example or _EXAMPLES[spec.family]
+    summary = spec.summary or f"Masked ``{spec.jax_name}``: {_SEMANTICS[spec.family]}"
     return (
-        f"Masked ``{jax_name}``: {_SEMANTICS[family]}\n\n"
-        "Accepts ``MaskedArray``s and plain arrays (fully valid) alike and returns a\n"
-        f"``MaskedArray``; other arguments are those of ``{jax_name}``.\n\n"
+        f"{summary}\n\n"
+        "Accepts ``MaskedArray``s, sparse masked arrays and plain arrays (fully valid) alike;\n"
+        f"the other parameters are those of ``{spec.jax_name}``.\n\n"
         "Examples:\n"
         "    >>> import jax.numpy as jnp, masked_jax as mj\n"
         f"    >>> import {module} as m\n"
         f"    >>> {setup}\n"
-        f"    >>> {call.format(mod='m', name=name)}\n"
+        f"    >>> {call.format(mod='m', name=spec.name)}\n"
         + "".join(f"    {line}\n" for line in result.split("\n"))
     )
 
 
-def first_operand(name, module, jax_name=None, rule=None, example=None):
-    """A function whose first argument is a (masked) operand; the rest are passed through."""
-    rule = rule or ops.RULES[name]
-    family = family_of(name)
-
-    def fn(x, *args, **kwargs):
-        if dispatch.is_sparse(x):
-            return dispatch.apply(name, family, rule, (x,), args, kwargs, fn)
-        return _wrap(rule(_unwrap(x, "x"), *args, **kwargs))
-
-    return _finish(fn, name, module, jax_name, example)
+def _accepted(rule):
+    """The parameter names ``rule`` takes, or ``None`` when it takes any keyword."""
+    try:
+        params = inspect.signature(rule).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return None
+    return {p.name for p in params}
 
 
-def all_operands(name, module, jax_name=None, rule=None, example=None):
-    """A function whose positional arguments are all (masked) operands."""
-    rule = rule or ops.RULES[name]
-    family = family_of(name)
-
-    def fn(*operands, **kwargs):
-        if any(dispatch.is_sparse(o) for o in operands):
-            return dispatch.apply(name, family, rule, operands, (), kwargs, fn)
-        return _wrap(rule(*(_unwrap(o, f"operand {i}") for i, o in enumerate(operands)), **kwargs))
-
-    return _finish(fn, name, module, jax_name, example)
+def _as_mask(where, name):
+    w = jnp.asarray(where)
+    if w.dtype != jnp.bool_:
+        raise TypeError(f"{name}: where must be a bool array (True = include); got dtype {w.dtype}.")
+    return w
 
 
-def custom(name, module, impl, jax_name=None, example=None):
-    """Document a hand-written function (operands in a list, a leading subscripts string...);
-    sparse operands anywhere in its positional arguments densify through the storage fallback."""
+class _Call:
+    """The callable behind one public function: binding, unwrapping, dispatch, wrapping."""
+
+    def __init__(self, spec: OpSpec, qualname: str):
+        self.spec, self.qualname = spec, qualname
+        self.signature = spec.signature
+        self.accepted = _accepted(spec.rule)
+        self.operand_names = [n.lstrip("*") for n in spec.operands]
+        self.variadic = {n.lstrip("*") for n in spec.operands if n.startswith("*")}
+
+    def __call__(self, *args, **kwargs):
+        try:
+            bound = self.signature.bind(*args, **kwargs)
+        except TypeError as err:
+            raise TypeError(f"{self.qualname}{self.signature}: {err}.") from None
+        operands, params = [], {}
+        for name, value in bound.arguments.items():
+            kind = self.signature.parameters[name].kind
+            if name in self.operand_names:
+                if name in self.variadic:
+                    operands.extend(value)
+                elif self.spec.sequence:
+                    if not isinstance(value, (list, tuple)):
+                        raise TypeError(f"{self.qualname}: {name} must be a sequence of arrays; got "
+                                        f"{type(value).__name__}.")
+                    operands.extend(value)
+                else:
+                    operands.append(value)
+            elif kind is inspect.Parameter.VAR_KEYWORD:
+                params.update(value)
+            else:
+                params[name] = value
+        where = params.pop("where", None) if self.spec.family in _WHERE_FAMILIES else None
+        self._check_supported(params)
+        if where is None and not any(params.get(n) is not None for n in self.spec.optional_operands) \
+                and any(isinstance(o, SparseMasked) for o in operands):
+            from masked_jax.layouts import dispatch
+
+            return dispatch.apply(self.spec, operands, params, self.dense)
+        return self.dense(operands, params, where)
+
+    def _check_supported(self, params):
+        for name in list(params):
+            if self.accepted is None or name in self.accepted:
+                continue
+            default = self.signature.parameters[name].default
+            value = params.pop(name)
+            if not (value is default or (isinstance(value, (bool, int, float, str)) and value == default)):
+                raise TypeError(f"{self.qualname}: {name}={value!r} is not supported with masked semantics "
+                                f"(only its default, {name}={default!r}).")
+
+    def dense(self, operands, params, where=None):
+        from masked_jax.layouts.dispatch import densify
+
+        operands = densify(operands, self.spec.name)
+        pairs = [_unwrap(o, f"{self.qualname}: operand {i}") for i, o in enumerate(operands)]
+        if where is not None:
+            w = _as_mask(where, self.qualname)
+            x = pairs[0]
+            pairs[0] = Pair(x.data, and_masks(jnp.broadcast_to(True if x.mask is None else x.mask,
+                                                               jnp.shape(x.data)), w))
+        for name in self.spec.optional_operands:
+            if params.get(name) is not None:
+                (value,) = densify([params[name]], self.spec.name)
+                params[name] = _unwrap(value, f"{self.qualname}: {name}")
+        if self.spec.sequence:
+            return _wrap(self.spec.rule(pairs, **params))
+        return _wrap(self.spec.rule(*pairs, **params))
+
+
+def public_function(spec: OpSpec, module: str):
+    """The public function of ``spec`` in ``module`` (``"numpy"`` or ``"nn"``)."""
+    qualname = f"{_MODULE_NAMES.get(module, module)}.{spec.name}"
+    call = _Call(spec, qualname)
 
     def fn(*args, **kwargs):
-        return impl(*dispatch.densify(args, name), **kwargs)
+        return call(*args, **kwargs)
 
-    return _finish(fn, name, module, jax_name, example)
-
-
-def _finish(fn, name, module, jax_name, example):
-    family = family_of(name)
-    fn.__name__ = fn.__qualname__ = name
-    fn.__module__ = module
-    fn.__doc__ = docstring(name, family, module, jax_name or f"jnp.{name}", example)
+    fn.__name__ = spec.name
+    fn.__qualname__ = spec.name
+    fn.__module__ = _MODULE_NAMES.get(module, module)
+    fn.__doc__ = docstring(spec, _MODULE_NAMES.get(module, module))
+    fn.__signature__ = public_signature(spec)
+    fn.spec = spec
     return fn
+
+
+def _method(spec: OpSpec, name: str, fn):
+    base = "__" + name[3:] if name.startswith("__r") else None
+    if name in _UNARY_DUNDERS:
+        def method(self):
+            return fn(self)
+    elif base is not None and base in spec.methods:
+        def method(self, other):
+            return fn(other, self) if is_operand(other) else NotImplemented
+    elif name.startswith("__") and name != "__getitem__":
+        def method(self, other):
+            return fn(self, other) if is_operand(other) else NotImplemented
+    else:
+        vararg = name in _VARARG_METHODS
+
+        def method(self, *args, **kwargs):
+            if vararg and len(args) > 1:
+                args = (args,)
+            return fn(self, *args, **kwargs)
+
+        method.__doc__ = fn.__doc__
+        method.__signature__ = _method_signature(fn.__signature__)
+    method.__name__ = method.__qualname__ = name
+    return method
+
+
+def _method_signature(sig):
+    first, *rest = sig.parameters.values()
+    return sig.replace(parameters=[inspect.Parameter("self", inspect.Parameter.POSITIONAL_ONLY)] + rest)
+
+
+def _install(spec: OpSpec, removed: bool = False):
+    for module, namespace in _NAMESPACES.items():
+        if namespace.get(spec.name) is not None and getattr(namespace[spec.name], "spec", None) is not None:
+            if removed or module not in spec.modules:
+                del namespace[spec.name]
+                if spec.name in namespace.get("__all__", []):
+                    namespace["__all__"].remove(spec.name)
+    for name in [n for n, m in vars(ArrayMethods).items() if getattr(m, "op_name", None) == spec.name]:
+        delattr(ArrayMethods, name)
+    if removed:
+        return
+    fn = public_function(spec, spec.modules[0] if spec.modules else "masked_jax.ops")
+    for module in spec.modules:
+        namespace = _NAMESPACES.get(module)
+        if namespace is not None:
+            namespace[spec.name] = fn if module == spec.modules[0] else public_function(spec, module)
+            if spec.name not in namespace.setdefault("__all__", []):
+                namespace["__all__"].append(spec.name)
+    for name in spec.methods:
+        method = _method(spec, name, fn)
+        method.op_name = spec.name
+        setattr(ArrayMethods, name, method)
+
+
+def attach(module: str, namespace: dict) -> None:
+    """Make ``namespace`` (a module's globals) receive the registry's ``module`` functions, now and
+    for every later registration."""
+    _NAMESPACES[module] = namespace
+    namespace.setdefault("__all__", [])
+    for spec in ops.REGISTRY.values():
+        if module in spec.modules:
+            _install(spec)
+
+
+def function(name: str):
+    """The public function of registered op ``name`` (also for ops with no public module)."""
+    spec = ops.REGISTRY[name]
+    for module in spec.modules:
+        if module in _NAMESPACES:
+            return _NAMESPACES[module][name]
+    return public_function(spec, spec.modules[0] if spec.modules else "masked_jax.ops")
+
+
+on_register(_install)

@@ -1,13 +1,18 @@
-"""Storage shared by all layouts: the sparse base class, conversions by name, the densifying fallback
-and strict mode. Kept outside `layouts/` so that `_core` can use it without an import cycle."""
+"""Storage shared by all layouts: the sparse-layout protocol (an abstract base class), conversions by
+storage name, and the storage-fallback state (strict mode, warned ops) as one object. Kept outside
+``layouts/`` so that ``_core`` can use it without an import cycle."""
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import threading
 import warnings
+from typing import ClassVar
 
 import jax
+
+from masked_jax._methods import ArrayMethods
 
 
 class StorageFallbackWarning(UserWarning):
@@ -42,12 +47,35 @@ class StorageFallbackError(TypeError):
     """
 
 
-_state = threading.local()
-_warned: set = set()
+class StorageState(threading.local):
+    """The storage-fallback state, one object per thread: strict mode and the ops already warned about.
+
+    :meth:`fallback` is the one place where an op densifies a sparse operand: it warns once per op
+    name, or raises :class:`StorageFallbackError` while strict storage is on.
+    """
+
+    def __init__(self):
+        self.strict = False
+        self.warned: set = set()
+
+    def fallback(self, op_name: str, layout: str):
+        """Record that ``op_name`` densifies a ``layout`` operand: warn once per op, or raise if strict."""
+        if self.strict:
+            raise StorageFallbackError(
+                f"{op_name} has no sparse rule for {layout} storage and strict storage is on; "
+                f"convert explicitly with x.tostype('dense') or leave strict_storage()."
+            )
+        if op_name not in self.warned:
+            self.warned.add(op_name)
+            warnings.warn(
+                f"masked_jax: {op_name} has no sparse rule for {layout} storage; densifying the operand "
+                "(storage fallback). Use strict_storage() to make this an error.",
+                StorageFallbackWarning,
+                stacklevel=6,
+            )
 
 
-def _strict() -> bool:
-    return getattr(_state, "strict", False)
+STATE = StorageState()
 
 
 @contextlib.contextmanager
@@ -61,39 +89,66 @@ def strict_storage(strict: bool = True):
         ...     mnp.exp(x).storage
         'row_sparse'
     """
-    old = _strict()
-    _state.strict = strict
+    old = STATE.strict
+    STATE.strict = strict
     try:
         yield
     finally:
-        _state.strict = old
+        STATE.strict = old
 
 
-def fallback(op_name: str, layout: str):
-    """Record that ``op_name`` densifies a ``layout`` operand: warn once per op, or raise if strict."""
-    if _strict():
-        raise StorageFallbackError(
-            f"{op_name} has no sparse rule for {layout} storage and strict storage is on; "
-            f"convert explicitly with x.tostype('dense') or leave strict_storage()."
-        )
-    if op_name not in _warned:
-        _warned.add(op_name)
-        warnings.warn(
-            f"masked_jax: {op_name} has no sparse rule for {layout} storage; densifying the operand "
-            "(storage fallback). Use strict_storage() to make this an error.",
-            StorageFallbackWarning,
-            stacklevel=4,
-        )
+class SparseMasked(ArrayMethods, abc.ABC):
+    """Base of the sparse layouts: a pytree with masked semantics over stored values.
 
+    A layout subclasses this with ``storage="<name>"`` in its class statement and implements the
+    abstract members below; that registers it for :func:`tostype` under its name. Its ``rules``
+    table maps an op family to ``rule(spec, operands, params) -> result | NotImplemented``; a
+    family without a rule there (or a rule answering ``NotImplemented``) densifies the operands
+    through the storage fallback and runs the dense rule.
 
-class SparseMasked:
-    """Base of the sparse layouts: a pytree with masked semantics and a ``tostype`` conversion."""
+    Every layout exposes its stored values as a dense masked *block* (:meth:`block`, padding slots
+    masked), so an op's ordinary rule runs on them in O(stored entries).
+    """
 
-    storage: str = "sparse"
+    __slots__ = ()
+    storage: ClassVar[str] = "sparse"
+    rules: ClassVar[dict] = {}
+    LAYOUTS: ClassVar[dict] = {}
 
-    def todense(self):  # pragma: no cover - abstract
-        raise NotImplementedError
+    def __init_subclass__(cls, storage: str | None = None, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if storage is not None:
+            cls.storage = storage
+            SparseMasked.LAYOUTS[storage] = cls
 
+    # -- what a layout implements ------------------------------------------------------------------
+    @property
+    @abc.abstractmethod
+    def nse(self) -> int:
+        """The static number of stored slots (entries or rows), padding included."""
+
+    @abc.abstractmethod
+    def block(self):
+        """The stored values as a ``Pair`` whose mask is False at padding slots."""
+
+    @abc.abstractmethod
+    def with_data(self, data):
+        """The same indices holding new stored values."""
+
+    @abc.abstractmethod
+    def coalesce(self):
+        """Duplicates summed; the static number of slots unchanged (freed slots become padding)."""
+
+    @abc.abstractmethod
+    def todense(self):
+        """The dense-storage ``MaskedArray`` with the same valid entries."""
+
+    @classmethod
+    @abc.abstractmethod
+    def from_masked(cls, x, nse=None):
+        """This layout holding exactly the valid entries of ``x`` (any layout)."""
+
+    # -- shared ------------------------------------------------------------------------------------
     @property
     def ndim(self) -> int:
         return len(self.shape)
@@ -128,52 +183,23 @@ class SparseMasked:
 
     __array_ufunc__ = None
     __array_priority__ = 100
+    __hash__ = object.__hash__
 
     def _repr_shape(self):
         return f"{self.dtype}[{', '.join(str(d) for d in self.shape)}]"
 
 
-# storage name -> function(MaskedArray-or-sparse, nse) building that storage; filled by the layouts.
-FROM_MASKED = {}
-# operator name -> the masked_jax.numpy function; filled by masked_jax.numpy (which imports us).
-OPERATORS = {}
-
-
 def tostype(x, storage: str, nse: int | None = None):
-    """``x`` (any layout) in ``storage``: ``"dense"``, ``"bcoo"`` or ``"row_sparse"``."""
-    if storage not in ("dense", "bcoo", "row_sparse"):
-        raise ValueError(f"storage must be 'dense', 'bcoo' or 'row_sparse'; got {storage!r}.")
+    """``x`` (any layout) in ``storage``: ``"dense"`` or a registered sparse layout's name."""
+    if storage != "dense" and storage not in SparseMasked.LAYOUTS:
+        raise ValueError(f"storage must be 'dense' or one of {sorted(SparseMasked.LAYOUTS)}; got {storage!r}.")
     current = getattr(x, "storage", "dense")
     if storage == current:
         return x
     if storage == "dense":
         return x.todense()
-    return FROM_MASKED[storage](x, nse)
+    return SparseMasked.LAYOUTS[storage].from_masked(x, nse)
 
-
-def _operator(name, dunder, reflected=False):
-    def method(self, other):
-        fn = OPERATORS[name]
-        return fn(other, self) if reflected else fn(self, other)
-
-    method.__name__ = dunder
-    return method
-
-
-for _dunder, _name in {"add": "add", "sub": "subtract", "mul": "multiply", "truediv": "true_divide",
-                       "pow": "power", "matmul": "matmul"}.items():
-    setattr(SparseMasked, f"__{_dunder}__", _operator(_name, f"__{_dunder}__"))
-    setattr(SparseMasked, f"__r{_dunder}__", _operator(_name, f"__r{_dunder}__", reflected=True))
-for _dunder, _name in {"gt": "greater", "ge": "greater_equal", "lt": "less", "le": "less_equal"}.items():
-    setattr(SparseMasked, f"__{_dunder}__", _operator(_name, f"__{_dunder}__"))
-
-
-def _neg(self):
-    return OPERATORS["negative"](self)
-
-
-SparseMasked.__neg__ = _neg
-del _dunder, _name
 
 def is_tracer(x) -> bool:
     return isinstance(x, jax.core.Tracer)

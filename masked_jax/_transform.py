@@ -30,8 +30,12 @@ from masked_jax._storage import SparseMasked
 from masked_jax.ops import primitives
 from masked_jax.ops._base import Pair, materialize
 
-_CALLS = ("pjit", "jit", "closed_call", "core_call", "remat", "checkpoint", "custom_jvp_call",
-          "custom_vjp_call", "custom_vjp_call_jaxpr", "named_call")
+import jax.extend.core.primitives as P
+
+# Call-like primitives whose body is interpreted with the masks riding along.
+_CALLS = frozenset(p for p in (P.jit_p, P.closed_call_p, P.call_p, P.custom_jvp_call_p, P.custom_vjp_call_p,
+                               getattr(P, "remat_p", None)) if p is not None)
+_LOOPS = frozenset((P.cond_p, P.while_p, P.scan_p))
 
 
 class MaskifyError(NotImplementedError):
@@ -146,8 +150,8 @@ class _Interpreter:
         prim, params = eqn.primitive, dict(eqn.params)
         name = prim.name
         unmasked = all(p.mask is None for p in invals)
-        if (name in _CALLS or name in ("cond", "while", "scan")) and not unmasked:
-            return self.control(name, params, invals)
+        if (prim in _CALLS or prim in _LOOPS) and not unmasked:
+            return self.control(prim, params, invals)
         if unmasked:
             out = prim.bind(*(p.data for p in invals), **params)
             self._track_literals(eqn, invals, out, minus)
@@ -155,33 +159,33 @@ class _Interpreter:
         special = self._mean_like(eqn, invals, sized, minus)
         if special is not None:
             return special
-        rule = primitives.RULES.get(name)
+        rule = primitives.rule_for(prim)
         if rule is None:
-            why = primitives.UNSUPPORTED.get(name, "no masked rule is registered for it")
+            why = primitives.UNSUPPORTED.get(prim, "no masked rule is registered for it")
             raise MaskifyError(f"maskify({self.fun_name}): primitive '{name}' has a masked operand but no masked "
                                f"rule ({why}). Fill the operand first (x.filled(...)) or compute it with "
                                "masked_jax.numpy.")
         out = rule(prim, invals, **params)
-        if name == "reduce_sum":
+        if prim is P.reduce_sum_p:
             x = invals[0]
             m = materialize(x.mask, jnp.shape(x.data))
             n = int(np.prod([jnp.shape(x.data)[a] for a in params["axes"]], dtype=np.int64))
             sized[eqn.outvars[0]] = _Sized(n, jnp.sum(m, axis=tuple(params["axes"])))
-        elif name in ("broadcast_in_dim", "reshape", "convert_element_type") and eqn.invars[0] in sized:
+        elif prim in (P.broadcast_in_dim_p, P.reshape_p, P.convert_element_type_p) and eqn.invars[0] in sized:
             s = sized[eqn.invars[0]]
-            count = prim.bind(s.count, **params) if name != "convert_element_type" else s.count
+            count = prim.bind(s.count, **params) if prim is not P.convert_element_type_p else s.count
             sized[eqn.outvars[0]] = _Sized(s.n, count)
         return out
 
     @staticmethod
     def _track_literals(eqn, invals, out, minus):
         """Remember ``n - ddof`` (a concrete number minus a concrete number): jnp.var's divisor."""
-        if eqn.primitive.name == "sub" and all(_concrete_scalar(p.data) is not None for p in invals):
+        if eqn.primitive is P.sub_p and all(_concrete_scalar(p.data) is not None for p in invals):
             minus[eqn.outvars[0]] = (_concrete_scalar(invals[0].data), _concrete_scalar(invals[1].data))
 
     def _mean_like(self, eqn, invals, sized, minus):
         """``sum / n`` -> ``sum / count``; ``sum / (n - ddof)`` -> ``sum / (count - ddof)``."""
-        if eqn.primitive.name != "div" or eqn.invars[0] not in sized:
+        if eqn.primitive is not P.div_p or eqn.invars[0] not in sized:
             return None
         s, den = sized[eqn.invars[0]], invals[1]
         if den.mask is not None:
@@ -200,13 +204,13 @@ class _Interpreter:
         return Pair(data, valid if num.mask is None else num.mask & valid)
 
     # -- control flow ------------------------------------------------------------------------------
-    def control(self, name, params, invals):
-        if name in _CALLS:
+    def control(self, prim, params, invals):
+        if prim in _CALLS:
             closed = params.get("jaxpr") or params.get("call_jaxpr") or params.get("fun_jaxpr")
             if isinstance(closed, jcore.ClosedJaxpr):
                 return self.run(closed.jaxpr, closed.consts, invals)
             return self.run(closed, (), invals)
-        if name == "cond":
+        if prim is P.cond_p:
             index, *ops = invals
             if index.mask is not None:
                 raise MaskifyError(f"maskify({self.fun_name}): the predicate of lax.cond is masked; a branch "
@@ -214,7 +218,7 @@ class _Interpreter:
             ops = _materialized(ops)
             branches = [functools.partial(self._branch, b) for b in params["branches"]]
             return lax.switch(index.data, branches, ops)
-        if name == "while":
+        if prim is P.while_p:
             return self._while(params, invals)
         return self._scan(params, invals)
 

@@ -3,6 +3,7 @@
 ``softmax``, ``log_softmax``, ``softmin`` and ``normalize`` work along
 ``axis`` over valid elements; masked inputs stay masked, fully masked slices
 stay masked (data 0, never NaN). Activations are elementwise and keep the mask.
+The functions are built from the op registry (:mod:`masked_jax.ops`).
 
 Examples:
     >>> import jax.numpy as jnp, masked_jax as mj, masked_jax.nn as mnn
@@ -13,25 +14,19 @@ Examples:
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 
-from masked_jax import ops
+from masked_jax import _frontend, ops
 from masked_jax._core import MaskedArray, _unwrap, _wrap
-from masked_jax._frontend import first_operand
 
-_M = __name__
-
-for _n in ("relu", "gelu", "silu", "sigmoid", "softplus", "log_sigmoid"):
-    globals()[_n] = first_operand(_n, _M, jax_name=f"jax.nn.{_n}")
-
-for _n in ("softmax", "log_softmax", "softmin", "normalize"):
-    globals()[_n] = first_operand(_n, _M, jax_name=f"jax.nn.{_n}")
-
-logsumexp = first_operand("logsumexp", _M, jax_name="jax.nn.logsumexp")
+__all__ = ["one_hot"]
+_frontend.attach("nn", globals())
 
 
-def one_hot(x, num_classes: int, *, dtype=jnp.float32, axis=-1) -> MaskedArray:
+def one_hot(x: Any, num_classes: int, *, dtype: Any = jnp.float32, axis: int = -1) -> MaskedArray:
     """One-hot encode integer ``x``; the encoding of a masked index is masked (all classes).
 
     Args:
@@ -56,7 +51,3 @@ def one_hot(x, num_classes: int, *, dtype=jnp.float32, axis=-1) -> MaskedArray:
         return _wrap(ops.Pair(data, None))
     mask = jnp.broadcast_to(jnp.expand_dims(p.mask, axis), data.shape)
     return _wrap(ops.Pair(data, mask))
-
-
-__all__ = ["gelu", "log_sigmoid", "log_softmax", "logsumexp", "normalize", "one_hot", "relu",
-           "sigmoid", "silu", "softmax", "softmin", "softplus"]

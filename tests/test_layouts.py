@@ -14,7 +14,9 @@ from jax.experimental import sparse
 import masked_jax as mj
 import masked_jax.nn as mnn
 import masked_jax.numpy as mnp
-from masked_jax._storage import _warned
+from masked_jax._storage import STATE
+
+_warned = STATE.warned
 
 ROWS = np.array([False, True, False, False, True, True])
 

@@ -15,14 +15,14 @@ import numpy as np
 from jax.experimental import sparse as jsparse
 
 from masked_jax._core import MaskedArray
-from masked_jax._storage import FROM_MASKED, SparseMasked, is_tracer
+from masked_jax._storage import SparseMasked, is_tracer
 from masked_jax.layouts.rows import RowSparseArray
 from masked_jax.layouts.segments import unique_ids
 from masked_jax.ops._base import Pair
 
 
 @jax.tree_util.register_pytree_node_class
-class BCOOMaskedArray(SparseMasked):
+class BCOOMaskedArray(SparseMasked, storage="bcoo"):
     """A masked array stored as BCOO: build with :func:`from_bcoo` or ``x.tostype("bcoo")``.
 
     Examples:
@@ -36,7 +36,6 @@ class BCOOMaskedArray(SparseMasked):
                      [3.0 --]], dtype=float32)
     """
 
-    storage = "bcoo"
     __slots__ = ("data", "indices", "shape")
 
     def tree_flatten(self):
@@ -66,8 +65,23 @@ class BCOOMaskedArray(SparseMasked):
         return cls.tree_unflatten(bcoo.shape, (bcoo.data, bcoo.indices))
 
     def to_bcoo(self) -> jsparse.BCOO:
-        """The storage as a plain BCOO (dense semantics: unspecified entries read as 0)."""
-        return jsparse.BCOO((self.data, self.indices), shape=self.shape)
+        """The storage as a plain BCOO (dense semantics: unspecified entries read as 0).
+
+        Padding slots are sanitised on the way out: their data becomes 0 and their indices one
+        past the end of every sparse dimension (negative indices are padding too, never wrapped),
+        so no jax BCOO operation can read a padding value or wrap a padding index.
+        """
+        return jsparse.BCOO((self.clean_data(), self.clean_indices()), shape=self.shape)
+
+    def clean_data(self):
+        """The stored values with padding slots set to 0."""
+        valid = self.entry_valid().reshape(self.entry_valid().shape + (1,) * self.n_dense)
+        return jnp.where(valid, self.data, jnp.zeros((), self.dtype))
+
+    def clean_indices(self):
+        """The indices with every padding entry at one past the end (the one padding convention)."""
+        end = jnp.array(self.shape[self.n_batch:self.n_batch + self.n_sparse], self.indices.dtype)
+        return jnp.where(self.entry_valid()[..., None], self.indices, end)
 
     def entry_valid(self):
         """Per stored entry: True unless it is padding (an index out of range)."""
@@ -90,7 +104,7 @@ class BCOOMaskedArray(SparseMasked):
         else:
             data = self.to_bcoo().todense()
         ones = jnp.ones(self.data.shape, jnp.int32)
-        mask = jsparse.BCOO((ones, self.indices), shape=self.shape).todense() > 0
+        mask = jsparse.BCOO((ones, self.clean_indices()), shape=self.shape).todense() > 0
         return MaskedArray._from_pair(data, mask)
 
     def coalesce(self) -> "BCOOMaskedArray":
@@ -135,14 +149,14 @@ class BCOOMaskedArray(SparseMasked):
         return RowSparseArray.from_masked(self.todense())
 
     @classmethod
-    def from_masked(cls, x, nse=None, n_batch=0, n_dense=0) -> "BCOOMaskedArray":
+    def from_masked(cls, x, nse=None, n_batch=0, n_dense=0) -> "BCOOMaskedArray":  # type: ignore[override]
         """BCOO storage holding exactly the valid entries of ``x`` (explicit zeros included).
 
         With ``n_dense > 0`` each stored entry is a whole dense block, so a block must be fully
         valid or fully masked: checked eagerly (``ValueError``); under ``jit`` a partly valid
         block is stored whole.
         """
-        if isinstance(x, RowSparseArray):
+        if isinstance(x, RowSparseArray) and not (n_batch or n_dense):
             return cls.from_bcoo(x.to_bcoo())
         dense = x if isinstance(x, MaskedArray) else x.todense()
         if nse is None and is_tracer(dense.mask):
@@ -182,5 +196,3 @@ def to_bcoo(x, nse=None) -> jsparse.BCOO:
         return x.to_bcoo()
     return BCOOMaskedArray.from_masked(x, nse).to_bcoo()
 
-
-FROM_MASKED["bcoo"] = lambda x, nse: BCOOMaskedArray.from_masked(x, nse)

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from masked_jax._core import MaskedArray, _unwrap, _wrap, is_container
-from masked_jax._storage import SparseMasked, fallback
+from masked_jax._storage import STATE, SparseMasked
 from masked_jax.layouts.bcoo import BCOOMaskedArray
 from masked_jax.layouts import segments
 from masked_jax.layouts.rows import RowSparseArray
@@ -34,6 +34,7 @@ from masked_jax.ops._base import Pair, normalize_axis
 
 # Their result along the stored axis would index the block, not the array.
 _ROW_REDUCE_ALONG_ROWS_UNSUPPORTED = {"argmax", "argmin", "cumsum", "cumprod", "count"}
+
 
 
 def is_sparse(x) -> bool:
@@ -44,12 +45,15 @@ def _is_scalar(x) -> bool:
     return not is_container(x) and np.ndim(x) == 0
 
 
-def apply(name: str, family: str, rule, operands, args, kwargs, dense_call):
-    """Run op ``name`` on ``operands`` (some sparse); ``dense_call`` is the dense-storage path."""
-    out = _sparse_rule(name, family, rule, operands, args, kwargs)
+def apply(spec, operands, params, dense):
+    """Run op ``spec`` on ``operands`` (some sparse) by the first sparse operand's layout rule table;
+    ``dense(operands, params)`` is the dense-storage path (densifying through the storage fallback)."""
+    layout = type(next(o for o in operands if is_sparse(o)))
+    rule = layout.rules.get(spec.family)
+    out = NotImplemented if rule is None else rule(spec, operands, params)
     if out is not NotImplemented:
         return out
-    return dense_call(*densify(operands, name), *args, **kwargs)
+    return dense(operands, params)
 
 
 def densify(values, name: str):
@@ -57,7 +61,7 @@ def densify(values, name: str):
     through the storage fallback (warns once per op ``name``, raises under strict storage)."""
     def one(v):
         if is_sparse(v):
-            fallback(name, v.storage)
+            STATE.fallback(name, v.storage)
             return v.todense()
         if isinstance(v, (list, tuple)):
             return type(v)(one(x) for x in v)
@@ -66,44 +70,58 @@ def densify(values, name: str):
     return [one(v) for v in values]
 
 
-def _sparse_rule(name, family, rule, operands, args, kwargs):
-    first = operands[0]
-    if family == "elementwise" and len(operands) == 1:
-        x = first.coalesce()
-        return x.with_data(rule(x.block(), *args, **kwargs).data)
-    if family == "binary" and len(operands) == 2 and not args:
-        return _binary(rule, operands, kwargs)
-    if family in ("reductions", "normalization") and len(operands) == 1 and is_sparse(first):
-        return _reduce(name, family, rule, first, args, kwargs)
-    if family == "linalg" and name in ("matmul", "dot") and len(operands) == 2 and is_sparse(first) \
-            and not is_sparse(operands[1]) and not isinstance(operands[1], MaskedArray) and not args:
-        return _matmul_dense(first, jnp.asarray(operands[1]))
-    return NotImplemented
+# -- rules shared by the layouts -------------------------------------------------------------------
+def on_block(spec, operands, params):
+    """Unary elementwise ops: the op's rule on the stored block, same indices."""
+    if len(operands) != 1:
+        return NotImplemented
+    x = operands[0].coalesce()
+    return x.with_data(spec.rule(x.block(), **params).data)
 
 
-def _binary(rule, operands, kwargs):
+def _binary_with_scalar(spec, operands, params):
     a, b = operands
     if is_sparse(a) and _is_scalar(b):
         x = a.coalesce()
-        return x.with_data(rule(x.block(), _unwrap(b), **kwargs).data)
+        return x.with_data(spec.rule(x.block(), _unwrap(b), **params).data)
     if is_sparse(b) and _is_scalar(a):
         x = b.coalesce()
-        return x.with_data(rule(_unwrap(a), x.block(), **kwargs).data)
+        return x.with_data(spec.rule(_unwrap(a), x.block(), **params).data)
+    return NotImplemented
+
+
+def rows_binary(spec, operands, params):
+    if len(operands) != 2 or spec.name in ("where", "clip"):
+        return NotImplemented
+    out = _binary_with_scalar(spec, operands, params)
+    if out is not NotImplemented:
+        return out
+    a, b = operands
     if isinstance(a, RowSparseArray) and isinstance(b, RowSparseArray) and a.shape == b.shape:
-        return _rows_intersect(rule, a, b, kwargs)
-    if isinstance(a, BCOOMaskedArray) and isinstance(b, BCOOMaskedArray) and a.shape == b.shape \
-            and a.n_batch == b.n_batch and a.n_dense == b.n_dense:
-        return _bcoo_intersect(rule, a, b, kwargs)
+        return _rows_intersect(spec.rule, a, b, params)
     for pos, (x, other) in enumerate(((a, b), (b, a))):
         if isinstance(x, RowSparseArray) and not is_sparse(other) and not isinstance(other, MaskedArray):
             other = jnp.asarray(other)
             x = x.coalesce()
             if np.ndim(other) == x.ndim and other.shape[0] == x.shape[0] and x.shape[0] != 1:
-                other = jnp.take(other, x.indices, axis=0, mode="fill", fill_value=0)
+                other = jnp.take(other, x.clean_indices(), axis=0, mode="fill", fill_value=0)
             elif np.broadcast_shapes(other.shape, x.shape) != x.shape:
                 return NotImplemented
             pair = (x.block(), Pair(other, None)) if pos == 0 else (Pair(other, None), x.block())
-            return x.with_data(rule(*pair, **kwargs).data)
+            return x.with_data(spec.rule(*pair, **params).data)
+    return NotImplemented
+
+
+def bcoo_binary(spec, operands, params):
+    if len(operands) != 2 or spec.name in ("where", "clip"):
+        return NotImplemented
+    out = _binary_with_scalar(spec, operands, params)
+    if out is not NotImplemented:
+        return out
+    a, b = operands
+    if isinstance(a, BCOOMaskedArray) and isinstance(b, BCOOMaskedArray) and a.shape == b.shape \
+            and a.n_batch == b.n_batch and a.n_dense == b.n_dense:
+        return _bcoo_intersect(spec.rule, a, b, params)
     return NotImplemented
 
 
@@ -115,7 +133,12 @@ def _rows_intersect(rule, a, b, kwargs):
     if b.nse == 0:
         return RowSparseArray._make(a.shape, a.data, jnp.full_like(a.indices, n), True)
     hit = (b.indices[pos] == a.indices) & (a.indices < n)
-    out = rule(a.block(), Pair(b.data[pos], None), **kwargs).data
+    hit_rows = hit.reshape((-1,) + (1,) * (a.ndim - 1))
+    # Rows a stores and b does not are padding of the result: masked in both operands' blocks, so
+    # no value of b's (or a's) reaches them, nor does a gradient come back through them.
+    left = Pair(a.data, a.block().mask & hit_rows)
+    right = Pair(b.clean_data()[pos], jnp.broadcast_to(hit_rows, a.data.shape))
+    out = rule(left, right, **kwargs).data
     return RowSparseArray._make(a.shape, out, jnp.where(hit, a.indices, n), True)
 
 
@@ -147,34 +170,71 @@ def _bcoo_intersect(rule, a, b, kwargs):
     pos = jnp.clip(segments.sorted_search(lin_b[order], lin_a), 0, b.nse - 1)
     partner = order[pos]
     hit = (lin_b[partner] == lin_a) & (lin_a >= 0)
-    out = rule(a.block(), Pair(b.data[partner], None), **kwargs).data
+    hit_b = jnp.broadcast_to(hit.reshape(hit.shape + (1,) * a.n_dense), a.data.shape)
+    # Entries a stores and b does not become padding: masked on both sides (exact zero gradients).
+    out = rule(Pair(a.data, a.block().mask & hit_b), Pair(b.clean_data()[partner], hit_b), **kwargs).data
     return BCOOMaskedArray.tree_unflatten(a.shape, (out, jnp.where(hit[:, None], a.indices, padding)))
 
 
-def _reduce(name, family, rule, x, args, kwargs):
-    quantile = name in ("quantile", "percentile")
-    if args and not (quantile and len(args) == 1 and np.ndim(args[0]) == 0):
-        return NotImplemented  # axis given positionally or an array of quantiles: dense path
-    if isinstance(x, RowSparseArray):
-        x = x.coalesce()
-        if family == "normalization":
-            return x.with_data(rule(x.block(), *args, **kwargs).data)
-        if kwargs.get("axis") is None and name in ("cumsum", "cumprod"):
+def rows_reduce(spec, operands, params):
+    """Row-sparse reductions and normalizations: across rows a dense result, within rows (or a
+    normalization) still row-sparse."""
+    x = operands[0]
+    if len(operands) != 1 or not isinstance(x, RowSparseArray) or spec.optional_operands:
+        return NotImplemented
+    x = x.coalesce()
+    if spec.family == "normalization":
+        return x.with_data(spec.rule(x.block(), **params).data)
+    if params.get("axis") is None and spec.name in ("cumsum", "cumprod") or _matrix_norm(spec, params, x.ndim):
+        return NotImplemented
+    if 0 in normalize_axis(params.get("axis"), x.ndim):  # across rows: a dense result
+        if spec.name in _ROW_REDUCE_ALONG_ROWS_UNSUPPORTED:
             return NotImplemented
-        if 0 in normalize_axis(kwargs.get("axis"), x.ndim):  # across rows: a dense result
-            if name in _ROW_REDUCE_ALONG_ROWS_UNSUPPORTED:
-                return NotImplemented
-            return _wrap(rule(x.block(), *args, **kwargs))
-        if name == "count":
+        return _wrap(spec.rule(x.block(), **params))
+    if spec.name == "count":
+        return NotImplemented
+    return x.with_data(spec.rule(x.block(), **params).data)  # within rows: still row-sparse
+
+
+def bcoo_reduce(spec, operands, params):
+    """BCOO reductions: a whole-array reduction on the stored block; along axes by segments of
+    entries (the op's segment kernel), keeping BCOO storage."""
+    x = operands[0]
+    if len(operands) != 1 or not isinstance(x, BCOOMaskedArray) or spec.optional_operands:
+        return NotImplemented
+    if spec.family == "normalization":
+        if spec.segment is None:
             return NotImplemented
-        return x.with_data(rule(x.block(), *args, **kwargs).data)  # within rows: still row-sparse
-    if family == "normalization":
-        return segments.normalize_along(name, x, **kwargs)
-    if kwargs.get("axis") is None and not kwargs.get("keepdims"):  # whole array: a dense scalar
-        if name in _ROW_REDUCE_ALONG_ROWS_UNSUPPORTED:
+        return segments.normalize_along(spec, x, **params)
+    if _matrix_norm(spec, params, x.ndim):
+        return NotImplemented
+    if params.get("axis") is None and not params.get("keepdims"):  # whole array: a dense scalar
+        if spec.name in _ROW_REDUCE_ALONG_ROWS_UNSUPPORTED:
             return NotImplemented
-        return _wrap(rule(x.coalesce().block(), *args, **kwargs))
-    return NotImplemented if args else segments.reduce(name, x, **kwargs)
+        return _wrap(spec.rule(x.coalesce().block(), **params))
+    if spec.segment is None:
+        return NotImplemented
+    return segments.reduce(spec, x, **params)
+
+
+def _matrix_norm(spec, params, ndim):
+    """A matrix norm (two axes, or a 2-D array with ``ord`` and no axis): it mixes rows and
+    columns, so it runs on the dense layout, never on the stored block."""
+    if spec.name != "norm":
+        return False
+    axis = params.get("axis")
+    if axis is None:
+        return params.get("ord") is not None and ndim == 2
+    return isinstance(axis, (tuple, list)) and len(axis) == 2
+
+
+def matmul_dense(spec, operands, params):
+    if spec.name not in ("matmul", "dot") or len(operands) != 2 or params:
+        return NotImplemented
+    x, w = operands
+    if not is_sparse(x) or is_sparse(w) or isinstance(w, MaskedArray):
+        return NotImplemented
+    return _matmul_dense(x, jnp.asarray(w))
 
 
 def _matmul_dense(x, w):
@@ -182,9 +242,15 @@ def _matmul_dense(x, w):
         return NotImplemented
     if isinstance(x, RowSparseArray):
         x = x.coalesce()
-        return x.with_data(x.data @ w)  # each valid row: a full row of products
+        return x.with_data(x.clean_data() @ w)  # each valid row: a full row of products
     x = x.flatten_dense()  # BCOO cannot contract over hybrid dense dimensions
     data = x.to_bcoo() @ w
     counts = x.with_data(jnp.ones(x.data.shape, w.dtype)).to_bcoo() @ jnp.ones(w.shape, w.dtype)
     return MaskedArray._from_pair(data, counts > 0)
 
+
+
+RowSparseArray.rules = {"elementwise": on_block, "binary": rows_binary, "reductions": rows_reduce,
+                        "normalization": rows_reduce, "linalg": matmul_dense}
+BCOOMaskedArray.rules = {"elementwise": on_block, "binary": bcoo_binary, "reductions": bcoo_reduce,
+                         "normalization": bcoo_reduce, "linalg": matmul_dense}

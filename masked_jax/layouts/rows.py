@@ -14,13 +14,13 @@ import jax.numpy as jnp
 from jax.experimental import sparse as jsparse
 
 from masked_jax._core import MaskedArray, _check_data
-from masked_jax._storage import FROM_MASKED, SparseMasked, is_tracer
+from masked_jax._storage import SparseMasked, is_tracer
 from masked_jax.layouts.segments import unique_ids
 from masked_jax.ops._base import Pair
 
 
 @jax.tree_util.register_pytree_node_class
-class RowSparseArray(SparseMasked):
+class RowSparseArray(SparseMasked, storage="row_sparse"):
     """K stored rows of an array of shape ``(N, ...)``; build with :func:`row_sparse`.
 
     Examples:
@@ -32,7 +32,6 @@ class RowSparseArray(SparseMasked):
         Array([False,  True, False, False,  True, False], dtype=bool)
     """
 
-    storage = "row_sparse"
     __slots__ = ("data", "indices", "shape", "unique_indices")
 
     def tree_flatten(self):
@@ -69,12 +68,23 @@ class RowSparseArray(SparseMasked):
         shape = self.shape[:1] + tuple(data.shape[1:])
         return RowSparseArray._make(shape, data, self.indices, self.unique_indices)
 
+    def clean_indices(self):
+        """The row indices with every padding row at ``N`` (negative indices are padding too, never
+        wrapped): the one index convention of every rule and of :meth:`todense`."""
+        return jnp.where(self.row_valid(), self.indices, self.shape[0])
+
+    def clean_data(self):
+        """The stored rows with padding rows set to 0."""
+        return jnp.where(self.block().mask, self.data, jnp.zeros((), self.dtype))
+
     def todense(self) -> MaskedArray:
         """Dense-storage MaskedArray: stored rows valid (duplicates summed), the rest masked."""
         zeros = jnp.zeros(self.shape, self.dtype)
-        at = zeros.at[self.indices]
-        data = at.max(self.data, mode="drop") if self.dtype == jnp.bool_ else at.add(self.data, mode="drop")
-        rows = jnp.zeros(self.shape[0], bool).at[self.indices].set(True, mode="drop")
+        idx = self.clean_indices()
+        at = zeros.at[idx]
+        data = self.clean_data()
+        data = at.max(data, mode="drop") if self.dtype == jnp.bool_ else at.add(data, mode="drop")
+        rows = jnp.zeros(self.shape[0], bool).at[idx].set(True, mode="drop")
         mask = jnp.broadcast_to(rows.reshape((-1,) + (1,) * (self.ndim - 1)), self.shape)
         return MaskedArray._from_pair(data, mask)
 
@@ -120,22 +130,24 @@ class RowSparseArray(SparseMasked):
 
     def to_bcoo(self) -> jsparse.BCOO:
         """The stored rows as a ``jax.experimental.sparse.BCOO`` (1 sparse + ndim-1 dense dims)."""
-        return jsparse.BCOO((self.data, self.indices[:, None]), shape=self.shape,
+        return jsparse.BCOO((self.clean_data(), self.clean_indices()[:, None]), shape=self.shape,
                             indices_sorted=False, unique_indices=False)
 
     def to_bcoo_masked(self):
         """The same stored rows as a BCOO-backed masked array (no densifying)."""
-        return FROM_MASKED["bcoo"](self, None)
+        return SparseMasked.LAYOUTS["bcoo"].from_masked(self)
 
     @property
     def T(self):
         """Transpose as a BCOO-backed masked array (each stored element becomes one entry)."""
-        return FROM_MASKED["bcoo"](self, None).flatten_dense().transpose()
+        return SparseMasked.LAYOUTS["bcoo"].from_masked(self).flatten_dense().transpose()
 
     @classmethod
     def from_masked(cls, x, nse=None) -> "RowSparseArray":
         """Row-sparse storage of ``x``: a row is stored iff it has any valid element (its masked
         elements must be absent: rows are all-or-nothing, so a partly valid row raises eagerly)."""
+        if hasattr(x, "to_row_sparse"):
+            return x.to_row_sparse()
         dense = x if isinstance(x, MaskedArray) else x.todense()
         rows = jnp.any(dense.mask.reshape(dense.shape[0], -1), axis=1) if dense.ndim else None
         if rows is None:
@@ -216,8 +228,3 @@ def row_sparse(data, indices, shape, *, unique_indices: bool = False) -> RowSpar
         if unique_indices and int(jnp.unique(indices).size) != indices.size:
             raise ValueError("unique_indices=True but indices has duplicates.")
     return RowSparseArray._make(shape, data, indices.astype(jnp.int32), unique_indices)
-
-
-FROM_MASKED["row_sparse"] = lambda x, nse: (
-    x.to_row_sparse() if hasattr(x, "to_row_sparse") else RowSparseArray.from_masked(x, nse)
-)

@@ -12,8 +12,8 @@ stored element) and coalesced, so that duplicate entries count once, as one summ
 Padding entries and masked data never reach a result: their values are replaced by zeros
 before any arithmetic (no NaN in values or gradients).
 
-Supported: ``sum mean var std max min ptp prod any all logsumexp norm`` (vector norms) and
-``softmax log_softmax softmin normalize``. Others fall back to the dense layout.
+The kernels themselves are attached to the ops' specs (``OpSpec.segment``, beside each rule in
+:mod:`masked_jax.ops`); an op without one falls back to the dense layout.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ import numpy as np
 from jax.experimental import sparse as jsparse
 
 from masked_jax.ops._base import highest, lowest, normalize_axis
-from masked_jax.ops.reductions import safe_sqrt
 
 
 def sorted_search(sorted_values, queries):
@@ -139,93 +138,15 @@ def flat(x):
     return x.coalesce()
 
 
-def _float(v):
-    return v if jnp.issubdtype(v.dtype, jnp.inexact) else v.astype(jnp.result_type(float))
-
-
-def _vector_norm(g, v, ord):
-    a = jnp.abs(v)
-    if ord is None or ord == 2:
-        return safe_sqrt(g.sum(a * a))
-    if ord == np.inf:
-        return g.max(a)
-    if ord == -np.inf:
-        return g.min(a)
-    if ord == 0:
-        return g.sum((a != 0).astype(a.dtype))
-    if ord == 1:
-        return g.sum(a)
-    s = g.sum(a**ord)
-    pos = s > 0
-    return jnp.where(pos, jnp.where(pos, s, 1) ** (1.0 / ord), 0)
-
-
-def _var(g, v, ddof=0, dtype=None):
-    v = v.astype(dtype) if dtype else _float(v)
-    n = g.count
-    centre = g.sum(v) / jnp.maximum(n, 1).astype(v.dtype)
-    dev = g.clean(v - g.back(centre))
-    dof = n - ddof
-    return jnp.where(dof > 0, g.sum(dev * dev) / jnp.where(dof > 0, dof, 1).astype(v.dtype), 0), dof > 0
-
-
-def _logsumexp(g, v):
-    v = _float(v)
-    top = jax.lax.stop_gradient(g.max(v))
-    top = jnp.where(jnp.isfinite(top), top, 0)
-    total = g.sum(jnp.exp(g.clean(v - g.back(top))) * g.valid)
-    mass = total > 0
-    return jnp.where(mass, jnp.log(jnp.where(mass, total, 1)) + top, -jnp.inf)
-
-
-def _sum_dtype(v, dtype):
-    return jax.eval_shape(lambda d: jnp.sum(d, dtype=dtype), jax.ShapeDtypeStruct((), v.dtype)).dtype
-
-
-# name -> fn(segments, values, **kwargs) -> per-segment data (or (data, extra validity)).
-REDUCTIONS = {
-    "sum": lambda g, v, dtype=None: g.sum(v.astype(_sum_dtype(v, dtype))),
-    "mean": lambda g, v, dtype=None: (lambda w: g.sum(w) / jnp.maximum(g.count, 1).astype(w.dtype))(
-        v.astype(dtype) if dtype else _float(v)),
-    "var": _var,
-    "std": lambda g, v, ddof=0, dtype=None: (lambda r: (safe_sqrt(r[0]), r[1]))(_var(g, v, ddof, dtype)),
-    "max": lambda g, v: g.max(v),
-    "min": lambda g, v: g.min(v),
-    "ptp": lambda g, v: g.max(v) - g.min(v),
-    "prod": lambda g, v, dtype=None: g.prod(v.astype(_sum_dtype(v, dtype))),
-    "any": lambda g, v: g.max(v.astype(bool)),
-    "all": lambda g, v: g.min(v.astype(bool)),
-    "logsumexp": _logsumexp,
-    "norm": lambda g, v, ord=None: _vector_norm(g, v, ord),
-}
-
-
-def _softmax_parts(g, v):
-    v = _float(v)
-    top = jax.lax.stop_gradient(g.max(v))
-    z = g.clean(v - g.back(jnp.where(jnp.isfinite(top), top, 0)))
-    e = jnp.where(g.valid, jnp.exp(z), 0)
-    total = g.back(g.sum(e))
-    return z, e, jnp.where(total > 0, total, 1)
-
-
-NORMALIZATIONS = {
-    "softmax": lambda g, v: (lambda z, e, t: e / t)(*_softmax_parts(g, v)),
-    "log_softmax": lambda g, v: (lambda z, e, t: g.clean(z - jnp.log(t)))(*_softmax_parts(g, v)),
-    "softmin": lambda g, v: (lambda z, e, t: e / t)(*_softmax_parts(g, -v)),
-    "normalize": lambda g, v, ord=2, eps=1e-12: v / jnp.maximum(g.back(_vector_norm(g, v, ord)), eps),
-}
-
-
-def reduce(name, x, axis=None, keepdims=False, **kwargs):
-    """``name`` over ``axis`` of a BCOO-backed masked array: a BCOO-backed result, or
-    ``NotImplemented`` when the op has no segment rule (matrix norms, order statistics...)."""
-    if name not in REDUCTIONS or (name == "norm" and not _one_axis(axis)):
+def reduce(spec, x, axis=None, keepdims=False, **kwargs):
+    """Op ``spec`` over ``axis`` of a BCOO-backed masked array with its segment kernel: a
+    BCOO-backed result (``NotImplemented`` for matrix norms over two axes)."""
+    if spec.name == "norm" and not _one_axis(axis):
         return NotImplemented
     axes = normalize_axis(axis, x.ndim)
     x = flat(x)
     g = Segments(x, tuple(a for a in range(x.ndim) if a not in axes))
-    out = REDUCTIONS[name](g, g.clean(x.data), **kwargs)
+    out = spec.segment(g, g.clean(x.data), **kwargs)
     out, extra = out if isinstance(out, tuple) else (out, None)
     valid = g.out_valid if extra is None else g.out_valid & extra
     shape = tuple(1 if a in axes else d for a, d in enumerate(x.shape) if keepdims or a not in axes)
@@ -235,14 +156,15 @@ def reduce(name, x, axis=None, keepdims=False, **kwargs):
     return type(x).tree_unflatten(shape, (data, jnp.where(valid[:, None], indices, end)))
 
 
-def normalize_along(name, x, axis=-1, **kwargs):
-    """``name`` (softmax family, ``normalize``) along ``axis``: same entries, new values."""
-    if name == "normalize" and not _one_axis(axis):
+def normalize_along(spec, x, axis=-1, **kwargs):
+    """Op ``spec`` (softmax family, ``normalize``) along ``axis`` with its segment kernel: same
+    entries, new values."""
+    if spec.name == "normalize" and not _one_axis(axis):
         return NotImplemented  # the dense rule takes a matrix norm over two axes
     axes = normalize_axis(axis, x.ndim)
     x = flat(x)
     g = Segments(x, tuple(a for a in range(x.ndim) if a not in axes))
-    out = NORMALIZATIONS[name](g, g.clean(x.data), **kwargs)
+    out = spec.segment(g, g.clean(x.data), **kwargs)
     return x.with_data(g.clean(out))
 
 

@@ -1,23 +1,13 @@
-"""Masked semantics, one rule per op, grouped by family.
+"""Masked semantics: every op declared once in the registry, its rule grouped by family.
 
-Each family module exposes ``RULES``: a mapping from op name to a rule working
-on :class:`~masked_jax.ops._base.Pair` values. ``masked_jax.numpy``,
-``masked_jax.nn`` and the ``MaskedArray`` operators are thin wrappers over
-these rules, so each op's semantics lives in exactly one place.
+Importing this package registers every op (:data:`REGISTRY`, see :mod:`._registry`). Rules work
+on :class:`~masked_jax.ops._base.Pair` values; ``masked_jax.numpy``, ``masked_jax.nn``, the
+``MaskedArray`` methods and operators, ``maskify`` and the sparse layouts are derived from the
+specs, so each op's semantics lives in exactly one place.
 """
 
-from masked_jax.ops import binary, elementwise, linalg, normalization, reductions, shape
+from masked_jax.ops import elementwise, binary, reductions, statistics, normalization, shape, linalg  # noqa: F401
 from masked_jax.ops._base import Pair
+from masked_jax.ops._registry import FAMILIES, REGISTRY, OpSpec, register, unregister
 
-FAMILIES = {
-    "elementwise": elementwise.RULES,
-    "binary": binary.RULES,
-    "reductions": reductions.RULES,
-    "normalization": normalization.RULES,
-    "shape": shape.RULES,
-    "linalg": linalg.RULES,
-}
-
-RULES = {name: rule for family in FAMILIES.values() for name, rule in family.items()}
-
-__all__ = ["FAMILIES", "Pair", "RULES"]
+__all__ = ["FAMILIES", "OpSpec", "Pair", "REGISTRY", "register", "unregister"]

@@ -1,10 +1,19 @@
-"""Binary (and n-ary) elementwise rules: valid where every operand is valid."""
+"""Binary (and n-ary) elementwise ops: valid where every operand is valid."""
 
 from __future__ import annotations
 
+import inspect
+
+import jax.extend.core.primitives as P
 import jax.numpy as jnp
+import numpy as np
 
 from masked_jax.ops._base import Pair, and_masks, fill
+from masked_jax.ops._registry import OpSpec, register
+
+_POS = inspect.Parameter.POSITIONAL_ONLY
+_KW = inspect.Parameter.POSITIONAL_OR_KEYWORD
+_X1X2 = inspect.Signature([inspect.Parameter("x1", _POS), inspect.Parameter("x2", _POS)])
 
 
 def nary(fn, safe=1):
@@ -31,66 +40,105 @@ def nary(fn, safe=1):
     return rule
 
 
+def is_constant(p: Pair) -> bool:
+    """A fill value: a plain (unmasked) 0-d operand, such as a Python scalar."""
+    return p.mask is None and np.ndim(p.data) == 0
+
+
 def where(condition: Pair, x: Pair, y: Pair) -> Pair:
-    """Select data *and* mask: ``where(c, x, y)`` is valid where ``c`` and the chosen operand are."""
+    """Select data *and* mask: valid where ``condition`` and the chosen operand are valid.
+
+    A constant never makes a masked position valid: a 0-d plain operand (a Python scalar, a
+    0-d array) takes, at each position, the validity of the masked operands it is combined
+    with. So ``where(keep, x, 0.0)`` keeps x's masked positions masked, while two arrays
+    with complementary masks merged by ``where`` are valid where the chosen one is.
+    """
     cond = jnp.asarray(condition.data)
     if cond.dtype != jnp.bool_:
         cond = cond != 0
     data = jnp.where(cond, x.data, y.data)
     if x.mask is None and y.mask is None:
-        mask = condition.mask
-    else:
-        xm = True if x.mask is None else x.mask
-        ym = True if y.mask is None else y.mask
-        mask = and_masks(condition.mask, jnp.where(cond, xm, ym))
-    return Pair(data, mask)
+        return Pair(data, condition.mask)
+    xm = and_masks(condition.mask, y.mask) if is_constant(x) else x.mask
+    ym = and_masks(condition.mask, x.mask) if is_constant(y) else y.mask
+    xm = True if xm is None else xm
+    ym = True if ym is None else ym
+    return Pair(data, and_masks(condition.mask, jnp.where(cond, xm, ym)))
 
 
-BINARY = {
-    "add": (jnp.add, None),
-    "subtract": (jnp.subtract, None),
-    "multiply": (jnp.multiply, 1),
-    "divide": (jnp.divide, 1),
-    "true_divide": (jnp.true_divide, 1),
-    "floor_divide": (jnp.floor_divide, 1),
-    "mod": (jnp.mod, 1),
-    "remainder": (jnp.remainder, 1),
-    "power": (jnp.power, 1),
-    "float_power": (jnp.float_power, 1),
-    "maximum": (jnp.maximum, 1),
-    "minimum": (jnp.minimum, 1),
-    "fmax": (jnp.fmax, 1),
-    "fmin": (jnp.fmin, 1),
-    "arctan2": (jnp.arctan2, 1),
-    "hypot": (jnp.hypot, 1),
-    "logaddexp": (jnp.logaddexp, 1),
-    "copysign": (jnp.copysign, 1),
-    "equal": (jnp.equal, None),
-    "not_equal": (jnp.not_equal, None),
-    "less": (jnp.less, None),
-    "less_equal": (jnp.less_equal, None),
-    "greater": (jnp.greater, None),
-    "greater_equal": (jnp.greater_equal, None),
-    "logical_and": (jnp.logical_and, None),
-    "logical_or": (jnp.logical_or, None),
-    "logical_xor": (jnp.logical_xor, None),
-    "bitwise_and": (jnp.bitwise_and, None),
-    "bitwise_or": (jnp.bitwise_or, None),
-    "bitwise_xor": (jnp.bitwise_xor, None),
-    "left_shift": (jnp.left_shift, 0),
-    "right_shift": (jnp.right_shift, 0),
-}
-
-def clip(x: Pair, lo: Pair | None = None, hi: Pair | None = None) -> Pair:
-    """``clip(x, lo, hi)``; bounds that are given must be valid too."""
-    present = [p for p in (lo, hi) if p is not None]
+def clip(x: Pair, min: Pair | None = None, max: Pair | None = None) -> Pair:  # noqa: A002
+    """``clip(x, min, max)``; bounds that are given must be valid too."""
+    present = [p for p in (min, max) if p is not None]
     mask = and_masks(x.mask, *(p.mask for p in present))
     data = fill(x.data, mask, 0)
-    lo_d = None if lo is None else fill(lo.data, mask, 0)
-    hi_d = None if hi is None else fill(hi.data, mask, 0)
-    return Pair(jnp.clip(data, lo_d, hi_d), mask)
+    lo = None if min is None else fill(min.data, mask, 0)
+    hi = None if max is None else fill(max.data, mask, 0)
+    return Pair(jnp.clip(data, lo, hi), mask)
 
 
-RULES = {name: nary(fn, safe) for name, (fn, safe) in BINARY.items()}
-RULES["where"] = where
-RULES["clip"] = clip
+def _ops(*dunders):
+    """Operator methods: ``__add__`` with its reflected ``__radd__``."""
+    out = []
+    for d in dunders:
+        out += [f"__{d}__", f"__r{d}__"]
+    return tuple(out)
+
+
+# name, jax function, safe value, primitives, MaskedArray operators
+BINARY = [
+    ("add", jnp.add, None, (P.add_p, P.add_jaxvals_p), _ops("add")),
+    ("subtract", jnp.subtract, None, (P.sub_p,), _ops("sub")),
+    ("multiply", jnp.multiply, 1, (P.mul_p,), _ops("mul")),
+    ("divide", jnp.divide, 1, (P.div_p,), ()),
+    ("true_divide", jnp.true_divide, 1, (), _ops("truediv")),
+    ("floor_divide", jnp.floor_divide, 1, (), _ops("floordiv")),
+    ("mod", jnp.mod, 1, (), _ops("mod")),
+    ("remainder", jnp.remainder, 1, (P.rem_p,), ()),
+    ("power", jnp.power, 1, (P.pow_p,), _ops("pow")),
+    ("float_power", jnp.float_power, 1, (), ()),
+    ("maximum", jnp.maximum, 1, (P.max_p,), ()),
+    ("minimum", jnp.minimum, 1, (P.min_p,), ()),
+    ("fmax", jnp.fmax, 1, (), ()),
+    ("fmin", jnp.fmin, 1, (), ()),
+    ("arctan2", jnp.arctan2, 1, (P.atan2_p,), ()),
+    ("hypot", jnp.hypot, 1, (), ()),
+    ("logaddexp", jnp.logaddexp, 1, (), ()),
+    ("copysign", jnp.copysign, 1, (), ()),
+    ("nextafter", jnp.nextafter, 1, (P.nextafter_p,), ()),
+    ("equal", jnp.equal, None, (P.eq_p,), ("__eq__",)),
+    ("not_equal", jnp.not_equal, None, (P.ne_p,), ("__ne__",)),
+    ("less", jnp.less, None, (P.lt_p,), ("__lt__",)),
+    ("less_equal", jnp.less_equal, None, (P.le_p,), ("__le__",)),
+    ("greater", jnp.greater, None, (P.gt_p,), ("__gt__",)),
+    ("greater_equal", jnp.greater_equal, None, (P.ge_p,), ("__ge__",)),
+    ("logical_and", jnp.logical_and, None, (), ()),
+    ("logical_or", jnp.logical_or, None, (), ()),
+    ("logical_xor", jnp.logical_xor, None, (), ()),
+    ("bitwise_and", jnp.bitwise_and, None, (P.and_p,), _ops("and")),
+    ("bitwise_or", jnp.bitwise_or, None, (P.or_p,), _ops("or")),
+    ("bitwise_xor", jnp.bitwise_xor, None, (P.xor_p,), _ops("xor")),
+    ("left_shift", jnp.left_shift, 0, (P.shift_left_p,), _ops("lshift")),
+    ("right_shift", jnp.right_shift, 0, (P.shift_right_arithmetic_p, P.shift_right_logical_p), _ops("rshift")),
+]
+
+for _name, _fn, _safe, _prims, _methods in BINARY:
+    register(OpSpec(name=_name, family="binary", rule=nary(_fn, _safe), signature=_X1X2, operands=("x1", "x2"),
+                    methods=_methods, primitives=_prims, safe=_safe, fn=_fn, jax_name=f"jnp.{_name}"))
+
+register(OpSpec(
+    name="where", family="binary", rule=where, fn=jnp.where, jax_name="jnp.where",
+    signature=inspect.Signature([inspect.Parameter(n, _POS) for n in ("condition", "x", "y")]),
+    operands=("condition", "x", "y"),
+    example=("x = mj.masked_array(jnp.array([1.0, 2.0]), jnp.array([True, False]))",
+             "{mod}.where(jnp.array([False, True]), x, 0.0)", "MaskedArray([0.0 --], dtype=float32)"),
+))
+register(OpSpec(
+    name="clip", family="binary", rule=clip, fn=jnp.clip, jax_name="jnp.clip", methods=("clip",),
+    signature=inspect.Signature([inspect.Parameter("arr", _POS), inspect.Parameter("min", _KW, default=None),
+                                 inspect.Parameter("max", _KW, default=None)]),
+    operands=("arr",), optional_operands=("min", "max"),
+    example=("x = mj.masked_array(jnp.array([-2.0, 0.5, 9.0]), jnp.array([True, True, False]))",
+             "{mod}.clip(x, 0.0, 1.0)", "MaskedArray([0.0 0.5 --], dtype=float32)"),
+))
+
+del _name, _fn, _safe, _prims, _methods

@@ -1,11 +1,18 @@
-"""Unary elementwise rules: ``f(x)`` keeps the mask and applies ``f`` to sanitised data."""
+"""Unary elementwise ops: ``f(x)`` keeps the mask and applies ``f`` to sanitised data."""
 
 from __future__ import annotations
 
+import inspect
+
 import jax
+import jax.extend.core.primitives as P
 import jax.numpy as jnp
+from jax import lax
 
 from masked_jax.ops._base import Pair, fill
+from masked_jax.ops._registry import OpSpec, register, signature_of
+
+_X = inspect.Signature([inspect.Parameter("x", inspect.Parameter.POSITIONAL_ONLY)])
 
 
 def unary(fn, safe=1):
@@ -25,66 +32,129 @@ def unary(fn, safe=1):
     return rule
 
 
+def unary_spec(name, fn, safe=1, *, modules=("numpy",), methods=(), primitives=(), jax_name=None,
+               signature=None, example=None, excluded=None) -> OpSpec:
+    """The spec of an elementwise op ``fn`` with sanitising value ``safe``.
+
+    The public signature is ``fn``'s own where it has one (``round(a, decimals=0, out=None)``),
+    else ``(x, /)``.
+    """
+    if signature is None:
+        try:
+            signature = signature_of(fn, drop=("out_sharding",))
+        except (TypeError, ValueError):
+            signature = _X
+        first = next(iter(signature.parameters.values()), None)
+        if first is None or first.kind is inspect.Parameter.VAR_POSITIONAL:  # a jnp ufunc: (x, /)
+            signature = _X
+    first = next(iter(signature.parameters))
+    return OpSpec(name=name, family="elementwise", rule=unary(fn, safe), signature=signature, operands=(first,),
+                  modules=modules, methods=methods, primitives=tuple(primitives), safe=safe, fn=fn,
+                  jax_name=jax_name or f"jnp.{name}", example=example, excluded=excluded or {})
+
+
 def astype(x: Pair, dtype) -> Pair:
     """Change the data dtype; the mask is unchanged."""
     return Pair(jnp.asarray(x.data).astype(dtype), x.mask)
 
 
-# name -> (jax function, safe value). Domain-limited functions get a safe
-# point inside their domain with a finite derivative.
-UNARY = {
-    "abs": (jnp.abs, 1),
-    "absolute": (jnp.abs, 1),
-    "negative": (jnp.negative, None),
-    "positive": (jnp.positive, None),
-    "sign": (jnp.sign, 1),
-    "exp": (jnp.exp, 0),
-    "exp2": (jnp.exp2, 0),
-    "expm1": (jnp.expm1, 0),
-    "log": (jnp.log, 1),
-    "log1p": (jnp.log1p, 0),
-    "log2": (jnp.log2, 1),
-    "log10": (jnp.log10, 1),
-    "sqrt": (jnp.sqrt, 1),
-    "cbrt": (jnp.cbrt, 1),
-    "square": (jnp.square, 0),
-    "reciprocal": (jnp.reciprocal, 1),
-    "sin": (jnp.sin, 0),
-    "cos": (jnp.cos, 0),
-    "tan": (jnp.tan, 0),
-    "arcsin": (jnp.arcsin, 0),
-    "arccos": (jnp.arccos, 0),
-    "arctan": (jnp.arctan, 0),
-    "sinh": (jnp.sinh, 0),
-    "cosh": (jnp.cosh, 0),
-    "tanh": (jnp.tanh, 0),
-    "arcsinh": (jnp.arcsinh, 0),
-    "arccosh": (jnp.arccosh, 2),
-    "arctanh": (jnp.arctanh, 0),
-    "floor": (jnp.floor, 0),
-    "ceil": (jnp.ceil, 0),
-    "round": (jnp.round, 0),
-    "trunc": (jnp.trunc, 0),
-    "nan_to_num": (jnp.nan_to_num, 0),
-    "isnan": (jnp.isnan, 0),
-    "isinf": (jnp.isinf, 0),
-    "isfinite": (jnp.isfinite, 0),
-    "logical_not": (jnp.logical_not, 0),
-    "bitwise_not": (jnp.bitwise_not, 0),
-    "invert": (jnp.invert, 0),
-    "deg2rad": (jnp.deg2rad, None),
-    "rad2deg": (jnp.rad2deg, None),
-    "conj": (jnp.conj, None),
-    "real": (jnp.real, None),
-    "imag": (jnp.imag, None),
-    # jax.nn activations
-    "relu": (jax.nn.relu, 1),
-    "gelu": (jax.nn.gelu, 0),
-    "silu": (jax.nn.silu, 0),
-    "sigmoid": (jax.nn.sigmoid, 0),
-    "softplus": (jax.nn.softplus, 0),
-    "log_sigmoid": (jax.nn.log_sigmoid, 0),
-}
+_INT = ("x = mj.masked_array(jnp.array([1, 2]), jnp.array([True, False]))", "{mod}.{name}(x).mask",
+        "Array([ True, False], dtype=bool)")
 
-RULES = {name: unary(fn, safe) for name, (fn, safe) in UNARY.items()}
-RULES["astype"] = astype
+# name, jax function, safe value, primitives it answers to in maskify, MaskedArray methods.
+# Domain-limited functions get a safe point inside their domain with a finite derivative.
+UNARY = [
+    ("abs", jnp.abs, 1, (P.abs_p,), ("__abs__",)),
+    ("absolute", jnp.absolute, 1, (), ()),
+    ("negative", jnp.negative, None, (P.neg_p,), ("__neg__",)),
+    ("positive", jnp.positive, None, (), ("__pos__",)),
+    ("sign", jnp.sign, 1, (P.sign_p,), ()),
+    ("exp", jnp.exp, 0, (P.exp_p,), ()),
+    ("exp2", jnp.exp2, 0, (P.exp2_p,), ()),
+    ("expm1", jnp.expm1, 0, (P.expm1_p,), ()),
+    ("log", jnp.log, 1, (P.log_p,), ()),
+    ("log1p", jnp.log1p, 0, (P.log1p_p,), ()),
+    ("log2", jnp.log2, 1, tuple(p for p in (getattr(lax, "log2_p", None),) if p is not None), ()),
+    ("log10", jnp.log10, 1, (), ()),
+    ("sqrt", jnp.sqrt, 1, (P.sqrt_p,), ()),
+    ("cbrt", jnp.cbrt, 1, (P.cbrt_p,), ()),
+    ("square", jnp.square, 0, (P.square_p,), ()),
+    ("reciprocal", jnp.reciprocal, 1, (), ()),
+    ("sin", jnp.sin, 0, (P.sin_p,), ()),
+    ("cos", jnp.cos, 0, (P.cos_p,), ()),
+    ("tan", jnp.tan, 0, (P.tan_p,), ()),
+    ("arcsin", jnp.arcsin, 0, (P.asin_p,), ()),
+    ("arccos", jnp.arccos, 0, (P.acos_p,), ()),
+    ("arctan", jnp.arctan, 0, (P.atan_p,), ()),
+    ("sinh", jnp.sinh, 0, (P.sinh_p,), ()),
+    ("cosh", jnp.cosh, 0, (P.cosh_p,), ()),
+    ("tanh", jnp.tanh, 0, (P.tanh_p,), ()),
+    ("arcsinh", jnp.arcsinh, 0, (P.asinh_p,), ()),
+    ("arccosh", jnp.arccosh, 2, (P.acosh_p,), ()),
+    ("arctanh", jnp.arctanh, 0, (P.atanh_p,), ()),
+    ("floor", jnp.floor, 0, (P.floor_p,), ()),
+    ("ceil", jnp.ceil, 0, (P.ceil_p,), ()),
+    ("round", jnp.round, 0, (P.round_p,), ("round",)),
+    ("trunc", jnp.trunc, 0, (), ()),
+    ("nan_to_num", jnp.nan_to_num, 0, (), ()),
+    ("isnan", jnp.isnan, 0, (), ()),
+    ("isinf", jnp.isinf, 0, (), ()),
+    ("isfinite", jnp.isfinite, 0, (P.is_finite_p,), ()),
+    ("logical_not", jnp.logical_not, 0, (P.not_p,), ()),
+    ("bitwise_not", jnp.bitwise_not, 0, (), ()),
+    ("invert", jnp.invert, 0, (), ("__invert__",)),
+    ("deg2rad", jnp.deg2rad, None, (), ()),
+    ("rad2deg", jnp.rad2deg, None, (), ()),
+    ("conj", jnp.conj, None, (P.conj_p,), ("conj",)),
+    ("real", jnp.real, None, (P.real_p,), ()),
+    ("imag", jnp.imag, None, (P.imag_p,), ()),
+]
+
+# jax.nn activations: public in masked_jax.nn.
+ACTIVATIONS = [
+    ("relu", jax.nn.relu, 1, ()),
+    ("gelu", jax.nn.gelu, 0, ()),
+    ("silu", jax.nn.silu, 0, ()),
+    ("sigmoid", jax.nn.sigmoid, 0, (P.logistic_p,)),
+    ("softplus", jax.nn.softplus, 0, ()),
+    ("log_sigmoid", jax.nn.log_sigmoid, 0, ()),
+]
+
+# Primitives with no masked_jax.numpy twin, reached through maskify only: a point inside
+# their domain, or None for linear / value-preserving ones.
+LAX_ONLY = [
+    ("rsqrt", lax.rsqrt, 1, (P.rsqrt_p,)),
+    ("erf", lax.erf, 0, (P.erf_p,)),
+    ("erfc", lax.erfc, 0, (P.erfc_p,)),
+    ("erf_inv", lax.erf_inv, 0, (P.erf_inv_p,)),
+    ("lgamma", lax.lgamma, 1, (P.lgamma_p,)),
+    ("digamma", lax.digamma, 1, (P.digamma_p,)),
+    ("bessel_i0e", lax.bessel_i0e, 0, (P.bessel_i0e_p,)),
+    ("bessel_i1e", lax.bessel_i1e, 0, (P.bessel_i1e_p,)),
+    ("integer_pow", lambda x, y=2: lax.integer_pow(x, y), 1, (P.integer_pow_p,)),
+    ("convert_element_type", lambda x, new_dtype=None: lax.convert_element_type(x, new_dtype), None,
+     (P.convert_element_type_p,)),
+    ("reduce_precision", lambda x, exponent_bits=8, mantissa_bits=7: lax.reduce_precision(x, exponent_bits, mantissa_bits),
+     None, (P.reduce_precision_p,)),
+    ("stop_gradient", lax.stop_gradient, None, (P.stop_gradient_p,)),
+    ("copy", jnp.array, None, (P.copy_p,)),
+    ("population_count", lax.population_count, 0, (P.population_count_p,)),
+    ("clz", lax.clz, 0, (P.clz_p,)),
+]
+
+for _name, _fn, _safe, _prims, _methods in UNARY:
+    register(unary_spec(_name, _fn, _safe, primitives=_prims, methods=_methods,
+                        example=_INT if _name in ("bitwise_not", "invert") else None))
+for _name, _fn, _safe, _prims in ACTIVATIONS:
+    register(unary_spec(_name, _fn, _safe, modules=("nn",), primitives=_prims, jax_name=f"jax.nn.{_name}"))
+for _name, _fn, _safe, _prims in LAX_ONLY:
+    register(unary_spec(_name, _fn, _safe, modules=(), primitives=_prims, jax_name=f"lax.{_name}", signature=_X))
+
+register(OpSpec(
+    name="astype", family="elementwise", rule=astype, signature=signature_of(jnp.astype, drop=("device",)),
+    operands=("x",), methods=("astype",), fn=jnp.astype, jax_name="jnp.astype",
+    example=("x = mj.masked_array(jnp.array([1.5, 2.5]), jnp.array([True, False]))",
+             "{mod}.astype(x, jnp.int32).dtype", "dtype('int32')"),
+))
+
+del _name, _fn, _safe, _prims, _methods

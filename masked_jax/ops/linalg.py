@@ -11,7 +11,12 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+import inspect
+
+import jax.extend.core.primitives as P
+
 from masked_jax.ops._base import Pair, fill
+from masked_jax.ops._registry import OpSpec, register, signature_of
 
 
 def contraction(fn):
@@ -34,19 +39,36 @@ def contraction(fn):
     return rule
 
 
-def einsum(subscripts: str, *operands: Pair, **kwargs) -> Pair:
+def einsum(*operands: Pair, subscripts: str, **kwargs) -> Pair:
+    """``jnp.einsum(subscripts, *operands)``: the subscripts come as a keyword (operands first)."""
+    if not isinstance(subscripts, str):
+        raise TypeError(f"subscripts must be an einsum string such as 'ij,jk->ik'; got {type(subscripts).__name__}.")
     return contraction(lambda *ops, **kw: jnp.einsum(subscripts, *ops, **kw))(*operands, **kwargs)
 
 
 
-CONTRACTIONS = {
-    "matmul": jnp.matmul,
-    "dot": jnp.dot,
-    "vdot": jnp.vdot,
-    "inner": jnp.inner,
-    "outer": jnp.outer,
-    "tensordot": jnp.tensordot,
-}
+_A = "a = mj.masked_array(jnp.array([[1.0, 2.0], [3.0, 4.0]]), jnp.array([[True, False], [False, False]]))"
+_V = "a = mj.masked_array(jnp.array([1.0, 2.0]), jnp.array([True, False]))"
+_ROWS = "Array([[ True,  True],\n       [False, False]], dtype=bool)"
+# name, jax function, methods, primitives, example
+CONTRACTIONS = [
+    ("matmul", jnp.matmul, ("__matmul__", "__rmatmul__"), (P.dot_general_p,),
+     (_A, "{mod}.matmul(a, jnp.ones((2, 2))).mask", _ROWS)),
+    ("dot", jnp.dot, ("dot",), (), (_A, "{mod}.dot(a, jnp.ones((2, 2))).mask", _ROWS)),
+    ("vdot", jnp.vdot, (), (), (_V, "{mod}.vdot(a, jnp.array([10.0, 10.0]))", "MaskedArray(10.0, dtype=float32)")),
+    ("inner", jnp.inner, (), (), (_V, "{mod}.inner(a, jnp.array([10.0, 10.0]))", "MaskedArray(10.0, dtype=float32)")),
+    ("outer", jnp.outer, (), (), (_V, "{mod}.outer(a, jnp.array([1.0, 1.0])).mask.sum()", "Array(2, dtype=int32)")),
+    ("tensordot", jnp.tensordot, (), (), (_A, "{mod}.tensordot(a, jnp.ones((2, 2)), axes=1).mask", _ROWS)),
+]
+for _name, _fn, _methods, _prims, _example in CONTRACTIONS:
+    register(OpSpec(name=_name, family="linalg", rule=contraction(_fn), operands=("a", "b"), methods=_methods,
+                    signature=signature_of(_fn, drop=("out_sharding",)), primitives=_prims, fn=_fn,
+                    jax_name=f"jnp.{_name}", example=_example))
 
-RULES = {name: contraction(fn) for name, fn in CONTRACTIONS.items()}
-RULES["einsum"] = einsum
+_POS = inspect.Parameter.POSITIONAL_ONLY
+register(OpSpec(
+    name="einsum", family="linalg", rule=einsum, fn=jnp.einsum, jax_name="jnp.einsum",
+    signature=signature_of(jnp.einsum, drop=("out_sharding",)), operands=("*operands",),
+    example=(_A, "{mod}.einsum('ij,jk->ik', a, jnp.ones((2, 2))).mask", _ROWS),
+))
+del _name, _fn, _methods, _prims, _example

@@ -1,15 +1,18 @@
 """Normalizations along an axis, over valid elements only (softmax family, L_p normalize).
 
 Masked inputs stay masked; a fully masked slice stays fully masked and its
-data is 0, never NaN.
+data is 0, never NaN. Each op carries its segment kernel for BCOO-backed arrays.
 """
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
-from masked_jax.ops._base import Pair, fill, materialize
 from masked_jax.ops import reductions
+from masked_jax.ops._base import Pair, fill, materialize
+from masked_jax.ops._registry import OpSpec, register, rule_signature, signature_of
+from masked_jax.ops.statistics import _seg_norm, norm
 
 
 def _shifted(x: Pair, axis):
@@ -38,9 +41,44 @@ def softmin(x: Pair, axis=-1) -> Pair:
 def normalize(x: Pair, ord=2, axis=-1, eps=1e-12) -> Pair:
     """``x / max(||x||_ord, eps)`` with the norm over valid elements of ``axis``."""
     m = materialize(x.mask, jnp.shape(x.data))
-    n = reductions.norm(Pair(x.data, m), ord=ord, axis=axis, keepdims=True)
+    n = norm(Pair(x.data, m), ord=ord, axis=axis, keepdims=True)
     data = fill(x.data, m, 0)
     return Pair(data / jnp.maximum(n.data, eps), m)
 
 
-RULES = {f.__name__: f for f in (softmax, log_softmax, softmin, normalize)}
+# -- segment kernels (BCOO-backed arrays, along an axis) -------------------------------------------
+def _softmax_parts(g, v):
+    v = reductions._float(v)
+    top = jax.lax.stop_gradient(g.max(v))
+    z = g.clean(v - g.back(jnp.where(jnp.isfinite(top), top, 0)))
+    e = jnp.where(g.valid, jnp.exp(z), 0)
+    total = g.back(g.sum(e))
+    return z, e, jnp.where(total > 0, total, 1)
+
+
+def _seg_softmax(g, v):
+    _, e, t = _softmax_parts(g, v)
+    return e / t
+
+
+def _seg_log_softmax(g, v):
+    z, _, t = _softmax_parts(g, v)
+    return g.clean(z - jnp.log(t))
+
+
+def _seg_normalize(g, v, ord=2, eps=1e-12):
+    return v / jnp.maximum(g.back(_seg_norm(g, v, ord)), eps)
+
+
+def _normalization(name, rule, segment, jax_fn=None):
+    sig = signature_of(jax_fn) if jax_fn is not None else rule_signature(rule)
+    return register(OpSpec(name=name, family="normalization", rule=rule, signature=sig, operands=("x",),
+                           modules=("nn",), segment=segment, fn=jax_fn,
+                           jax_name=f"jax.nn.{name}" if jax_fn is not None else name,
+                           excluded={} if jax_fn is not None else {"maskify": "no jax function to interpret"}))
+
+
+_normalization("softmax", softmax, _seg_softmax, jax.nn.softmax)
+_normalization("log_softmax", log_softmax, _seg_log_softmax, jax.nn.log_softmax)
+_normalization("softmin", softmin, lambda g, v: _seg_softmax(g, -v))
+_normalization("normalize", normalize, _seg_normalize)

@@ -1,74 +1,95 @@
-"""Masked rules keyed by JAX primitive, for :func:`masked_jax.maskify`.
+"""Masked rules keyed by JAX primitive object, for :func:`masked_jax.maskify`.
 
-Each entry adapts a primitive to the op rules of :mod:`masked_jax.ops`: the *data* is computed by
-binding the primitive itself (so values match ``jax.numpy`` exactly), while the *semantics* (which
-inputs are sanitised and with what, how masks combine) come from the same helpers and tables the
-``masked_jax.numpy`` functions and ``MaskedArray`` operators use (``unary``, ``nary``, ``where``,
-``clip``, ``contraction``, ``passthrough``, the reductions). One op, one semantics, whichever
-front end calls it.
+Two kinds of entries, looked up by :func:`rule_for`:
 
-A rule takes ``(invals: list[Pair], **params)`` and returns a ``Pair`` (or a list for primitives
-with several results). Rules run only when some operand is masked; otherwise the interpreter binds
-the primitive directly.
+* **derived from the op registry**: every :class:`~masked_jax.ops._registry.OpSpec` lists the
+  primitives it answers to; the family's adapter binds the primitive itself for the data (so
+  values match ``jax.numpy`` exactly) and takes the semantics from the spec (its ``safe`` value,
+  its rule): ``exp_p`` is ``exp``'s rule, ``reduce_sum_p`` is ``sum``'s. A new op registered
+  later is picked up at once.
+* **structural rules** below, for primitives that are not ops of ``masked_jax.numpy``
+  (``select_n``, ``gather``, ``scatter``, ``pad``, ``sort`` with several operands, ...). They
+  call the same helpers (``where``, ``clip``, ``passthrough``, ``concatenate``) as the ops do.
+
+A rule takes ``(prim, invals: list[Pair], **params)`` and returns a ``Pair`` (or a list for
+primitives with several results). Rules run only when some operand is masked; otherwise the
+interpreter binds the primitive directly.
 """
 
 from __future__ import annotations
 
 import jax
+import jax.extend.core.primitives as P
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
 from masked_jax.ops import binary, elementwise, linalg, reductions, shape
 from masked_jax.ops._base import Pair, and_masks, fill, highest, lowest, materialize
+from masked_jax.ops._registry import OpSpec, on_register
 
-RULES: dict = {}  # primitive name -> rule(invals, **params)
+STRUCTURAL: dict = {}  # primitive -> rule(prim, invals, **params)
+DERIVED: dict = {}  # primitive -> rule, from the registry's specs
+OWNER: dict = {}  # primitive -> the name of the op whose spec claims it
 
 
 def _bound(prim, params):
     return lambda *datas: prim.bind(*datas, **params)
 
 
-def _register_unary(prim_name, safe):
+def rule_for(prim):
+    """The masked rule of ``prim``, or ``None``."""
+    return STRUCTURAL.get(prim) or DERIVED.get(prim)
+
+
+# -- adapters: a registered op answering to a primitive, by family ---------------------------------
+def _elementwise(spec):
     def rule(prim, invals, **params):
-        return elementwise.unary(_bound(prim, params), safe)(invals[0])
-    RULES[prim_name] = rule
+        return elementwise.unary(_bound(prim, params), spec.safe)(invals[0])
+    return rule
 
 
-def _register_nary(prim_name, safe):
+def _binary(spec):
     def rule(prim, invals, **params):
-        return binary.nary(_bound(prim, params), safe)(*invals)
-    RULES[prim_name] = rule
+        return binary.nary(_bound(prim, params), spec.safe)(*invals)
+    return rule
 
 
-# -- elementwise: primitive -> the masked_jax.numpy op whose sanitising value it shares ------------
-UNARY = {
-    "exp": "exp", "exp2": "exp2", "log": "log", "log2": "log2", "log1p": "log1p", "expm1": "expm1", "sin": "sin", "cos": "cos",
-    "tan": "tan", "asin": "arcsin", "acos": "arccos", "atan": "arctan", "sinh": "sinh", "cosh": "cosh",
-    "tanh": "tanh", "asinh": "arcsinh", "acosh": "arccosh", "atanh": "arctanh", "sqrt": "sqrt", "cbrt": "cbrt",
-    "abs": "abs", "sign": "sign", "floor": "floor", "ceil": "ceil", "round": "round", "neg": "negative",
-    "not": "logical_not", "is_finite": "isfinite", "logistic": "sigmoid", "real": "real", "imag": "imag",
-    "conj": "conj", "square": "square",
-}
-EXTRA_UNARY_SAFE = {  # primitives with no masked_jax.numpy twin: a point inside their domain
-    "rsqrt": 1, "erf": 0, "erfc": 0, "erf_inv": 0, "lgamma": 1, "digamma": 1, "integer_pow": 1,
-    "convert_element_type": None, "reduce_precision": None, "stop_gradient": None, "copy": None,
-    "copy_p": None, "population_count": 0, "clz": 0, "imag": None,
-}
-BINARY = {
-    "add": "add", "sub": "subtract", "mul": "multiply", "div": "divide", "rem": "remainder", "pow": "power",
-    "max": "maximum", "min": "minimum", "atan2": "arctan2", "eq": "equal", "ne": "not_equal", "lt": "less",
-    "le": "less_equal", "gt": "greater", "ge": "greater_equal", "and": "logical_and", "or": "logical_or",
-    "xor": "logical_xor", "shift_left": "left_shift", "shift_right_logical": "right_shift",
-    "shift_right_arithmetic": "right_shift", "nextafter": "copysign", "add_any": "add",
-}
+def _linalg(spec):
+    def rule(prim, invals, **params):
+        return linalg.contraction(_bound(prim, params))(*invals)
+    return rule
 
-for _prim, _name in UNARY.items():
-    _register_unary(_prim, elementwise.UNARY[_name][1])
-for _prim, _safe in EXTRA_UNARY_SAFE.items():
-    _register_unary(_prim, _safe)
-for _prim, _name in BINARY.items():
-    _register_nary(_prim, binary.BINARY[_name][1])
+
+def _reductions(spec):
+    def rule(prim, invals, **params):
+        (x,) = invals
+        if "reverse" in params:  # cumsum_p, cumprod_p: the op's running rule, the primitive's data
+            fn = lambda d, axis=None: prim.bind(d, axis=axis, reverse=params["reverse"])  # noqa: E731
+            identity = {"cumsum": 0, "cumprod": 1}[spec.name]
+            return reductions.cumulative(fn, identity, spec.name)(x, axis=params["axis"])
+        if "index_dtype" in params:  # argmax_p, argmin_p
+            out = spec.rule(x, axis=int(params["axes"][0]))
+            return Pair(out.data.astype(params["index_dtype"]), out.mask)
+        out = spec.rule(x, axis=tuple(params["axes"]))
+        dtype = params.get("out_dtype") or jnp.result_type(x.data)
+        return Pair(out.data if spec.name in ("any", "all") else out.data.astype(dtype), out.mask)
+    return rule
+
+
+ADAPTERS = {"elementwise": _elementwise, "binary": _binary, "linalg": _linalg, "reductions": _reductions}
+
+
+def _derive(spec: OpSpec, removed: bool = False):
+    for prim in [p for p, owner in OWNER.items() if owner == spec.name]:
+        DERIVED.pop(prim, None)
+        OWNER.pop(prim, None)
+    if removed:
+        return
+    for entry in spec.primitives:
+        prim, adapter = entry if isinstance(entry, tuple) else (entry, ADAPTERS[spec.family])
+        DERIVED[prim] = adapter(spec)
+        OWNER[prim] = spec.name
 
 
 def _select_n(prim, invals, **params):
@@ -86,49 +107,20 @@ def _clamp(prim, invals, **params):
     return binary.clip(x, lo, hi)
 
 
-RULES.update(select_n=_select_n, clamp=_clamp)
+STRUCTURAL.update({P.select_n_p: _select_n, P.clamp_p: _clamp})
 
 
-# -- reductions ------------------------------------------------------------------------------------
-def _reduction(name):
-    def rule(prim, invals, axes, **params):
-        out = reductions.RULES[name](invals[0], axis=tuple(axes))
-        dtype = params.get("out_dtype") or jnp.result_type(invals[0].data)
-        return Pair(out.data.astype(dtype) if name not in ("any", "all") else out.data, out.mask)
-    return rule
-
-
-def _arg_reduction(name):
-    def rule(prim, invals, axes, index_dtype):
-        out = reductions.RULES[name](invals[0], axis=int(axes[0]))
-        return Pair(out.data.astype(index_dtype), out.mask)
-    return rule
-
-
+# -- running reductions without a masked_jax.numpy twin ------------------------------------------
 def _cumulative(identity):
     def rule(prim, invals, axis, reverse):
         (x,) = invals
-        init = identity(jnp.result_type(x.data)) if callable(identity) else identity
-        bound = lambda d, axis=None, dtype=None: prim.bind(d, axis=axis, reverse=reverse)  # noqa: E731
-        return reductions._cumulative(bound, init, prim.name)(x, axis=axis)
+        fn = lambda d, axis=None: prim.bind(d, axis=axis, reverse=reverse)  # noqa: E731
+        return reductions.cumulative(fn, identity, prim.name)(x, axis=axis)
     return rule
 
 
-RULES.update({
-    "reduce_sum": _reduction("sum"), "reduce_prod": _reduction("prod"), "reduce_max": _reduction("max"),
-    "reduce_min": _reduction("min"), "reduce_and": _reduction("all"), "reduce_or": _reduction("any"),
-    "argmax": _arg_reduction("argmax"), "argmin": _arg_reduction("argmin"),
-    "cumsum": _cumulative(0), "cumprod": _cumulative(1), "cummax": _cumulative(lowest),
-    "cummin": _cumulative(highest), "cumlogsumexp": _cumulative(-np.inf),
-})
-
-
-# -- contraction -----------------------------------------------------------------------------------
-def _dot_general(prim, invals, **params):
-    return linalg.contraction(_bound(prim, params))(*invals)
-
-
-RULES["dot_general"] = _dot_general
+STRUCTURAL.update({P.cummax_p: _cumulative(lowest), P.cummin_p: _cumulative(highest),
+                   P.cumlogsumexp_p: _cumulative(-np.inf)})
 
 
 # -- shape and indexing: the mask moves with the data ---------------------------------------------
@@ -149,10 +141,6 @@ def _require_valid(prim, operands, what="index"):
 
 def _concatenate(prim, invals, dimension):
     return shape.concatenate(invals, axis=dimension)
-
-
-def _stack(prim, invals, axis):
-    return shape.stack(invals, axis=axis)
 
 
 def _pad(prim, invals, padding_config):
@@ -246,31 +234,47 @@ def _split(prim, invals, sizes, axis):
     return [Pair(d, mk) for d, mk in zip(datas, masks)]
 
 
-RULES.update({
-    name: _passthrough for name in ("reshape", "transpose", "broadcast_in_dim", "squeeze", "expand_dims", "rev",
-                                    "slice", "dynamic_slice", "tile")
-})
-RULES.update(concatenate=_concatenate, stack=_stack, pad=_pad, gather=_gather, dynamic_update_slice=_dynamic_update_slice,
-             sort=_sort, top_k=_top_k, split=_split)
-for _name in ("scatter", "scatter-add", "scatter_add", "scatter-mul", "scatter_mul", "scatter-min",
-              "scatter_min", "scatter-max", "scatter_max"):
-    RULES[_name] = _scatter
+def _stack(prim, invals, axis):
+    return shape.stack(invals, axis=axis)
 
-# Not supported, with the reason (listed in the README and in the error message).
+
+def _staged_primitive(name, fn, *args):
+    """The primitive ``fn`` stages, for primitives this jax has but does not export (``stack``,
+    ``split``, ``tile`` in some versions); ``None`` when ``fn`` is not one primitive named ``name``."""
+    eqns = jax.make_jaxpr(fn)(*args).eqns
+    return eqns[0].primitive if len(eqns) == 1 and eqns[0].primitive.name == name else None
+
+
+_ONES = jnp.ones(4)
+_STACK_P = _staged_primitive("stack", lambda a, b: jnp.stack([a, b]), _ONES, _ONES)
+_SPLIT_P = _staged_primitive("split", lambda a: jnp.split(a, 2), _ONES)
+_TILE_P = _staged_primitive("tile", lambda a: jnp.tile(a, 2), _ONES)
+
+_PASSTHROUGH = [P.reshape_p, P.transpose_p, P.broadcast_in_dim_p, P.squeeze_p, P.rev_p, P.slice_p,
+                P.dynamic_slice_p, _TILE_P]
+STRUCTURAL.update({prim: _passthrough for prim in _PASSTHROUGH if prim is not None})
+STRUCTURAL.update({P.concatenate_p: _concatenate, P.pad_p: _pad, P.gather_p: _gather,
+                   P.dynamic_update_slice_p: _dynamic_update_slice, P.sort_p: _sort, P.top_k_p: _top_k})
+STRUCTURAL.update({prim: rule for prim, rule in ((_STACK_P, _stack), (_SPLIT_P, _split)) if prim is not None})
+for _prim in (P.scatter_p, P.scatter_add_p, P.scatter_mul_p, P.scatter_min_p, P.scatter_max_p):
+    STRUCTURAL[_prim] = _scatter
+
+# Not supported, with the reason (shown in the MaskifyError and in the docs).
+_DECOMPOSITION = "matrix decompositions of partly missing matrices are undefined; fill the matrix first"
 UNSUPPORTED = {
-    "fft": "an FFT mixes every element; masked-out elements have no defined contribution",
-    "conv_general_dilated": "not written yet; express the convolution with dot_general, or fill first",
-    "reduce_window_sum": "pooling windows are not written yet", "reduce_window_max": "pooling windows are not written yet",
-    "reduce_window": "pooling windows are not written yet",
-    "cholesky": "matrix decompositions of partly missing matrices are undefined; fill the matrix first",
-    "eigh": "matrix decompositions of partly missing matrices are undefined; fill the matrix first",
-    "lu": "matrix decompositions of partly missing matrices are undefined; fill the matrix first",
-    "qr": "matrix decompositions of partly missing matrices are undefined; fill the matrix first",
-    "svd": "matrix decompositions of partly missing matrices are undefined; fill the matrix first",
-    "triangular_solve": "solves with partly missing matrices are undefined; fill the matrix first",
-    "custom_linear_solve": "solves with partly missing matrices are undefined; fill the matrix first",
-    "psum": "collectives: use the sharding support of masked arrays instead",
-    "all_gather": "collectives: use the sharding support of masked arrays instead",
+    P.fft_p: "an FFT mixes every element; masked-out elements have no defined contribution",
+    P.conv_general_dilated_p: "not written yet; express the convolution with dot_general, or fill first",
+    P.reduce_window_sum_p: "pooling windows are not written yet",
+    P.reduce_window_max_p: "pooling windows are not written yet",
+    P.reduce_window_min_p: "pooling windows are not written yet",
+    P.reduce_window_p: "pooling windows are not written yet",
+    P.cholesky_p: _DECOMPOSITION, P.eigh_p: _DECOMPOSITION, P.lu_p: _DECOMPOSITION, P.qr_p: _DECOMPOSITION,
+    P.svd_p: _DECOMPOSITION,
+    P.triangular_solve_p: "solves with partly missing matrices are undefined; fill the matrix first",
+    P.linear_solve_p: "solves with partly missing matrices are undefined; fill the matrix first",
+    P.psum_p: "collectives: use the sharding support of masked arrays instead",
+    P.all_gather_p: "collectives: use the sharding support of masked arrays instead",
 }
 
-del _prim, _name, _safe
+on_register(_derive)
+del _prim

@@ -5,7 +5,13 @@ An output element is valid iff its slice has at least one valid element (for
 masked slices are masked and hold a documented fill value, never NaN: the
 identity of the reduction (0 for ``sum``, 1 for ``prod``, -inf/+inf or the
 integer extremes for ``max``/``min``, -inf for ``logsumexp``) and 0 for
-``mean``, ``var``, ``std``, ``median``, ``quantile``, ``average`` and ``norm``.
+``mean``, ``var``, ``std`` and ``ptp``.
+
+Each op is registered once (bottom of the module) with its rule, its public signature
+(``jax.numpy``'s), the lax primitives it answers to in ``maskify`` and, where it has one, its
+segment kernel: the same reduction over groups of stored entries of a BCOO-backed array
+(``fn(segments, values, **params)``, see ``masked_jax.layouts.segments``). Order statistics,
+weighted averages and norms are in :mod:`masked_jax.ops.statistics`.
 """
 
 from __future__ import annotations
@@ -16,7 +22,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import jax.extend.core.primitives as P
+
 from masked_jax.ops._base import Pair, fill, highest, lowest, materialize, normalize_axis
+from masked_jax.ops._registry import OpSpec, register, rule_signature, signature_of
 
 
 def _mask(x: Pair):
@@ -80,25 +89,30 @@ def _keep(x, axes, keepdims):
 
 def count(x: Pair, axis=None, keepdims=False):
     """Number of valid elements (a plain array: a count is always defined)."""
-    return jnp.sum(_mask(x), axis=axis, keepdims=keepdims)
+    return jnp.sum(_mask(x), axis=normalize_axis(axis, np.ndim(x.data)), keepdims=keepdims)
 
 
-def sum(x: Pair, axis=None, keepdims=False, dtype=None) -> Pair:  # noqa: A001
+def _sum_dtype(dtype, requested):
+    """The dtype ``jnp.sum`` returns for ``dtype`` data and a ``dtype=`` argument."""
+    return jax.eval_shape(lambda d: jnp.sum(d, dtype=requested), jax.ShapeDtypeStruct((), dtype)).dtype
+
+
+def sum(x: Pair, axis=None, dtype=None, keepdims=False) -> Pair:  # noqa: A001
     m = _mask(x)
     data = jnp.asarray(x.data)
-    out_dtype = jax.eval_shape(lambda d: jnp.sum(d, dtype=dtype), jax.ShapeDtypeStruct((), data.dtype)).dtype
     axes = normalize_axis(axis, m.ndim)
-    total, n = sum_and_count(fill(data, m, 0).astype(out_dtype), m, axes)
+    total, n = sum_and_count(fill(data, m, 0).astype(_sum_dtype(data.dtype, dtype)), m, axes)
     return Pair(_keep(total, axes, keepdims), _keep(n > 0, axes, keepdims))
 
 
-def prod(x: Pair, axis=None, keepdims=False, dtype=None) -> Pair:
+def prod(x: Pair, axis=None, dtype=None, keepdims=False) -> Pair:
     m = _mask(x)
-    data = jnp.prod(fill(x.data, m, 1), axis=axis, keepdims=keepdims, dtype=dtype)
-    return Pair(data, jnp.any(m, axis=axis, keepdims=keepdims))
+    axes = normalize_axis(axis, m.ndim)
+    data = jnp.prod(fill(x.data, m, 1), axis=axes, keepdims=keepdims, dtype=dtype)
+    return Pair(data, jnp.any(m, axis=axes, keepdims=keepdims))
 
 
-def mean(x: Pair, axis=None, keepdims=False, dtype=None) -> Pair:
+def mean(x: Pair, axis=None, dtype=None, keepdims=False) -> Pair:
     m = _mask(x)
     dtype = dtype or _float_dtype(jnp.result_type(x.data))
     axes = normalize_axis(axis, m.ndim)
@@ -108,7 +122,9 @@ def mean(x: Pair, axis=None, keepdims=False, dtype=None) -> Pair:
     return Pair(_keep(out, axes, keepdims), _keep(valid, axes, keepdims))
 
 
-def var(x: Pair, axis=None, keepdims=False, ddof=0, dtype=None) -> Pair:
+def var(x: Pair, axis=None, dtype=None, ddof=0, keepdims=False, *, correction=None) -> Pair:
+    if correction is not None:
+        ddof = correction
     m = _mask(x)
     dtype = dtype or _float_dtype(jnp.result_type(x.data))
     data = fill(x.data, m, 0).astype(dtype)
@@ -124,37 +140,42 @@ def var(x: Pair, axis=None, keepdims=False, ddof=0, dtype=None) -> Pair:
     return Pair(_keep(out, axes, keepdims), _keep(valid, axes, keepdims))
 
 
-def std(x: Pair, axis=None, keepdims=False, ddof=0, dtype=None) -> Pair:
-    v = var(x, axis=axis, keepdims=keepdims, ddof=ddof, dtype=dtype)
+def std(x: Pair, axis=None, dtype=None, ddof=0, keepdims=False, *, correction=None) -> Pair:
+    v = var(x, axis=axis, dtype=dtype, ddof=ddof, keepdims=keepdims, correction=correction)
     return Pair(safe_sqrt(v.data), v.mask)
 
 
 def max(x: Pair, axis=None, keepdims=False) -> Pair:  # noqa: A001
     m = _mask(x)
+    axes = normalize_axis(axis, m.ndim)
     init = lowest(jnp.result_type(x.data))
-    data = jnp.max(fill(x.data, m, init), axis=axis, keepdims=keepdims, initial=init)
-    return Pair(data, jnp.any(m, axis=axis, keepdims=keepdims))
+    data = jnp.max(fill(x.data, m, init), axis=axes, keepdims=keepdims, initial=init)
+    return Pair(data, jnp.any(m, axis=axes, keepdims=keepdims))
 
 
 def min(x: Pair, axis=None, keepdims=False) -> Pair:  # noqa: A001
     m = _mask(x)
+    axes = normalize_axis(axis, m.ndim)
     init = highest(jnp.result_type(x.data))
-    data = jnp.min(fill(x.data, m, init), axis=axis, keepdims=keepdims, initial=init)
-    return Pair(data, jnp.any(m, axis=axis, keepdims=keepdims))
+    data = jnp.min(fill(x.data, m, init), axis=axes, keepdims=keepdims, initial=init)
+    return Pair(data, jnp.any(m, axis=axes, keepdims=keepdims))
 
 
 def ptp(x: Pair, axis=None, keepdims=False) -> Pair:
-    hi, lo = max(x, axis, keepdims), min(x, axis, keepdims)
+    hi, lo = max(x, axis=axis, keepdims=keepdims), min(x, axis=axis, keepdims=keepdims)
     return Pair(jnp.where(hi.mask, hi.data - jnp.where(hi.mask, lo.data, 0), 0), hi.mask)
 
 
 def _arg_extreme(x: Pair, axis, keepdims, largest: bool) -> Pair:
+    keepdims = bool(keepdims)
     data = jnp.asarray(x.data)
     m = _mask(x)
     if axis is None:
         data, m = data.ravel(), m.ravel()
         axis_, out_keep = 0, False
     else:
+        if not isinstance(axis, (int, np.integer)):
+            raise TypeError(f"axis must be an int or None for argmax/argmin; got {axis!r}.")
         (axis_,) = normalize_axis(axis, data.ndim)
         out_keep = keepdims
     if data.shape[axis_] == 0:
@@ -179,28 +200,30 @@ def _arg_extreme(x: Pair, axis, keepdims, largest: bool) -> Pair:
     return Pair(idx, valid)
 
 
-def argmax(x: Pair, axis=None, keepdims=False) -> Pair:
+def argmax(x: Pair, axis=None, keepdims=None) -> Pair:
     return _arg_extreme(x, axis, keepdims, largest=True)
 
 
-def argmin(x: Pair, axis=None, keepdims=False) -> Pair:
+def argmin(x: Pair, axis=None, keepdims=None) -> Pair:
     return _arg_extreme(x, axis, keepdims, largest=False)
 
 
 def any(x: Pair, axis=None, keepdims=False) -> Pair:  # noqa: A001
     m = _mask(x)
-    data = jnp.any(fill(x.data, m, 0), axis=axis, keepdims=keepdims)
-    return Pair(data, jnp.any(m, axis=axis, keepdims=keepdims))
+    axes = normalize_axis(axis, m.ndim)
+    data = jnp.any(fill(x.data, m, 0), axis=axes, keepdims=keepdims)
+    return Pair(data, jnp.any(m, axis=axes, keepdims=keepdims))
 
 
 def all(x: Pair, axis=None, keepdims=False) -> Pair:  # noqa: A001
     m = _mask(x)
-    data = jnp.all(fill(x.data, m, 1), axis=axis, keepdims=keepdims)
-    return Pair(data, jnp.any(m, axis=axis, keepdims=keepdims))
+    axes = normalize_axis(axis, m.ndim)
+    data = jnp.all(fill(x.data, m, 1), axis=axes, keepdims=keepdims)
+    return Pair(data, jnp.any(m, axis=axes, keepdims=keepdims))
 
 
 def shifted_by_max(x: Pair, axis):
-    """``(data - max, mask)`` over valid elements of ``axis``: the stable shift of the exp family.
+    """``(data - max, mask, max)`` over valid elements of ``axis``: the stable shift of the exp family.
 
     Masked data is 0 before shifting; the max is a constant for autodiff and 0
     where a slice has no (finite) valid maximum.
@@ -216,197 +239,104 @@ def shifted_by_max(x: Pair, axis):
 
 def logsumexp(x: Pair, axis=None, keepdims=False) -> Pair:
     z, m, top = shifted_by_max(x, axis)
-    total = jnp.sum(jnp.where(m, jnp.exp(z), 0), axis=axis, keepdims=keepdims)
-    valid = jnp.any(m, axis=axis, keepdims=keepdims)
-    top = top if keepdims else jnp.squeeze(top, axis=normalize_axis(axis, z.ndim))
+    axes = normalize_axis(axis, z.ndim)
+    total = jnp.sum(jnp.where(m, jnp.exp(z), 0), axis=axes, keepdims=keepdims)
+    valid = jnp.any(m, axis=axes, keepdims=keepdims)
+    top = top if keepdims else jnp.squeeze(top, axis=axes)
     has_mass = valid & (total > 0)
     out = jnp.log(jnp.where(has_mass, total, 1)) + top
     return Pair(jnp.where(has_mass, out, -jnp.inf), valid)
 
 
-def _cumulative(fn, identity, what):
+def cumulative(fn, identity, what):
+    """Rule for a running reduction ``fn(data, axis=...)``: masked elements enter as ``identity``
+    (a value, or a function of the dtype); the mask is unchanged (as ``numpy.ma``)."""
+
     def rule(x: Pair, axis=None, dtype=None) -> Pair:
         m = _mask(x)
-        data = fill(x.data, m, identity)
+        init = identity(jnp.result_type(x.data)) if callable(identity) else identity
+        data = fill(x.data, m, init)
         if axis is None:
             data, m = data.ravel(), m.ravel()
-        return Pair(fn(data, axis=axis, dtype=dtype), m)
+        out = fn(data, axis=axis) if dtype is None else fn(data, axis=axis, dtype=dtype)
+        return Pair(out, m)
 
-    rule.__name__ = fn.__name__
-    rule.__doc__ = f"Running {what} where masked elements count as {identity}; the mask is unchanged (as numpy.ma)."
+    rule.__name__ = getattr(fn, "__name__", "cumulative")
+    rule.__doc__ = f"Running {what} where masked elements count as the identity; the mask is unchanged."
     return rule
 
 
-cumsum = _cumulative(jnp.cumsum, 0, "sum")
-cumprod = _cumulative(jnp.cumprod, 1, "product")
+cumsum = cumulative(jnp.cumsum, 0, "sum")
+cumprod = cumulative(jnp.cumprod, 1, "product")
 
 
-def average(x: Pair, axis=None, weights: Pair | None = None, keepdims=False) -> Pair:
-    """Weighted mean over elements where both ``x`` and ``weights`` are valid."""
-    if weights is None:
-        return mean(x, axis=axis, keepdims=keepdims)
-    data = jnp.asarray(x.data)
-    w = jnp.asarray(weights.data)
-    if w.shape != data.shape:
-        if axis is None or w.ndim != 1 or not isinstance(axis, (int, np.integer)):
-            raise ValueError(
-                f"weights must have the shape of a ({data.shape}), or be 1-D along an int "
-                f"axis; got weights of shape {w.shape} with axis={axis}."
-            )
-        ax = normalize_axis(axis, data.ndim)[0]
-        if w.shape[0] != data.shape[ax]:
-            raise ValueError(
-                f"weights must have length {data.shape[ax]} along axis {axis}; got {w.shape[0]}."
-            )
-        shape = [1] * data.ndim
-        shape[ax] = -1
-        w = w.reshape(shape)
-        wm = None if weights.mask is None else weights.mask.reshape(shape)
-    else:
-        wm = weights.mask
-    m = materialize(x.mask, data.shape)
-    if wm is not None:
-        m = m & wm
-    dtype = _float_dtype(jnp.result_type(data, w))
-    w = fill(jnp.broadcast_to(w, data.shape), m, 0).astype(dtype)
-    num = jnp.sum(fill(data, m, 0) * w, axis=axis, keepdims=keepdims)
-    den = jnp.sum(w, axis=axis, keepdims=keepdims)
-    valid = jnp.any(m, axis=axis, keepdims=keepdims)
-    return Pair(_safe_div(num, den, valid & (den != 0)), valid)
+# -- segment kernels: the same reductions over groups of stored entries (BCOO, along axes) -------
+def _float(v):
+    return v if jnp.issubdtype(v.dtype, jnp.inexact) else v.astype(jnp.result_type(float))
 
 
-def _move_to_end(x: Pair, axis):
-    """Move the reduced axes to the end and flatten them into one."""
-    data = jnp.asarray(x.data)
-    m = _mask(x)
-    axes = normalize_axis(axis, data.ndim)
-    keep = [a for a in range(data.ndim) if a not in axes]
-    perm = keep + list(axes)
-    lead = tuple(data.shape[a] for a in keep)
-    flat = int(np.prod([data.shape[a] for a in axes]))
-    data = jnp.transpose(data, perm).reshape(lead + (flat,))
-    m = jnp.transpose(m, perm).reshape(data.shape)
-    return data, m, axes
+def _seg_var(g, v, ddof=0, dtype=None, correction=None):
+    if correction is not None:
+        ddof = correction
+    v = v.astype(dtype) if dtype else _float(v)
+    n = g.count
+    centre = g.sum(v) / jnp.maximum(n, 1).astype(v.dtype)
+    dev = g.clean(v - g.back(centre))
+    dof = n - ddof
+    return jnp.where(dof > 0, g.sum(dev * dev) / jnp.where(dof > 0, dof, 1).astype(v.dtype), 0), dof > 0
 
 
-def quantile(x: Pair, q, axis=None, keepdims=False, method="linear") -> Pair:
-    """Quantiles of the valid elements (``method`` as numpy's linear family)."""
-    methods = ("linear", "lower", "higher", "nearest", "midpoint")
-    if method not in methods:
-        raise ValueError(f"method must be one of {methods}; got {method!r}.")
-    data, m, axes = _move_to_end(x, axis)
-    dtype = _float_dtype(data.dtype)
-    data = data.astype(dtype)
-    # Sort valid values first (ascending), masked ones last.
-    invalid = (~m).astype(jnp.int8)
-    _, srt = jax.lax.sort((invalid, fill(data, m, 0)), dimension=data.ndim - 1, num_keys=2)
-    n = jnp.sum(m, axis=-1, keepdims=True)
-    q = jnp.asarray(q, dtype=dtype)
-    qs = q.reshape(q.shape + (1,) * data.ndim)
-    pos = qs * jnp.maximum(n - 1, 0).astype(dtype)
-    lo = jnp.floor(pos)
-    hi = jnp.ceil(pos)
-    if method == "lower":
-        hi = lo
-    elif method == "higher":
-        lo = hi
-    elif method == "nearest":
-        lo = hi = jnp.round(pos)
-    top = jnp.maximum(n - 1, 0)
-    lo_i = jnp.clip(lo.astype(jnp.int32), 0, top)
-    hi_i = jnp.clip(hi.astype(jnp.int32), 0, top)
-    srt_b = jnp.broadcast_to(srt, q.shape + srt.shape)
-    if srt.shape[-1] == 0:
-        v_lo = v_hi = jnp.zeros(q.shape + srt.shape[:-1] + (1,), dtype)
-    else:
-        v_lo = jnp.take_along_axis(srt_b, lo_i, -1)
-        v_hi = jnp.take_along_axis(srt_b, hi_i, -1)
-    frac = 0.5 if method == "midpoint" else pos - lo
-    out = (v_lo + (v_hi - v_lo) * frac)[..., 0]
-    valid = jnp.broadcast_to(n[..., 0] > 0, out.shape)
-    out = jnp.where(valid, out, 0)
-    if keepdims:
-        shape = list(q.shape) + [1 if a in axes else s for a, s in enumerate(np.shape(x.data))]
-        out, valid = out.reshape(shape), valid.reshape(shape)
-    return Pair(out, valid)
+def _seg_std(g, v, ddof=0, dtype=None, correction=None):
+    out, valid = _seg_var(g, v, ddof, dtype, correction)
+    return safe_sqrt(out), valid
 
 
-def median(x: Pair, axis=None, keepdims=False) -> Pair:
-    return quantile(x, 0.5, axis=axis, keepdims=keepdims)
+def _seg_logsumexp(g, v):
+    v = _float(v)
+    top = jax.lax.stop_gradient(g.max(v))
+    top = jnp.where(jnp.isfinite(top), top, 0)
+    total = g.sum(jnp.exp(g.clean(v - g.back(top))) * g.valid)
+    mass = total > 0
+    return jnp.where(mass, jnp.log(jnp.where(mass, total, 1)) + top, -jnp.inf)
 
 
-def percentile(x: Pair, q, axis=None, keepdims=False, method="linear") -> Pair:
-    return quantile(x, jnp.asarray(q) / 100, axis=axis, keepdims=keepdims, method=method)
+def _seg_mean(g, v, dtype=None):
+    w = v.astype(dtype) if dtype else _float(v)
+    return g.sum(w) / jnp.maximum(g.count, 1).astype(w.dtype)
 
 
-def _vector_norm(x: Pair, ord, axis, keepdims) -> Pair:
-    a = Pair(jnp.abs(fill(x.data, x.mask, 0)), x.mask)
-    if ord is None or ord == 2:
-        s = sum(Pair(a.data * a.data, a.mask), axis, keepdims)
-        return Pair(safe_sqrt(s.data), s.mask)
-    if ord == np.inf:
-        return max(a, axis, keepdims)
-    if ord == -np.inf:
-        return min(a, axis, keepdims)
-    if ord == 0:
-        s = sum(Pair((a.data != 0).astype(a.data.dtype), a.mask), axis, keepdims)
-        return s
-    if ord == 1:
-        return sum(a, axis, keepdims)
-    s = sum(Pair(a.data**ord, a.mask), axis, keepdims)
-    pos = s.data > 0
-    return Pair(jnp.where(pos, jnp.where(pos, s.data, 1) ** (1.0 / ord), 0), s.mask)
+# -- registry -----------------------------------------------------------------------------------
+def _fn(name, jax_fn, rule, *, methods=(), primitives=(), segment=None, signature=None, **kw):
+    sig = signature or signature_of(jax_fn, drop=("out_sharding",))
+    return register(OpSpec(name=name, family="reductions", rule=rule, signature=sig,
+                           operands=(next(iter(sig.parameters)),), methods=methods, primitives=primitives,
+                           segment=segment, fn=jax_fn, jax_name=kw.pop("jax_name", f"jnp.{name}"), **kw))
 
 
-def _matrix_norm(x: Pair, ord, axes, keepdims) -> Pair:
-    r, c = axes
-    a = Pair(jnp.abs(fill(x.data, x.mask, 0)), x.mask)
-    if ord in (None, "fro"):
-        return _vector_norm(x, 2, axes, keepdims)
-    if ord in (1, -1, np.inf, -np.inf):
-        inner, outer = (r, c) if ord in (1, -1) else (c, r)
-        sums = sum(a, axis=inner, keepdims=True)
-        pick = max if ord in (1, np.inf) else min
-        out = pick(sums, axis=outer, keepdims=True)
-        if not keepdims:
-            out = Pair(jnp.squeeze(out.data, (r, c)), jnp.squeeze(out.mask, (r, c)))
-        return out
-    if ord in (2, -2, "nuc"):
-        # Spectral norms: masked entries count as zero (documented choice).
-        mat = jnp.moveaxis(a.data if x.mask is None else fill(x.data, x.mask, 0), (r, c), (-2, -1))
-        sv = jnp.linalg.svd(mat, compute_uv=False)
-        val = {2: lambda s: s[..., 0], -2: lambda s: s[..., -1], "nuc": lambda s: s.sum(-1)}[ord](sv)
-        valid = jnp.any(_mask(x), axis=(r, c), keepdims=keepdims)
-        if keepdims:
-            val = jnp.expand_dims(val, (r, c))
-        return Pair(jnp.where(valid, val, 0), valid)
-    raise ValueError(f"ord {ord!r} is not a supported matrix norm.")
-
-
-def norm(x: Pair, ord=None, axis=None, keepdims=False) -> Pair:
-    """Vector or matrix norm over valid elements (same ``ord``/``axis`` rules as jnp)."""
-    ndim = np.ndim(x.data)
-    if axis is None:
-        if ord is None:
-            return _vector_norm(x, 2, None, keepdims)
-        axis = tuple(range(ndim))
-        if ndim not in (1, 2):
-            raise ValueError(f"norm with ord={ord!r} and axis=None needs a 1-D or 2-D input; got {ndim}-D.")
-    axes = normalize_axis(axis, ndim)
-    if isinstance(axis, (int, np.integer)) or len(axes) == 1:
-        if isinstance(ord, str):
-            raise ValueError(f"ord {ord!r} is a matrix norm; it needs two axes.")
-        return _vector_norm(x, ord, axes, keepdims)
-    if len(axes) == 2:
-        given = tuple(a % ndim for a in axis)
-        return _matrix_norm(x, ord, given, keepdims)
-    raise ValueError(f"norm takes one or two axes; got axis={axis}.")
-
-
-RULES = {
-    name: globals()[name]
-    for name in (
-        "count sum prod mean var std max min ptp argmax argmin any all logsumexp cumsum "
-        "cumprod average quantile median percentile norm"
-    ).split()
-}
+_fn("count", None, count, returns="array", signature=rule_signature(count), methods=("count",),
+    jax_name="numpy.ma.count", summary="Number of valid elements (a plain integer array).",
+    example=("x = mj.masked_array(jnp.ones((2, 2)), jnp.array([[True, False], [True, True]]))",
+             "{mod}.count(x, axis=1)", "Array([1, 2], dtype=int32)"),
+    excluded={"jacobians": "integer output", "maskify": "no jax function to interpret"})
+_fn("sum", jnp.sum, sum, methods=("sum",), primitives=(P.reduce_sum_p,),
+    segment=lambda g, v, dtype=None: g.sum(v.astype(_sum_dtype(v.dtype, dtype))))
+_fn("prod", jnp.prod, prod, methods=("prod",), primitives=(P.reduce_prod_p,),
+    segment=lambda g, v, dtype=None: g.prod(v.astype(_sum_dtype(v.dtype, dtype))))
+_fn("mean", jnp.mean, mean, methods=("mean",), segment=_seg_mean)
+_fn("var", jnp.var, var, methods=("var",), segment=_seg_var)
+_fn("std", jnp.std, std, methods=("std",), segment=_seg_std)
+_fn("max", jnp.max, max, methods=("max",), primitives=(P.reduce_max_p,), segment=lambda g, v: g.max(v))
+_fn("min", jnp.min, min, methods=("min",), primitives=(P.reduce_min_p,), segment=lambda g, v: g.min(v))
+_fn("ptp", jnp.ptp, ptp, methods=("ptp",), segment=lambda g, v: g.max(v) - g.min(v))
+_fn("argmax", jnp.argmax, argmax, methods=("argmax",), primitives=(P.argmax_p,))
+_fn("argmin", jnp.argmin, argmin, methods=("argmin",), primitives=(P.argmin_p,))
+_fn("any", jnp.any, any, methods=("any",), primitives=(P.reduce_or_p,), segment=lambda g, v: g.max(v.astype(bool)))
+_fn("all", jnp.all, all, methods=("all",), primitives=(P.reduce_and_p,), segment=lambda g, v: g.min(v.astype(bool)))
+_fn("logsumexp", jax.nn.logsumexp, logsumexp, modules=("numpy", "nn"), segment=_seg_logsumexp,
+    jax_name="jax.nn.logsumexp")
+_fn("cumsum", jnp.cumsum, cumsum, methods=("cumsum",), primitives=(P.cumsum_p,),
+    example=("x = mj.masked_array(jnp.array([1.0, 2.0, 3.0]), jnp.array([True, False, True]))",
+             "{mod}.cumsum(x)", "MaskedArray([1.0 -- 4.0], dtype=float32)"))
+_fn("cumprod", jnp.cumprod, cumprod, methods=("cumprod",), primitives=(P.cumprod_p,),
+    example=("x = mj.masked_array(jnp.array([1.0, 2.0, 3.0]), jnp.array([True, False, True]))",
+             "{mod}.cumprod(x)", "MaskedArray([1.0 -- 3.0], dtype=float32)"))

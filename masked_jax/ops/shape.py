@@ -7,10 +7,13 @@ decides the validity of padding, ``.at[]`` updates) are written out below.
 
 from __future__ import annotations
 
+import inspect
+
 import jax
 import jax.numpy as jnp
 
 from masked_jax.ops._base import Pair, fill, materialize, normalize_axis
+from masked_jax.ops._registry import OpSpec, register, signature_of
 
 
 def _full(x: Pair):
@@ -75,15 +78,45 @@ def pad(x: Pair, pad_width, mode="constant", **kwargs) -> Pair:
     return Pair(data, jnp.pad(m, pad_width, mode=mode))
 
 
-def take(x: Pair, indices, axis=None, mode=None) -> Pair:
+def take(x: Pair, indices, axis=None, mode=None, fill_value=None) -> Pair:
     """``jnp.take``; out-of-range indices in the default ``"fill"`` mode give masked elements."""
-    data = jnp.take(x.data, indices, axis=axis, mode=mode)
+    _check_indices(indices)
+    data = jnp.take(x.data, indices, axis=axis, mode=mode, fill_value=fill_value)
     m = materialize(x.mask, jnp.shape(x.data))
     if mode in (None, "fill"):
         mask = jnp.take(m, indices, axis=axis, mode="fill", fill_value=False)
     else:
         mask = jnp.take(m, indices, axis=axis, mode=mode)
     return Pair(data, mask)
+
+
+def take_along_axis(x: Pair, indices, axis=-1, mode=None, fill_value=None) -> Pair:
+    """``jnp.take_along_axis``; out-of-range indices in the default ``"fill"`` mode are masked."""
+    _check_indices(indices)
+    data = jnp.take_along_axis(x.data, indices, axis=axis, mode=mode, fill_value=fill_value)
+    m = materialize(x.mask, jnp.shape(x.data))
+    fill_mode = mode in (None, "fill")
+    mask = jnp.take_along_axis(m, indices, axis=axis, mode=mode, fill_value=False if fill_mode else None)
+    return Pair(data, mask)
+
+
+def _check_indices(indices):
+    if isinstance(indices, Pair) or hasattr(indices, "mask"):
+        raise TypeError("indices must be a plain integer array; a masked index has no defined position.")
+    dtype = jnp.result_type(indices)
+    if not jnp.issubdtype(dtype, jnp.integer):
+        raise TypeError(f"indices must be integers; got dtype {dtype}.")
+
+
+def atleast(fn):
+    """``atleast_1d`` / ``atleast_2d`` of one or several operands."""
+
+    def rule(*pairs: Pair):
+        outs = [passthrough(fn)(p) for p in pairs]
+        return outs[0] if len(outs) == 1 else outs
+
+    rule.__name__ = fn.__name__
+    return rule
 
 
 def _sort_keys(x: Pair, axis):
@@ -143,26 +176,61 @@ def at_update(x: Pair, index, op: str, value: Pair, **kwargs) -> Pair:
     return Pair(new, mask)
 
 
-PASSTHROUGH = {
-    "reshape": jnp.reshape,
-    "ravel": jnp.ravel,
-    "transpose": jnp.transpose,
-    "swapaxes": jnp.swapaxes,
-    "moveaxis": jnp.moveaxis,
-    "expand_dims": jnp.expand_dims,
-    "squeeze": jnp.squeeze,
-    "broadcast_to": jnp.broadcast_to,
-    "flip": jnp.flip,
-    "roll": jnp.roll,
-    "tile": jnp.tile,
-    "repeat": jnp.repeat,
-    "take_along_axis": jnp.take_along_axis,
-    "atleast_1d": jnp.atleast_1d,
-    "atleast_2d": jnp.atleast_2d,
-}
 
-RULES = {name: passthrough(fn) for name, fn in PASSTHROUGH.items()}
-RULES.update(
-    split=split, concatenate=concatenate, stack=stack, pad=pad, take=take, sort=sort,
-    argsort=argsort, getitem=getitem, at_update=at_update,
-)
+def _shape_op(name, rule, jax_fn, *, methods=(), sequence=False, signature=None, operands=None, **kw):
+    sig = signature or signature_of(jax_fn, drop=("out_sharding",))
+    first = next(iter(sig.parameters))
+    first = "*" + first if sig.parameters[first].kind is inspect.Parameter.VAR_POSITIONAL else first
+    return register(OpSpec(name=name, family="shape", rule=rule, signature=sig, operands=operands or (first,),
+                           methods=methods, sequence=sequence, fn=jax_fn, jax_name=f"jnp.{name}", **kw))
+
+
+_X22 = "x = mj.masked_array(jnp.array([[1.0, 2.0], [3.0, 4.0]]), jnp.array([[True, False], [True, True]]))"
+# name, jax function, example arguments after x, mask.sum() of the example's result, methods
+PASSTHROUGH = [
+    ("reshape", jnp.reshape, "(4,)", 3, ("reshape",)),
+    ("ravel", jnp.ravel, "", 3, ("ravel", "flatten")),
+    ("transpose", jnp.transpose, "", 3, ("transpose",)),
+    ("swapaxes", jnp.swapaxes, "0, 1", 3, ("swapaxes",)),
+    ("moveaxis", jnp.moveaxis, "0, 1", 3, ()),
+    ("expand_dims", jnp.expand_dims, "0", 3, ()),
+    ("squeeze", jnp.squeeze, "", 3, ("squeeze",)),
+    ("broadcast_to", jnp.broadcast_to, "(3, 2, 2)", 9, ()),
+    ("flip", jnp.flip, "0", 3, ()),
+    ("roll", jnp.roll, "1, 0", 3, ()),
+    ("tile", jnp.tile, "2", 6, ()),
+    ("repeat", jnp.repeat, "2", 6, ("repeat",)),
+]
+for _name, _fn, _args, _count, _methods in PASSTHROUGH:
+    _call = "{mod}.{name}(" + ", ".join(a for a in ("x", _args) if a) + ").mask.sum()"
+    _shape_op(_name, passthrough(_fn), _fn, methods=_methods,
+              example=(_X22, _call, f"Array({_count}, dtype=int32)"))
+
+_shape_op("take_along_axis", take_along_axis, jnp.take_along_axis,
+          example=(_X22, "{mod}.take_along_axis(x, jnp.array([[0], [1]]), 1).mask.sum()", "Array(2, dtype=int32)"))
+for _name, _fn in (("atleast_1d", jnp.atleast_1d), ("atleast_2d", jnp.atleast_2d)):
+    _shape_op(_name, atleast(_fn), _fn, example=(_X22, "{mod}.%s(x).mask.sum()" % _name, "Array(3, dtype=int32)"))
+_shape_op("split", split, jnp.split,
+          example=(_X22, "[p.mask.tolist() for p in {mod}.split(x, 2)]", "[[[True, False]], [[True, True]]]"))
+_JOIN = ("x = mj.masked_array(jnp.array([1.0, 2.0]), jnp.array([True, False]))",
+         "{mod}.{name}([x, jnp.array([3.0, 4.0])]).mask.sum()", "Array(3, dtype=int32)")
+_shape_op("concatenate", concatenate, jnp.concatenate, sequence=True, example=_JOIN)
+_shape_op("stack", stack, jnp.stack, sequence=True, example=_JOIN)
+_shape_op("pad", pad, jnp.pad,
+          example=("x = mj.masked_array(jnp.array([1.0, 2.0]), jnp.array([True, False]))", "{mod}.pad(x, 1)",
+                   "MaskedArray([0.0 1.0 -- 0.0], dtype=float32)"))
+_shape_op("take", take, jnp.take, methods=("take",),
+          example=("x = mj.masked_array(jnp.array([1.0, 2.0]), jnp.array([True, False]))",
+                   "{mod}.take(x, jnp.array([1, 0, 5]))", "MaskedArray([-- 1.0 --], dtype=float32)"))
+_SORT = "x = mj.masked_array(jnp.array([3.0, 1.0, 2.0]), jnp.array([True, False, True]))"
+_shape_op("sort", sort, jnp.sort, methods=("sort",),
+          example=(_SORT, "{mod}.sort(x)", "MaskedArray([2.0 3.0 --], dtype=float32)"))
+_shape_op("argsort", argsort, jnp.argsort, methods=("argsort",), returns="array",
+          example=(_SORT, "{mod}.argsort(x)", "Array([2, 0, 1], dtype=int32)"),
+          excluded={"jacobians": "integer output"})
+_shape_op("getitem", getitem, None, modules=(),
+          signature=inspect.Signature([inspect.Parameter("a", inspect.Parameter.POSITIONAL_ONLY),
+                                       inspect.Parameter("index", inspect.Parameter.POSITIONAL_ONLY)]),
+          excluded={"maskify": "indexing is interpreted through gather/slice primitives"})
+
+del _name, _fn, _args, _count, _methods

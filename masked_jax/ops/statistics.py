@@ -1,0 +1,237 @@
+"""Order statistics, weighted averages and norms over valid elements (the reductions family).
+
+Fully masked slices are masked and hold 0. What is undefined on the valid entries is masked
+too: a weighted average whose valid weights sum to 0 is masked, never a valid number.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from masked_jax.ops._base import Pair, fill, materialize, normalize_axis
+from masked_jax.ops._registry import OpSpec, register, signature_of
+from masked_jax.ops.reductions import _float, _float_dtype, _mask, _safe_div, max, min, safe_sqrt, sum
+
+
+def average(x: Pair, axis=None, weights: Pair | None = None, keepdims=False) -> Pair:
+    """Weighted mean over elements where both ``x`` and ``weights`` are valid; masked where no
+    valid element has a nonzero weight sum."""
+    if weights is None:
+        from masked_jax.ops.reductions import mean
+
+        return mean(x, axis=axis, keepdims=keepdims)
+    data = jnp.asarray(x.data)
+    w = jnp.asarray(weights.data)
+    if w.shape != data.shape:
+        if axis is None or w.ndim != 1 or not isinstance(axis, (int, np.integer)):
+            raise ValueError(
+                f"weights must have the shape of a ({data.shape}), or be 1-D along an int "
+                f"axis; got weights of shape {w.shape} with axis={axis}."
+            )
+        ax = normalize_axis(axis, data.ndim)[0]
+        if w.shape[0] != data.shape[ax]:
+            raise ValueError(
+                f"weights must have length {data.shape[ax]} along axis {axis}; got {w.shape[0]}."
+            )
+        shape = [1] * data.ndim
+        shape[ax] = -1
+        w = w.reshape(shape)
+        wm = None if weights.mask is None else weights.mask.reshape(shape)
+    else:
+        wm = weights.mask
+    m = materialize(x.mask, data.shape)
+    if wm is not None:
+        m = m & wm
+    axes = normalize_axis(axis, data.ndim)
+    dtype = _float_dtype(jnp.result_type(data, w))
+    w = fill(jnp.broadcast_to(w, data.shape), m, 0).astype(dtype)
+    num = jnp.sum(fill(data, m, 0) * w, axis=axes, keepdims=keepdims)
+    den = jnp.sum(w, axis=axes, keepdims=keepdims)
+    valid = jnp.any(m, axis=axes, keepdims=keepdims) & (den != 0)
+    return Pair(_safe_div(num, den, valid), valid)
+
+
+def _move_to_end(x: Pair, axis):
+    """Move the reduced axes to the end and flatten them into one."""
+    data = jnp.asarray(x.data)
+    m = _mask(x)
+    axes = normalize_axis(axis, data.ndim)
+    keep = [a for a in range(data.ndim) if a not in axes]
+    perm = keep + list(axes)
+    lead = tuple(data.shape[a] for a in keep)
+    flat = int(np.prod([data.shape[a] for a in axes]))
+    data = jnp.transpose(data, perm).reshape(lead + (flat,))
+    m = jnp.transpose(m, perm).reshape(data.shape)
+    return data, m, axes
+
+
+QUANTILE_METHODS = ("linear", "lower", "higher", "nearest", "midpoint")
+
+
+def _check_q(q, lo=0.0, hi=1.0, name="q"):
+    """``q`` must lie in [lo, hi]; checked when concrete (under ``jit`` it cannot be)."""
+    if isinstance(q, jax.core.Tracer):
+        return
+    arr = np.asarray(q)
+    if arr.dtype.kind not in "iuf" or arr.size and not (np.all(arr >= lo) and np.all(arr <= hi)):
+        raise ValueError(f"{name} must be numbers in [{lo:g}, {hi:g}]; got {q!r}.")
+
+
+def quantile(x: Pair, q, axis=None, method="linear", keepdims=False) -> Pair:
+    """Quantiles of the valid elements (``method`` as numpy's linear family)."""
+    if method not in QUANTILE_METHODS:
+        raise ValueError(f"method must be one of {QUANTILE_METHODS}; got {method!r}.")
+    _check_q(q)
+    data, m, axes = _move_to_end(x, axis)
+    dtype = _float_dtype(data.dtype)
+    data = data.astype(dtype)
+    # Sort valid values first (ascending), masked ones last.
+    invalid = (~m).astype(jnp.int8)
+    _, srt = jax.lax.sort((invalid, fill(data, m, 0)), dimension=data.ndim - 1, num_keys=2)
+    n = jnp.sum(m, axis=-1, keepdims=True)
+    q = jnp.asarray(q, dtype=dtype)
+    qs = q.reshape(q.shape + (1,) * data.ndim)
+    pos = qs * jnp.maximum(n - 1, 0).astype(dtype)
+    lo = jnp.floor(pos)
+    hi = jnp.ceil(pos)
+    if method == "lower":
+        hi = lo
+    elif method == "higher":
+        lo = hi
+    elif method == "nearest":
+        lo = hi = jnp.round(pos)
+    top = jnp.maximum(n - 1, 0)
+    lo_i = jnp.clip(lo.astype(jnp.int32), 0, top)
+    hi_i = jnp.clip(hi.astype(jnp.int32), 0, top)
+    srt_b = jnp.broadcast_to(srt, q.shape + srt.shape)
+    if srt.shape[-1] == 0:
+        v_lo = v_hi = jnp.zeros(q.shape + srt.shape[:-1] + (1,), dtype)
+    else:
+        v_lo = jnp.take_along_axis(srt_b, lo_i, -1)
+        v_hi = jnp.take_along_axis(srt_b, hi_i, -1)
+    frac = 0.5 if method == "midpoint" else pos - lo
+    out = (v_lo + (v_hi - v_lo) * frac)[..., 0]
+    valid = jnp.broadcast_to(n[..., 0] > 0, out.shape)
+    out = jnp.where(valid, out, 0)
+    if keepdims:
+        shape = list(q.shape) + [1 if a in axes else s for a, s in enumerate(np.shape(x.data))]
+        out, valid = out.reshape(shape), valid.reshape(shape)
+    return Pair(out, valid)
+
+
+def median(x: Pair, axis=None, keepdims=False) -> Pair:
+    return quantile(x, 0.5, axis=axis, keepdims=keepdims)
+
+
+def percentile(x: Pair, q, axis=None, method="linear", keepdims=False) -> Pair:
+    _check_q(q, 0.0, 100.0)
+    return quantile(x, jnp.asarray(q) / 100, axis=axis, keepdims=keepdims, method=method)
+
+
+VECTOR_ORDS = "None, 0, 1, 2, inf, -inf or any other number"
+MATRIX_ORDS = (None, "fro", "nuc", 1, -1, 2, -2, np.inf, -np.inf)
+
+
+def _vector_norm(x: Pair, ord, axis, keepdims) -> Pair:
+    if isinstance(ord, str):
+        raise ValueError(f"ord={ord!r} is a matrix norm: it needs two axes (axis=(r, c)).")
+    if not (ord is None or np.ndim(ord) == 0):
+        raise ValueError(f"ord must be {VECTOR_ORDS} for a vector norm; got {ord!r}.")
+    a = Pair(jnp.abs(fill(x.data, x.mask, 0)), x.mask)
+    if ord is None or ord == 2:
+        s = sum(Pair(a.data * a.data, a.mask), axis=axis, keepdims=keepdims)
+        return Pair(safe_sqrt(s.data), s.mask)
+    if ord == np.inf:
+        return max(a, axis=axis, keepdims=keepdims)
+    if ord == -np.inf:
+        return min(a, axis=axis, keepdims=keepdims)
+    if ord == 0:
+        return sum(Pair((a.data != 0).astype(a.data.dtype), a.mask), axis=axis, keepdims=keepdims)
+    if ord == 1:
+        return sum(a, axis=axis, keepdims=keepdims)
+    s = sum(Pair(a.data**ord, a.mask), axis=axis, keepdims=keepdims)
+    pos = s.data > 0
+    return Pair(jnp.where(pos, jnp.where(pos, s.data, 1) ** (1.0 / ord), 0), s.mask)
+
+
+def _matrix_norm(x: Pair, ord, axes, keepdims) -> Pair:
+    r, c = axes
+    if not any(ord is o or (not isinstance(ord, str) and not isinstance(o, str) and ord == o) for o in MATRIX_ORDS):
+        raise ValueError(f"ord must be one of {MATRIX_ORDS} for a matrix norm; got {ord!r}.")
+    a = Pair(jnp.abs(fill(x.data, x.mask, 0)), x.mask)
+    if ord in (None, "fro"):
+        return _vector_norm(x, 2, axes, keepdims)
+    if ord in (1, -1, np.inf, -np.inf):
+        inner, outer = (r, c) if ord in (1, -1) else (c, r)
+        sums = sum(a, axis=inner, keepdims=True)
+        pick = max if ord in (1, np.inf) else min
+        out = pick(sums, axis=outer, keepdims=True)
+        if not keepdims:
+            out = Pair(jnp.squeeze(out.data, (r, c)), jnp.squeeze(out.mask, (r, c)))
+        return out
+    # Spectral norms (2, -2, "nuc"): masked entries count as zero (documented choice).
+    mat = jnp.moveaxis(fill(x.data, x.mask, 0), (r, c), (-2, -1))
+    sv = jnp.linalg.svd(mat, compute_uv=False)
+    val = {2: lambda s: s[..., 0], -2: lambda s: s[..., -1], "nuc": lambda s: s.sum(-1)}[ord](sv)
+    valid = jnp.any(_mask(x), axis=(r, c), keepdims=keepdims)
+    if keepdims:
+        val = jnp.expand_dims(val, (r, c))
+    return Pair(jnp.where(valid, val, 0), valid)
+
+
+def norm(x: Pair, ord=None, axis=None, keepdims=False) -> Pair:
+    """Vector or matrix norm over valid elements (same ``ord``/``axis`` rules as jnp)."""
+    ndim = np.ndim(x.data)
+    if axis is None:
+        if ord is None:
+            return _vector_norm(x, 2, None, keepdims)
+        axis = tuple(range(ndim))
+        if ndim not in (1, 2):
+            raise ValueError(f"norm with ord={ord!r} and axis=None needs a 1-D or 2-D input; got {ndim}-D.")
+    axes = normalize_axis(axis, ndim)
+    if isinstance(axis, (int, np.integer)) or len(axes) == 1:
+        return _vector_norm(x, ord, axes, keepdims)
+    if len(axes) == 2:
+        given = tuple(int(a) % ndim for a in axis)
+        return _matrix_norm(x, ord, given, keepdims)
+    raise ValueError(f"axis must be an int or a pair of ints for norm; got axis={axis}.")
+
+
+def _seg_norm(g, v, ord=None):
+    """Vector norms over groups of stored entries (matrix norms are not segment reductions)."""
+    a = jnp.abs(v)
+    if ord is None or ord == 2:
+        return safe_sqrt(g.sum(a * a))
+    if ord == np.inf:
+        return g.max(a)
+    if ord == -np.inf:
+        return g.min(a)
+    if ord == 0:
+        return g.sum((a != 0).astype(a.dtype))
+    if ord == 1:
+        return g.sum(a)
+    s = g.sum(_float(a) ** ord)
+    pos = s > 0
+    return jnp.where(pos, jnp.where(pos, s, 1) ** (1.0 / ord), 0)
+
+
+_Q = ("x = mj.masked_array(jnp.array([1.0, 2.0, 3.0, 100.0]), jnp.array([True, True, True, False]))",
+      "{mod}.{name}(x, {q})", "MaskedArray(2.0, dtype=float32)")
+
+
+def _stat(name, jax_fn, rule, **kw):
+    sig = signature_of(jax_fn, drop=("out_sharding",))
+    return register(OpSpec(name=name, family="reductions", rule=rule, signature=sig,
+                           operands=(next(iter(sig.parameters)),), fn=jax_fn,
+                           jax_name=kw.pop("jax_name", f"jnp.{name}"), **kw))
+
+
+_stat("average", jnp.average, average, optional_operands=("weights",),
+      example=("x = mj.masked_array(jnp.array([1.0, 2.0, 50.0]), jnp.array([True, True, False]))",
+               "{mod}.average(x, weights=jnp.array([3.0, 1.0, 1.0]))", "MaskedArray(1.25, dtype=float32)"))
+_stat("quantile", jnp.quantile, quantile, example=(_Q[0], _Q[1].replace("{q}", "0.5"), _Q[2]))
+_stat("percentile", jnp.percentile, percentile, example=(_Q[0], _Q[1].replace("{q}", "50"), _Q[2]))
+_stat("median", jnp.median, median)
+_stat("norm", jnp.linalg.norm, norm, segment=_seg_norm, jax_name="jnp.linalg.norm")
