@@ -324,6 +324,12 @@ def _check_index(index):
 def _unwrap(x, argname: str = "argument") -> Pair:
     """A MaskedArray or array-like as a rule operand (plain arrays are fully valid)."""
     if isinstance(x, MaskedArray):
+        if x._mask.dtype != jnp.bool_:
+            raise TypeError(
+                f"{argname} has a mask of dtype {x._mask.dtype}; a mask must be bool (True = valid). "
+                "A jax.tree.map over a MaskedArray maps its mask too: map over x.data, or pass "
+                "is_leaf=mj.is_masked and rebuild with mj.masked_array(f(x.data), x.mask)."
+            )
         return Pair(x._data, x._mask)
     if x is None or isinstance(x, (str, bytes)):
         raise TypeError(f"{argname} must be an array or MaskedArray; got {type(x).__name__}.")

@@ -27,17 +27,17 @@ import numpy as np
 
 from masked_jax._core import MaskedArray, is_container, is_masked
 from masked_jax._storage import SparseMasked
-from masked_jax.layouts.rows import RowSparseArray, pad_indices
+from masked_jax.layouts.rows import RowSparseArray, check_integer_indices, pad_indices
 
 
 def _normalize_ids(ids, n: int):
-    """Integer ids with negatives wrapped as numpy does; ids still out of range stay out of range."""
+    """Integer ids in ``[-n, n)`` with negatives wrapped as numpy does; every other id becomes ``n``
+    (out of range: it reads zeros and gets no gradient), also below ``-n``."""
     if is_container(ids):
         raise TypeError("lookup ids must be a plain integer array, not a masked array.")
-    ids = jnp.asarray(ids)
-    if not jnp.issubdtype(ids.dtype, jnp.integer):
-        raise TypeError(f"lookup ids must be integers; got dtype {ids.dtype}.")
-    return jnp.where(ids < 0, ids + n, ids).astype(jnp.int32)
+    ids = check_integer_indices(ids, "ids")
+    wrapped = jnp.where(ids < 0, ids + n, ids)
+    return jnp.where((wrapped >= 0) & (wrapped < n), wrapped, n).astype(jnp.int32)
 
 
 def _read(table, ids):

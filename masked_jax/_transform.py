@@ -153,7 +153,14 @@ class _Interpreter:
         if (prim in _CALLS or prim in _LOOPS) and not unmasked:
             return self.control(prim, params, invals)
         if unmasked:
-            out = prim.bind(*(p.data for p in invals), **params)
+            if all(_is_concrete(p.data) for p in invals) and not prim.multiple_results:
+                # Values computed from literals and constants alone stay constants, also when the
+                # function is interpreted inside an outer jit/scan: counts, ddof and fills are
+                # recognised the same way eagerly and under every transformation.
+                with jax.ensure_compile_time_eval():
+                    out = prim.bind(*(p.data for p in invals), **params)
+            else:
+                out = prim.bind(*(p.data for p in invals), **params)
             self._track_literals(eqn, invals, out, minus)
             return [Pair(o, None) for o in out] if prim.multiple_results else Pair(out, None)
         special = self._mean_like(eqn, invals, sized, minus)
@@ -276,6 +283,10 @@ def _scan_counts(params, n_in):
 def _materialized(pairs):
     """Pairs with every mask an array (loop carries and branch outputs need one fixed structure)."""
     return [Pair(p.data, materialize(p.mask, jnp.shape(p.data))) for p in pairs]
+
+
+def _is_concrete(x) -> bool:
+    return not isinstance(x, jax.core.Tracer)
 
 
 def _concrete_scalar(x):

@@ -28,3 +28,33 @@ def rng():
 
 # tests/sharded/ needs 8 devices, so it runs in its own process (tests/test_sharding.py starts it).
 collect_ignore = [] if os.environ.get("MASKED_JAX_SHARDED_TESTS") else ["sharded"]
+
+
+# Sub-cases one (op, check) case of the conformance harness runs, per case of its table row.
+_SUBCASES = {"transforms": 4, "jacobians": 2, "poison": 3 * 2, "maskify": 2}
+_LAYOUT_SUBCASES = 6 * 3  # six layouts x (eager, jit, gradient per stored slot)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Print the conformance harness's case count (ops x checks x layouts x transforms x cases)."""
+    passed = [r.nodeid for r in terminalreporter.stats.get("passed", []) if "::test_conformance[" in r.nodeid]
+    failed = [r.nodeid for r in terminalreporter.stats.get("failed", []) if "::test_conformance[" in r.nodeid]
+    if not passed and not failed:
+        return
+    from conformance_table import ROWS
+    from masked_jax.ops import REGISTRY
+
+    by_check, sub = {}, 0
+    for nodeid in passed:
+        name, check = nodeid.split("[", 1)[1].rstrip("]").rsplit("-", 1)
+        by_check[check] = by_check.get(check, 0) + 1
+        row = ROWS[name]
+        per = len(row.dtypes) if check == "reference" else _SUBCASES.get(check, _LAYOUT_SUBCASES)
+        sub += per * len(row.cases)
+    excluded = sum(len(s.excluded) for s in REGISTRY.values())
+    terminalreporter.write_sep("-", "conformance harness")
+    terminalreporter.write_line(
+        f"{len(REGISTRY)} registered ops; (op, check) cases passed: {len(passed)}, failed: {len(failed)}, "
+        f"excluded in the registry: {excluded}")
+    terminalreporter.write_line("per check: " + ", ".join(f"{c} {n}" for c, n in sorted(by_check.items())))
+    terminalreporter.write_line(f"sub-cases run (table cases x dtypes / transforms / poisons / layouts): {sub}")

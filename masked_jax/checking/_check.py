@@ -125,9 +125,9 @@ def check_jacobian(f, args, *, semantics="both", modes=("fwd", "rev"), eps=None,
                         "or bool dtype. Pass float arrays (or masked / sparse arrays with float data).")
     dtype = min((np.dtype(leaf.dtype) for leaf in leaves), key=lambda d: d.itemsize)
     d_eps, d_atol, d_rtol = default_tolerances(dtype)
-    eps = d_eps if eps is None else float(eps)
-    atol = d_atol if atol is None else float(atol)
-    rtol = d_rtol if rtol is None else float(rtol)
+    eps = d_eps if eps is None else _positive(eps, "eps", strict=True)
+    atol = d_atol if atol is None else _positive(atol, "atol")
+    rtol = d_rtol if rtol is None else _positive(rtol, "rtol")
     total = sum(leaf.size for leaf in leaves)
     fast = total > FULL_MAX_ELEMENTS if fast is None else bool(fast)
 
@@ -164,6 +164,17 @@ def check_jacobian(f, args, *, semantics="both", modes=("fwd", "rev"), eps=None,
     if raise_exception and not report:
         raise JacobianError(report)
     return report
+
+
+def _positive(value, name, strict=False):
+    """``value`` as a float that is > 0 (``strict``) or >= 0 and finite; a ``ValueError`` otherwise."""
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"check_jacobian: {name} must be a number; got {type(value).__name__}.") from None
+    if not np.isfinite(v) or v < 0 or (strict and v == 0):
+        raise ValueError(f"check_jacobian: {name} must be a finite number {'> 0' if strict else '>= 0'}; got {value!r}.")
+    return v
 
 
 def _output_names(call, values, consts, n):

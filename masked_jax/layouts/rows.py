@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import sparse as jsparse
 
 from masked_jax._core import MaskedArray, _check_data
@@ -187,6 +188,26 @@ def at_least_two_rows(x: RowSparseArray) -> RowSparseArray:
     return RowSparseArray._make(x.shape, jnp.concatenate([x.data, pad]), indices, x.unique_indices)
 
 
+def check_integer_indices(indices, argname: str = "indices"):
+    """``indices`` as a jax integer array; a ``TypeError`` for non-integers and a ``ValueError`` for
+    concrete values that would not survive the conversion (int64 values past int32 with x64 off)."""
+    if not isinstance(indices, jax.Array) and not is_tracer(indices):
+        host = np.asarray(indices)
+        if host.dtype.kind not in "iu":
+            raise TypeError(f"{argname} must be integers; got dtype {host.dtype}.")
+        if host.size and not jax.config.jax_enable_x64:
+            lo, hi = np.iinfo(np.int32).min, np.iinfo(np.int32).max
+            if host.min() < lo or host.max() > hi:
+                raise ValueError(f"{argname} holds values outside int32 ([{host.min()}, {host.max()}]) and "
+                                 "jax_enable_x64 is off, so they would wrap silently; enable x64 or pass "
+                                 "indices in int32 range.")
+        indices = host
+    indices = jnp.asarray(indices)
+    if not jnp.issubdtype(indices.dtype, jnp.integer):
+        raise TypeError(f"{argname} must be integers; got dtype {indices.dtype}.")
+    return indices
+
+
 def row_sparse(data, indices, shape, *, unique_indices: bool = False) -> RowSparseArray:
     """Row-sparse array of ``shape`` with rows ``data[i]`` at row ``indices[i]``.
 
@@ -209,9 +230,7 @@ def row_sparse(data, indices, shape, *, unique_indices: bool = False) -> RowSpar
     """
     data = _check_data(data)
     shape = tuple(int(s) for s in shape)
-    indices = jnp.asarray(indices)
-    if not jnp.issubdtype(indices.dtype, jnp.integer):
-        raise TypeError(f"indices must be integers; got dtype {indices.dtype}.")
+    indices = check_integer_indices(indices)
     if indices.ndim != 1:
         raise ValueError(f"indices must be 1-D (one row index per stored row); got shape {indices.shape}.")
     if not shape:

@@ -28,6 +28,7 @@ def nary(fn, safe=1):
     """
 
     def rule(*operands: Pair, **kwargs) -> Pair:
+        check_broadcast(getattr(fn, "__name__", "operation"), operands)
         mask = and_masks(*(o.mask for o in operands))
         if safe is None or mask is None:
             datas = [o.data for o in operands]
@@ -38,6 +39,16 @@ def nary(fn, safe=1):
     rule.__name__ = getattr(fn, "__name__", "nary")
     rule.fn = fn
     return rule
+
+
+def check_broadcast(name, operands):
+    """Operands must broadcast together: a ``ValueError`` naming the op and the shapes otherwise."""
+    shapes = [np.shape(o.data) for o in operands]
+    try:
+        np.broadcast_shapes(*shapes)
+    except ValueError:
+        raise ValueError(f"{name}: operands could not be broadcast together; got shapes "
+                         f"{', '.join(map(str, shapes))}.") from None
 
 
 def is_constant(p: Pair) -> bool:
@@ -121,9 +132,19 @@ BINARY = [
     ("right_shift", jnp.right_shift, 0, (P.shift_right_arithmetic_p, P.shift_right_logical_p), _ops("rshift")),
 ]
 
+# Ops whose output (or operands) are not floats have no Jacobian to check.
+_NO_JACOBIAN = {
+    **dict.fromkeys(("equal", "not_equal", "less", "less_equal", "greater", "greater_equal", "logical_and",
+                     "logical_or", "logical_xor"), "bool output: no derivative"),
+    **dict.fromkeys(("bitwise_and", "bitwise_or", "bitwise_xor", "left_shift", "right_shift"),
+                    "integer operands: no derivative"),
+    "nextafter": "steps to the next float: its finite difference is not a derivative",
+}
+
 for _name, _fn, _safe, _prims, _methods in BINARY:
     register(OpSpec(name=_name, family="binary", rule=nary(_fn, _safe), signature=_X1X2, operands=("x1", "x2"),
-                    methods=_methods, primitives=_prims, safe=_safe, fn=_fn, jax_name=f"jnp.{_name}"))
+                    methods=_methods, primitives=_prims, safe=_safe, fn=_fn, jax_name=f"jnp.{_name}",
+                    excluded={"jacobians": _NO_JACOBIAN[_name]} if _name in _NO_JACOBIAN else {}))
 
 register(OpSpec(
     name="where", family="binary", rule=where, fn=jnp.where, jax_name="jnp.where",

@@ -139,16 +139,38 @@ LAX_ONLY = [
     ("stop_gradient", lax.stop_gradient, None, (P.stop_gradient_p,)),
     ("copy", jnp.array, None, (P.copy_p,)),
     ("population_count", lax.population_count, 0, (P.population_count_p,)),
+    ("bitcast_convert_type", lambda x, new_dtype=None: lax.bitcast_convert_type(x, new_dtype), None,
+     (P.bitcast_convert_type_p,)),
     ("clz", lax.clz, 0, (P.clz_p,)),
 ]
 
+# Ops whose output (or input) is not a float have no Jacobian to check.
+NO_JACOBIAN = {
+    **dict.fromkeys(("isnan", "isinf", "isfinite", "logical_not"), "bool output: no derivative"),
+    **dict.fromkeys(("bitwise_not", "invert", "population_count", "clz"), "integer input: no derivative"),
+    "stop_gradient": "its derivative is zero by definition, not the finite difference",
+    "copy": "the identity; checked as a value only",
+    "bitcast_convert_type": "reinterprets bits: an integer result has no derivative",
+}
+
+_LAX_PARAMS = ("integer_pow", "convert_element_type", "reduce_precision", "bitcast_convert_type")
+
+_NOT_INTERPRETED = {
+    "imag": {"maskify": "jnp.imag of a real array is a constant zeros array: it does not depend on the input, "
+                        "so maskify has no mask to give it"},
+}
+
 for _name, _fn, _safe, _prims, _methods in UNARY:
     register(unary_spec(_name, _fn, _safe, primitives=_prims, methods=_methods,
-                        example=_INT if _name in ("bitwise_not", "invert") else None))
+                        example=_INT if _name in ("bitwise_not", "invert") else None,
+                        excluded={**({"jacobians": NO_JACOBIAN[_name]} if _name in NO_JACOBIAN else {}),
+                                  **_NOT_INTERPRETED.get(_name, {})}))
 for _name, _fn, _safe, _prims in ACTIVATIONS:
     register(unary_spec(_name, _fn, _safe, modules=("nn",), primitives=_prims, jax_name=f"jax.nn.{_name}"))
 for _name, _fn, _safe, _prims in LAX_ONLY:
-    register(unary_spec(_name, _fn, _safe, modules=(), primitives=_prims, jax_name=f"lax.{_name}", signature=_X))
+    register(unary_spec(_name, _fn, _safe, modules=(), primitives=_prims, jax_name=f"lax.{_name}",
+                        signature=inspect.signature(_fn) if _name in _LAX_PARAMS else _X,
+                        excluded={"jacobians": NO_JACOBIAN[_name]} if _name in NO_JACOBIAN else None))
 
 register(OpSpec(
     name="astype", family="elementwise", rule=astype, signature=signature_of(jnp.astype, drop=("device",)),

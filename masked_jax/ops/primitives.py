@@ -186,7 +186,8 @@ def _scatter(prim, invals, **params):
     if kind in ("scatter-max", "scatter_max"):
         identity = lowest(jnp.result_type(upd.data))
     upd_data = upd.data if identity is None else fill(upd.data, upd.mask, identity)
-    data = prim.bind(x.data, idx.data, upd_data, **params)
+    x_data = x.data if identity is None else fill(x.data, x.mask, identity)  # masked elements: the identity
+    data = prim.bind(x_data, idx.data, upd_data, **params)
     if x.mask is None and upd.mask is None:
         return Pair(data, None)
     xm = materialize(x.mask, jnp.shape(x.data))

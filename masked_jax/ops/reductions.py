@@ -317,7 +317,7 @@ _fn("count", None, count, returns="array", signature=rule_signature(count), meth
     jax_name="numpy.ma.count", summary="Number of valid elements (a plain integer array).",
     example=("x = mj.masked_array(jnp.ones((2, 2)), jnp.array([[True, False], [True, True]]))",
              "{mod}.count(x, axis=1)", "Array([1, 2], dtype=int32)"),
-    excluded={"jacobians": "integer output", "maskify": "no jax function to interpret"})
+    excluded={"jacobians": "integer output: no derivative", "maskify": "no jax function to interpret"})
 _fn("sum", jnp.sum, sum, methods=("sum",), primitives=(P.reduce_sum_p,),
     segment=lambda g, v, dtype=None: g.sum(v.astype(_sum_dtype(v.dtype, dtype))))
 _fn("prod", jnp.prod, prod, methods=("prod",), primitives=(P.reduce_prod_p,),
@@ -328,10 +328,14 @@ _fn("std", jnp.std, std, methods=("std",), segment=_seg_std)
 _fn("max", jnp.max, max, methods=("max",), primitives=(P.reduce_max_p,), segment=lambda g, v: g.max(v))
 _fn("min", jnp.min, min, methods=("min",), primitives=(P.reduce_min_p,), segment=lambda g, v: g.min(v))
 _fn("ptp", jnp.ptp, ptp, methods=("ptp",), segment=lambda g, v: g.max(v) - g.min(v))
-_fn("argmax", jnp.argmax, argmax, methods=("argmax",), primitives=(P.argmax_p,))
-_fn("argmin", jnp.argmin, argmin, methods=("argmin",), primitives=(P.argmin_p,))
-_fn("any", jnp.any, any, methods=("any",), primitives=(P.reduce_or_p,), segment=lambda g, v: g.max(v.astype(bool)))
-_fn("all", jnp.all, all, methods=("all",), primitives=(P.reduce_and_p,), segment=lambda g, v: g.min(v.astype(bool)))
+_INDEX = {"jacobians": "integer output: no derivative"}
+_BOOL = {"jacobians": "bool output: no derivative"}
+_fn("argmax", jnp.argmax, argmax, methods=("argmax",), primitives=(P.argmax_p,), excluded=_INDEX)
+_fn("argmin", jnp.argmin, argmin, methods=("argmin",), primitives=(P.argmin_p,), excluded=_INDEX)
+_fn("any", jnp.any, any, methods=("any",), primitives=(P.reduce_or_p,), segment=lambda g, v: g.max(v.astype(bool)),
+    excluded=_BOOL)
+_fn("all", jnp.all, all, methods=("all",), primitives=(P.reduce_and_p,), segment=lambda g, v: g.min(v.astype(bool)),
+    excluded=_BOOL)
 _fn("logsumexp", jax.nn.logsumexp, logsumexp, modules=("numpy", "nn"), segment=_seg_logsumexp,
     jax_name="jax.nn.logsumexp")
 _fn("cumsum", jnp.cumsum, cumsum, methods=("cumsum",), primitives=(P.cumsum_p,),

@@ -158,6 +158,8 @@ def at_update(x: Pair, index, op: str, value: Pair, **kwargs) -> Pair:
     element and every value applied to it are valid."""
     data = jnp.asarray(x.data)
     m = materialize(x.mask, data.shape)
+    if op in _AT_FILL:  # sanitise on entry: a masked element enters as the op's identity (or 0)
+        data = fill(data, m, _AT_FILL[op] if _AT_FILL[op] is not None else 0)
     if op == "set":
         vmask = True if value.mask is None else value.mask
         return Pair(data.at[index].set(value.data, **kwargs), m.at[index].set(vmask, **kwargs))
@@ -209,8 +211,9 @@ for _name, _fn, _args, _count, _methods in PASSTHROUGH:
 _shape_op("take_along_axis", take_along_axis, jnp.take_along_axis,
           example=(_X22, "{mod}.take_along_axis(x, jnp.array([[0], [1]]), 1).mask.sum()", "Array(2, dtype=int32)"))
 for _name, _fn in (("atleast_1d", jnp.atleast_1d), ("atleast_2d", jnp.atleast_2d)):
-    _shape_op(_name, atleast(_fn), _fn, example=(_X22, "{mod}.%s(x).mask.sum()" % _name, "Array(3, dtype=int32)"))
-_shape_op("split", split, jnp.split,
+    _shape_op(_name, atleast(_fn), _fn, returns="any", example=(_X22, "{mod}.%s(x).mask.sum()" % _name, "Array(3, dtype=int32)"))
+_shape_op("split", split, jnp.split, returns="list",
+          excluded={"jacobians": "returns a list of slices; each is a getitem, whose Jacobian is checked"},
           example=(_X22, "[p.mask.tolist() for p in {mod}.split(x, 2)]", "[[[True, False]], [[True, True]]]"))
 _JOIN = ("x = mj.masked_array(jnp.array([1.0, 2.0]), jnp.array([True, False]))",
          "{mod}.{name}([x, jnp.array([3.0, 4.0])]).mask.sum()", "Array(3, dtype=int32)")
@@ -227,7 +230,7 @@ _shape_op("sort", sort, jnp.sort, methods=("sort",),
           example=(_SORT, "{mod}.sort(x)", "MaskedArray([2.0 3.0 --], dtype=float32)"))
 _shape_op("argsort", argsort, jnp.argsort, methods=("argsort",), returns="array",
           example=(_SORT, "{mod}.argsort(x)", "Array([2, 0, 1], dtype=int32)"),
-          excluded={"jacobians": "integer output"})
+          excluded={"jacobians": "integer output: no derivative"})
 _shape_op("getitem", getitem, None, modules=(),
           signature=inspect.Signature([inspect.Parameter("a", inspect.Parameter.POSITIONAL_ONLY),
                                        inspect.Parameter("index", inspect.Parameter.POSITIONAL_ONLY)]),

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from masked_jax._core import is_container
@@ -72,7 +73,18 @@ def scale_by_rss(initial_accumulator_value: float = 0.1, eps: float = 1e-7,
 
     def update_fn(updates, state, params=None):
         del params
+        if not isinstance(state, optax.ScaleByRssState):
+            raise ValueError(f"scale_by_rss: state must be the ScaleByRssState its init returned; got "
+                             f"{type(state).__name__}.")
         leaves, treedef = jax.tree_util.tree_flatten(updates, is_leaf=is_container)
+        sums = jax.tree_util.tree_leaves(state.sum_of_squares)
+        if len(sums) != len(leaves) or any(tuple(np.shape(t)) != tuple(g.shape if is_container(g) else np.shape(g))
+                                           for g, t in zip(leaves, sums)):
+            raise ValueError(
+                "scale_by_rss: the state's sums of squares have shapes "
+                f"{[tuple(np.shape(t)) for t in sums]} but the gradients "
+                f"{[tuple(g.shape if is_container(g) else np.shape(g)) for g in leaves]}; pass the state "
+                "init returned for these parameters.")
         new_updates, new_sums = [], []
         for g, t in zip(leaves, treedef.flatten_up_to(state.sum_of_squares)):
             v, data = view(g)  # plain: all of it; masked: valid entries; row-sparse: coalesced rows

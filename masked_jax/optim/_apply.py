@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import jax
+import numpy as np
 
 from masked_jax._core import MaskedArray, is_container, is_masked
 from masked_jax.optim._views import data_of, view
@@ -29,6 +30,9 @@ def apply_updates(params, updates):
     def one(p, u):
         if u is None:
             return p
+        if not (is_container(u) or isinstance(u, (jax.Array, np.ndarray, np.generic, float, int))):
+            raise TypeError(f"apply_updates: updates must be arrays, MaskedArrays or row-sparse arrays "
+                            f"(or None); got {type(u).__name__}.")
         data = data_of(p)
         if tuple(u.shape) != tuple(data.shape):
             raise ValueError(f"apply_updates: an update of shape {tuple(u.shape)} for a parameter of "

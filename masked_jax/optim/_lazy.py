@@ -63,6 +63,36 @@ def _check_liftable(ref: _Reference, state) -> None:
     jax.tree_util.tree_map_with_path(check, state, is_leaf=ref.matches)
 
 
+def _shapes(tree):
+    leaves, treedef = jax.tree_util.tree_flatten(tree, is_leaf=is_container)
+    return treedef, [tuple(np.shape(x)) if not is_container(x) else tuple(x.shape) for x in leaves]
+
+
+def check_update_arguments(inner, updates, state, params) -> None:
+    """Gradient, parameter and state trees must agree: checked from shapes alone, when the step is
+    traced (nothing runs under ``jit``). A ``ValueError`` names what disagrees."""
+    g_def, g_shapes = _shapes(updates)
+    if params is not None:
+        p_def, p_shapes = _shapes(params)
+        if p_def != g_def:
+            raise ValueError(f"lazy: the gradient tree {g_def} does not match the parameter tree {p_def}.")
+        for i, (g, p) in enumerate(zip(g_shapes, p_shapes)):
+            if g != p:
+                raise ValueError(f"lazy: gradient leaf {i} has shape {g} but its parameter has shape {p}; "
+                                 "a gradient must have its parameter's shape (row-sparse: the full table shape).")
+    like = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(tuple(x.shape), data_of(x).dtype)
+                                  if is_container(x) else jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)),
+                                  updates, is_leaf=is_container)
+    expected = jax.eval_shape(inner.init, like)
+    e_def, e_shapes = jax.tree_util.tree_structure(expected), [np.shape(x) for x in jax.tree_util.tree_leaves(expected)]
+    s_def, s_shapes = jax.tree_util.tree_structure(state), [np.shape(x) for x in jax.tree_util.tree_leaves(state)]
+    if e_def != s_def or e_shapes != s_shapes:
+        raise ValueError(
+            f"lazy: the optimizer state does not belong to these gradients: inner.init of parameters shaped "
+            f"like the gradients gives {e_def} with shapes {e_shapes}; got {s_def} with shapes {s_shapes}. "
+            "Pass the state this optimizer's init returned for these parameters.")
+
+
 def _check_transformation(obj, argname: str) -> None:
     if not (callable(getattr(obj, "init", None)) and callable(getattr(obj, "update", None))):
         raise TypeError(f"{argname} must be an optax.GradientTransformation (with init and update); "
@@ -127,6 +157,7 @@ def lazy(inner: optax.GradientTransformation) -> optax.GradientTransformation:
     def update_fn(updates, state, params=None):
         if params is not None:
             params = jax.tree_util.tree_map(data_of, params, is_leaf=is_container)
+        check_update_arguments(inner, updates, state, params)
         leaves, treedef = jax.tree_util.tree_flatten(updates, is_leaf=is_container)
         if not any(is_container(g) for g in leaves):
             return inner.update(updates, state, params)

@@ -1,0 +1,373 @@
+"""The conformance harness: every registered op, from one args-maker, through every check.
+
+Built the way ``jax.experimental.sparse``'s ``test_util`` is: one args-maker per op (its row in
+``conformance_table``), and checks that each take an op and assert one property:
+
+* ``reference``: values and masks against ``numpy.ma`` (or the row's documented reference), for
+  every dtype of the row;
+* ``transforms``: eager, ``jit`` (no retrace when only mask values change), ``vmap`` and ``scan``
+  give the same values and masks;
+* ``jacobians``: ``mj.jacfwd`` and ``mj.jacrev`` agree, equal central differences on the valid
+  entries, and are exactly zero (and masked) at masked inputs and outputs;
+* ``poison``: NaN, +inf and -inf under the mask change no valid value and no gradient;
+* ``layouts``: BCOO (flat, batched, hybrid, with duplicates) and row-sparse (with duplicates),
+  each with NaN/inf in padding slots and negative padding indices, give the dense-layout result,
+  eager and under ``jit``, and the same gradients per stored slot (exact zeros at padding);
+* ``maskify``: ``mj.maskify`` of the plain jax function equals the op, eager and under ``jit``.
+
+An op is left out of a check only by its registry entry (``OpSpec.excluded``, with the reason).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import sparse as jsparse
+
+import masked_jax as mj
+import masked_jax.numpy as mnp
+from masked_jax import _frontend
+from masked_jax.layouts import BCOOMaskedArray, RowSparseArray, SparseMasked
+from masked_jax.ops import REGISTRY
+
+from conformance_table import ROWS
+
+MASK_A = np.array([[1, 0, 1], [1, 1, 1], [0, 0, 0], [0, 1, 1]], bool)  # partial, full and empty rows
+MASK_B = np.array([[1, 1, 0], [0, 1, 1], [1, 0, 1], [1, 1, 1]], bool)
+ROWS_A = np.repeat(np.array([1, 0, 1, 1], bool)[:, None], 3, 1)  # whole rows: every layout holds it
+ROWS_B = np.repeat(np.array([1, 1, 0, 1], bool)[:, None], 3, 1)
+LAYOUTS = ("bcoo", "bcoo_dup", "bcoo_batch", "bcoo_hybrid", "rows", "rows_dup")
+POISONS = (np.nan, np.inf, -np.inf)
+
+
+def masked(rng, dtype, mask, domain, poison=np.nan):
+    """A MaskedArray of ``mask``'s shape with values in ``domain`` and ``poison`` under the mask."""
+    dtype = np.dtype(dtype)
+    shape = np.shape(mask)
+    if dtype == np.bool_:
+        data = rng.random(shape) > 0.5
+        data[~mask] = True
+    elif dtype.kind in "iu":
+        lo, hi = domain
+        data = rng.integers(int(np.ceil(lo)), int(np.floor(hi)) + 1, shape).astype(dtype)
+        data[~mask] = 7
+    else:
+        data = rng.uniform(*domain, shape).astype(dtype)
+        data[~mask] = poison
+    return mj.masked_array(jnp.asarray(data), jnp.asarray(mask))
+
+
+def operands(name, dtype, masks=(MASK_A, MASK_B), seed=0):
+    """The op's operands (its row's ``make``, or its family's default), NaN under the masks."""
+    spec, row = REGISTRY[name], ROWS[name]
+    rng = np.random.default_rng(seed)
+    if row.make is not None:
+        return row.make(rng, dtype, masks)
+    domain = lambda i: row.domain[min(i, len(row.domain) - 1)]  # noqa: E731
+    n = 2 if spec.family == "binary" else 1
+    return [masked(rng, dtype, masks[i], domain(i)) for i in range(n)]
+
+
+def call(name, fn, ops, case):
+    row = ROWS[name]
+    return row.call(fn, list(ops), **case) if row.call is not None else fn(*ops, **case)
+
+
+def public(name):
+    return _frontend.function(name)
+
+
+def repoison(ops, value):
+    """``ops`` with every float MaskedArray's masked-out data replaced by ``value``."""
+    def one(o):
+        if isinstance(o, mj.MaskedArray) and jnp.issubdtype(o.dtype, jnp.floating):
+            return mj.masked_array(jnp.where(o.mask, o.data, jnp.asarray(value, o.dtype)), o.mask)
+        return o
+    return [one(o) for o in ops]
+
+
+# -- comparing results -----------------------------------------------------------------------------
+def _dense(x):
+    return x.todense() if isinstance(x, SparseMasked) else x
+
+
+class Pairs(list):
+    """A result already as ``(data, valid)`` numpy pairs."""
+
+
+def as_pairs(out) -> Pairs:
+    """A result (masked array in any layout, plain array, or a list of them) as ``(data, valid)`` pairs."""
+    if isinstance(out, Pairs):
+        return out
+    if isinstance(out, (list, tuple)):
+        return Pairs(p for o in out for p in as_pairs(o))
+    out = _dense(out)
+    if isinstance(out, mj.MaskedArray):
+        return Pairs([(np.asarray(out.data), np.asarray(out.mask))])
+    arr = np.asarray(out)
+    return Pairs([(arr, np.ones(arr.shape, bool))])
+
+
+def ref_pairs(ref) -> Pairs:
+    """A reference result (numpy.ma array, ``(data, valid)``, list of them, or plain array) as pairs."""
+    if isinstance(ref, np.ma.MaskedArray):
+        return Pairs([(np.ma.getdata(ref), ~np.ma.getmaskarray(ref))])
+    if isinstance(ref, tuple) and len(ref) == 2 and isinstance(ref[0], list):  # split: (datas, masks)
+        return Pairs((np.asarray(d), np.asarray(v, bool)) for d, v in zip(*ref))
+    if isinstance(ref, tuple) and len(ref) == 2:
+        return Pairs([(np.asarray(ref[0]), np.asarray(ref[1], bool))])
+    if isinstance(ref, list):
+        return Pairs(p for r in ref for p in ref_pairs(r))
+    arr = np.asarray(ref)
+    return Pairs([(arr, np.ones(arr.shape, bool))])
+
+
+def assert_same(got, want, rtol=1e-9, what=""):
+    """Same masks, and the same data on valid entries (NaN matching NaN)."""
+    got, want = as_pairs(got), as_pairs(want)
+    assert len(got) == len(want), f"{what}: {len(got)} outputs against {len(want)}"
+    for (gd, gv), (wd, wv) in zip(got, want):
+        wv = np.broadcast_to(wv, np.shape(wd))
+        assert np.shape(gd) == np.shape(wd), f"{what}: shape {np.shape(gd)} against {np.shape(wd)}"
+        np.testing.assert_array_equal(np.broadcast_to(gv, np.shape(gd)), wv, err_msg=f"{what}: mask differs")
+        g, w = np.where(wv, gd, 0), np.where(wv, wd, 0)
+        if g.dtype.kind in "fc" or w.dtype.kind in "fc":
+            np.testing.assert_allclose(g.astype(np.float64), w.astype(np.float64), rtol=rtol, atol=rtol,
+                                       equal_nan=True, err_msg=f"{what}: data differs")
+        else:
+            np.testing.assert_array_equal(g, w, err_msg=f"{what}: data differs")
+
+
+def _stack(trees):
+    return jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *trees)
+
+
+def _index(tree, i):
+    return jax.tree_util.tree_map(lambda x: x[i], tree)
+
+
+def _float_out(out):
+    leaves = [o for o in jax.tree_util.tree_leaves(_dense(out) if not isinstance(out, list) else out)]
+    return bool(leaves) and all(jnp.issubdtype(jnp.result_type(o), jnp.floating) for o in leaves)
+
+
+# -- the checks -----------------------------------------------------------------------------------
+def check_reference(name):
+    row = ROWS[name]
+    for dtype in row.dtypes:
+        ops = operands(name, dtype)
+        for case in row.cases:
+            got = call(name, public(name), ops, case)
+            ref = row.ref(*[o.to_numpy_ma() if isinstance(o, mj.MaskedArray) else o for o in ops], **case)
+            tol = row.rtol if np.dtype(dtype) == np.float64 else 1e-6
+            # NaN from masked-out values in a valid output fails here: NaN matches only NaN.
+            assert_same(got, ref_pairs(ref), rtol=tol, what=f"{name}({dtype.__name__}, {case})")
+
+
+def check_transforms(name):
+    row = ROWS[name]
+    dtype = row.dtypes[0]
+    ops, ops2 = operands(name, dtype), operands(name, dtype, masks=(MASK_B, MASK_A))
+    for case in row.cases:
+        f = lambda *o: call(name, public(name), o, case)  # noqa: E731
+        eager, eager2 = f(*ops), f(*ops2)
+        traces = []
+
+        def counted(*o):
+            traces.append(1)
+            return f(*o)
+
+        jf = jax.jit(counted)
+        assert_same(jf(*ops), eager, row.rtol, f"{name} jit")
+        assert_same(jf(*ops2), eager2, row.rtol, f"{name} jit, other masks")
+        assert len(traces) == 1, f"{name}: jit retraced when only mask values changed"
+        batch = _stack([ops, ops2])
+        vm = jax.vmap(f)(*batch)
+        _, sc = jax.lax.scan(lambda c, o: (c, f(*o)), 0, batch)
+        for i, want in enumerate((eager, eager2)):
+            assert_same(_index(vm, i), want, row.rtol, f"{name} vmap[{i}]")
+            assert_same(_index(sc, i), want, row.rtol, f"{name} scan[{i}]")
+
+
+def diff_position(ops):
+    """The operand differentiated: the first float MaskedArray (``where``'s is its ``x``)."""
+    return next(i for i, o in enumerate(ops) if isinstance(o, mj.MaskedArray) and jnp.issubdtype(o.dtype, jnp.floating))
+
+
+def _replace(ops, i, v):
+    return [v if j == i else o for j, o in enumerate(ops)]
+
+
+def check_jacobians(name):
+    row = ROWS[name]
+    dtype = row.dtypes[0]
+    ops = operands(name, dtype)
+    pos = diff_position(ops)
+    x = ops[pos]
+    for case in row.cases:
+        g = lambda v: call(name, public(name), _replace(ops, pos, v), case)  # noqa: E731
+        out = g(x)
+        jf, jr = mj.jacfwd(g)(x), mj.jacrev(g)(x)
+        out_mask = np.asarray(_dense(out).mask)
+        want_mask = out_mask.reshape(out_mask.shape + (1,) * x.ndim) & np.asarray(x.mask)
+        for jac, mode in ((jf, "jacfwd"), (jr, "jacrev")):
+            np.testing.assert_array_equal(np.asarray(jac.mask), want_mask, err_msg=f"{name} {mode} mask")
+            d = np.asarray(jac.data)
+            assert np.all(d[~want_mask] == 0), f"{name} {mode}: nonzero entries where masked"
+            assert np.all(np.isfinite(d)), f"{name} {mode}: NaN/inf in the Jacobian"
+        np.testing.assert_allclose(np.asarray(jf.data), np.asarray(jr.data), rtol=1e-9, atol=1e-12,
+                                   err_msg=f"{name}: jacfwd != jacrev")
+        if not row.smooth:
+            continue
+        eps = 1e-6
+        idx = np.flatnonzero(np.asarray(x.mask))
+        base = np.asarray(x.data)
+
+        def filled(d):
+            return _dense(g(mj.masked_array(d, x.mask))).filled(0)
+
+        steps = np.zeros((len(idx),) + base.shape)
+        steps.reshape(len(idx), -1)[np.arange(len(idx)), idx] = eps
+        plus = jax.vmap(filled)(jnp.asarray(base + steps))
+        minus = jax.vmap(filled)(jnp.asarray(base - steps))
+        num = np.moveaxis(np.asarray((plus - minus) / (2 * eps)), 0, -1)  # out..., k
+        an = np.asarray(jf.data).reshape(out_mask.shape + (-1,))[..., idx]
+        num = np.where(out_mask[..., None], num, 0)
+        np.testing.assert_allclose(an, num, rtol=1e-5, atol=1e-6, err_msg=f"{name} ({case}): Jacobian != central "
+                                   "differences on valid entries")
+
+
+def _loss(name, case, ops, out_shape_of):
+    """``v -> sum(op(..., v, ...) * w)`` for a fixed random ``w``, ``v`` at the differentiated position."""
+    w = jnp.asarray(np.random.default_rng(7).uniform(0.5, 1.5, out_shape_of))
+    pos = diff_position(ops)
+
+    def loss(v):
+        out = _dense(call(name, public(name), _replace(ops, pos, v), case))
+        return mnp.sum(mnp.multiply(out, w))
+
+    return loss
+
+
+def check_poison(name):
+    spec, row = REGISTRY[name], ROWS[name]
+    dtype = row.dtypes[0]
+    clean = repoison(operands(name, dtype), 0.5)
+    for case in row.cases:
+        want = call(name, public(name), clean, case)
+        grads = "jacobians" not in spec.excluded and _float_out(want)
+        if grads:
+            out_shape = np.shape(_dense(want).data)
+            g_want = mj.grad(_loss(name, case, clean, out_shape))(clean[diff_position(clean)])
+        for poison in POISONS:
+            ops = repoison(clean, poison)
+            assert_same(call(name, public(name), ops, case), want, row.rtol, f"{name} with {poison} under the mask")
+            if grads:
+                g = mj.grad(_loss(name, case, ops, out_shape))(ops[diff_position(ops)])
+                assert np.all(np.isfinite(np.asarray(g.data))), f"{name}: gradient not finite with {poison}"
+                assert_same(g, g_want, 1e-12, f"{name} gradient with {poison} under the mask")
+
+
+# -- sparse layouts with duplicates and poisoned padding -------------------------------------------
+def _with_padding(x, data_pad, index_pad):
+    leaves = jax.tree_util.tree_leaves(x)
+    data, indices = leaves[0], leaves[1]
+    axis = 0 if isinstance(x, RowSparseArray) else indices.ndim - 2
+    data = jnp.concatenate([data, data_pad.astype(data.dtype)], axis=axis)
+    indices = jnp.concatenate([indices, index_pad.astype(indices.dtype)], axis=axis)
+    if isinstance(x, RowSparseArray):
+        return RowSparseArray._make(x.shape, data, indices)
+    return BCOOMaskedArray.tree_unflatten(x.shape, (data, indices))
+
+
+def _bad(dtype, shape):
+    """Poison for padding slots: NaN then +inf for floats, garbage for integers."""
+    if jnp.issubdtype(dtype, jnp.floating):
+        vals = np.array([np.nan, np.inf] * (shape[0] // 2 + 1))[: shape[0]]
+        return jnp.asarray(np.broadcast_to(vals.reshape((-1,) + (1,) * (len(shape) - 1)), shape).astype(dtype))
+    return jnp.full(shape, 7 if dtype != jnp.bool_ else True, dtype)
+
+
+def layout(kind, x):
+    """``x`` (2-D, whole rows valid) in sparse layout ``kind``, with NaN/inf padding slots at an
+    index past the end and at a negative index (padding by the one index convention)."""
+    n, m = x.shape
+    dup = kind.endswith("_dup") and jnp.issubdtype(x.dtype, jnp.floating)
+    if kind.startswith("rows"):
+        r = RowSparseArray.from_masked(x)
+        if dup:
+            r = RowSparseArray._make(r.shape, jnp.concatenate([r.data * 0.25, r.data * 0.75]),
+                                     jnp.concatenate([r.indices, r.indices]))
+        return _with_padding(r, _bad(x.dtype, (2, m)), jnp.array([n, -1]))
+    if kind == "bcoo_batch":
+        b = BCOOMaskedArray.from_masked(x, nse=m + 1, n_batch=1)
+        return BCOOMaskedArray.tree_unflatten(b.shape, (jnp.where(b.block().mask, b.data, _bad(x.dtype, b.data.shape)),
+                                                        jnp.where(b.entry_valid()[..., None], b.indices, -1)))
+    if kind == "bcoo_hybrid":
+        b = BCOOMaskedArray.from_masked(x, nse=n, n_dense=1)
+        return _with_padding(b, _bad(x.dtype, (2, m)), jnp.array([[n], [-2]]))
+    b = BCOOMaskedArray.from_masked(x)
+    if dup:
+        b = BCOOMaskedArray.tree_unflatten(b.shape, (jnp.concatenate([b.data * 0.5, b.data * 0.5]),
+                                                     jnp.concatenate([b.indices, b.indices])))
+    return _with_padding(b, _bad(x.dtype, (2,)), jnp.array([[n, 0], [-1, 1]]))
+
+
+def slot_values(lay, dense):
+    """``dense`` read at every stored slot of ``lay`` (padding slots: 0)."""
+    dense = jnp.asarray(dense)
+    mask = lay.block().mask
+    if isinstance(lay, RowSparseArray):
+        return jnp.where(mask, jnp.take(dense, lay.clean_indices(), axis=0, mode="fill", fill_value=0), 0)
+    bc = jsparse.BCOO((jnp.zeros_like(lay.data), lay.clean_indices()), shape=lay.shape)
+    return jnp.where(mask, jsparse.bcoo_extract(bc, dense).data, 0)
+
+
+def check_layouts(name):
+    spec, row = REGISTRY[name], ROWS[name]
+    dtype = row.dtypes[0]
+    ops = operands(name, dtype, masks=(ROWS_A, ROWS_B))
+    sparse_pos = [i for i, o in enumerate(ops) if isinstance(o, mj.MaskedArray)][: 2 if spec.family == "binary" else 1]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", mj.StorageFallbackWarning)
+        for case in row.cases:
+            want = call(name, public(name), ops, case)
+            grads = "jacobians" not in spec.excluded and _float_out(want)
+            pos = diff_position(ops) if grads else None
+            if grads:
+                g_want = mj.grad(_loss(name, case, ops, np.shape(_dense(want).data)))(ops[pos])
+            for kind in LAYOUTS:
+                lops = list(ops)
+                for i in sparse_pos:
+                    lops[i] = layout(kind, ops[i])
+                got = call(name, public(name), lops, case)
+                assert_same(got, want, row.rtol, f"{name} on {kind} ({case})")
+                jitted = jax.jit(lambda *o: call(name, public(name), o, case))(*lops)
+                assert_same(jitted, want, row.rtol, f"{name} on {kind} under jit ({case})")
+                if grads and pos in sparse_pos:
+                    g = mj.grad(_loss(name, case, lops, np.shape(_dense(want).data)))(lops[pos])
+                    assert type(g) is type(lops[pos]), f"{name} on {kind}: gradient in {type(g).__name__}"
+                    gd = np.asarray(g.data)
+                    assert np.all(np.isfinite(gd)), f"{name} on {kind}: gradient not finite"
+                    expect = np.asarray(slot_values(lops[pos], g_want.filled(0)))
+                    np.testing.assert_allclose(gd, expect, rtol=1e-9, atol=1e-12,
+                                               err_msg=f"{name} on {kind}: gradient per stored slot")
+
+
+def check_maskify(name):
+    spec, row = REGISTRY[name], ROWS[name]
+    fn = row.jax or spec.fn
+    dtype = row.dtypes[0]
+    ops = operands(name, dtype)
+    for case in row.cases:
+        want = call(name, public(name), ops, case)
+        plain = mj.maskify(lambda *o: call(name, fn, o, case))
+        assert_same(plain(*ops), want, row.rtol, f"maskify({name}) ({case})")
+        assert_same(jax.jit(plain)(*ops), want, row.rtol, f"jit(maskify({name})) ({case})")
+
+
+CHECKS = {"reference": check_reference, "transforms": check_transforms, "jacobians": check_jacobians,
+          "poison": check_poison, "layouts": check_layouts, "maskify": check_maskify}
