@@ -132,19 +132,22 @@ class _Call:
             bound = self.signature.bind(*args, **kwargs)
         except TypeError as err:
             raise TypeError(f"{self.qualname}{self.signature}: {err}.") from None
-        operands, params = [], {}
+        operands, labels, params = [], [], {}
         for name, value in bound.arguments.items():
             kind = self.signature.parameters[name].kind
             if name in self.operand_names:
                 if name in self.variadic:
                     operands.extend(value)
+                    labels.extend(f"{name}[{i}]" for i in range(len(value)))
                 elif self.spec.sequence:
                     if not isinstance(value, (list, tuple)):
                         raise TypeError(f"{self.qualname}: {name} must be a sequence of arrays; got "
                                         f"{type(value).__name__}.")
                     operands.extend(value)
+                    labels.extend(f"{name}[{i}]" for i in range(len(value)))
                 else:
                     operands.append(value)
+                    labels.append(name)
             elif kind is inspect.Parameter.VAR_KEYWORD:
                 params.update(value)
             else:
@@ -156,7 +159,7 @@ class _Call:
             from masked_jax.layouts import dispatch
 
             return dispatch.apply(self.spec, operands, params, self.dense)
-        return self.dense(operands, params, where)
+        return self.dense(operands, params, where, labels)
 
     def _check_supported(self, params):
         for name in list(params):
@@ -168,11 +171,12 @@ class _Call:
                 raise TypeError(f"{self.qualname}: {name}={value!r} is not supported with masked semantics "
                                 f"(only its default, {name}={default!r}).")
 
-    def dense(self, operands, params, where=None):
+    def dense(self, operands, params, where=None, labels=None):
         from masked_jax.layouts.dispatch import densify
 
         operands = densify(operands, self.spec.name)
-        pairs = [_unwrap(o, f"{self.qualname}: operand {i}") for i, o in enumerate(operands)]
+        labels = labels or [f"operand {i}" for i in range(len(operands))]
+        pairs = [_unwrap(o, f"{self.qualname}: {label}") for label, o in zip(labels, operands)]
         if where is not None:
             w = _as_mask(where, self.qualname)
             x = pairs[0]

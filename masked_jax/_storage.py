@@ -8,7 +8,7 @@ import abc
 import contextlib
 import threading
 import warnings
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import jax
 
@@ -111,6 +111,8 @@ class SparseMasked(ArrayMethods, abc.ABC):
     """
 
     __slots__ = ()
+    data: Any  # the stored values, padding slots included (a layout's own slot)
+    shape: tuple  # the full (dense) shape
     storage: ClassVar[str] = "sparse"
     rules: ClassVar[dict] = {}
     LAYOUTS: ClassVar[dict] = {}

@@ -235,7 +235,7 @@ UNARY = {
                                 cases=({"new_dtype": jnp.int64},), smooth=False),
     "clz": Row(elementwise(lambda x: np.asarray(lax.clz(jnp.asarray(x)))), dtypes=(I32,), domain=((0, 100),)),
     "astype": Row(elementwise(lambda x, dtype: x.astype(dtype)), cases=({"dtype": jnp.float32},), rtol=1e-6, smooth=False,
-                  call=lambda f, ops, **kw: f(ops[0], kw["dtype"])),
+                  call=lambda f, ops, dtype, **kw: f(ops[0], dtype, **kw)),
 }
 
 _B2 = dict(domain=((-3.0, 3.0), (-3.0, 3.0)))

@@ -25,7 +25,6 @@ import warnings
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import sparse as jsparse
 
 import masked_jax as mj
 import masked_jax.numpy as mnp
@@ -134,7 +133,7 @@ def assert_same(got, want, rtol=1e-9, what=""):
         assert np.shape(gd) == np.shape(wd), f"{what}: shape {np.shape(gd)} against {np.shape(wd)}"
         np.testing.assert_array_equal(np.broadcast_to(gv, np.shape(gd)), wv, err_msg=f"{what}: mask differs")
         g, w = np.where(wv, gd, 0), np.where(wv, wd, 0)
-        if g.dtype.kind in "fc" or w.dtype.kind in "fc":
+        if jnp.issubdtype(g.dtype, jnp.inexact) or jnp.issubdtype(w.dtype, jnp.inexact):
             np.testing.assert_allclose(g.astype(np.float64), w.astype(np.float64), rtol=rtol, atol=rtol,
                                        equal_nan=True, err_msg=f"{what}: data differs")
         else:
@@ -150,8 +149,10 @@ def _index(tree, i):
 
 
 def _float_out(out):
-    leaves = [o for o in jax.tree_util.tree_leaves(_dense(out) if not isinstance(out, list) else out)]
-    return bool(leaves) and all(jnp.issubdtype(jnp.result_type(o), jnp.floating) for o in leaves)
+    """Whether every output (a masked array, plain array or a list of them) has float data."""
+    outs = out if isinstance(out, (list, tuple)) else [out]
+    datas = [_dense(o).data if isinstance(_dense(o), mj.MaskedArray) else o for o in outs]
+    return bool(datas) and all(jnp.issubdtype(jnp.result_type(d), jnp.floating) for d in datas)
 
 
 # -- the checks -----------------------------------------------------------------------------------
@@ -210,7 +211,7 @@ def check_jacobians(name):
     for case in row.cases:
         g = lambda v: call(name, public(name), _replace(ops, pos, v), case)  # noqa: E731
         out = g(x)
-        jf, jr = mj.jacfwd(g)(x), mj.jacrev(g)(x)
+        jf, jr = jax.jit(lambda v: (mj.jacfwd(g)(v), mj.jacrev(g)(v)))(x)
         out_mask = np.asarray(_dense(out).mask)
         want_mask = out_mask.reshape(out_mask.shape + (1,) * x.ndim) & np.asarray(x.mask)
         for jac, mode in ((jf, "jacfwd"), (jr, "jacrev")):
@@ -231,8 +232,8 @@ def check_jacobians(name):
 
         steps = np.zeros((len(idx),) + base.shape)
         steps.reshape(len(idx), -1)[np.arange(len(idx)), idx] = eps
-        plus = jax.vmap(filled)(jnp.asarray(base + steps))
-        minus = jax.vmap(filled)(jnp.asarray(base - steps))
+        plus, minus = jax.jit(jax.vmap(filled))(jnp.asarray(np.concatenate([base + steps, base - steps]))
+                              ).reshape((2, len(idx)) + out_mask.shape)
         num = np.moveaxis(np.asarray((plus - minus) / (2 * eps)), 0, -1)  # out..., k
         an = np.asarray(jf.data).reshape(out_mask.shape + (-1,))[..., idx]
         num = np.where(out_mask[..., None], num, 0)
@@ -240,10 +241,9 @@ def check_jacobians(name):
                                    "differences on valid entries")
 
 
-def _loss(name, case, ops, out_shape_of):
-    """``v -> sum(op(..., v, ...) * w)`` for a fixed random ``w``, ``v`` at the differentiated position."""
+def _loss(name, case, ops, out_shape_of, pos):
+    """``v -> sum(op(..., v, ...) * w)`` for a fixed random ``w``, ``v`` at position ``pos``."""
     w = jnp.asarray(np.random.default_rng(7).uniform(0.5, 1.5, out_shape_of))
-    pos = diff_position(ops)
 
     def loss(v):
         out = _dense(call(name, public(name), _replace(ops, pos, v), case))
@@ -253,20 +253,27 @@ def _loss(name, case, ops, out_shape_of):
 
 
 def check_poison(name):
+    """NaN, +inf and -inf under the mask: the values and the gradient equal those with a finite fill
+    (one jitted function of the operands, called with each poison: the same program every time)."""
     spec, row = REGISTRY[name], ROWS[name]
     dtype = row.dtypes[0]
     clean = repoison(operands(name, dtype), 0.5)
     for case in row.cases:
         want = call(name, public(name), clean, case)
         grads = "jacobians" not in spec.excluded and _float_out(want)
-        if grads:
-            out_shape = np.shape(_dense(want).data)
-            g_want = mj.grad(_loss(name, case, clean, out_shape))(clean[diff_position(clean)])
+        pos = diff_position(clean) if grads else None
+        shape = np.shape(_dense(want).data) if grads else None
+
+        def run(*o):
+            out = call(name, public(name), o, case)
+            return (out, mj.grad(_loss(name, case, list(o), shape, pos))(o[pos])) if grads else (out, None)
+
+        run = jax.jit(run)
+        want, g_want = run(*clean)
         for poison in POISONS:
-            ops = repoison(clean, poison)
-            assert_same(call(name, public(name), ops, case), want, row.rtol, f"{name} with {poison} under the mask")
+            got, g = run(*repoison(clean, poison))
+            assert_same(got, want, row.rtol, f"{name} with {poison} under the mask")
             if grads:
-                g = mj.grad(_loss(name, case, ops, out_shape))(ops[diff_position(ops)])
                 assert np.all(np.isfinite(np.asarray(g.data))), f"{name}: gradient not finite with {poison}"
                 assert_same(g, g_want, 1e-12, f"{name} gradient with {poison} under the mask")
 
@@ -322,39 +329,44 @@ def slot_values(lay, dense):
     mask = lay.block().mask
     if isinstance(lay, RowSparseArray):
         return jnp.where(mask, jnp.take(dense, lay.clean_indices(), axis=0, mode="fill", fill_value=0), 0)
-    bc = jsparse.BCOO((jnp.zeros_like(lay.data), lay.clean_indices()), shape=lay.shape)
-    return jnp.where(mask, jsparse.bcoo_extract(bc, dense).data, 0)
+    idx = lay.clean_indices()  # (batch..., nse, n_sparse); duplicates each read the element
+    batch = [jax.lax.broadcasted_iota(jnp.int32, idx.shape[:-1], d) for d in range(lay.n_batch)]
+    coords = tuple(batch) + tuple(idx[..., j] for j in range(idx.shape[-1]))
+    return jnp.where(mask, dense.at[coords].get(mode="fill", fill_value=0), 0)
 
 
 def check_layouts(name):
+    """Every layout against the dense result: eagerly (first case), under jit (every case, all
+    layouts in one program), and the gradient per stored slot (all layouts in one program)."""
     spec, row = REGISTRY[name], ROWS[name]
     dtype = row.dtypes[0]
     ops = operands(name, dtype, masks=(ROWS_A, ROWS_B))
     sparse_pos = [i for i, o in enumerate(ops) if isinstance(o, mj.MaskedArray)][: 2 if spec.family == "binary" else 1]
+    lays = {kind: [layout(kind, o) if i in sparse_pos else o for i, o in enumerate(ops)] for kind in LAYOUTS}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", mj.StorageFallbackWarning)
-        for case in row.cases:
+        for c, case in enumerate(row.cases):
             want = call(name, public(name), ops, case)
+            if c == 0:
+                for kind, lops in lays.items():
+                    assert_same(call(name, public(name), lops, case), want, row.rtol, f"{name} on {kind} ({case})")
+            jitted = jax.jit(lambda ls: {k: call(name, public(name), v, case) for k, v in ls.items()})(lays)
+            for kind, got in jitted.items():
+                assert_same(got, want, row.rtol, f"{name} on {kind} under jit ({case})")
             grads = "jacobians" not in spec.excluded and _float_out(want)
             pos = diff_position(ops) if grads else None
-            if grads:
-                g_want = mj.grad(_loss(name, case, ops, np.shape(_dense(want).data)))(ops[pos])
-            for kind in LAYOUTS:
-                lops = list(ops)
-                for i in sparse_pos:
-                    lops[i] = layout(kind, ops[i])
-                got = call(name, public(name), lops, case)
-                assert_same(got, want, row.rtol, f"{name} on {kind} ({case})")
-                jitted = jax.jit(lambda *o: call(name, public(name), o, case))(*lops)
-                assert_same(jitted, want, row.rtol, f"{name} on {kind} under jit ({case})")
-                if grads and pos in sparse_pos:
-                    g = mj.grad(_loss(name, case, lops, np.shape(_dense(want).data)))(lops[pos])
-                    assert type(g) is type(lops[pos]), f"{name} on {kind}: gradient in {type(g).__name__}"
-                    gd = np.asarray(g.data)
-                    assert np.all(np.isfinite(gd)), f"{name} on {kind}: gradient not finite"
-                    expect = np.asarray(slot_values(lops[pos], g_want.filled(0)))
-                    np.testing.assert_allclose(gd, expect, rtol=1e-9, atol=1e-12,
-                                               err_msg=f"{name} on {kind}: gradient per stored slot")
+            if not grads or pos not in sparse_pos:
+                continue
+            shape = np.shape(_dense(want).data)
+            g_want = mj.grad(_loss(name, case, ops, shape, pos))(ops[pos])
+            g_all = jax.jit(lambda ls: {k: mj.grad(_loss(name, case, v, shape, pos))(v[pos]) for k, v in ls.items()})(lays)
+            for kind, g in g_all.items():
+                lay = lays[kind][pos]
+                assert type(g) is type(lay), f"{name} on {kind}: gradient in {type(g).__name__}"
+                gd = np.asarray(g.data)
+                assert np.all(np.isfinite(gd)), f"{name} on {kind}: gradient not finite"
+                np.testing.assert_allclose(gd, np.asarray(slot_values(lay, g_want.filled(0))), rtol=1e-9, atol=1e-12,
+                                           err_msg=f"{name} on {kind}: gradient per stored slot (0 at padding)")
 
 
 def check_maskify(name):

@@ -534,3 +534,44 @@ def test_lazy_adam_converges_like_dense_adam():
     lazy = train(optim.lazy(optax.adam(0.02)), SPARSE_TABLES)
     assert dense < 0.1 * initial
     assert lazy <= 1.05 * dense, (lazy, dense)
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_thousand_steps_leave_untouched_rows_and_state_bit_identical(name):
+    """1000 jitted steps (one scan) of row-sparse gradients that never touch the last rows."""
+    opt = optim.lazy(OPTIMIZERS[name]())
+    params = _params()
+    state0 = opt.init(params)
+    rng = np.random.default_rng(5)
+    idx = jnp.asarray(rng.integers(0, N - 3, size=(1000, 4)))
+    vals = jnp.asarray(rng.normal(size=(1000, 4, D)), jnp.float32)
+
+    @jax.jit
+    def run(params, state):
+        def step(carry, xs):
+            p, s = carry
+            g = {"emb": mj.row_sparse(xs[1], xs[0], (N, D)), "b": jnp.zeros(D, jnp.float32)}
+            u, s = opt.update(g, s, p)
+            return (optim.apply_updates(p, u), s), None
+        return jax.lax.scan(step, (params, state), (idx, vals))[0]
+
+    p, s = run(params, state0)
+    np.testing.assert_array_equal(np.asarray(p["emb"][N - 3:]), np.asarray(params["emb"][N - 3:]))
+    assert not np.array_equal(np.asarray(p["emb"][: N - 3]), np.asarray(params["emb"][: N - 3]))
+    for x, x0 in zip(_param_shaped(s, (N, D)), _param_shaped(state0, (N, D))):
+        np.testing.assert_array_equal(np.asarray(x[N - 3:]), np.asarray(x0[N - 3:]))
+    assert all(np.all(np.isfinite(np.asarray(x))) for x in jax.tree_util.tree_leaves((p, s)))
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_mismatched_gradients_and_states_raise_at_trace_time(name):
+    opt = optim.lazy(OPTIMIZERS[name]())
+    params = _params()
+    state = opt.init(params)
+    update = jax.jit(opt.update)
+    too_big = {"emb": mj.row_sparse(jnp.ones((1, D)), jnp.array([N + 2]), (N + 3, D)), "b": jnp.zeros(D)}
+    with pytest.raises(ValueError, match="shape"):
+        update(too_big, state, params)
+    with pytest.raises(ValueError, match="state does not belong"):
+        other = opt.init({"emb": jnp.zeros((N + 1, D)), "b": jnp.zeros(D)})
+        update({"emb": mj.as_masked(jnp.ones((N, D))), "b": jnp.zeros(D)}, other)

@@ -1,4 +1,4 @@
-"""Jacobian checks that know masked from dense semantics (seed 001), compiled through XLA."""
+"""Jacobian checks that know masked from dense semantics (the question of PyTorch's gradcheck discussion), compiled through XLA."""
 
 from masked_jax.checking._check import check_jacobian as check_jacobian
 from masked_jax.checking._report import Check as Check

@@ -5,11 +5,11 @@ Dense semantics (``jax.experimental.sparse`` and gradcheck's default): an unspec
 is 0. Every element is perturbed; perturbing an unspecified element makes it specified (a
 masked element becomes valid, a sparse array gains an entry). The analytical Jacobian is taken
 at the original pattern for masked layouts (specifying a masked-out element moves the point, so
-a function with masked semantics fails here, as seed 001's ``sparse.mm`` does) and at the fully
+a function with masked semantics fails here, as ``torch.sparse.mm`` does in PyTorch's gradcheck discussion) and at the fully
 specified equivalent for a jax BCOO (whose unspecified elements are zeros). Outputs are compared
 everywhere, unspecified outputs read as 0.
 
-Masked semantics (seed 001): an unspecified element does not exist. Only specified elements are
+Masked semantics: an unspecified element does not exist. Only specified elements are
 perturbed and only valid outputs compared, and the check also verifies that the function *has*
 masked semantics, so that a function reading masked-out data cannot pass by accident:
 
