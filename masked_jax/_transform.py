@@ -125,8 +125,11 @@ class _Interpreter:
     def __init__(self, fun_name):
         self.fun_name = fun_name
 
-    def run(self, jaxpr, consts, args):
+    def run(self, jaxpr, consts, args, literal_args=None):
         env, sized, minus = {}, {}, {}
+        # variables computed from literals alone: constants of the function (also an argument of an
+        # inner call that the caller computed from literals, as jnp.where's 0.0 inside its jit)
+        literal = {v for v, lit in zip(jaxpr.invars, literal_args or ()) if lit}
 
         def read(v):
             if isinstance(v, jcore.Literal):
@@ -139,19 +142,24 @@ class _Interpreter:
             env[v] = a
         for eqn in jaxpr.eqns:
             invals = [read(v) for v in eqn.invars]
-            outs = self.equation(eqn, invals, sized, minus)
+            is_literal = [isinstance(v, jcore.Literal) or v in literal for v in eqn.invars]
+            if all(is_literal) and not eqn.effects:
+                literal.update(eqn.outvars)
+            if eqn.primitive is P.select_n_p:
+                invals = [_as_constant(p) if lit else p for p, lit in zip(invals, is_literal)]
+            outs = self.equation(eqn, invals, sized, minus, is_literal)
             outs = outs if eqn.primitive.multiple_results else [outs]
             for v, o in zip(eqn.outvars, outs):
                 env[v] = o
         return [read(v) for v in jaxpr.outvars]
 
     # -- one equation ------------------------------------------------------------------------------
-    def equation(self, eqn, invals, sized, minus):
+    def equation(self, eqn, invals, sized, minus, is_literal=None):
         prim, params = eqn.primitive, dict(eqn.params)
         name = prim.name
         unmasked = all(p.mask is None for p in invals)
         if (prim in _CALLS or prim in _LOOPS) and not unmasked:
-            return self.control(prim, params, invals)
+            return self.control(prim, params, invals, is_literal)
         if unmasked:
             if all(_is_concrete(p.data) for p in invals) and not prim.multiple_results:
                 # Values computed from literals and constants alone stay constants, also when the
@@ -211,12 +219,12 @@ class _Interpreter:
         return Pair(data, valid if num.mask is None else num.mask & valid)
 
     # -- control flow ------------------------------------------------------------------------------
-    def control(self, prim, params, invals):
+    def control(self, prim, params, invals, is_literal=None):
         if prim in _CALLS:
             closed = params.get("jaxpr") or params.get("call_jaxpr") or params.get("fun_jaxpr")
             if isinstance(closed, jcore.ClosedJaxpr):
-                return self.run(closed.jaxpr, closed.consts, invals)
-            return self.run(closed, (), invals)
+                return self.run(closed.jaxpr, closed.consts, invals, is_literal)
+            return self.run(closed, (), invals, is_literal)
         if prim is P.cond_p:
             index, *ops = invals
             if index.mask is not None:
@@ -283,6 +291,18 @@ def _scan_counts(params, n_in):
 def _materialized(pairs):
     """Pairs with every mask an array (loop carries and branch outputs need one fixed structure)."""
     return [Pair(p.data, materialize(p.mask, jnp.shape(p.data))) for p in pairs]
+
+
+def _as_constant(p: Pair) -> Pair:
+    """A value computed from literals alone (``zeros_like``, a broadcast ``-inf``) as a 0-d constant
+    when it is uniform: ``where`` then gives it the validity of the masked operand it is combined
+    with, so a constant fill never makes a masked position valid."""
+    if p.mask is not None or not _is_concrete(p.data) or np.ndim(p.data) == 0 or np.size(p.data) == 0:
+        return p
+    flat = np.asarray(p.data).reshape(-1)
+    if np.all((flat == flat[0]) | (np.isnan(flat) & np.isnan(flat[0]) if flat.dtype.kind == "f" else False)):
+        return Pair(jnp.asarray(flat[0], dtype=flat.dtype), None)
+    return p
 
 
 def _is_concrete(x) -> bool:

@@ -150,7 +150,7 @@ def _ma_reduce(name):
     return quiet(lambda a, **kw: getattr(np.ma, name)(a, **kw))
 
 
-AXES = ({}, {"axis": 1}, {"axis": 0, "keepdims": True}, {"axis": (0, 1)})
+AXES = ({}, {"axis": 1}, {"axis": (0, 1), "keepdims": True})
 AXIS1 = ({}, {"axis": 1}, {"axis": 0, "keepdims": True})
 POS, UNIT, NONZERO = ((0.2, 3.0),), ((-0.9, 0.9),), ((0.5, 3.0),)
 IDX = jnp.array([[0, 2, 1], [1, 1, 0], [2, 0, 0], [0, 1, 2]])

@@ -186,8 +186,7 @@ def check_transforms(name):
         assert_same(jf(*ops2), eager2, row.rtol, f"{name} jit, other masks")
         assert len(traces) == 1, f"{name}: jit retraced when only mask values changed"
         batch = _stack([ops, ops2])
-        vm = jax.vmap(f)(*batch)
-        _, sc = jax.lax.scan(lambda c, o: (c, f(*o)), 0, batch)
+        vm, sc = jax.jit(lambda b: (jax.vmap(f)(*b), jax.lax.scan(lambda c, o: (c, f(*o)), 0, b)[1]))(batch)
         for i, want in enumerate((eager, eager2)):
             assert_same(_index(vm, i), want, row.rtol, f"{name} vmap[{i}]")
             assert_same(_index(sc, i), want, row.rtol, f"{name} scan[{i}]")
@@ -350,16 +349,21 @@ def check_layouts(name):
             if c == 0:
                 for kind, lops in lays.items():
                     assert_same(call(name, public(name), lops, case), want, row.rtol, f"{name} on {kind} ({case})")
-            jitted = jax.jit(lambda ls: {k: call(name, public(name), v, case) for k, v in ls.items()})(lays)
-            for kind, got in jitted.items():
-                assert_same(got, want, row.rtol, f"{name} on {kind} under jit ({case})")
             grads = "jacobians" not in spec.excluded and _float_out(want)
             pos = diff_position(ops) if grads else None
-            if not grads or pos not in sparse_pos:
+            grads = grads and pos in sparse_pos
+            shape = np.shape(_dense(want).data) if grads else None
+
+            def values_and_grads(ls):  # every layout, values and gradients: one program
+                vals = {k: call(name, public(name), v, case) for k, v in ls.items()}
+                return vals, {k: mj.grad(_loss(name, case, v, shape, pos))(v[pos]) for k, v in ls.items()} if grads else {}
+
+            jitted, g_all = jax.jit(values_and_grads)(lays)
+            for kind, got in jitted.items():
+                assert_same(got, want, row.rtol, f"{name} on {kind} under jit ({case})")
+            if not grads:
                 continue
-            shape = np.shape(_dense(want).data)
             g_want = mj.grad(_loss(name, case, ops, shape, pos))(ops[pos])
-            g_all = jax.jit(lambda ls: {k: mj.grad(_loss(name, case, v, shape, pos))(v[pos]) for k, v in ls.items()})(lays)
             for kind, g in g_all.items():
                 lay = lays[kind][pos]
                 assert type(g) is type(lay), f"{name} on {kind}: gradient in {type(g).__name__}"

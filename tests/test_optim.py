@@ -572,6 +572,7 @@ def test_mismatched_gradients_and_states_raise_at_trace_time(name):
     too_big = {"emb": mj.row_sparse(jnp.ones((1, D)), jnp.array([N + 2]), (N + 3, D)), "b": jnp.zeros(D)}
     with pytest.raises(ValueError, match="shape"):
         update(too_big, state, params)
-    with pytest.raises(ValueError, match="state does not belong"):
-        other = opt.init({"emb": jnp.zeros((N + 1, D)), "b": jnp.zeros(D)})
-        update({"emb": mj.as_masked(jnp.ones((N, D))), "b": jnp.zeros(D)}, other)
+    other = opt.init({"emb": jnp.zeros((N + 1, D)), "b": jnp.zeros(D)})
+    if jax.tree_util.tree_leaves(other):  # a stateless optimizer (sgd) has no state to mismatch
+        with pytest.raises(ValueError, match="state does not belong"):
+            update({"emb": mj.as_masked(jnp.ones((N, D))), "b": jnp.zeros(D)}, other)

@@ -281,3 +281,42 @@ def test_more_primitives_sort_top_k_dynamic_slices_custom_vjp_while():
     while float(mnp.max(want).data) > 0.1:
         want = want / 2.0
     _same(out, want)
+
+
+# -- the where rule: a constant never makes a masked position valid ---------------------------------
+PADDED = mj.masked_array(jnp.asarray(np.where(MASK, RNG.uniform(0.5, 1.5, (3, 4)), np.nan)), jnp.asarray(MASK))
+
+
+@pytest.mark.parametrize("name,fun", [
+    ("dropout", lambda x: jnp.where(jnp.arange(12).reshape(3, 4) % 3 != 0, x / 0.5, 0.0)),
+    ("attention mask", lambda x: jnp.where(jnp.asarray(np.tri(3, 4, dtype=bool)), x, -jnp.inf)),
+    ("zeros_like fill", lambda x: jnp.where(x > 1.0, x, jnp.zeros_like(x))),
+    ("select default", lambda x: jnp.select([x < 0.8, x > 1.2], [x, 2 * x], default=0.0)),
+    ("tril", lambda x: jnp.tril(x)),
+    ("triu", lambda x: jnp.triu(x, 1)),
+])
+def test_a_constant_never_makes_a_masked_position_valid(name, fun):
+    for f in (mj.maskify(fun), jax.jit(mj.maskify(fun))):
+        out = f(PADDED)
+        assert not np.any(np.asarray(out.mask) & ~MASK), f"{name}: padding became valid"
+        assert np.all(np.isfinite(np.asarray(out.data)[np.asarray(out.mask)]) | np.isinf(
+            np.asarray(out.data)[np.asarray(out.mask)])), name
+    # and the same rule in masked_jax.numpy
+    got = mnp.where(PADDED > 1.0, PADDED, 0.0)
+    np.testing.assert_array_equal(np.asarray(got.mask), MASK)
+
+
+def test_masked_mean_pool_after_dropout_sees_only_real_tokens():
+    keep = jnp.asarray(RNG.random((3, 4)) > 0.3)
+    pooled = mj.maskify(lambda x: jnp.mean(jnp.where(keep, x / 0.7, 0.0), axis=1))(PADDED)
+    want = mnp.mean(mj.masked_array(jnp.where(keep, PADDED.data / 0.7, 0.0), PADDED.mask), axis=1)
+    _same(pooled, want)
+
+
+def test_complementary_masks_merged_by_where_stay_valid():
+    a = mj.masked_array(jnp.ones((2, 2)), jnp.array([[True, False], [True, False]]))
+    b = mj.masked_array(2 * jnp.ones((2, 2)), jnp.array([[False, True], [False, True]]))
+    pick = jnp.array([[True, False], [True, False]])
+    for out in (mnp.where(pick, a, b), mj.maskify(jnp.where)(pick, a, b)):
+        assert bool(jnp.all(out.mask))
+        np.testing.assert_array_equal(np.asarray(out.data), [[1.0, 2.0], [1.0, 2.0]])

@@ -62,6 +62,7 @@ MANUAL = [
     ("tostype: unknown storage", lambda: X.tostype("csr"), ValueError, "storage must be"),
     ("sum: axis out of range", lambda: mnp.sum(X, axis=2), ValueError, "axis 2 is out of bounds"),
     ("sum: repeated axis", lambda: mnp.sum(X, axis=(0, 0)), ValueError, "repeated axis"),
+    ("mean: a float axis", lambda: mnp.mean(X, axis=1.5), TypeError, "axis must be None, an int"),
     ("argmax: tuple axis", lambda: mnp.argmax(X, axis=(0, 1)), TypeError, "axis must be an int"),
     ("quantile: q out of [0, 1]", lambda: mnp.quantile(X, 1.5), ValueError, "q must be numbers in"),
     ("percentile: q out of [0, 100]", lambda: mnp.percentile(X, 150.0), ValueError, "q must be numbers in"),

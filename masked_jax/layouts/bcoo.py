@@ -16,7 +16,6 @@ from jax.experimental import sparse as jsparse
 
 from masked_jax._core import MaskedArray
 from masked_jax._storage import SparseMasked, is_tracer
-from masked_jax.layouts.rows import RowSparseArray
 from masked_jax.layouts.segments import unique_ids
 from masked_jax.ops._base import Pair
 
@@ -142,11 +141,12 @@ class BCOOMaskedArray(SparseMasked, storage="bcoo"):
     def T(self):
         return self.flatten_dense().transpose()
 
-    def to_row_sparse(self) -> RowSparseArray:
+    def to_row_sparse(self):
         """Row-sparse view when the layout is one sparse dimension + dense ones; else via dense."""
+        rows = SparseMasked.LAYOUTS["row_sparse"]
         if self.n_batch == 0 and self.n_sparse == 1:
-            return RowSparseArray._make(self.shape, self.data, self.indices[:, 0])
-        return RowSparseArray.from_masked(self.todense())
+            return rows._make(self.shape, self.data, self.indices[:, 0])
+        return rows.from_masked(self.todense())
 
     @classmethod
     def from_masked(cls, x, nse=None, n_batch=0, n_dense=0) -> "BCOOMaskedArray":  # type: ignore[override]
@@ -156,7 +156,7 @@ class BCOOMaskedArray(SparseMasked, storage="bcoo"):
         valid or fully masked: checked eagerly (``ValueError``); under ``jit`` a partly valid
         block is stored whole.
         """
-        if isinstance(x, RowSparseArray) and not (n_batch or n_dense):
+        if getattr(x, "storage", None) == "row_sparse" and not (n_batch or n_dense):
             return cls.from_bcoo(x.to_bcoo())
         dense = x if isinstance(x, MaskedArray) else x.todense()
         if nse is None and is_tracer(dense.mask):

@@ -81,9 +81,13 @@ def normalize_axis(axis, ndim: int) -> tuple[int, ...]:
     """``axis`` (None, int or tuple) as a sorted tuple of non-negative ints."""
     if axis is None:
         return tuple(range(ndim))
+    if isinstance(axis, (bool, np.bool_)) or not isinstance(axis, (int, np.integer, tuple, list)):
+        raise TypeError(f"axis must be None, an int or a tuple of ints; got {axis!r}.")
     axes = (axis,) if isinstance(axis, (int, np.integer)) else tuple(axis)
     out = []
     for a in axes:
+        if isinstance(a, (bool, np.bool_)) or not isinstance(a, (int, np.integer)):
+            raise TypeError(f"axis must be None, an int or a tuple of ints; got {axis!r}.")
         a = int(a)
         if not -ndim <= a < max(ndim, 1):
             raise ValueError(f"axis {a} is out of bounds for an array of dimension {ndim}.")

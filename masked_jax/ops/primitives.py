@@ -97,8 +97,11 @@ def _select_n(prim, invals, **params):
     pred, *cases = invals
     if len(cases) == 2:  # select_n(p, false_case, true_case) is where(p, true_case, false_case)
         return binary.where(pred, cases[1], cases[0])
-    data = prim.bind(pred.data, *(c.data for c in cases))
-    masks = [materialize(c.mask, jnp.shape(c.data)) for c in cases]
+    shape = next((jnp.shape(c.data) for c in cases if np.ndim(c.data)), jnp.shape(pred.data))
+    data = prim.bind(pred.data, *(jnp.broadcast_to(c.data, shape) for c in cases))
+    # as in where: a constant case takes the validity of the masked cases it is combined with
+    masked_cases = and_masks(*(c.mask for c in cases if not binary.is_constant(c)))
+    masks = [materialize(masked_cases if binary.is_constant(c) else c.mask, shape) for c in cases]
     return Pair(data, and_masks(pred.mask, prim.bind(pred.data, *masks)))
 
 
