@@ -90,15 +90,26 @@ def _binary_with_scalar(spec, operands, params):
     return NotImplemented
 
 
-def rows_binary(spec, operands, params):
-    if len(operands) != 2 or spec.name in ("where", "clip"):
-        return NotImplemented
-    out = _binary_with_scalar(spec, operands, params)
-    if out is not NotImplemented:
-        return out
-    a, b = operands
-    if isinstance(a, RowSparseArray) and isinstance(b, RowSparseArray) and a.shape == b.shape:
-        return _rows_intersect(spec.rule, a, b, params)
+def _binary_rule(intersect, compatible, with_dense=None):
+    """A layout's binary rule: with a scalar on the stored block; with an operand of the same layout
+    (``compatible``) by ``intersect``; with a dense array by ``with_dense`` where the layout has one."""
+
+    def rule(spec, operands, params):
+        if len(operands) != 2 or spec.name in ("where", "clip"):
+            return NotImplemented
+        out = _binary_with_scalar(spec, operands, params)
+        if out is not NotImplemented:
+            return out
+        a, b = operands
+        if compatible(a, b):
+            return intersect(spec.rule, a, b, params)
+        return NotImplemented if with_dense is None else with_dense(spec, a, b, params)
+
+    return rule
+
+
+def _rows_with_dense(spec, a, b, params):
+    """Row-sparse ∘ dense array: the dense rows at the stored indices are gathered."""
     for pos, (x, other) in enumerate(((a, b), (b, a))):
         if isinstance(x, RowSparseArray) and not is_sparse(other) and not isinstance(other, MaskedArray):
             other = jnp.asarray(other)
@@ -109,19 +120,6 @@ def rows_binary(spec, operands, params):
                 return NotImplemented
             pair = (x.block(), Pair(other, None)) if pos == 0 else (Pair(other, None), x.block())
             return x.with_data(spec.rule(*pair, **params).data)
-    return NotImplemented
-
-
-def bcoo_binary(spec, operands, params):
-    if len(operands) != 2 or spec.name in ("where", "clip"):
-        return NotImplemented
-    out = _binary_with_scalar(spec, operands, params)
-    if out is not NotImplemented:
-        return out
-    a, b = operands
-    if isinstance(a, BCOOMaskedArray) and isinstance(b, BCOOMaskedArray) and a.shape == b.shape \
-            and a.n_batch == b.n_batch and a.n_dense == b.n_dense:
-        return _bcoo_intersect(spec.rule, a, b, params)
     return NotImplemented
 
 
@@ -250,7 +248,11 @@ def _matmul_dense(x, w):
 
 
 
-RowSparseArray.rules = {"elementwise": on_block, "binary": rows_binary, "reductions": rows_reduce,
-                        "normalization": rows_reduce, "linalg": matmul_dense}
-BCOOMaskedArray.rules = {"elementwise": on_block, "binary": bcoo_binary, "reductions": bcoo_reduce,
-                         "normalization": bcoo_reduce, "linalg": matmul_dense}
+RowSparseArray.rules = {
+    "elementwise": on_block, "reductions": rows_reduce, "normalization": rows_reduce, "linalg": matmul_dense,
+    "binary": _binary_rule(_rows_intersect, lambda a, b: isinstance(a, RowSparseArray) and isinstance(
+        b, RowSparseArray) and a.shape == b.shape, _rows_with_dense)}
+BCOOMaskedArray.rules = {
+    "elementwise": on_block, "reductions": bcoo_reduce, "normalization": bcoo_reduce, "linalg": matmul_dense,
+    "binary": _binary_rule(_bcoo_intersect, lambda a, b: isinstance(a, BCOOMaskedArray) and isinstance(
+        b, BCOOMaskedArray) and (a.shape, a.n_batch, a.n_dense) == (b.shape, b.n_batch, b.n_dense))}
