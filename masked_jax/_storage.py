@@ -89,6 +89,8 @@ def strict_storage(strict: bool = True):
         ...     mnp.exp(x).storage
         'row_sparse'
     """
+    if not isinstance(strict, bool):
+        raise TypeError(f"strict_storage: strict must be a bool; got {type(strict).__name__}.")
     old = STATE.strict
     STATE.strict = strict
     try:

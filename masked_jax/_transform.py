@@ -74,6 +74,8 @@ def maskify(fun):
         >>> mj.maskify(jax.nn.softmax)(x).mask
         Array([ True,  True, False], dtype=bool)
     """
+    if not callable(fun):
+        raise TypeError(f"maskify: fun must be callable; got {type(fun).__name__}.")
     name = getattr(fun, "__name__", repr(fun))
 
     @functools.wraps(fun)

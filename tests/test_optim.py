@@ -576,3 +576,18 @@ def test_mismatched_gradients_and_states_raise_at_trace_time(name):
     if jax.tree_util.tree_leaves(other):  # a stateless optimizer (sgd) has no state to mismatch
         with pytest.raises(ValueError, match="state does not belong"):
             update({"emb": mj.as_masked(jnp.ones((N, D))), "b": jnp.zeros(D)}, other)
+
+
+def test_lifting_inside_masked_and_multi_transform_works():
+    """optax.masked / multi_transform around lazy(...): the way the refusal of lazy(masked) points to."""
+    params = {"emb": jnp.zeros((N, D)), "b": jnp.zeros(D)}
+    g = {"emb": mj.row_sparse(jnp.ones((2, D)), jnp.array([1, 4]), (N, D)), "b": jnp.ones(D)}
+    for opt in (optax.masked(optim.lazy(optax.adam(0.1)), {"emb": True, "b": False}),
+                optax.multi_transform({"rows": optim.lazy(optax.adam(0.1)), "dense": optax.sgd(0.1)},
+                                      {"emb": "rows", "b": "dense"})):
+        state = opt.init(params)
+        u, state = jax.jit(opt.update)(g, state, params)
+        new = optim.apply_updates(params, u)
+        touched = np.zeros(N, bool)
+        touched[[1, 4]] = True
+        assert np.all(np.asarray(new["emb"])[touched] != 0) and np.all(np.asarray(new["emb"])[~touched] == 0)

@@ -96,6 +96,23 @@ MANUAL = [
     ("grad: argnums out of range", lambda: mj.grad(lambda x: mnp.sum(x), argnums=3)(X), ValueError, "argnums"),
     ("tangent: wrong shape", lambda: mj.tangent(X, jnp.ones(3)), ValueError, "data_tangent must have shape"),
     ("one_hot: float classes", lambda: mj.nn.one_hot(X, 3), TypeError, "integer class indices"),
+    ("value_and_grad: argnums out of range", lambda: mj.value_and_grad(lambda x: mnp.sum(x), argnums=2)(X),
+     ValueError, "argnums"),
+    ("jacfwd: argnums out of range", lambda: mj.jacfwd(lambda x: x, argnums=1)(X), ValueError, "argnums"),
+    ("jacrev: argnums out of range", lambda: mj.jacrev(lambda x: x, argnums=1)(X), ValueError, "argnums"),
+    ("hessian: argnums out of range", lambda: mj.hessian(lambda x: mnp.sum(x), argnums=1)(X), ValueError, "argnums"),
+    ("grad: a non-scalar loss", lambda: mj.grad(lambda x: x)(X), TypeError, "scalar output"),
+    ("maskify: not callable", lambda: mj.maskify(3), TypeError, "fun must be callable"),
+    ("strict_storage: not a bool", lambda: mj.strict_storage("yes").__enter__(), TypeError, "strict must be a bool"),
+    ("scale_by_rss: eps_placement", lambda: optim.scale_by_rss(eps_placement="middle"), ValueError, "eps_placement"),
+    ("init_sharded: not a transformation", lambda: optim.init_sharded(3, jnp.zeros(2)), TypeError,
+     "optimizer must be an optax"),
+    ("sharded_update: mesh", lambda: optim.sharded_update(optim.lazy(optax.sgd(0.1)), jnp.zeros(2), (),
+                                                          jnp.zeros(2), mesh=3, axis="rows"), TypeError,
+     "mesh must be"),
+    ("lazy(optax.masked): the reason and the way out", lambda: optim.lazy(optax.masked(
+        optax.adam(0.1), {"a": True, "b": False})).init({"a": jnp.zeros(2), "b": jnp.zeros(2)}), ValueError,
+     "optax.masked(lazy(inner), mask)"),
 ]
 
 

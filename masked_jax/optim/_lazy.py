@@ -52,6 +52,15 @@ def _check_liftable(ref: _Reference, state) -> None:
         if ref.matches(node):
             return
         if jnp.issubdtype(jnp.result_type(node), jnp.inexact) and np.ndim(node) > 0:
+            if tuple(np.shape(node)) in ref.shapes:
+                raise ValueError(
+                    f"lazy() cannot lift this transformation: its state leaf {jax.tree_util.keystr(path)} has "
+                    f"a parameter's shape {np.shape(node)} but sits in a subtree that is not shaped like the "
+                    "parameter tree (as in optax.masked or optax.multi_transform, whose inner states cover "
+                    "only some parameters), so it cannot be matched to its parameter. Lift the inner "
+                    "transformations instead: optax.masked(lazy(inner), mask), "
+                    "optax.multi_transform({label: lazy(tx), ...}, labels)."
+                )
             raise ValueError(
                 f"lazy() cannot lift this transformation: its state leaf "
                 f"{jax.tree_util.keystr(path)} has shape {np.shape(node)}, which is neither a "
