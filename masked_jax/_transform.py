@@ -188,6 +188,10 @@ class _Interpreter:
             m = materialize(x.mask, jnp.shape(x.data))
             n = int(np.prod([jnp.shape(x.data)[a] for a in params["axes"]], dtype=np.int64))
             sized[eqn.outvars[0]] = _Sized(n, jnp.sum(m, axis=tuple(params["axes"])))
+        elif prim is P.reduce_window_sum_p:  # average pooling divides by the window size: a mean
+            x = invals[0]
+            n = int(np.prod(params["window_dimensions"], dtype=np.int64))
+            sized[eqn.outvars[0]] = _Sized(n, primitives.window_count(materialize(x.mask, jnp.shape(x.data)), params))
         elif prim in (P.broadcast_in_dim_p, P.reshape_p, P.convert_element_type_p) and eqn.invars[0] in sized:
             s = sized[eqn.invars[0]]
             count = prim.bind(s.count, **params) if prim is not P.convert_element_type_p else s.count

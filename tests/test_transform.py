@@ -320,3 +320,59 @@ def test_complementary_masks_merged_by_where_stay_valid():
     for out in (mnp.where(pick, a, b), mj.maskify(jnp.where)(pick, a, b)):
         assert bool(jnp.all(out.mask))
         np.testing.assert_array_equal(np.asarray(out.data), [[1.0, 2.0], [1.0, 2.0]])
+
+
+# -- convolution, pooling, masked gathers, checkpoint, barriers -------------------------------------
+IMG_MASK = np.ones((2, 4, 4, 3), bool)
+IMG_MASK[0, 0], IMG_MASK[1, :, 3], IMG_MASK[1, 1, 1] = False, False, False
+IMG = mj.masked_array(jnp.asarray(np.where(IMG_MASK, RNG.normal(size=(2, 4, 4, 3)), np.nan)), jnp.asarray(IMG_MASK))
+
+
+def _windows(a, k):
+    """(N, H//k, W//k, C, k*k) non-overlapping k x k windows of an NHWC array (numpy)."""
+    n, h, w, c = a.shape
+    return a.reshape(n, h // k, k, w // k, k, c).transpose(0, 1, 3, 5, 2, 4).reshape(n, h // k, w // k, c, k * k)
+
+
+def test_pooling_is_over_valid_elements_and_average_pooling_is_a_masked_mean():
+    window = lambda op, init: lambda v: jax.lax.reduce_window(v, init, op, (1, 2, 2, 1), (1, 2, 2, 1), "VALID")  # noqa: E731
+    data, valid = _windows(np.asarray(IMG.data), 2), _windows(IMG_MASK, 2)
+    ma = np.ma.masked_array(data, ~valid)
+    for fun, ref in ((window(jax.lax.max, -jnp.inf), np.ma.max(ma, -1)), (window(jax.lax.min, jnp.inf), np.ma.min(ma, -1)),
+                     (lambda v: window(jax.lax.add, 0.0)(v) / 4.0, np.ma.mean(ma, -1))):
+        for f in (mj.maskify(fun), jax.jit(mj.maskify(fun))):
+            out = f(IMG)
+            np.testing.assert_array_equal(np.asarray(out.mask), ~np.ma.getmaskarray(ref))
+            np.testing.assert_allclose(np.asarray(out.filled(0)), np.ma.filled(ref, 0), rtol=1e-12)
+
+
+def test_convolution_sums_over_jointly_valid_taps():
+    w = jnp.asarray(RNG.normal(size=(3, 3, 3, 2)))
+    conv = lambda v: jax.lax.conv_general_dilated(v, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))  # noqa: E731
+    out = mj.maskify(conv)(IMG)
+    np.testing.assert_allclose(np.asarray(out.filled(0)), np.asarray(conv(IMG.filled(0))) * np.asarray(out.mask), rtol=1e-12)
+    valid_taps = jax.lax.conv_general_dilated(jnp.asarray(IMG_MASK, jnp.float64), jnp.ones((3, 3, 3, 2)), (1, 1), "SAME",
+                                              dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    np.testing.assert_array_equal(np.asarray(out.mask), np.asarray(valid_taps) > 0)
+    g = mj.grad(mj.maskify(lambda v: jnp.sum(conv(v) ** 2)))(IMG)
+    assert bool(jnp.all(jnp.isfinite(g.data))) and bool(jnp.all(g.mask == IMG.mask))
+
+
+def test_a_masked_index_gives_a_masked_row():
+    table = mj.as_masked(jnp.asarray(RNG.normal(size=(5, 3))))
+    ids = mj.masked_array(jnp.array([[1, 4], [-1, 0]]), jnp.array([[True, False], [True, True]]))
+    for f in (mj.maskify(lambda t, i: t[i]), mj.maskify(lambda t, i: jnp.take(t, i, axis=0))):
+        out = f(table, ids)
+        np.testing.assert_array_equal(np.asarray(out.mask[..., 0]), [[True, False], [True, True]])
+        np.testing.assert_allclose(np.asarray(out.data[1, 0]), np.asarray(table.data[4]))
+    embed_mean = mj.maskify(lambda t, i: jnp.mean(t[i], axis=(0, 1)))
+    np.testing.assert_allclose(np.asarray(embed_mean(table, ids).data),
+                               np.asarray(table.data[jnp.array([1, 4, 0])]).mean(0), rtol=1e-12)
+
+
+def test_checkpoint_and_barriers_are_interpreted():
+    f = lambda v: jnp.mean(jnp.tanh(v) * 2, axis=1)  # noqa: E731
+    _same(mj.maskify(jax.checkpoint(f))(X), mj.maskify(f)(X))
+    _same(mj.maskify(lambda v: jax.lax.optimization_barrier(v) + 1.0)(X), X + 1.0)
+    g = mj.grad(mj.maskify(lambda v: jnp.sum(jax.checkpoint(f)(v))))(X)
+    _same(g, mj.grad(mj.maskify(lambda v: jnp.sum(f(v))))(X))

@@ -157,13 +157,55 @@ def _pad(prim, invals, padding_config):
 
 
 def _gather(prim, invals, **params):
+    """Rows (slices) move with their mask; a masked index gives a masked slice (it reads slice 0, a
+    finite value, which no result or gradient sees); out of range in fill mode: masked."""
     x, idx = invals
-    _require_valid(prim, [idx])
-    data = prim.bind(x.data, idx.data, **params)
-    if x.mask is None and params.get("mode") != lax.GatherScatterMode.FILL_OR_DROP:
-        return Pair(data, None)
+    idx_data = fill(idx.data, idx.mask, 0)
+    data = prim.bind(x.data, idx_data, **params)
+    mask = None
+    if x.mask is not None or params.get("mode") == lax.GatherScatterMode.FILL_OR_DROP:
+        m = materialize(x.mask, jnp.shape(x.data))
+        mask = prim.bind(m, idx_data, **{**params, "fill_value": False})
+    if idx.mask is not None:  # output dims: the indices' batch dims, with the slice (offset) dims inserted
+        valid = jnp.all(materialize(idx.mask, jnp.shape(idx.data)), axis=-1)
+        valid = jnp.broadcast_to(jnp.expand_dims(valid, params["dimension_numbers"].offset_dims), jnp.shape(data))
+        mask = valid if mask is None else mask & valid
+    return Pair(data, mask)
+
+
+def _conv(prim, invals, **params):
+    """A convolution sums over the jointly valid taps; an output is valid iff it has one (as matmul)."""
+    return linalg.contraction(_bound(prim, params))(*invals)
+
+
+def _reduce_window(identity):
+    """Pooling over the valid elements of each window (masked ones enter as the reduction's identity);
+    a window with no valid element is masked."""
+    def rule(prim, invals, **params):
+        (x,) = invals
+        m = materialize(x.mask, jnp.shape(x.data))
+        data = prim.bind(fill(x.data, m, identity(jnp.result_type(x.data))), **params)
+        return Pair(data, window_count(m, params) > 0)
+    return rule
+
+
+def window_count(mask, params):
+    """The number of valid elements in each window of ``reduce_window_*`` with ``params``."""
+    return P.reduce_window_sum_p.bind(mask.astype(jnp.int32), **params)
+
+
+def _same_value(prim, invals, **params):
+    """Primitives that return their operands' values (barriers, placement): masks unchanged."""
+    outs = prim.bind(*(p.data for p in invals), **params)
+    if not prim.multiple_results:
+        return Pair(outs, invals[0].mask)
+    return [Pair(o, p.mask) for o, p in zip(outs, invals)]
+
+
+def _reduce_xor(prim, invals, axes, **params):
+    (x,) = invals
     m = materialize(x.mask, jnp.shape(x.data))
-    return Pair(data, prim.bind(m, idx.data, **{**params, "fill_value": False}))  # out of range: masked
+    return Pair(prim.bind(fill(x.data, m, 0), axes=axes, **params), jnp.any(m, axis=tuple(axes)))
 
 
 def _dynamic_update_slice(prim, invals):
@@ -257,6 +299,10 @@ _TILE_P = _staged_primitive("tile", lambda a: jnp.tile(a, 2), _ONES)
 _PASSTHROUGH = [P.reshape_p, P.transpose_p, P.broadcast_in_dim_p, P.squeeze_p, P.rev_p, P.slice_p,
                 P.dynamic_slice_p, _TILE_P]
 STRUCTURAL.update({prim: _passthrough for prim in _PASSTHROUGH if prim is not None})
+STRUCTURAL.update({P.conv_general_dilated_p: _conv, P.reduce_window_sum_p: _reduce_window(lambda d: 0),
+                   P.reduce_window_max_p: _reduce_window(lowest), P.reduce_window_min_p: _reduce_window(highest),
+                   P.reduce_xor_p: _reduce_xor, lax.optimization_barrier_p: _same_value, P.sharding_constraint_p: _same_value,
+                   P.device_put_p: _same_value})
 STRUCTURAL.update({P.concatenate_p: _concatenate, P.pad_p: _pad, P.gather_p: _gather,
                    P.dynamic_update_slice_p: _dynamic_update_slice, P.sort_p: _sort, P.top_k_p: _top_k})
 STRUCTURAL.update({prim: rule for prim, rule in ((_STACK_P, _stack), (_SPLIT_P, _split)) if prim is not None})
@@ -267,11 +313,7 @@ for _prim in (P.scatter_p, P.scatter_add_p, P.scatter_mul_p, P.scatter_min_p, P.
 _DECOMPOSITION = "matrix decompositions of partly missing matrices are undefined; fill the matrix first"
 UNSUPPORTED = {
     P.fft_p: "an FFT mixes every element; masked-out elements have no defined contribution",
-    P.conv_general_dilated_p: "not written yet; express the convolution with dot_general, or fill first",
-    P.reduce_window_sum_p: "pooling windows are not written yet",
-    P.reduce_window_max_p: "pooling windows are not written yet",
-    P.reduce_window_min_p: "pooling windows are not written yet",
-    P.reduce_window_p: "pooling windows are not written yet",
+    P.reduce_window_p: "a window reduction with a custom reducer has no masked identity; use sum, max or min",
     P.cholesky_p: _DECOMPOSITION, P.eigh_p: _DECOMPOSITION, P.lu_p: _DECOMPOSITION, P.qr_p: _DECOMPOSITION,
     P.svd_p: _DECOMPOSITION,
     P.triangular_solve_p: "solves with partly missing matrices are undefined; fill the matrix first",
