@@ -18,11 +18,11 @@ from jax.typing import ArrayLike, DTypeLike
 from masked_jax import ops
 from masked_jax import _storage as _layouts
 from masked_jax._methods import ArrayMethods
+from masked_jax.ops._base import Pair, with_mask_tangent
+from masked_jax.ops.shape import at_update
 
 if TYPE_CHECKING:
     from jax.experimental import sparse as jsparse
-from masked_jax.ops._base import Pair, with_mask_tangent
-from masked_jax.ops.shape import at_update
 
 _REPR_MAX_ELEMENTS = 1000
 

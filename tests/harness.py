@@ -340,7 +340,8 @@ def slot_values(lay, dense):
 
 def check_layouts(name):
     """Every layout against the dense result: eagerly (first case), under jit (every case, all
-    layouts in one program), and the gradient per stored slot (all layouts in one program)."""
+    layouts in one program), and the gradient per stored slot (all layouts in one program; eagerly
+    too for the first case, on the layouts with duplicates)."""
     spec, row = REGISTRY[name], ROWS[name]
     dtype = row.dtypes[0]
     ops = operands(name, dtype, masks=(ROWS_A, ROWS_B))
@@ -368,8 +369,11 @@ def check_layouts(name):
             if not grads:
                 continue
             g_want = mj.grad(_loss(name, case, ops, shape, pos))(ops[pos])
+            if c == 0:  # eagerly too, on the layouts with duplicates and poisoned padding
+                g_all = {**g_all, **{f"{k} (eager)": mj.grad(_loss(name, case, lays[k], shape, pos))(lays[k][pos])
+                                     for k in ("bcoo_dup", "rows_dup")}}
             for kind, g in g_all.items():
-                lay = lays[kind][pos]
+                lay = lays[kind.split(" ")[0]][pos]
                 assert type(g) is type(lay), f"{name} on {kind}: gradient in {type(g).__name__}"
                 gd = np.asarray(g.data)
                 assert np.all(np.isfinite(gd)), f"{name} on {kind}: gradient not finite"

@@ -233,7 +233,6 @@ _shape_op("argsort", argsort, jnp.argsort, methods=("argsort",), returns="array"
           excluded={"jacobians": "integer output: no derivative"})
 _shape_op("getitem", getitem, None, modules=(),
           signature=inspect.Signature([inspect.Parameter("a", inspect.Parameter.POSITIONAL_ONLY),
-                                       inspect.Parameter("index", inspect.Parameter.POSITIONAL_ONLY)]),
-          excluded={"maskify": "indexing is interpreted through gather/slice primitives"})
+                                       inspect.Parameter("index", inspect.Parameter.POSITIONAL_ONLY)]))
 
 del _name, _fn, _args, _count, _methods
