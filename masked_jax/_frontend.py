@@ -22,6 +22,7 @@ from masked_jax import ops
 from masked_jax._core import _unwrap, _wrap, is_operand
 from masked_jax._methods import ArrayMethods
 from masked_jax._storage import SparseMasked
+from masked_jax.layouts import dispatch
 from masked_jax.ops._base import Pair, and_masks
 from masked_jax.ops._registry import ANNOTATIONS, OPERAND, OpSpec, on_register
 
@@ -156,8 +157,6 @@ class _Call:
         self._check_supported(params)
         if where is None and not any(params.get(n) is not None for n in self.spec.optional_operands) \
                 and any(isinstance(o, SparseMasked) for o in operands):
-            from masked_jax.layouts import dispatch
-
             return dispatch.apply(self.spec, operands, params, self.dense)
         return self.dense(operands, params, where, labels)
 
@@ -172,9 +171,7 @@ class _Call:
                                 f"(only its default, {name}={default!r}).")
 
     def dense(self, operands, params, where=None, labels=None):
-        from masked_jax.layouts.dispatch import densify
-
-        operands = densify(operands, self.spec.name)
+        operands = dispatch.densify(operands, self.spec.name)
         labels = labels or [f"operand {i}" for i in range(len(operands))]
         pairs = [_unwrap(o, f"{self.qualname}: {label}") for label, o in zip(labels, operands)]
         if where is not None:
@@ -184,7 +181,7 @@ class _Call:
                                                                jnp.shape(x.data)), w))
         for name in self.spec.optional_operands:
             if params.get(name) is not None:
-                (value,) = densify([params[name]], self.spec.name)
+                (value,) = dispatch.densify([params[name]], self.spec.name)
                 params[name] = _unwrap(value, f"{self.qualname}: {name}")
         if self.spec.sequence:
             return _wrap(self.spec.rule(pairs, **params))

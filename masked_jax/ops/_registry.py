@@ -180,10 +180,5 @@ def rule_signature(rule: Callable[..., Any]) -> inspect.Signature:
     return signature_of(rule)
 
 
-def by_family(family: str) -> list[OpSpec]:
-    """The registered ops of ``family``, in registration order."""
-    return [s for s in REGISTRY.values() if s.family == family]
-
-
-__all__ = ["ANNOTATIONS", "CHECKS", "FAMILIES", "OPERAND", "OpSpec", "REGISTRY", "by_family", "on_register",
+__all__ = ["ANNOTATIONS", "CHECKS", "FAMILIES", "OPERAND", "OpSpec", "REGISTRY", "on_register",
            "register", "rule_signature", "signature_of", "unregister"]

@@ -12,15 +12,13 @@ import numpy as np
 
 from masked_jax.ops._base import Pair, fill, materialize, normalize_axis
 from masked_jax.ops._registry import OpSpec, register, signature_of
-from masked_jax.ops.reductions import _float, _float_dtype, _mask, _safe_div, max, min, safe_sqrt, sum
+from masked_jax.ops.reductions import _float, _float_dtype, _mask, _safe_div, max, mean, min, safe_sqrt, sum
 
 
 def average(x: Pair, axis=None, weights: Pair | None = None, keepdims=False) -> Pair:
     """Weighted mean over elements where both ``x`` and ``weights`` are valid; masked where no
     valid element has a nonzero weight sum."""
     if weights is None:
-        from masked_jax.ops.reductions import mean
-
         return mean(x, axis=axis, keepdims=keepdims)
     data = jnp.asarray(x.data)
     w = jnp.asarray(weights.data)
