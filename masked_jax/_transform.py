@@ -28,7 +28,7 @@ from jax.extend import core as jcore
 from masked_jax._core import MaskedArray
 from masked_jax._storage import SparseMasked
 from masked_jax.ops import primitives
-from masked_jax.ops._base import Pair, materialize
+from masked_jax.ops._base import Pair, and_masks, materialize
 
 import jax.extend.core.primitives as P
 
@@ -126,9 +126,19 @@ class _Sized:
 class _Interpreter:
     def __init__(self, fun_name):
         self.fun_name = fun_name
+        # the jaxpr being run: its values, the equation that produced each variable, read counts
+        self.env, self.producer, self.uses = {}, {}, {}
 
     def run(self, jaxpr, consts, args, literal_args=None):
+        outer = (self.env, self.producer, self.uses)  # inner calls (jit, scan bodies) nest
+        try:
+            return self._run(jaxpr, consts, args, literal_args)
+        finally:
+            self.env, self.producer, self.uses = outer
+
+    def _run(self, jaxpr, consts, args, literal_args):
         env, sized, minus = {}, {}, {}
+        self.env, self.producer, self.uses = env, {}, _uses(jaxpr)
         # variables computed from literals alone: constants of the function (also an argument of an
         # inner call that the caller computed from literals, as jnp.where's 0.0 inside its jit)
         literal = {v for v, lit in zip(jaxpr.invars, literal_args or ()) if lit}
@@ -147,12 +157,13 @@ class _Interpreter:
             is_literal = [isinstance(v, jcore.Literal) or v in literal for v in eqn.invars]
             if all(is_literal) and not eqn.effects:
                 literal.update(eqn.outvars)
-            if eqn.primitive is P.select_n_p:
+            if eqn.primitive is P.select_n_p and any(p.mask is not None for p in invals):
                 invals = [_as_constant(p) if lit else p for p, lit in zip(invals, is_literal)]
             outs = self.equation(eqn, invals, sized, minus, is_literal)
             outs = outs if eqn.primitive.multiple_results else [outs]
             for v, o in zip(eqn.outvars, outs):
                 env[v] = o
+                self.producer[v] = eqn
         return [read(v) for v in jaxpr.outvars]
 
     # -- one equation ------------------------------------------------------------------------------
@@ -160,6 +171,9 @@ class _Interpreter:
         prim, params = eqn.primitive, dict(eqn.params)
         name = prim.name
         unmasked = all(p.mask is None for p in invals)
+        if prim is P.jit_p and not unmasked and (params.get("name") in primitives.NAMED
+                                                 or params.get("name") in primitives.UNSUPPORTED_CALLS):
+            return self.named_call(eqn, params, invals)
         if (prim in _CALLS or prim in _LOOPS) and not unmasked:
             return self.control(prim, params, invals, is_literal)
         if unmasked:
@@ -173,7 +187,9 @@ class _Interpreter:
                 out = prim.bind(*(p.data for p in invals), **params)
             self._track_literals(eqn, invals, out, minus)
             return [Pair(o, None) for o in out] if prim.multiple_results else Pair(out, None)
-        special = self._mean_like(eqn, invals, sized, minus)
+        special = self._weighted_mean(eqn, invals)
+        if special is None:
+            special = self._mean_like(eqn, invals, sized, minus)
         if special is not None:
             return special
         rule = primitives.rule_for(prim)
@@ -182,7 +198,11 @@ class _Interpreter:
             raise MaskifyError(f"maskify({self.fun_name}): primitive '{name}' has a masked operand but no masked "
                                f"rule ({why}). Fill the operand first (x.filled(...)) or compute it with "
                                "masked_jax.numpy.")
-        out = rule(prim, invals, **params)
+        try:
+            out = rule(prim, invals, **params)
+        except primitives.NoMaskedRule as err:
+            raise MaskifyError(f"maskify({self.fun_name}): primitive '{name}' has a masked operand and {err}. "
+                               "Fill the operand first (x.filled(...)) or compute it with masked_jax.numpy.") from None
         if prim is P.reduce_sum_p:
             x = invals[0]
             m = materialize(x.mask, jnp.shape(x.data))
@@ -192,7 +212,7 @@ class _Interpreter:
             x = invals[0]
             n = int(np.prod(params["window_dimensions"], dtype=np.int64))
             sized[eqn.outvars[0]] = _Sized(n, primitives.window_count(materialize(x.mask, jnp.shape(x.data)), params))
-        elif prim in (P.broadcast_in_dim_p, P.reshape_p, P.convert_element_type_p) and eqn.invars[0] in sized:
+        elif prim in (P.broadcast_in_dim_p, P.reshape_p, P.convert_element_type_p) and _known(eqn.invars[0], sized):
             s = sized[eqn.invars[0]]
             count = prim.bind(s.count, **params) if prim is not P.convert_element_type_p else s.count
             sized[eqn.outvars[0]] = _Sized(s.n, count)
@@ -204,9 +224,49 @@ class _Interpreter:
         if eqn.primitive is P.sub_p and all(_concrete_scalar(p.data) is not None for p in invals):
             minus[eqn.outvars[0]] = (_concrete_scalar(invals[0].data), _concrete_scalar(invals[1].data))
 
+    def _weighted_mean(self, eqn, invals):
+        """``sum(x * w) / sum(w)`` (``jnp.average(x, weights=w)``) -> the weight total over the
+        positions where ``x * w`` is valid: the masked weighted mean of ``masked_jax.numpy.average``,
+        masked where those weights sum to 0."""
+        if eqn.primitive is not P.div_p or any(isinstance(v, jcore.Literal) for v in eqn.invars):
+            return None
+        (num_var, num_chain), (den_var, den_chain) = (self._root(v) for v in eqn.invars)
+        num_eq, den_eq = self.producer.get(num_var), self.producer.get(den_var)
+        if num_eq is None or den_eq is None or num_eq.primitive is not P.reduce_sum_p \
+                or den_eq.primitive is not P.reduce_sum_p or num_eq.params["axes"] != den_eq.params["axes"] \
+                or len(num_chain) != len(den_chain):
+            return None
+        prod_eq = self.producer.get(num_eq.invars[0])
+        weights = den_eq.invars[0]
+        if prod_eq is None or prod_eq.primitive is not P.mul_p or weights not in prod_eq.invars:
+            return None
+        product, w = self.env[num_eq.invars[0]], self.env[weights]
+        if product.mask is None:
+            return None
+        if any(self.uses[v] > 1 for v in [den_var, *(e.outvars[0] for e in den_chain)]):
+            raise MaskifyError(f"maskify({self.fun_name}): the sum of the weights of a masked weighted average is "
+                               "used again (jnp.average(..., returned=True)); only the weights of valid entries "
+                               "count, so compute it as jnp.sum(jnp.where(valid, w, 0)) or use "
+                               "masked_jax.numpy.average.")
+        mask = materialize(product.mask, jnp.shape(product.data))
+        total = jnp.sum(jnp.where(mask, w.data, 0), axis=num_eq.params["axes"]).astype(invals[1].data.dtype)
+        for e in reversed(num_chain):  # keepdims: the numerator's broadcasts, applied to the total
+            total = e.primitive.bind(total, **e.params)
+        num = invals[0]
+        valid = and_masks(num.mask, total != 0)
+        return Pair(jnp.where(valid, num.data / jnp.where(valid, total, 1), 0), valid)
+
+    def _root(self, var):
+        """``(v, chain)``: ``var`` is ``v`` reshaped or broadcast by the equations of ``chain``."""
+        chain = []
+        while _known(var, self.producer) and self.producer[var].primitive in (P.broadcast_in_dim_p, P.reshape_p):
+            chain.append(self.producer[var])
+            var = chain[-1].invars[0]
+        return var, chain
+
     def _mean_like(self, eqn, invals, sized, minus):
         """``sum / n`` -> ``sum / count``; ``sum / (n - ddof)`` -> ``sum / (count - ddof)``."""
-        if eqn.primitive is not P.div_p or eqn.invars[0] not in sized:
+        if eqn.primitive is not P.div_p or not _known(eqn.invars[0], sized):
             return None
         s, den = sized[eqn.invars[0]], invals[1]
         if den.mask is not None:
@@ -214,7 +274,7 @@ class _Interpreter:
         value = _concrete_scalar(den.data)
         if value is not None and value == s.n:
             ddof = 0
-        elif not isinstance(eqn.invars[1], jcore.Literal) and eqn.invars[1] in minus and minus[eqn.invars[1]][0] == s.n:
+        elif _known(eqn.invars[1], minus) and minus[eqn.invars[1]][0] == s.n:
             ddof = minus[eqn.invars[1]][1]
         else:
             return None
@@ -223,6 +283,27 @@ class _Interpreter:
         valid = dof > 0
         data = jnp.where(valid, num.data / jnp.where(valid, dof, 1).astype(jnp.result_type(num.data)), 0)
         return Pair(data, valid if num.mask is None else num.mask & valid)
+
+    def named_call(self, eqn, params, invals):
+        """A jax function's own jit call (``jnp.median``) replaced by its op's rule, its static
+        arguments recognised from the call's body (see ``OpSpec.static``)."""
+        name = params["name"]
+        if name in primitives.UNSUPPORTED_CALLS:
+            raise MaskifyError(f"maskify({self.fun_name}): jnp.{name} of a masked operand is not supported "
+                               f"({primitives.UNSUPPORTED_CALLS[name]}).")
+        spec = primitives.NAMED[name]
+        kw = primitives.recognise(spec, params["jaxpr"], [v.aval for v in eqn.invars])
+        if kw is None:
+            raise MaskifyError(f"maskify({self.fun_name}): jnp.{name} is called on a masked operand with arguments "
+                               f"maskify does not recognise (it matches the forms masked_jax.numpy.{spec.name} "
+                               f"takes); call masked_jax.numpy.{spec.name} directly.")
+        n = len(spec.operands)
+        operands, rest = invals[:n], invals[n:]
+        if any(p.mask is not None for p in rest):
+            raise MaskifyError(f"maskify({self.fun_name}): an argument of jnp.{name} other than the array "
+                               "(such as q) is masked; it must be a plain array.")
+        out = spec.rule(*operands, *(p.data for p in rest), **kw)
+        return [out if isinstance(out, Pair) else Pair(out, None)]
 
     # -- control flow ------------------------------------------------------------------------------
     def control(self, prim, params, invals, is_literal=None):
@@ -273,6 +354,20 @@ class _Interpreter:
         carry, ys = lax.scan(step, carry, xs, length=params["length"], reverse=params["reverse"],
                              unroll=params["unroll"])
         return list(carry) + list(ys)
+
+
+def _known(v, table) -> bool:
+    """Is variable ``v`` a key of ``table``? (Literals are unhashable and never are.)"""
+    return not isinstance(v, jcore.Literal) and v in table
+
+
+def _uses(jaxpr):
+    """How many times each variable is read (by an equation or as an output)."""
+    counts = {}
+    for v in [v for e in jaxpr.eqns for v in e.invars] + list(jaxpr.outvars):
+        if not isinstance(v, jcore.Literal):
+            counts[v] = counts.get(v, 0) + 1
+    return counts
 
 
 def _scan_counts(params, n_in):

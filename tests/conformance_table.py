@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+import scipy.special
 
 F64, F32, I32, B = np.float64, np.float32, np.int32, np.bool_
 
@@ -163,6 +164,16 @@ def _where_make(rng, dtype, masks):
     return [cond, masked(rng, dtype, masks[0], (-3.0, 3.0)), masked(rng, dtype, masks[1], (-3.0, 3.0))]
 
 
+def _polygamma_make(rng, dtype, masks):
+    """polygamma(m, x): the order m a whole number (0..3), x positive."""
+    from harness import masked
+
+    import masked_jax as mj
+
+    m = masked(rng, dtype, masks[0], (0.0, 3.0))
+    return [mj.masked_array(jnp.round(m.data), m.mask), masked(rng, dtype, masks[1], (0.5, 3.0))]
+
+
 def _linalg_make(shape_b):
     def make(rng, dtype, masks):
         from harness import masked
@@ -256,6 +267,11 @@ BINARY = {
     "arctan2": Row(elementwise(np.arctan2)), "hypot": Row(elementwise(np.hypot)),
     "logaddexp": Row(elementwise(np.logaddexp)), "copysign": Row(elementwise(np.copysign), smooth=False),
     "nextafter": Row(elementwise(np.nextafter)),
+    "igamma": Row(elementwise(scipy.special.gammainc), domain=((0.5, 3.0), (0.1, 3.0)), rtol=1e-7),
+    "igammac": Row(elementwise(scipy.special.gammaincc), domain=((0.5, 3.0), (0.1, 3.0)), rtol=1e-7),
+    "polygamma": Row(elementwise(scipy.special.polygamma), make=_polygamma_make, rtol=1e-7),
+    "zeta": Row(elementwise(scipy.special.zeta), domain=((1.5, 4.0), (0.5, 3.0)), rtol=1e-7),
+    "complex": Row(elementwise(lambda x, y: x + 1j * y)),
     **{n: Row(elementwise(getattr(np, n)), dtypes=(F64, I32)) for n in
        ("equal", "not_equal", "less", "less_equal", "greater", "greater_equal")},
     **{n: Row(elementwise(getattr(np, n)), dtypes=(F64, B)) for n in ("logical_and", "logical_or", "logical_xor")},
@@ -268,6 +284,28 @@ BINARY = {
     "clip": Row(elementwise(lambda x, min=None, max=None: np.clip(x, min, max)), make=lambda rng, dtype, masks: [
         __import__("harness").masked(rng, dtype, masks[0], (-3.0, 3.0))], cases=({"min": -1.0, "max": 1.5},), smooth=False),
 }
+
+def _degrees_of_freedom(a, rowvar=True, bias=False, ddof=None):
+    """Pairwise valid observations minus ddof (where numpy.ma.cov divides by zero or less, the
+    masked covariance is masked: no degrees of freedom are left)."""
+    v = np.atleast_2d(valid(a)).astype(float)
+    v = v if rowvar else v.T
+    return np.squeeze(v @ v.T - ((0 if bias else 1) if ddof is None else ddof))
+
+
+@quiet
+def _cov(a, rowvar=True, bias=False, ddof=None):
+    c = np.ma.cov(a, rowvar=rowvar, bias=bias, ddof=ddof)
+    return data(c), valid(c) & (_degrees_of_freedom(a, rowvar, bias, ddof) > 0)
+
+
+@quiet
+def _corrcoef(a, rowvar=True):
+    c = np.ma.corrcoef(a, rowvar=rowvar)
+    ok = valid(c) & (_degrees_of_freedom(a, rowvar) > 0)
+    d = np.diagonal(np.where(ok, data(c), 0))
+    return data(c), ok & np.isfinite(data(c)) & (d[:, None] > 0) & (d[None, :] > 0)
+
 
 REDUCTIONS = {
     "count": Row(quiet(lambda a, **kw: np.ma.count(a, **kw)), cases=AXES, dtypes=(F64, I32, B)),
@@ -293,6 +331,8 @@ REDUCTIONS = {
     "percentile": Row(lambda a, q, **kw: _quantile(a, q / 100, **kw), cases=({"q": 30.0}, {"q": 80.0, "axis": 1}),
                       call=lambda f, ops, q, **kw: f(ops[0], q, **kw), smooth=False),
     "median": Row(quiet(lambda a, **kw: np.ma.median(a, **kw)), cases=({}, {"axis": 1}), smooth=False),
+    "cov": Row(_cov, cases=({}, {"rowvar": False, "ddof": 0}, {"bias": True})),
+    "corrcoef": Row(_corrcoef, cases=({}, {"rowvar": False})),
     "norm": Row(over_valid(_norm), cases=({}, {"axis": 1}, {"axis": 0, "ord": 1}, {"axis": 1, "ord": np.inf},
                                          {"axis": 0, "ord": 3}), smooth=False),
 }
@@ -351,8 +391,15 @@ SHAPE = {
                cases=({"pad_width": 1},)),
     "take": Row(_take_ref, cases=({"indices": jnp.array([2, 0, 3, 7]), "axis": 0},
                                   {"indices": jnp.array([1, 2]), "axis": 1})),
-    "sort": Row(quiet(lambda a, axis=-1: np.ma.sort(a, axis=axis)), cases=({}, {"axis": 0}), smooth=False),
-    "argsort": Row(quiet(lambda a, axis=-1: np.ma.argsort(a, axis=axis)), cases=({}, {"axis": 0})),
+    "sort": Row(quiet(lambda a, axis=-1, descending=False: -np.ma.sort(-a, axis=axis) if descending
+                      else np.ma.sort(a, axis=axis)), cases=({}, {"axis": 0}, {"descending": True}), smooth=False),
+    "argsort": Row(quiet(lambda a, axis=-1, descending=False: np.ma.argsort(-a if descending else a, axis=axis)),
+                   cases=({}, {"axis": 0}, {"axis": 0, "descending": True})),
+    # the masked partition is the sorted array (a partition in which every position is in order)
+    "partition": Row(quiet(lambda a, kth, axis=-1: np.ma.sort(a, axis=axis)), cases=({"kth": 1}, {"kth": 2, "axis": 0}),
+                     call=lambda f, ops, kth, **kw: f(ops[0], kth, **kw), smooth=False),
+    "argpartition": Row(quiet(lambda a, kth, axis=-1: np.ma.argsort(a, axis=axis)), cases=({"kth": 1},),
+                        call=lambda f, ops, kth, **kw: f(ops[0], kth, **kw)),
     "getitem": Row(passthrough(lambda a, index: a[index]),
                    cases=({"index": (slice(1, 3), np.array([0, 2]))}, {"index": 2}),
                    call=lambda f, ops, index: f(ops[0], index), jax=lambda a, index: a[index]),

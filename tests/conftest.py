@@ -36,7 +36,18 @@ _LAYOUT_SUBCASES = 6 * 3  # six layouts x (eager, jit, gradient per stored slot)
 
 
 def pytest_terminal_summary(terminalreporter):
-    """Print the conformance harness's case count (ops x checks x layouts x transforms x cases)."""
+    """Print the conformance harness's case count (ops x checks x layouts x transforms x cases) and
+    the outcomes of the maskify coverage test."""
+    outcomes = {}
+    for report in terminalreporter.stats.get("passed", []):
+        for key, value in getattr(report, "user_properties", ()):
+            if key == "maskify_outcome" and report.when == "call":
+                outcomes[value] = outcomes.get(value, 0) + 1
+    if outcomes:
+        failed = sum("test_masked_reference_or_maskify_error" in r.nodeid for r in terminalreporter.stats.get("failed", []))
+        terminalreporter.write_sep("-", "maskify coverage")
+        terminalreporter.write_line(f"functions equal to their masked reference (eager and jit): {outcomes.get('equal', 0)}; "
+                                    f"raising MaskifyError: {outcomes.get('MaskifyError', 0)}; failed: {failed}")
     passed = [r.nodeid for r in terminalreporter.stats.get("passed", []) if "::test_conformance[" in r.nodeid]
     failed = [r.nodeid for r in terminalreporter.stats.get("failed", []) if "::test_conformance[" in r.nodeid]
     if not passed and not failed:

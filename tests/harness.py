@@ -134,7 +134,8 @@ def assert_same(got, want, rtol=1e-9, what=""):
         np.testing.assert_array_equal(np.broadcast_to(gv, np.shape(gd)), wv, err_msg=f"{what}: mask differs")
         g, w = np.where(wv, gd, 0), np.where(wv, wd, 0)
         if jnp.issubdtype(g.dtype, jnp.inexact) or jnp.issubdtype(w.dtype, jnp.inexact):
-            np.testing.assert_allclose(g.astype(np.float64), w.astype(np.float64), rtol=rtol, atol=rtol,
+            real = np.complex128 if np.iscomplexobj(g) or np.iscomplexobj(w) else np.float64
+            np.testing.assert_allclose(g.astype(real), w.astype(real), rtol=rtol, atol=rtol,
                                        equal_nan=True, err_msg=f"{what}: data differs")
         else:
             np.testing.assert_array_equal(g, w, err_msg=f"{what}: data differs")

@@ -178,7 +178,7 @@ def rows_reduce(spec, operands, params):
     """Row-sparse reductions and normalizations: across rows a dense result, within rows (or a
     normalization) still row-sparse."""
     x = operands[0]
-    if len(operands) != 1 or not isinstance(x, RowSparseArray) or spec.optional_operands:
+    if len(operands) != 1 or not isinstance(x, RowSparseArray) or spec.optional_operands or not _along_axes(spec):
         return NotImplemented
     x = x.coalesce()
     if spec.family == "normalization":
@@ -198,7 +198,7 @@ def bcoo_reduce(spec, operands, params):
     """BCOO reductions: a whole-array reduction on the stored block; along axes by segments of
     entries (the op's segment kernel), keeping BCOO storage."""
     x = operands[0]
-    if len(operands) != 1 or not isinstance(x, BCOOMaskedArray) or spec.optional_operands:
+    if len(operands) != 1 or not isinstance(x, BCOOMaskedArray) or spec.optional_operands or not _along_axes(spec):
         return NotImplemented
     if spec.family == "normalization":
         if spec.segment is None:
@@ -213,6 +213,11 @@ def bcoo_reduce(spec, operands, params):
     if spec.segment is None:
         return NotImplemented
     return segments.reduce(spec, x, **params)
+
+
+def _along_axes(spec):
+    """A reduction along ``axis`` (not one that combines whole rows or columns, as cov does)."""
+    return "axis" in spec.signature.parameters
 
 
 def _matrix_norm(spec, params, ndim):

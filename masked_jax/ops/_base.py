@@ -144,3 +144,9 @@ def with_mask_tangent(data, mask):
 
 
 Rule = Callable[..., Pair]
+
+
+def candidate_axes(shape, *, none=True):
+    """The axes a named jax call over an array of ``shape`` may have reduced or sorted along (for
+    ``OpSpec.static``): ``None`` (all), then each axis."""
+    return ([None] if none else []) + list(range(len(shape)))

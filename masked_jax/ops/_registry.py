@@ -84,6 +84,12 @@ class OpSpec:
         example: ``(setup, call, result)`` doctest lines, ``{mod}``/``{name}`` substituted.
         excluded: harness check -> why this op is left out of it.
         jax_name: the mirrored jax function, for the docstring.
+        static: ``static(*operand_shapes) -> iterable of keyword dicts``: the static arguments
+            ``fn`` may have been called with. Given, ``maskify`` recognises ``fn``'s own named
+            ``jit`` call inside a traced function (by re-tracing ``fn`` with each candidate and
+            comparing the programs) and applies this op's rule to the whole call instead of
+            interpreting its body, which is written for dense arrays (order statistics: jnp's
+            median sorts, then gathers at positions computed from the static length).
     """
 
     name: str
@@ -104,6 +110,7 @@ class OpSpec:
     excluded: Mapping[str, str] = dataclasses.field(default_factory=dict)
     jax_name: str = ""
     summary: str = ""
+    static: Callable[..., Any] | None = None
 
     def __post_init__(self):
         if self.family not in FAMILIES:
@@ -156,7 +163,7 @@ def unregister(name: str) -> None:
     """Remove op ``name`` from the registry and from everything derived from it."""
     spec = REGISTRY.pop(name)
     for listener in _LISTENERS:
-        listener(dataclasses.replace(spec, modules=(), methods=(), primitives=()), removed=True)
+        listener(dataclasses.replace(spec, modules=(), methods=(), primitives=(), static=None), removed=True)
 
 
 def on_register(listener: Callable[..., None]) -> None:

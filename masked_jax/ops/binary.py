@@ -7,6 +7,7 @@ import inspect
 import jax.extend.core.primitives as P
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from masked_jax.ops._base import Pair, and_masks, fill
 from masked_jax.ops._registry import OpSpec, register
@@ -141,10 +142,33 @@ _NO_JACOBIAN = {
     "nextafter": "steps to the next float: its finite difference is not a derivative",
 }
 
+# Binary lax functions that have no jax.numpy name: reached through ``maskify`` only.
+# name, lax function, safe value (valid for both operands), primitive
+LAX_ONLY = [
+    ("igamma", lax.igamma, 1, P.igamma_p),
+    ("igammac", lax.igammac, 1, P.igammac_p),
+    ("polygamma", lax.polygamma, 1, P.polygamma_p),
+    ("zeta", lax.zeta, 2, P.zeta_p),
+    ("complex", lax.complex, None, P.complex_p),
+]
+_NO_JACOBIAN.update({
+    "polygamma": "the order operand is an integer: no derivative in it (jax defines none)",
+    "zeta": "jax defines no derivative in the exponent operand",
+    "complex": "complex output: the harness differentiates real functions",
+})
+
+
+def _binary_spec(name, fn, safe, prims, methods=(), modules=("numpy",), jax_name=None):
+    return OpSpec(name=name, family="binary", rule=nary(fn, safe), signature=_X1X2, operands=("x1", "x2"),
+                  methods=methods, primitives=prims, safe=safe, fn=fn, modules=modules,
+                  jax_name=jax_name or f"jnp.{name}",
+                  excluded={"jacobians": _NO_JACOBIAN[name]} if name in _NO_JACOBIAN else {})
+
+
 for _name, _fn, _safe, _prims, _methods in BINARY:
-    register(OpSpec(name=_name, family="binary", rule=nary(_fn, _safe), signature=_X1X2, operands=("x1", "x2"),
-                    methods=_methods, primitives=_prims, safe=_safe, fn=_fn, jax_name=f"jnp.{_name}",
-                    excluded={"jacobians": _NO_JACOBIAN[_name]} if _name in _NO_JACOBIAN else {}))
+    register(_binary_spec(_name, _fn, _safe, _prims, _methods))
+for _name, _fn, _safe, _prim in LAX_ONLY:
+    register(_binary_spec(_name, _fn, _safe, (_prim,), modules=(), jax_name=f"lax.{_name}"))
 
 register(OpSpec(
     name="where", family="binary", rule=where, fn=jnp.where, jax_name="jnp.where",
@@ -162,4 +186,4 @@ register(OpSpec(
              "{mod}.clip(x, 0.0, 1.0)", "MaskedArray([0.0 0.5 --], dtype=float32)"),
 ))
 
-del _name, _fn, _safe, _prims, _methods
+del _name, _fn, _safe, _prims, _methods, _prim

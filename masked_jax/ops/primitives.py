@@ -18,6 +18,8 @@ interpreter binds the primitive directly.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.extend.core.primitives as P
 import jax.numpy as jnp
@@ -26,15 +28,50 @@ from jax import lax
 
 from masked_jax.ops import binary, elementwise, linalg, reductions, shape
 from masked_jax.ops._base import Pair, and_masks, fill, highest, lowest, materialize
-from masked_jax.ops._registry import OpSpec, on_register
+from masked_jax.ops._registry import REGISTRY, OpSpec, on_register
 
 STRUCTURAL: dict = {}  # primitive -> rule(prim, invals, **params)
 DERIVED: dict = {}  # primitive -> rule, from the registry's specs
 OWNER: dict = {}  # primitive -> the name of the op whose spec claims it
+NAMED: dict = {}  # name of a jax function's own jit call -> the spec whose rule replaces the call
+# jax functions whose jit call is refused by name, with the reason
+UNSUPPORTED_CALLS = dict.fromkeys(
+    ("nanmedian", "nanquantile", "nanpercentile"),
+    "NaN-ignoring order statistics of masked data: mask the NaNs too (a mask AND-ed with ~isnan(x)) and call "
+    "jnp.median / jnp.quantile / jnp.percentile")
+UNSUPPORTED_CALLS["trapezoid"] = ("jnp.trapezoid reads the first and last elements by position, which need not be "
+                                  "the first and last valid ones; integrate the valid samples with "
+                                  "masked_jax.numpy (a masked sum of the trapezoids)")
 
 
 def _bound(prim, params):
     return lambda *datas: prim.bind(*datas, **params)
+
+
+class NoMaskedRule(Exception):
+    """Raised by a rule for a use of its primitive that has no masked meaning; ``maskify`` turns it
+    into a ``MaskifyError`` naming the primitive and the function."""
+
+
+def recognise(spec: OpSpec, closed_jaxpr, avals):
+    """The static keyword arguments ``spec.fn`` was called with, given the body of its jit call and
+    the avals of the call's operands; ``None`` when no candidate of ``spec.static`` gives the same
+    program."""
+    return _recognise(spec.name, str(closed_jaxpr), tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals))
+
+
+@functools.lru_cache(maxsize=512)
+def _recognise(name, program, structs):
+    spec = REGISTRY[name]
+    for kw in spec.static(*(s.shape for s in structs)):
+        try:
+            traced = jax.make_jaxpr(functools.partial(spec.fn, **kw))(*structs)
+        except Exception:  # noqa: BLE001 - a candidate jax rejects (an axis out of range) is not the one
+            continue
+        eqns = traced.jaxpr.eqns
+        if len(eqns) == 1 and eqns[0].primitive is P.jit_p and str(eqns[0].params["jaxpr"]) == program:
+            return kw
+    return None
 
 
 def rule_for(prim):
@@ -84,8 +121,12 @@ def _derive(spec: OpSpec, removed: bool = False):
     for prim in [p for p, owner in OWNER.items() if owner == spec.name]:
         DERIVED.pop(prim, None)
         OWNER.pop(prim, None)
+    for name in [n for n, s in NAMED.items() if s.name == spec.name]:
+        del NAMED[name]
     if removed:
         return
+    if spec.static is not None:
+        NAMED[spec.fn.__name__] = spec
     for entry in spec.primitives:
         prim, adapter = entry if isinstance(entry, tuple) else (entry, ADAPTERS[spec.family])
         DERIVED[prim] = adapter(spec)
@@ -138,8 +179,7 @@ def _passthrough(prim, invals, **params):
 
 def _require_valid(prim, operands, what="index"):
     if any(o.mask is not None for o in operands):
-        raise TypeError(f"maskify: the {what} operands of '{prim.name}' must not be masked (a masked index "
-                        "has no defined result).")
+        raise NoMaskedRule(f"its {what} operands are masked (a masked {what} selects no defined element)")
 
 
 def _concatenate(prim, invals, dimension):
@@ -254,7 +294,7 @@ def _sort(prim, invals, dimension, is_stable, num_keys):
     """Masked elements of the first key go last (as ``mnp.sort``); the other operands (argsort's
     iota) follow their keys, masks too."""
     if num_keys != 1:
-        raise TypeError("maskify: 'sort' with several keys (lexsort) has no masked rule.")
+        raise NoMaskedRule("a sort with several keys (lexsort) has no masked order")
     key = invals[0]
     m = materialize(key.mask, jnp.shape(key.data))
     masks = [materialize(o.mask, jnp.shape(o.data)) for o in invals]
@@ -291,10 +331,29 @@ def _staged_primitive(name, fn, *args):
     return eqns[0].primitive if len(eqns) == 1 and eqns[0].primitive.name == name else None
 
 
+def _debug(prim, invals, **params):
+    """Debug output (``jax.debug.print``, ``jax.debug.callback``) sees the stored data of masked
+    operands, masked-out entries included: it only observes, and returns nothing."""
+    return prim.bind(*(p.data for p in invals), **params)
+
+
+def _pure_callback(prim, invals, result_avals, **params):
+    """A host function is opaque: any of its outputs may depend on any input element. It is called
+    on the stored data; its outputs are valid only where every element of every input is valid
+    (all or nothing per call). Fill the inputs first to get valid outputs from partly masked ones."""
+    outs = prim.bind(*(p.data for p in invals), result_avals=result_avals, **params)
+    ok = functools.reduce(jnp.logical_and, [jnp.all(p.mask) for p in invals if p.mask is not None], jnp.asarray(True))
+    return [Pair(o, jnp.broadcast_to(ok, jnp.shape(o))) for o in outs]
+
+
 _ONES = jnp.ones(4)
 _STACK_P = _staged_primitive("stack", lambda a, b: jnp.stack([a, b]), _ONES, _ONES)
 _SPLIT_P = _staged_primitive("split", lambda a: jnp.split(a, 2), _ONES)
 _TILE_P = _staged_primitive("tile", lambda a: jnp.tile(a, 2), _ONES)
+_DEBUG_PRINT_P = _staged_primitive("debug_print", lambda a: jax.debug.print("{}", a), _ONES)
+_DEBUG_CALLBACK_P = _staged_primitive("debug_callback", lambda a: jax.debug.callback(lambda _: None, a), _ONES)
+_PURE_CALLBACK_P = _staged_primitive("pure_callback", lambda a: jax.pure_callback(
+    lambda b: b, jax.ShapeDtypeStruct((4,), jnp.float32), a), _ONES)
 
 _PASSTHROUGH = [P.reshape_p, P.transpose_p, P.broadcast_in_dim_p, P.squeeze_p, P.rev_p, P.slice_p,
                 P.dynamic_slice_p, _TILE_P]
@@ -305,7 +364,9 @@ STRUCTURAL.update({P.conv_general_dilated_p: _conv, P.reduce_window_sum_p: _redu
                    P.device_put_p: _same_value})
 STRUCTURAL.update({P.concatenate_p: _concatenate, P.pad_p: _pad, P.gather_p: _gather,
                    P.dynamic_update_slice_p: _dynamic_update_slice, P.sort_p: _sort, P.top_k_p: _top_k})
-STRUCTURAL.update({prim: rule for prim, rule in ((_STACK_P, _stack), (_SPLIT_P, _split)) if prim is not None})
+STRUCTURAL.update({prim: rule for prim, rule in ((_STACK_P, _stack), (_SPLIT_P, _split), (_DEBUG_PRINT_P, _debug),
+                                                 (_DEBUG_CALLBACK_P, _debug), (_PURE_CALLBACK_P, _pure_callback))
+                   if prim is not None})
 for _prim in (P.scatter_p, P.scatter_add_p, P.scatter_mul_p, P.scatter_min_p, P.scatter_max_p):
     STRUCTURAL[_prim] = _scatter
 

@@ -11,8 +11,9 @@ import inspect
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from masked_jax.ops._base import Pair, fill, materialize, normalize_axis
+from masked_jax.ops._base import Pair, candidate_axes, fill, materialize, normalize_axis
 from masked_jax.ops._registry import OpSpec, register, signature_of
 
 
@@ -119,29 +120,63 @@ def atleast(fn):
     return rule
 
 
-def _sort_keys(x: Pair, axis):
+def _sort_operands(x: Pair, axis, descending):
+    """Sort keys (masked last; then the values, ascending or descending) and the values to carry."""
     data = jnp.asarray(x.data)
     m = materialize(x.mask, data.shape)
     if axis is None:
         data, m = data.ravel(), m.ravel()
         axis = 0
     (axis,) = normalize_axis(axis, data.ndim)
-    return (~m).astype(jnp.int8), fill(data, m, 0), axis
+    data = fill(data, m, 0)
+    keys = [(~m).astype(jnp.int8)]
+    if not descending:
+        keys.append(data)
+    elif jnp.issubdtype(data.dtype, jnp.complexfloating):
+        raise TypeError("sort: descending=True is not defined for complex values.")
+    elif jnp.issubdtype(data.dtype, jnp.floating):
+        # NaN first among the valid values (as jnp's descending sort), then the values negated
+        keys += [(~jnp.isnan(data)).astype(jnp.int8), -data]
+    else:
+        keys.append(~data)  # bitwise not reverses the order of signed, unsigned and bool values
+    return keys, data, axis
 
 
-def sort(x: Pair, axis=-1) -> Pair:
-    """Sort valid elements ascending; masked elements go last (as ``numpy.ma.sort``)."""
-    invalid, data, axis = _sort_keys(x, axis)
-    inv, out = jax.lax.sort((invalid, data), dimension=axis, num_keys=2, is_stable=True)
-    return Pair(out, inv == 0)
+def sort(x: Pair, axis=-1, *, stable=True, descending=False) -> Pair:
+    """Sort valid elements (ascending, or descending with ``descending=True``); masked elements go
+    last either way (as ``numpy.ma.sort``). The sort is always stable."""
+    keys, data, axis = _sort_operands(x, axis, descending)
+    outs = jax.lax.sort((*keys, data), dimension=axis, num_keys=len(keys), is_stable=True)
+    return Pair(outs[-1], outs[0] == 0)
 
 
-def argsort(x: Pair, axis=-1):
-    """Indices that sort valid elements ascending, masked ones last (a plain int array)."""
-    invalid, data, axis = _sort_keys(x, axis)
+def argsort(x: Pair, axis=-1, *, stable=True, descending=False):
+    """Indices that sort valid elements (ascending or descending), masked ones last (a plain int
+    array). Equal valid elements keep their order."""
+    keys, data, axis = _sort_operands(x, axis, descending)
     iota = jax.lax.broadcasted_iota(jnp.result_type(int), data.shape, axis)
-    _, _, idx = jax.lax.sort((invalid, data, iota), dimension=axis, num_keys=2, is_stable=True)
-    return idx
+    return jax.lax.sort((*keys, iota), dimension=axis, num_keys=len(keys), is_stable=True)[-1]
+
+
+def _check_kth(x: Pair, kth, axis):
+    (ax,) = normalize_axis(axis, np.ndim(x.data))
+    n = np.shape(x.data)[ax]
+    if not isinstance(kth, (int, np.integer)) or not -n <= kth < n:
+        raise ValueError(f"partition: kth must be an int in [{-n}, {n}) for an axis of length {n}; got {kth!r}.")
+
+
+def partition(x: Pair, kth, axis=-1) -> Pair:
+    """Valid elements partitioned around position ``kth``, masked elements last. The masked result
+    is the sorted one (a partition whose every position is in order), so position ``kth`` holds
+    the element a sort would put there, as in ``jnp.partition``."""
+    _check_kth(x, kth, axis)
+    return sort(x, axis)
+
+
+def argpartition(x: Pair, kth, axis=-1):
+    """Indices that partition ``x`` around ``kth`` (those of :func:`partition`): a plain int array."""
+    _check_kth(x, kth, axis)
+    return argsort(x, axis)
 
 
 def getitem(x: Pair, index) -> Pair:
@@ -226,10 +261,25 @@ _shape_op("take", take, jnp.take, methods=("take",),
           example=("x = mj.masked_array(jnp.array([1.0, 2.0]), jnp.array([True, False]))",
                    "{mod}.take(x, jnp.array([1, 0, 5]))", "MaskedArray([-- 1.0 --], dtype=float32)"))
 _SORT = "x = mj.masked_array(jnp.array([3.0, 1.0, 2.0]), jnp.array([True, False, True]))"
-_shape_op("sort", sort, jnp.sort, methods=("sort",),
+def _sort_static(a):
+    return [dict(axis=ax, stable=st, descending=d) for ax in candidate_axes(a) for d in (False, True)
+            for st in (True, False)]
+
+
+def _partition_static(a):
+    return [dict(kth=k, axis=ax) for ax in candidate_axes(a, none=False) for k in range(a[ax])]
+
+
+_shape_op("sort", sort, jnp.sort, methods=("sort",), static=_sort_static,
           example=(_SORT, "{mod}.sort(x)", "MaskedArray([2.0 3.0 --], dtype=float32)"))
-_shape_op("argsort", argsort, jnp.argsort, methods=("argsort",), returns="array",
+_shape_op("argsort", argsort, jnp.argsort, methods=("argsort",), returns="array", static=_sort_static,
           example=(_SORT, "{mod}.argsort(x)", "Array([2, 0, 1], dtype=int32)"),
+          excluded={"jacobians": "integer output: no derivative"})
+_PART = "x = mj.masked_array(jnp.array([3.0, 1.0, 2.0, 0.0]), jnp.array([True, True, True, False]))"
+_shape_op("partition", partition, jnp.partition, static=_partition_static,
+          example=(_PART, "{mod}.partition(x, 1)[1]", "MaskedArray(2.0, dtype=float32)"))
+_shape_op("argpartition", argpartition, jnp.argpartition, returns="array", static=_partition_static,
+          example=(_PART, "{mod}.argpartition(x, 1)", "Array([1, 2, 0, 3], dtype=int32)"),
           excluded={"jacobians": "integer output: no derivative"})
 _shape_op("getitem", getitem, None, modules=(),
           signature=inspect.Signature([inspect.Parameter("a", inspect.Parameter.POSITIONAL_ONLY),

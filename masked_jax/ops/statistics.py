@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from masked_jax.ops._base import Pair, fill, materialize, normalize_axis
+from masked_jax.ops._base import Pair, candidate_axes, fill, materialize, normalize_axis
 from masked_jax.ops._registry import OpSpec, register, signature_of
 from masked_jax.ops.reductions import _float, _float_dtype, _mask, _safe_div, max, mean, min, safe_sqrt, sum
 
@@ -128,6 +128,50 @@ def percentile(x: Pair, q, axis=None, method="linear", keepdims=False) -> Pair:
     return quantile(x, jnp.asarray(q) / 100, axis=axis, keepdims=keepdims, method=method)
 
 
+def _variables(x: Pair, rowvar):
+    """``(data, valid)`` as a 2-D (variables, observations) matrix, data float."""
+    data = jnp.asarray(x.data)
+    if data.ndim > 2:
+        raise ValueError(f"cov: the input must be 1-D or 2-D; got shape {data.shape}.")
+    m = materialize(x.mask, data.shape)
+    data, m = jnp.atleast_2d(data), jnp.atleast_2d(m)
+    if not rowvar and data.shape[0] != 1:
+        data, m = data.T, m.T
+    return data.astype(_float_dtype(data.dtype)), m
+
+
+def cov(m: Pair, rowvar=True, bias=False, ddof=None) -> Pair:
+    """Covariance matrix over valid observations, as ``numpy.ma.cov``: each variable is centred on
+    the mean of its own valid observations, and entry ``(i, j)`` divides the sum over the
+    observations valid in both ``i`` and ``j`` by their number minus ``ddof`` (1, or 0 with
+    ``bias=True``). An entry with no degrees of freedom left is masked."""
+    data, valid = _variables(m, rowvar)
+    ddof = (0 if bias else 1) if ddof is None else ddof
+    n = jnp.sum(valid, axis=1, keepdims=True)
+    mean = jnp.sum(fill(data, valid, 0), axis=1, keepdims=True) / jnp.maximum(n, 1).astype(data.dtype)
+    centred = jnp.where(valid, data - mean, 0)
+    w = valid.astype(data.dtype)
+    fact = jnp.matmul(w, w.T, precision="highest") - ddof
+    ok = fact > 0
+    out = jnp.matmul(centred, jnp.conj(centred).T, precision="highest") / jnp.where(ok, fact, 1)
+    return Pair(jnp.squeeze(jnp.where(ok, out, 0)), jnp.squeeze(ok))
+
+
+def corrcoef(x: Pair, rowvar=True) -> Pair:
+    """Correlation coefficients over valid observations, as ``numpy.ma.corrcoef``: :func:`cov`
+    divided by the outer product of the square roots of its diagonal; masked where a variance
+    is masked or 0."""
+    c = cov(x, rowvar=rowvar)
+    if np.ndim(c.data) == 0:
+        ok = c.mask & (c.data != 0)
+        return Pair(jnp.where(ok, 1, 0).astype(c.data.dtype), ok)
+    d = jnp.diagonal(c.data)
+    dv = jnp.diagonal(c.mask) & (d > 0)
+    std = safe_sqrt(jnp.where(dv, d, 0))
+    ok = c.mask & dv[:, None] & dv[None, :]
+    return Pair(_safe_div(c.data, std[:, None] * std[None, :], ok), ok)
+
+
 VECTOR_ORDS = "None, 0, 1, 2, inf, -inf or any other number"
 MATRIX_ORDS = (None, "fro", "nuc", 1, -1, 2, -2, np.inf, -np.inf)
 
@@ -226,14 +270,29 @@ def _stat(name, jax_fn, rule, **kw):
                            jax_name=kw.pop("jax_name", f"jnp.{name}"), **kw))
 
 
-_ORDER_STATS = {"maskify": "jnp's lowering sorts and gathers at positions that count masked elements; an "
-                           "interpreted rule for order statistics is not written yet: use masked_jax.numpy"}
 _stat("average", jnp.average, average, optional_operands=("weights",),
       excluded={"maskify": "jnp.average divides by the sum of every weight, which maskify cannot tell from an "
                            "ordinary division yet: use masked_jax.numpy.average"},
       example=("x = mj.masked_array(jnp.array([1.0, 2.0, 50.0]), jnp.array([True, True, False]))",
                "{mod}.average(x, weights=jnp.array([3.0, 1.0, 1.0]))", "MaskedArray(1.25, dtype=float32)"))
-_stat("quantile", jnp.quantile, quantile, excluded=_ORDER_STATS, example=(_Q[0], _Q[1].replace("{q}", "0.5"), _Q[2]))
-_stat("percentile", jnp.percentile, percentile, excluded=_ORDER_STATS, example=(_Q[0], _Q[1].replace("{q}", "50"), _Q[2]))
-_stat("median", jnp.median, median, excluded=_ORDER_STATS)
+def _quantile_static(a, q=()):
+    return [dict(axis=ax, method=me, keepdims=k) for ax in candidate_axes(a) for me in QUANTILE_METHODS
+            for k in (False, True)]
+
+
+def _median_static(a):
+    return [dict(axis=ax, keepdims=k) for ax in candidate_axes(a) for k in (False, True)]
+
+
+def _cov_static(m):
+    return [dict(rowvar=r, bias=b, ddof=d) for r in (True, False) for b in (False, True) for d in (None, 0, 1, 2)]
+
+
+_stat("quantile", jnp.quantile, quantile, static=_quantile_static, example=(_Q[0], _Q[1].replace("{q}", "0.5"), _Q[2]))
+_stat("percentile", jnp.percentile, percentile, static=_quantile_static, example=(_Q[0], _Q[1].replace("{q}", "50"), _Q[2]))
+_stat("median", jnp.median, median, static=_median_static)
+_COV = ("x = mj.masked_array(jnp.array([[1.0, 2.0, 3.0, 9.0], [2.0, 4.0, 7.0, 0.0]]), "
+        "jnp.array([[1, 1, 1, 0], [1, 1, 1, 1]], bool))")
+_stat("cov", jnp.cov, cov, static=_cov_static, example=(_COV, "{mod}.cov(x).round(2)", "MaskedArray([[1.0 2.5]\n             [2.5 8.92]], dtype=float32)"))
+_stat("corrcoef", jnp.corrcoef, corrcoef, static=lambda x: [dict(rowvar=r) for r in (True, False)], example=(_COV, "{mod}.corrcoef(x)[0, 1].round(3)", "MaskedArray(0.837, dtype=float32)"))
 _stat("norm", jnp.linalg.norm, norm, segment=_seg_norm, jax_name="jnp.linalg.norm")
