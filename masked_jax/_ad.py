@@ -39,6 +39,8 @@ def _split(tree):
 def _rebuild(data, meta):
     if meta is None:
         return data
+    if isinstance(meta, _lookup._LookupRows):  # a row_sparse table: an opaque leaf to ``fun``
+        return _lookup.Table(meta.with_data(data))
     if isinstance(meta, SparseMasked):
         return meta.with_data(data)
     return MaskedArray.tree_unflatten(None, (data, meta))

@@ -116,6 +116,32 @@ class _LookupRows(RowSparseArray):
     __jax_array__ = _not_an_array
 
 
+class Table:
+    """What a function differentiated with ``row_sparse=...`` sees in place of a selected table.
+
+    An opaque leaf, not a pytree node: trees that hold it still line up with trees that hold
+    ``None`` or an array at the same place (``eqx.combine(params, static)``, ``optax``-style
+    masks). It is read through :func:`lookup` or ``table[ids]`` only.
+    """
+
+    __slots__ = ("rows",)
+
+    def __init__(self, rows: _LookupRows):
+        self.rows = rows
+
+    shape = property(lambda self: self.rows.shape)
+    dtype = property(lambda self: self.rows.dtype)
+    ndim = property(lambda self: self.rows.ndim)
+
+    def _lookup(self, ids):
+        return self.rows._lookup(ids)
+
+    def __repr__(self):
+        return f"Table({self.rows.dtype}{list(self.shape)}, rows read={self.rows.indices.shape[0]})"
+
+    __jax_array__ = _not_an_array
+
+
 def _getitem(self, key):
     if isinstance(key, tuple) or isinstance(key, slice) or key is None or key is Ellipsis:
         raise TypeError(
@@ -127,6 +153,7 @@ def _getitem(self, key):
 
 _Recorder.__getitem__ = _getitem
 _LookupRows.__getitem__ = _getitem
+Table.__getitem__ = _getitem
 
 
 def lookup(table, ids):
@@ -149,7 +176,7 @@ def lookup(table, ids):
         >>> g, g.indices
         (RowSparseArray(float32[6, 2], rows=2), Array([5, 0], dtype=int32))
     """
-    if isinstance(table, (_Recorder, _LookupRows)):
+    if isinstance(table, (_Recorder, _LookupRows, Table)):
         return table._lookup(ids)
     if isinstance(table, SparseMasked):
         table = table.todense()

@@ -145,8 +145,12 @@ def test_clip_by_global_norm_counts_valid_entries_only():
 
 
 def test_lazy_rejects_state_that_mixes_entries():
+    opt = optim.lazy(optax.adafactor(0.1, min_dim_size_to_factor=4))
+    params = {"w": jnp.zeros((8, 8))}
+    state = opt.init(params)  # plain gradients: adafactor itself
+    grads = {"w": mj.masked_array(jnp.ones((8, 8)), jnp.eye(8, dtype=bool))}
     with pytest.raises(ValueError, match=r"cannot lift.*v_row"):
-        optim.lazy(optax.adafactor(0.1, min_dim_size_to_factor=4)).init({"w": jnp.zeros((8, 8))})
+        opt.update(grads, state, params)
 
 
 def test_bad_arguments_are_named():
@@ -591,3 +595,141 @@ def test_lifting_inside_masked_and_multi_transform_works():
         touched = np.zeros(N, bool)
         touched[[1, 4]] = True
         assert np.all(np.asarray(new["emb"])[touched] != 0) and np.all(np.asarray(new["emb"])[~touched] == 0)
+
+
+# -- optax compositions around lazy --------------------------------------------------------------------
+_CPARAMS = {"emb": jnp.linspace(-1.0, 1.0, 18).reshape(6, 3), "w": jnp.ones(3)}
+
+
+def _micro_grads():
+    """Four micro-steps of row-sparse gradients touching different rows (row 5 never)."""
+    rows = [[0, 1], [1, 2], [3, 3], [4, 0]]
+    out = []
+    for i, r in enumerate(rows):
+        data = jnp.full((2, 3), 0.1 * (i + 1)) + jnp.arange(3.0)
+        out.append({"emb": mj.row_sparse(data, jnp.array(r), (6, 3)), "w": jnp.full(3, 0.05 * (i + 1))})
+    return out
+
+
+@pytest.mark.parametrize("use_grad_mean", [True, False])
+def test_lazy_multisteps_accumulates_exactly_per_row(use_grad_mean):
+    """Every row touched in a window of k micro-steps is updated with its exact accumulated gradient
+    at the k-th step (also rows not touched at that step); untouched rows and their state stay."""
+    k, grads = 2, _micro_grads()
+    opt = optim.lazy(optax.MultiSteps(optax.adam(0.1), k, use_grad_mean=use_grad_mean))
+    step = jax.jit(opt.update)
+    params, state = _CPARAMS, opt.init(_CPARAMS)
+    for i in range(0, len(grads), k):
+        window = grads[i:i + k]
+        dense = [jax.tree_util.tree_map(lambda g: g.todense().filled(0) if isinstance(g, mj.RowSparseArray) else g,
+                                        g, is_leaf=lambda x: isinstance(x, mj.RowSparseArray)) for g in window]
+        total = jax.tree_util.tree_map(lambda *gs: sum(gs) / (k if use_grad_mean else 1), *dense)
+        touched = np.zeros(6, bool)
+        for g in window:
+            touched[np.asarray(g["emb"].indices)] = True
+        # the reference: lazy(adam) on the accumulated gradient, valid on the touched rows
+        ref_opt = optim.lazy(optax.adam(0.1))
+        ref_state = jax.tree_util.tree_map(lambda x: x, state.multi_steps.inner_opt_state)
+        ref_g = {"emb": mj.masked_array(total["emb"], jnp.broadcast_to(jnp.asarray(touched)[:, None], (6, 3))),
+                 "w": total["w"]}
+        ref_u, ref_state = ref_opt.update(ref_g, ref_state, params)
+        ref_params = optim.apply_updates(params, ref_u)
+        for j, g in enumerate(window):
+            u, state = step(g, state, params)
+            if j < k - 1:
+                assert not np.asarray(u["emb"].mask).any()  # no update before the k-th micro-step
+        params = optim.apply_updates(params, u)
+        np.testing.assert_allclose(np.asarray(params["emb"]), np.asarray(ref_params["emb"]), rtol=1e-6)
+        np.testing.assert_allclose(np.asarray(params["w"]), np.asarray(ref_params["w"]), rtol=1e-6)
+        untouched = ~touched
+        np.testing.assert_array_equal(np.asarray(state.multi_steps.inner_opt_state[0].mu["emb"])[untouched],
+                                      np.asarray(ref_state[0].mu["emb"])[untouched])
+    assert params["emb"][5].tolist() == _CPARAMS["emb"][5].tolist()  # never touched: bit-identical
+
+
+def test_lazy_multisteps_equals_dense_multisteps_when_every_row_is_touched():
+    opt_l, opt_d = optim.lazy(optax.MultiSteps(optax.adam(0.1), 3)), optax.MultiSteps(optax.adam(0.1), 3)
+    p_l = p_d = _CPARAMS
+    s_l, s_d = opt_l.init(p_l), opt_d.init(p_d)
+    for i in range(6):
+        g = {"emb": jnp.full((6, 3), 0.1 * i) + jnp.arange(6.0)[:, None], "w": jnp.full(3, 0.2)}
+        rows = {"emb": mj.row_sparse(g["emb"], jnp.arange(6), (6, 3)), "w": g["w"]}
+        u_l, s_l = opt_l.update(rows, s_l, p_l)
+        u_d, s_d = opt_d.update(g, s_d, p_d)
+        p_l, p_d = optim.apply_updates(p_l, u_l), optax.apply_updates(p_d, u_d)
+        jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6),
+                               p_l, p_d)
+
+
+def test_lazy_apply_if_finite_checks_valid_entries_only():
+    """NaN under a gradient's mask is not a NaN gradient; NaN in a valid entry skips the step."""
+    opt = optim.lazy(optax.apply_if_finite(optax.adam(0.1), 2))
+    state = opt.init(_CPARAMS)
+    rows_valid = jnp.broadcast_to(jnp.arange(6)[:, None] < 2, (6, 3))
+    poisoned = {"emb": mj.masked_array(jnp.where(rows_valid, 1.0, jnp.nan), rows_valid), "w": jnp.full(3, 0.1)}
+    u, state = jax.jit(opt.update)(poisoned, state, _CPARAMS)
+    assert int(state.notfinite_count) == 0 and bool(state.last_finite)
+    assert np.isfinite(np.asarray(u["emb"].filled(0))).all() and np.asarray(u["emb"].mask[:2]).all()
+    bad = {"emb": mj.masked_array(jnp.where(rows_valid, jnp.nan, 1.0), rows_valid), "w": jnp.full(3, 0.1)}
+    u, state = jax.jit(opt.update)(bad, state, _CPARAMS)
+    assert int(state.notfinite_count) == 1
+    assert float(jnp.abs(u["emb"].filled(0)).sum()) == 0.0 and float(jnp.abs(u["w"]).sum()) == 0.0
+    rows = {"emb": mj.row_sparse(jnp.ones((2, 3)), jnp.array([1, 4]), (6, 3)), "w": jnp.full(3, 0.1)}
+    u, state = opt.update(rows, state, _CPARAMS)
+    assert int(state.notfinite_count) == 0
+
+
+@pytest.mark.parametrize("wrap", ["multi_transform", "masked", "MultiSteps", "apply_if_finite"])
+def test_lazy_of_optax_wrappers_is_the_wrapper_for_plain_gradients(wrap):
+    inner = {
+        "multi_transform": lambda: optax.multi_transform({"a": optax.adam(0.1), "b": optax.sgd(0.1)},
+                                                         {"emb": "a", "w": "b"}),
+        "masked": lambda: optax.masked(optax.adam(0.1), {"emb": True, "w": False}),
+        "MultiSteps": lambda: optax.MultiSteps(optax.adam(0.1), 2),
+        "apply_if_finite": lambda: optax.apply_if_finite(optax.adam(0.1), 2),
+    }[wrap]
+    lazy_opt, plain = optim.lazy(inner()), inner()
+    p_l = p_d = _CPARAMS
+    s_l, s_d = lazy_opt.init(p_l), plain.init(p_d)
+    for i in range(4):
+        g = {"emb": jnp.sin(jnp.arange(18.0) + i).reshape(6, 3), "w": jnp.cos(jnp.arange(3.0) * i)}
+        u_l, s_l = lazy_opt.update(g, s_l, p_l)
+        u_d, s_d = plain.update(g, s_d, p_d)
+        p_l, p_d = optim.apply_updates(p_l, u_l), optax.apply_updates(p_d, u_d)
+    jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6), p_l, p_d)
+
+
+def test_equinox_partition_combine_with_row_sparse_grads():
+    """mj.grad(row_sparse=True) on an equinox model split by eqx.partition: the embedding's gradient
+    is row-sparse over the looked-up ids, the rest dense, and lazy(adam) trains the combined model."""
+    import equinox as eqx
+
+    class Model(eqx.Module):
+        emb: jax.Array
+        head: eqx.nn.Linear
+
+        def __call__(self, ids):
+            return jnp.sum(jax.vmap(self.head)(mj.lookup(self.emb, ids)))
+
+    model = Model(jnp.linspace(-1, 1, 24).reshape(8, 3), eqx.nn.Linear(3, 1, key=jax.random.key(0)))
+    params, static = eqx.partition(model, eqx.is_array)
+    ids = jnp.array([1, 5, 5])
+
+    def loss(p):
+        return eqx.combine(p, static)(ids)
+
+    def only_emb(p):  # a prefix tree of bools over the partitioned model
+        return eqx.tree_at(lambda m: m.emb, jax.tree_util.tree_map(lambda _: False, p), True)
+
+    g = mj.grad(loss, row_sparse=only_emb)(params)
+    assert isinstance(g.emb, mj.RowSparseArray) and not isinstance(g.head.weight, mj.RowSparseArray)
+    np.testing.assert_allclose(np.asarray(g.head.weight), np.asarray(jax.grad(loss)(params).head.weight), rtol=1e-6)
+    dense = jax.grad(loss)(params)
+    np.testing.assert_allclose(np.asarray(g.emb.todense().filled(0)), np.asarray(dense.emb), rtol=1e-6)
+    opt = optim.lazy(optax.adam(0.1))
+    state = opt.init(params)
+    u, state = opt.update(g, state, params)
+    new = optim.apply_updates(params, u)
+    changed = np.asarray(jnp.any(new.emb != params.emb, axis=1))
+    np.testing.assert_array_equal(changed, np.isin(np.arange(8), [1, 5]))
+    assert isinstance(eqx.combine(new, static), Model)

@@ -10,6 +10,7 @@ import numpy as np
 import optax
 
 from masked_jax._core import is_container
+from masked_jax.optim._accumulate import lazy_multi_steps
 from masked_jax.optim._views import data_of, view
 
 
@@ -127,8 +128,19 @@ def lazy(inner: optax.GradientTransformation) -> optax.GradientTransformation:
 
     With plain-array gradients ``lazy(inner)`` is ``inner``, exactly.
 
-    Rejected (``ValueError`` at ``init``): transformations whose state mixes entries
-    (non-scalar float state not shaped like the parameters, e.g. factored adafactor).
+    ``lazy(optax.MultiSteps(inner, k))`` accumulates exactly per entry: the gradients of
+    ``k`` micro-steps are summed (or averaged) into a parameter-shaped accumulator, and at
+    the ``k``-th step every entry touched in the window is updated with ``lazy(inner)``;
+    its updates are masked arrays (dense storage). Wrap the lazy lift *around* optax's
+    wrappers (``lazy(optax.apply_if_finite(adam, n))`` checks finiteness over the valid
+    entries only): optax's own wrappers see a masked or row-sparse gradient's leaves
+    (masked-out data, row indices) as if they were parameters.
+
+    Rejected (``ValueError`` when the first masked or row-sparse gradient is traced):
+    transformations whose state mixes entries (non-scalar float state not shaped like the
+    parameters, e.g. factored adafactor), and state that covers only some parameters
+    (``optax.masked``, ``optax.multi_transform``: lift their inner transformations instead).
+    With plain gradients every transformation is accepted, as ``inner`` itself.
     Stateless transformations that mix entries of one parameter (trust ratios as in
     LARS/LAMB) are accepted but then see only the touched rows.
 
@@ -156,12 +168,11 @@ def lazy(inner: optax.GradientTransformation) -> optax.GradientTransformation:
     """
 
     _check_transformation(inner, "inner")
+    if isinstance(inner, optax.MultiSteps):
+        return lazy_multi_steps(inner, lazy)
 
     def init_fn(params):
-        params = jax.tree_util.tree_map(data_of, params, is_leaf=is_container)
-        state = inner.init(params)
-        _check_liftable(_Reference.of(params), state)
-        return state
+        return inner.init(jax.tree_util.tree_map(data_of, params, is_leaf=is_container))
 
     def update_fn(updates, state, params=None):
         if params is not None:
@@ -171,6 +182,7 @@ def lazy(inner: optax.GradientTransformation) -> optax.GradientTransformation:
         if not any(is_container(g) for g in leaves):
             return inner.update(updates, state, params)
         ref = _Reference.of(updates)
+        _check_liftable(ref, state)
         views, gathered = [], []
         for g in leaves:
             v, data = view(g)
