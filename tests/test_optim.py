@@ -733,3 +733,24 @@ def test_equinox_partition_combine_with_row_sparse_grads():
     changed = np.asarray(jnp.any(new.emb != params.emb, axis=1))
     np.testing.assert_array_equal(changed, np.isin(np.arange(8), [1, 5]))
     assert isinstance(eqx.combine(new, static), Model)
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_apply_if_finite_around_lazy_with_row_sparse_gradients(k):
+    """optax.apply_if_finite(lazy(adam)) selects between the update and zeros of the gradient's
+    structure: lazy's row-sparse updates keep the gradient's K, so the composition runs (under jit)
+    and equals lazy(adam); a non-finite stored row skips the step."""
+    params = {"emb": jnp.ones((6, 3))}
+    ids = jnp.array([4, 1, 4][:k])
+    g = {"emb": mj.row_sparse(jnp.ones((k, 3)), ids, (6, 3))}
+    tx = optax.apply_if_finite(optim.lazy(optax.adam(0.1)), 2)
+    u, state = jax.jit(tx.update)(g, tx.init(params), params)
+    ref = optim.lazy(optax.adam(0.1))
+    ru, _ = ref.update(g, ref.init(params), params)
+    assert u["emb"].nse == k
+    np.testing.assert_array_equal(np.asarray(optim.apply_updates(params, u)["emb"]),
+                                  np.asarray(optim.apply_updates(params, ru)["emb"]))
+    bad = {"emb": mj.row_sparse(jnp.full((k, 3), jnp.nan), ids, (6, 3))}
+    u, state = jax.jit(tx.update)(bad, state, params)
+    assert int(state.notfinite_count) == 1
+    np.testing.assert_array_equal(np.asarray(optim.apply_updates(params, u)["emb"]), np.ones((6, 3)))

@@ -36,3 +36,22 @@ def test_readme_python_blocks_run_and_promises_hold():
         assert float(table[3, 0]) != np.float32(0.01) and float(table[5, 0]) == np.float32(0.01)  # touched rows only
     finally:
         jax.config.update("jax_enable_x64", True)
+
+
+MASKIFY_DOC = README.parent / "docs" / "maskify.md"
+
+
+def test_maskify_page_runs_and_lists_every_unsupported_primitive():
+    """docs/maskify.md: its example runs, and its table names every primitive and jax function
+    that maskify refuses by design (the lists the error messages come from)."""
+    from masked_jax.ops import primitives
+
+    text = MASKIFY_DOC.read_text()
+    ns = {}
+    for block in re.findall(r"```python\n(.*?)```", text, flags=re.S):
+        exec(compile(block, str(MASKIFY_DOC), "exec"), ns)
+    table = text[text.index("## Not supported"):text.index("## What is tested")]
+    for prim in primitives.UNSUPPORTED:
+        assert f"`{prim.name}`" in table, prim.name
+    for name in primitives.UNSUPPORTED_CALLS:
+        assert f"`jnp.{name}`" in table, name

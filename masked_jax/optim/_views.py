@@ -28,6 +28,7 @@ class _View:
     shape: tuple
     mask: jax.Array | None = None  # "masked": same shape as the parameter
     indices: jax.Array | None = None  # "rows": (K,) unique row indices, padding = shape[0]
+    stored: tuple = (0, False)  # "rows": the gradient's own (K, unique_indices), kept by ``wrap``
 
     def _row_mask(self, ndim):
         valid = self.indices < self.shape[0]
@@ -67,7 +68,10 @@ class _View:
         if self.kind == "masked":
             return MaskedArray._from_pair(jnp.where(self.mask, u, zero), self.mask)
         u = jnp.where(self._row_mask(u.ndim), u, zero)
-        return RowSparseArray._make(self.shape, u, self.indices, True)
+        # the gradient's own K and flags, so that an update has the gradient's pytree structure
+        # (optax wrappers select between the two under lax.cond); slots past K are padding
+        k, unique = self.stored
+        return RowSparseArray._make(self.shape, u[:k], self.indices[:k], unique)
 
 
 def view(g, *, coalesce: bool = True):
@@ -79,10 +83,11 @@ def view(g, *, coalesce: bool = True):
     if isinstance(g, SparseMasked) and not isinstance(g, RowSparseArray):
         g = g.todense()  # BCOO: entry sets are not row sets; work on the dense-storage mask
     if isinstance(g, RowSparseArray):
+        stored = (g.nse, g.unique_indices)
         if coalesce:
             g = g.coalesce()
         g = at_least_two_rows(g)
-        v = _View("rows", g.shape, indices=jnp.where(g.row_valid(), g.indices, g.shape[0]))
+        v = _View("rows", g.shape, indices=jnp.where(g.row_valid(), g.indices, g.shape[0]), stored=stored)
         return v, jnp.where(v._row_mask(g.ndim), g.data, jnp.zeros((), g.dtype))
     if is_masked(g):
         return _View("masked", g.shape, mask=g.mask), g.filled(0)
