@@ -1,9 +1,11 @@
-# `make demo` and `make test` create .venv when it is missing, install, and run.
+# `make demo` and `make test` create .venv when it is missing, install, and run (`make demo`:
+# the runtime dependencies only; `make test`: with the test extra).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 EXTRAS ?= test
 STAMP := $(VENV)/.installed-$(EXTRAS)
+RUNTIME_STAMP := $(VENV)/.installed-runtime
 
 .PHONY: demo test bench clean
 
@@ -15,7 +17,12 @@ $(STAMP): pyproject.toml | $(PY)
 	$(PY) -m pip install -e ".[$(EXTRAS)]"
 	touch $@
 
-demo: $(STAMP)
+$(RUNTIME_STAMP): pyproject.toml | $(PY)
+	$(PY) -m pip install -e .
+	touch $@
+
+# the tour needs the runtime dependencies only (jax, optax, numpy)
+demo: $(RUNTIME_STAMP)
 	JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(PY) -m masked_jax.demo
 
 test: $(STAMP)

@@ -1,55 +1,85 @@
-"""The README stays true: its Python blocks run, and the results its comments promise hold."""
+"""The README and the docs pages stay true: their Python blocks run, and what their comments
+promise holds."""
 
 import pathlib
 import re
 
 import jax
 import numpy as np
+import pytest
 
-README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+DOCS = sorted((ROOT / "docs").glob("*.md"))
+# adding_ops.md registers example ops into the process-wide registry: tests/test_registry.py runs
+# the same steps and unregisters them
+RUNNABLE = [p for p in DOCS if p.name != "adding_ops.md"]
+PRELUDE = ("import jax, jax.numpy as jnp, numpy as np, optax\nimport masked_jax as mj\n"
+           "import masked_jax.numpy as mnp\nimport masked_jax.nn as mnn\nfrom masked_jax import optim\n")
 
 
-def _blocks():
-    return re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
-
-
-def test_readme_python_blocks_run_and_promises_hold():
+def _run(path, prelude=""):
+    """Run the Python blocks of ``path`` in order, in one namespace (float32, as users run them)."""
+    blocks = re.findall(r"```python\n(.*?)```", path.read_text(), flags=re.S)
+    ns = {}
     jax.config.update("jax_enable_x64", False)
     try:
-        ns = {}
-        blocks = _blocks()
-        assert len(blocks) >= 2
+        exec(compile(prelude, "prelude", "exec"), ns)
         for block in blocks:
-            exec(compile(block, str(README), "exec"), ns)
-        mnp, mj, jnp = ns["mnp"], ns["mj"], ns["jnp"]
-        mean = mnp.mean(ns["x"], axis=1)
-        assert repr(mean) == "MaskedArray([2.0 --], dtype=float32)"
+            exec(compile(block, str(path), "exec"), ns)
+    finally:
+        jax.config.update("jax_enable_x64", True)
+    return ns, len(blocks)
+
+
+def test_readme_blocks_run_and_promises_hold():
+    ns, count = _run(README)
+    assert count >= 5
+    mnp = ns["mnp"]
+    assert repr(mnp.mean(ns["x"], axis=1)) == "MaskedArray([2.0 --], dtype=float32)"
+    moved = np.asarray(ns["params"] != np.array([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]]))
+    np.testing.assert_array_equal(moved, [[True, False, True], [False, False, True]])
+    assert np.isfinite(float(ns["value"])) and ns["table"].shape == (100_000, 32)
+    assert ns["softmax_report"].satisfies == ("masked",)
+    np.testing.assert_allclose(np.asarray(ns["normed"].data[0, :2]), [-1.0, 1.0], atol=1e-4)
+    np.testing.assert_array_equal(np.asarray(ns["probs"].mask), [[True, True, False]])
+    assert len(README.read_text().splitlines()) <= 200
+
+
+@pytest.mark.parametrize("page", RUNNABLE, ids=[p.name for p in RUNNABLE])
+def test_docs_page_blocks_run(page):
+    ns, _ = _run(page, PRELUDE)
+    if page.name == "gradients.md":
+        mj, mnp, jnp = ns["mj"], ns["mnp"], ns["jnp"]
         trap = jax.grad(lambda v: jnp.where(ns["m"], jnp.log(v), 0.0).sum())(ns["v"])
         ours = jax.grad(lambda v: mnp.sum(mnp.log(mj.masked_array(v, ns["m"]))).data)(ns["v"])
         assert np.isnan(trap[1])
         np.testing.assert_array_equal(ours, [0.5, 0.0])
-        np.testing.assert_allclose(np.asarray(ns["normed"].data[0, :2]), [-1.0, 1.0], atol=1e-4)
-        np.testing.assert_array_equal(np.asarray(ns["probs"].mask), [[True, True, False]])
+    if page.name == "jacobians.md":
         assert ns["softmax_report"].satisfies == ("masked",) and ns["leak_report"].satisfies == ("dense",)
+    if page.name == "sharding.md":
         table = ns["sharded_params"]["table"]
         assert table.sharding.spec == jax.sharding.PartitionSpec("rows") and np.isfinite(float(ns["sharded_loss"]))
         assert float(table[3, 0]) != np.float32(0.01) and float(table[5, 0]) == np.float32(0.01)  # touched rows only
-    finally:
-        jax.config.update("jax_enable_x64", True)
 
 
-MASKIFY_DOC = README.parent / "docs" / "maskify.md"
+def test_user_text_refers_to_nothing_outside_the_repository():
+    """The README, the docs and the benchmarks' notes speak to users: no internal document names."""
+    for path in [README, ROOT / "benchmarks" / "README.md", *DOCS]:
+        text = path.read_text()
+        for word in ("../shared", "DESIGN.md", "seed 0", "the seed notebook", "the issue"):
+            assert word not in text, f"{path.name} mentions {word!r}"
 
 
-def test_maskify_page_runs_and_lists_every_unsupported_primitive():
-    """docs/maskify.md: its example runs, and its table names every primitive and jax function
-    that maskify refuses by design (the lists the error messages come from)."""
+MASKIFY_DOC = ROOT / "docs" / "maskify.md"
+
+
+def test_maskify_page_lists_every_unsupported_primitive():
+    """docs/maskify.md's table names every primitive and jax function that maskify refuses by
+    design (the lists the error messages come from)."""
     from masked_jax.ops import primitives
 
     text = MASKIFY_DOC.read_text()
-    ns = {}
-    for block in re.findall(r"```python\n(.*?)```", text, flags=re.S):
-        exec(compile(block, str(MASKIFY_DOC), "exec"), ns)
     table = text[text.index("## Not supported"):text.index("## What is tested")]
     for prim in primitives.UNSUPPORTED:
         assert f"`{prim.name}`" in table, prim.name
