@@ -31,6 +31,10 @@ CHECKS = ("reference", "transforms", "jacobians", "poison", "layouts", "maskify"
 # Parameters a masked op accepts with their jnp meaning only at the default value.
 _UNSUPPORTED_DEFAULTS = {"out": None}
 
+# Ops with no public function (``modules=()``) are reached through ``maskify`` only, which turns
+# sparse layouts into dense storage first: there is no layout path to check.
+MASKIFY_ONLY = {"layouts": "reached only through maskify, which densifies sparse layouts first"}
+
 # Annotations of the public signatures, by parameter name (operands are typed by ``operands``).
 OPERAND = "ArrayLike | MaskedArray"
 ANNOTATIONS = {
@@ -187,5 +191,5 @@ def rule_signature(rule: Callable[..., Any]) -> inspect.Signature:
     return signature_of(rule)
 
 
-__all__ = ["ANNOTATIONS", "CHECKS", "FAMILIES", "OPERAND", "OpSpec", "REGISTRY", "on_register",
+__all__ = ["ANNOTATIONS", "CHECKS", "FAMILIES", "MASKIFY_ONLY", "OPERAND", "OpSpec", "REGISTRY", "on_register",
            "register", "rule_signature", "signature_of", "unregister"]

@@ -10,7 +10,7 @@ import numpy as np
 from jax import lax
 
 from masked_jax.ops._base import Pair, and_masks, fill
-from masked_jax.ops._registry import OpSpec, register
+from masked_jax.ops._registry import MASKIFY_ONLY, OpSpec, register
 
 _POS = inspect.Parameter.POSITIONAL_ONLY
 _KW = inspect.Parameter.POSITIONAL_OR_KEYWORD
@@ -162,7 +162,8 @@ def _binary_spec(name, fn, safe, prims, methods=(), modules=("numpy",), jax_name
     return OpSpec(name=name, family="binary", rule=nary(fn, safe), signature=_X1X2, operands=("x1", "x2"),
                   methods=methods, primitives=prims, safe=safe, fn=fn, modules=modules,
                   jax_name=jax_name or f"jnp.{name}",
-                  excluded={"jacobians": _NO_JACOBIAN[name]} if name in _NO_JACOBIAN else {})
+                  excluded={**(MASKIFY_ONLY if not modules else {}),
+                            **({"jacobians": _NO_JACOBIAN[name]} if name in _NO_JACOBIAN else {})})
 
 
 for _name, _fn, _safe, _prims, _methods in BINARY:

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from masked_jax.ops._base import Pair, fill
-from masked_jax.ops._registry import OpSpec, register, signature_of
+from masked_jax.ops._registry import MASKIFY_ONLY, OpSpec, register, signature_of
 
 _X = inspect.Signature([inspect.Parameter("x", inspect.Parameter.POSITIONAL_ONLY)])
 
@@ -170,7 +170,7 @@ for _name, _fn, _safe, _prims in ACTIVATIONS:
 for _name, _fn, _safe, _prims in LAX_ONLY:
     register(unary_spec(_name, _fn, _safe, modules=(), primitives=_prims, jax_name=f"lax.{_name}",
                         signature=inspect.signature(_fn) if _name in _LAX_PARAMS else _X,
-                        excluded={"jacobians": NO_JACOBIAN[_name]} if _name in NO_JACOBIAN else None))
+                        excluded={**MASKIFY_ONLY, **({"jacobians": NO_JACOBIAN[_name]} if _name in NO_JACOBIAN else {})}))
 
 register(OpSpec(
     name="astype", family="elementwise", rule=astype, signature=signature_of(jnp.astype, drop=("device",)),

@@ -159,7 +159,7 @@ def lazy(inner: optax.GradientTransformation) -> optax.GradientTransformation:
         >>> g = mj.row_sparse(jnp.ones((1, 2)), jnp.array([2]), (4, 2))
         >>> updates, state = opt.update(g, state, params)
         >>> updates
-        RowSparseArray(float32[4, 2], rows=2)
+        RowSparseArray(float32[4, 2], rows=1)
         >>> optim.apply_updates(params, updates).round(3)
         Array([[ 0. ,  0. ],
                [ 0. ,  0. ],
