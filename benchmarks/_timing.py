@@ -4,11 +4,24 @@ from __future__ import annotations
 
 import os
 import statistics
+import sys
 import time
 
 import jax
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
+
+
+def progress(items, label):
+    """``items``, printing ``[i/n] label: item (elapsed)`` to stderr as each one starts, so a long
+    run shows where it is (the tables come at the end)."""
+    items = list(items)
+    start = time.perf_counter()
+    for i, item in enumerate(items, 1):
+        print(f"[{i}/{len(items)}] {label}: {item} ({time.perf_counter() - start:.0f} s elapsed)",
+              file=sys.stderr, flush=True)
+        yield item
+    print(f"[done] {label} in {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
 
 
 def result_path(stem):

@@ -39,7 +39,7 @@ from jax.test_util import check_grads  # noqa: E402
 sys.path.insert(0, os.path.dirname(__file__))
 import masked_jax as mj  # noqa: E402
 from masked_jax.checking import _check  # noqa: E402
-from _timing import interleaved_medians, result_path, save_bar_plot, torch_device  # noqa: E402
+from _timing import interleaved_medians, progress, result_path, save_bar_plot, torch_device  # noqa: E402
 
 
 def functions(n, rng):
@@ -75,7 +75,7 @@ def main(argv=None):
     sizes = (10, 50) if args.quick else (10, 100, 400)
     rng = np.random.default_rng(0)
     rows, compile_rows = {}, {}
-    for n in sizes:
+    for n in progress(sizes, "input size"):
         for name, (fj, ft) in functions(n, rng).items():
             x = jnp.asarray(rng.uniform(-1.0, 1.0, n))
             xt = torch.tensor(np.asarray(x), requires_grad=True, device=torch_device())

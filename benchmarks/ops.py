@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import masked_jax as mj  # noqa: E402
 import masked_jax.nn as mnn  # noqa: E402
 import masked_jax.numpy as mnp  # noqa: E402
-from _timing import RESULTS, interleaved_medians, print_table, save_bar_plot  # noqa: E402
+from _timing import RESULTS, interleaved_medians, print_table, progress, save_bar_plot  # noqa: E402
 
 
 # -- hand-written jnp.where baselines (what a careful user writes today) ---------------------------
@@ -110,7 +110,7 @@ def main(argv=None):
     rows = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch.masked prototype warnings
-        for op in ("softmax", "sum", "mean"):
+        for op in progress(("softmax", "sum", "mean"), "ops"):
             impls = {"masked_jax": ours[op], "jnp.where": where[op], "numpy.ma": np_ma[op]}
             if t_mt:
                 impls.update({"MaskedTensor": t_mt[op], "torch.masked.*": t_fn[op]})

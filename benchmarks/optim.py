@@ -47,7 +47,7 @@ import optax
 sys.path.insert(0, os.path.dirname(__file__))
 import masked_jax as mj  # noqa: E402
 from masked_jax import optim  # noqa: E402
-from _timing import interleaved_medians, result_path, torch_device  # noqa: E402
+from _timing import interleaved_medians, progress, result_path, torch_device  # noqa: E402
 
 DIM = 64
 LR = 1e-2
@@ -220,7 +220,7 @@ def main(argv=None):
     where = f"{os.cpu_count()} cores" if backend == "cpu" else jax.devices()[0].device_kind
     print(f"backend {backend} ({where}), torch on {torch_device()}, copy bandwidth {bandwidth / 1e9:.1f} GB/s, "
           f"malloc {'reusing freed memory' if reuse else 'glibc default'}")
-    results = {(n, k): run(n, k, bandwidth) for n in sizes for k in ks}
+    results = {(n, k): run(n, k, bandwidth) for n, k in progress([(n, k) for n in sizes for k in ks], "(N, K)")}
     cols = ["masked_adagrad", "lazy_adam", "hand_scatter_adagrad", "hand_scatter_adam", "dense_adagrad",
             "dense_adam", "torch_adagrad", "torch_sparse_adam", "bound_adam"]
     print("\nmedian ms per step (update + apply, jit, donated)")

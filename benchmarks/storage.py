@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import masked_jax as mj  # noqa: E402
 import masked_jax.nn as mnn  # noqa: E402
 import masked_jax.numpy as mnp  # noqa: E402
-from _timing import RESULTS, interleaved_medians  # noqa: E402
+from _timing import RESULTS, interleaved_medians, progress  # noqa: E402
 
 OPS = {
     "exp": lambda x: mnp.exp(x),
@@ -46,7 +46,7 @@ def main(argv=None):
     fractions = (0.01, 0.10)
     rng = np.random.default_rng(0)
     rows = {}
-    for frac in fractions:
+    for frac in progress(fractions, "stored fraction"):
         k = int(n * frac)
         idx = jnp.asarray(np.sort(rng.choice(n, size=k, replace=False)).astype(np.int32))
         vals = jnp.asarray(rng.normal(size=(k, d)).astype(np.float32))
