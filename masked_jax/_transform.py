@@ -34,7 +34,7 @@ import jax.extend.core.primitives as P
 
 # Call-like primitives whose body is interpreted with the masks riding along.
 # checkpoint's primitive: exported as remat_p by newer jax; otherwise read off a staged checkpoint
-_REMAT_P = getattr(P, "remat_p", None) or jax.make_jaxpr(jax.checkpoint(jnp.sin))(1.0).eqns[0].primitive
+_REMAT_P = getattr(P, "remat_p", None) or primitives.staged_primitive(None, jax.checkpoint(jnp.sin), 1.0)
 _CALLS = frozenset((P.jit_p, P.closed_call_p, P.call_p, P.custom_jvp_call_p, P.custom_vjp_call_p, _REMAT_P))
 _LOOPS = frozenset((P.cond_p, P.while_p, P.scan_p))
 

@@ -285,6 +285,7 @@ BINARY = {
         __import__("harness").masked(rng, dtype, masks[0], (-3.0, 3.0))], cases=({"min": -1.0, "max": 1.5},), smooth=False),
 }
 
+
 def _degrees_of_freedom(a, rowvar=True, bias=False, ddof=None):
     """Pairwise valid observations minus ddof (where numpy.ma.cov divides by zero or less, the
     masked covariance is masked: no degrees of freedom are left)."""

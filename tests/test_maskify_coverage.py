@@ -38,10 +38,6 @@ COMPLEX = (-2.0, 2.0, "complex")  # real and imaginary parts in [-2, 2]
 LENGTHS = (7, 4, 1, 0, 5)  # valid prefix of each row (row 3 is all padding)
 
 
-def _unary(table, prefix=""):
-    return [(prefix + name, fn, dom) for name, (fn, dom) in table.items()]
-
-
 # -- elementwise: name -> (function, domain) -------------------------------------------------------
 def _j(name, dom=ANY):
     return getattr(jnp, name), dom
@@ -90,6 +86,7 @@ UNARY = {
     "jnp.isclose(x,0.5)": (lambda x: jnp.isclose(x, 0.5), ANY),
 }
 
+
 @jax.custom_vjp
 def _scaled_identity(x):
     return x * 2.0
@@ -114,7 +111,7 @@ UNARY.update({
     "jax.custom_vjp": (_scaled_identity, ANY),
     "jax.debug.print": (_printed, ANY),
     "jax.device_put": (jax.device_put, ANY),
-    "jax.lax.with_sharding_constraint-free jax.named_call": (jax.named_call(jnp.sin, name="named"), ANY),
+    "jax.named_call": (jax.named_call(jnp.sin, name="named"), ANY),
 })
 
 INT_UNARY = {

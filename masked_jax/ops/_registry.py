@@ -88,8 +88,9 @@ class OpSpec:
         example: ``(setup, call, result)`` doctest lines, ``{mod}``/``{name}`` substituted.
         excluded: harness check -> why this op is left out of it.
         jax_name: the mirrored jax function, for the docstring.
-        static: ``static(*operand_shapes) -> iterable of keyword dicts``: the static arguments
-            ``fn`` may have been called with. Given, ``maskify`` recognises ``fn``'s own named
+        static: ``static(body, *operand_shapes) -> iterable of keyword dicts``: the static
+            arguments ``fn`` may have been called with (``body``, the jaxpr of the call, may narrow
+            them down; each candidate is still checked by re-tracing). Given, ``maskify`` recognises ``fn``'s own named
             ``jit`` call inside a traced function (by re-tracing ``fn`` with each candidate and
             comparing the programs) and applies this op's rule to the whole call instead of
             interpreting its body, which is written for dense arrays (order statistics: jnp's

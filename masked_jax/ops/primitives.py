@@ -35,13 +35,13 @@ DERIVED: dict = {}  # primitive -> rule, from the registry's specs
 OWNER: dict = {}  # primitive -> the name of the op whose spec claims it
 NAMED: dict = {}  # name of a jax function's own jit call -> the spec whose rule replaces the call
 # jax functions whose jit call is refused by name, with the reason
-UNSUPPORTED_CALLS = dict.fromkeys(
-    ("nanmedian", "nanquantile", "nanpercentile"),
-    "NaN-ignoring order statistics of masked data: mask the NaNs too (a mask AND-ed with ~isnan(x)) and call "
-    "jnp.median / jnp.quantile / jnp.percentile")
-UNSUPPORTED_CALLS["trapezoid"] = ("jnp.trapezoid reads the first and last elements by position, which need not be "
-                                  "the first and last valid ones; integrate the valid samples with "
-                                  "masked_jax.numpy (a masked sum of the trapezoids)")
+_NAN_ORDER = ("NaN-ignoring order statistics of masked data: mask the NaNs too (a mask AND-ed with ~isnan(x)) "
+              "and call jnp.median / jnp.quantile / jnp.percentile")
+UNSUPPORTED_CALLS = {
+    "nanmedian": _NAN_ORDER, "nanquantile": _NAN_ORDER, "nanpercentile": _NAN_ORDER,
+    "trapezoid": "jnp.trapezoid reads the first and last elements by position, which need not be the first and "
+                 "last valid ones; integrate the valid samples with masked_jax.numpy (a masked sum of the trapezoids)",
+}
 
 
 def _bound(prim, params):
@@ -53,23 +53,37 @@ class NoMaskedRule(Exception):
     into a ``MaskifyError`` naming the primitive and the function."""
 
 
+class _Body:
+    """The body of a jit call, hashed and compared by its printed program (the recognition cache's
+    key) and kept for the candidates to read (``OpSpec.static``)."""
+
+    def __init__(self, closed_jaxpr):
+        self.jaxpr, self.program = closed_jaxpr.jaxpr, str(closed_jaxpr)
+
+    def __hash__(self):
+        return hash(self.program)
+
+    def __eq__(self, other):
+        return isinstance(other, _Body) and other.program == self.program
+
+
 def recognise(spec: OpSpec, closed_jaxpr, avals):
     """The static keyword arguments ``spec.fn`` was called with, given the body of its jit call and
     the avals of the call's operands; ``None`` when no candidate of ``spec.static`` gives the same
     program."""
-    return _recognise(spec.name, str(closed_jaxpr), tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals))
+    return _recognise(spec.name, _Body(closed_jaxpr), tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals))
 
 
 @functools.lru_cache(maxsize=512)
-def _recognise(name, program, structs):
+def _recognise(name, body, structs):
     spec = REGISTRY[name]
-    for kw in spec.static(*(s.shape for s in structs)):
+    for kw in spec.static(body.jaxpr, *(s.shape for s in structs)):
         try:
             traced = jax.make_jaxpr(functools.partial(spec.fn, **kw))(*structs)
         except Exception:  # noqa: BLE001 - a candidate jax rejects (an axis out of range) is not the one
             continue
         eqns = traced.jaxpr.eqns
-        if len(eqns) == 1 and eqns[0].primitive is P.jit_p and str(eqns[0].params["jaxpr"]) == program:
+        if len(eqns) == 1 and eqns[0].primitive is P.jit_p and str(eqns[0].params["jaxpr"]) == body.program:
             return kw
     return None
 
@@ -324,11 +338,12 @@ def _stack(prim, invals, axis):
     return shape.stack(invals, axis=axis)
 
 
-def _staged_primitive(name, fn, *args):
+def staged_primitive(name, fn, *args):
     """The primitive ``fn`` stages, for primitives this jax has but does not export (``stack``,
-    ``split``, ``tile`` in some versions); ``None`` when ``fn`` is not one primitive named ``name``."""
+    ``split``, ``tile`` in some versions); ``None`` when ``fn`` is not one primitive named ``name``
+    (any name when ``name`` is ``None``)."""
     eqns = jax.make_jaxpr(fn)(*args).eqns
-    return eqns[0].primitive if len(eqns) == 1 and eqns[0].primitive.name == name else None
+    return eqns[0].primitive if len(eqns) == 1 and name in (None, eqns[0].primitive.name) else None
 
 
 def _debug(prim, invals, **params):
@@ -347,12 +362,12 @@ def _pure_callback(prim, invals, result_avals, **params):
 
 
 _ONES = jnp.ones(4)
-_STACK_P = _staged_primitive("stack", lambda a, b: jnp.stack([a, b]), _ONES, _ONES)
-_SPLIT_P = _staged_primitive("split", lambda a: jnp.split(a, 2), _ONES)
-_TILE_P = _staged_primitive("tile", lambda a: jnp.tile(a, 2), _ONES)
-_DEBUG_PRINT_P = _staged_primitive("debug_print", lambda a: jax.debug.print("{}", a), _ONES)
-_DEBUG_CALLBACK_P = _staged_primitive("debug_callback", lambda a: jax.debug.callback(lambda _: None, a), _ONES)
-_PURE_CALLBACK_P = _staged_primitive("pure_callback", lambda a: jax.pure_callback(
+_STACK_P = staged_primitive("stack", lambda a, b: jnp.stack([a, b]), _ONES, _ONES)
+_SPLIT_P = staged_primitive("split", lambda a: jnp.split(a, 2), _ONES)
+_TILE_P = staged_primitive("tile", lambda a: jnp.tile(a, 2), _ONES)
+_DEBUG_PRINT_P = staged_primitive("debug_print", lambda a: jax.debug.print("{}", a), _ONES)
+_DEBUG_CALLBACK_P = staged_primitive("debug_callback", lambda a: jax.debug.callback(lambda _: None, a), _ONES)
+_PURE_CALLBACK_P = staged_primitive("pure_callback", lambda a: jax.pure_callback(
     lambda b: b, jax.ShapeDtypeStruct((4,), jnp.float32), a), _ONES)
 
 _PASSTHROUGH = [P.reshape_p, P.transpose_p, P.broadcast_in_dim_p, P.squeeze_p, P.rev_p, P.slice_p,

@@ -213,7 +213,6 @@ def at_update(x: Pair, index, op: str, value: Pair, **kwargs) -> Pair:
     return Pair(new, mask)
 
 
-
 def _shape_op(name, rule, jax_fn, *, methods=(), sequence=False, signature=None, operands=None, **kw):
     sig = signature or signature_of(jax_fn, drop=("out_sharding",))
     first = next(iter(sig.parameters))
@@ -260,16 +259,22 @@ _shape_op("pad", pad, jnp.pad,
 _shape_op("take", take, jnp.take, methods=("take",),
           example=("x = mj.masked_array(jnp.array([1.0, 2.0]), jnp.array([True, False]))",
                    "{mod}.take(x, jnp.array([1, 0, 5]))", "MaskedArray([-- 1.0 --], dtype=float32)"))
-_SORT = "x = mj.masked_array(jnp.array([3.0, 1.0, 2.0]), jnp.array([True, False, True]))"
-def _sort_static(a):
+
+
+def _sort_static(body, a):
     return [dict(axis=ax, stable=st, descending=d) for ax in candidate_axes(a) for d in (False, True)
             for st in (True, False)]
 
 
-def _partition_static(a):
-    return [dict(kth=k, axis=ax) for ax in candidate_axes(a, none=False) for k in range(a[ax])]
+def _partition_static(body, a):
+    """jnp's partition takes ``top_k`` of ``kth + 1`` and of ``n - kth - 1`` elements: the ``k``s in
+    its body name the candidate ``kth``s (instead of every position of every axis)."""
+    ks = {e.params["k"] for e in body.eqns if e.primitive is jax.lax.top_k_p}
+    return [dict(kth=kth, axis=ax) for ax in candidate_axes(a, none=False)
+            for kth in sorted({k - 1 for k in ks} | {a[ax] - k - 1 for k in ks}) if 0 <= kth < a[ax]]
 
 
+_SORT = "x = mj.masked_array(jnp.array([3.0, 1.0, 2.0]), jnp.array([True, False, True]))"
 _shape_op("sort", sort, jnp.sort, methods=("sort",), static=_sort_static,
           example=(_SORT, "{mod}.sort(x)", "MaskedArray([2.0 3.0 --], dtype=float32)"))
 _shape_op("argsort", argsort, jnp.argsort, methods=("argsort",), returns="array", static=_sort_static,

@@ -145,6 +145,8 @@ def cov(m: Pair, rowvar=True, bias=False, ddof=None) -> Pair:
     the mean of its own valid observations, and entry ``(i, j)`` divides the sum over the
     observations valid in both ``i`` and ``j`` by their number minus ``ddof`` (1, or 0 with
     ``bias=True``). An entry with no degrees of freedom left is masked."""
+    if ddof is not None and (isinstance(ddof, bool) or not isinstance(ddof, (int, np.integer))):
+        raise TypeError(f"cov: ddof must be an int or None; got {ddof!r}.")
     data, valid = _variables(m, rowvar)
     ddof = (0 if bias else 1) if ddof is None else ddof
     n = jnp.sum(valid, axis=1, keepdims=True)
@@ -275,17 +277,23 @@ _stat("average", jnp.average, average, optional_operands=("weights",),
                            "ordinary division yet: use masked_jax.numpy.average"},
       example=("x = mj.masked_array(jnp.array([1.0, 2.0, 50.0]), jnp.array([True, True, False]))",
                "{mod}.average(x, weights=jnp.array([3.0, 1.0, 1.0]))", "MaskedArray(1.25, dtype=float32)"))
-def _quantile_static(a, q=()):
+
+
+def _quantile_static(body, a, q=()):
     return [dict(axis=ax, method=me, keepdims=k) for ax in candidate_axes(a) for me in QUANTILE_METHODS
             for k in (False, True)]
 
 
-def _median_static(a):
+def _median_static(body, a):
     return [dict(axis=ax, keepdims=k) for ax in candidate_axes(a) for k in (False, True)]
 
 
-def _cov_static(m):
+def _cov_static(body, m):
     return [dict(rowvar=r, bias=b, ddof=d) for r in (True, False) for b in (False, True) for d in (None, 0, 1, 2)]
+
+
+def _corrcoef_static(body, x):
+    return [dict(rowvar=r) for r in (True, False)]
 
 
 _stat("quantile", jnp.quantile, quantile, static=_quantile_static, example=(_Q[0], _Q[1].replace("{q}", "0.5"), _Q[2]))
@@ -294,5 +302,6 @@ _stat("median", jnp.median, median, static=_median_static)
 _COV = ("x = mj.masked_array(jnp.array([[1.0, 2.0, 3.0, 9.0], [2.0, 4.0, 7.0, 0.0]]), "
         "jnp.array([[1, 1, 1, 0], [1, 1, 1, 1]], bool))")
 _stat("cov", jnp.cov, cov, static=_cov_static, example=(_COV, "{mod}.cov(x).round(2)", "MaskedArray([[1.0 2.5]\n             [2.5 8.92]], dtype=float32)"))
-_stat("corrcoef", jnp.corrcoef, corrcoef, static=lambda x: [dict(rowvar=r) for r in (True, False)], example=(_COV, "{mod}.corrcoef(x)[0, 1].round(3)", "MaskedArray(0.837, dtype=float32)"))
+_stat("corrcoef", jnp.corrcoef, corrcoef, static=_corrcoef_static,
+      example=(_COV, "{mod}.corrcoef(x)[0, 1].round(3)", "MaskedArray(0.837, dtype=float32)"))
 _stat("norm", jnp.linalg.norm, norm, segment=_seg_norm, jax_name="jnp.linalg.norm")

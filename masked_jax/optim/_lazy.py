@@ -126,12 +126,15 @@ def lazy(inner: optax.GradientTransformation) -> optax.GradientTransformation:
     ``optax.clip_by_global_norm``) are over valid entries only. Updates come back in
     the gradient's storage: apply them with :func:`apply_updates`.
 
-    With plain-array gradients ``lazy(inner)`` is ``inner``, exactly.
+    With plain-array gradients ``lazy(inner)`` is ``inner``, exactly (``MultiSteps`` aside: its
+    lift below gives the same parameters).
 
     ``lazy(optax.MultiSteps(inner, k))`` accumulates exactly per entry: the gradients of
     ``k`` micro-steps are summed (or averaged) into a parameter-shaped accumulator, and at
     the ``k``-th step every entry touched in the window is updated with ``lazy(inner)``;
-    its updates are masked arrays (dense storage). Wrap the lazy lift *around* optax's
+    its updates are masked arrays (dense storage), and its state is ``MultiSteps``' state
+    plus the parameter-shaped mask of the entries touched in the window. Like
+    ``optax.MultiSteps``, every micro-step costs O(parameter size). Wrap the lazy lift *around* optax's
     wrappers (``lazy(optax.apply_if_finite(adam, n))`` checks finiteness over the valid
     entries only): optax's own wrappers see a masked or row-sparse gradient's leaves
     (masked-out data, row indices) as if they were parameters.
@@ -148,7 +151,8 @@ def lazy(inner: optax.GradientTransformation) -> optax.GradientTransformation:
         inner: the optax transformation to lift.
 
     Returns:
-        An ``optax.GradientTransformation`` with the same state as ``inner``.
+        An ``optax.GradientTransformation`` with the same state as ``inner`` (for
+        ``optax.MultiSteps``, that state and the touched mask).
 
     Examples:
         >>> import jax.numpy as jnp, optax, masked_jax as mj
