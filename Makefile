@@ -1,5 +1,6 @@
-# `make demo` and `make test` create .venv when it is missing, install, and run (`make demo`:
-# the runtime dependencies only; `make test`: with the test extra).
+# `make demo`, `make test` and `make docs` create .venv when it is missing, install, and run
+# (`make demo`: the runtime dependencies only; `make test`: with the test extra, which includes
+# the docs extra; `make docs`: the docs extra).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -7,7 +8,9 @@ EXTRAS ?= test
 STAMP := $(VENV)/.installed-$(EXTRAS)
 RUNTIME_STAMP := $(VENV)/.installed-runtime
 
-.PHONY: demo test test-oldest bench clean
+DOCS_STAMP := $(VENV)/.installed-docs
+
+.PHONY: demo test test-oldest docs notebooks bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -15,11 +18,15 @@ $(PY):
 
 $(STAMP): pyproject.toml | $(PY)
 	$(PY) -m pip install -e ".[$(EXTRAS)]"
-	touch $@ $(RUNTIME_STAMP)  # the extras include the runtime dependencies
+	touch $@ $(RUNTIME_STAMP) $(DOCS_STAMP)  # the extras include the runtime and docs dependencies
 
 $(RUNTIME_STAMP): pyproject.toml | $(PY)
 	$(PY) -m pip install -e .
 	touch $@
+
+$(DOCS_STAMP): pyproject.toml | $(PY)
+	$(PY) -m pip install -e ".[docs]"
+	touch $@ $(RUNTIME_STAMP)
 
 # the tour needs the runtime dependencies only (jax, optax, numpy)
 demo: $(RUNTIME_STAMP)
@@ -38,8 +45,16 @@ test-oldest:
 	JAX_PLATFORMS=cpu .venv-oldest/bin/python -m pytest -p no:cacheprovider tests/test_core.py tests/test_ad.py \
 		tests/test_transform.py tests/test_maskify_coverage.py tests/test_validation.py tests/test_layouts.py
 
+# The site, into docs/_build/html: warnings are errors; the notebooks run at build time.
+docs: $(DOCS_STAMP)
+	JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(PY) -m sphinx -W --keep-going -b html docs docs/_build/html
+
+# Re-run the notebooks in place, so that notebooks/ holds them with their outputs.
+notebooks: $(DOCS_STAMP)
+	JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(PY) -m jupyter execute --inplace notebooks/*.ipynb
+
 bench: $(STAMP)
 	$(PY) benchmarks/ops.py
 
 clean:
-	rm -rf $(VENV) .venv-oldest build *.egg-info
+	rm -rf $(VENV) .venv-oldest build dist *.egg-info docs/_build docs/notebooks docs/benchmarks.md

@@ -3,7 +3,7 @@
 ``jax.grad`` refuses pytrees with bool leaves (a mask) unless ``allow_int=True``,
 and even then returns a float0 "gradient" for the mask. The functions here
 split every ``MaskedArray`` argument into its data (differentiated) and its
-mask (held fixed), differentiate, and hand gradients back as ``MaskedArray``s
+mask (held fixed), differentiate, and hand gradients back as ``MaskedArray`` objects
 that carry the primal mask, with data exactly 0 at masked-out elements.
 Masked outputs are read through ``filled(0)``: a masked output contributes
 nothing, so its cotangent is dropped.
@@ -102,7 +102,7 @@ def value_and_grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: boo
 
     ``fun`` returns a scalar array or a 0-d ``MaskedArray`` (a masked loss
     counts as 0). Gradients of ``MaskedArray`` arguments (also inside pytrees)
-    are ``MaskedArray``s with the argument's mask and data exactly 0 where masked.
+    are ``MaskedArray`` objects with the argument's mask and data exactly 0 where masked.
 
     ``row_sparse`` selects tables (plain arrays of shape (N, ...)) whose gradient
     should be a :class:`RowSparseArray` of the rows ``fun`` reads with

@@ -6,7 +6,7 @@ names and defaults), installs it in ``masked_jax.numpy`` and/or ``masked_jax.nn`
 op's methods and operators on :class:`~masked_jax._methods.ArrayMethods`, the base of every
 masked array class. A registration made later (a new op) is installed the same way at once.
 
-A call binds its arguments to the signature, unwraps operands into ``Pair``s (a plain array is
+A call binds its arguments to the signature, unwraps operands into ``Pair`` objects (a plain array is
 fully valid), AND-s a ``where=`` argument into the mask (reductions and normalizations), refuses a
 jnp parameter the masked rule does not implement unless it has its default value, sends sparse
 operands to their layout's rule table, and wraps the rule's result.
@@ -89,7 +89,7 @@ def docstring(spec: OpSpec, module: str) -> str:
     summary = spec.summary or f"Masked ``{spec.jax_name}``: {_SEMANTICS[spec.family]}"
     return (
         f"{summary}\n\n"
-        "Accepts ``MaskedArray``s, sparse masked arrays and plain arrays (fully valid) alike;\n"
+        "Accepts ``MaskedArray`` objects, sparse masked arrays and plain arrays (fully valid) alike;\n"
         f"the other parameters are those of ``{spec.jax_name}``.\n\n"
         "Examples:\n"
         "    >>> import jax.numpy as jnp, masked_jax as mj\n"

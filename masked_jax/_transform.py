@@ -57,9 +57,9 @@ def maskify(fun):
     """``fun`` with masked semantics: it accepts masked arrays wherever it accepted arrays.
 
     ``fun`` is ordinary ``jax.numpy`` / ``jax.nn`` / ``lax`` code. Its arguments may be
-    ``MaskedArray``s, sparse layouts (densified to ``MaskedArray``), arrays, and pytrees of them;
+    ``MaskedArray`` objects, sparse layouts (densified to ``MaskedArray``), arrays, and pytrees of them;
     non-array arguments (Python numbers, strings) and keyword arguments are static. Outputs that
-    depend on a masked input are ``MaskedArray``s; the others are plain arrays. Composes with
+    depend on a masked input are ``MaskedArray`` objects; the others are plain arrays. Composes with
     ``jit``, ``vmap`` and ``mj.grad``; for ``static_argnums``-like use, close over the static
     values (``maskify(lambda x: f(x, axis))``).
 

@@ -1,6 +1,6 @@
 """``jax.numpy`` with masked semantics (mask ``True`` = valid).
 
-Every function accepts ``MaskedArray``s, sparse masked arrays and plain arrays alike (a plain
+Every function accepts ``MaskedArray`` objects, sparse masked arrays and plain arrays alike (a plain
 array is fully valid) and returns a ``MaskedArray`` (``count`` and ``argsort`` return plain
 arrays: a count and a permutation are always defined). The functions are built from the op
 registry (:mod:`masked_jax.ops`): each has ``jax.numpy``'s signature and a docstring with an

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+
 import jax
+import matplotlib.image
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -199,6 +203,20 @@ def test_html_report_has_tables_and_heatmap():
     page2 = r2.to_html(heatmap=True)
     assert "mj-heatmap" in page2 and "4" in page2 and "numerical" in page2
     assert "mj-heatmap" not in r2.to_html(heatmap=False)
+    assert "input element" in page2 and "output element" in page2 and "|error|" in page2
+
+
+def test_report_plot_is_a_labelled_matplotlib_heatmap():
+    r = mj.check_jacobian(seed_foo, (mj.from_bcoo(SEED_T),), raise_exception=False)
+    fig = r.plot()
+    panels = [ax for ax in fig.axes if ax.get_images()]
+    assert [ax.get_title() for ax in panels] == ["dense fwd dout/dargs[0]: FAIL", "dense rev dout/dargs[0]: FAIL"]
+    assert {ax.get_xlabel() for ax in panels} == {"input element"}
+    shown = panels[0].get_images()[0].get_array()
+    np.testing.assert_allclose(shown.filled(np.nan), r.failures()[0].diff, equal_nan=True)
+    fast = mj.check_jacobian(jnp.sin, (jnp.array([0.5, 1.0]),), semantics="dense", fast=True)
+    with pytest.raises(ValueError, match="fast mode"):
+        fast.plot()
 
 
 def test_bad_input_errors():
@@ -273,3 +291,40 @@ def test_every_op_passes_check_jacobian_in_masked_semantics():
     assert by_op == set(names) and len(names) >= 60
     failed = {c.output for c in r.checks if not c.passed}
     assert not failed, "\n".join(repr(c) for c in r.checks if not c.passed)
+
+
+def _chromium():
+    for name in ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable"):
+        if shutil.which(name):
+            return shutil.which(name)
+    raise AssertionError("headless Chromium is needed to render the HTML report: `make test` installs it "
+                         "(apt-get install chromium)")
+
+
+def _screenshot(html_path, png_path, tmp_path):
+    subprocess.run([_chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                    f"--user-data-dir={tmp_path / 'profile'}", "--hide-scrollbars", "--window-size=640,900",
+                    f"--screenshot={png_path}", html_path.as_uri()],
+                   check=True, capture_output=True, timeout=120)
+    return matplotlib.image.imread(png_path)[..., :3]
+
+
+def test_html_report_renders_labelled_heatmap_in_headless_chromium(tmp_path):
+    r = mj.check_jacobian(seed_foo, (mj.from_bcoo(SEED_T),), raise_exception=False)
+    page = tmp_path / "report.html"
+    r.save_html(page)
+    shown = _screenshot(page, tmp_path / "shown.png", tmp_path)
+    white = (shown > 0.97).all(axis=-1)
+    assert (~white).mean() > 0.03, "the screenshot is (almost) blank"
+    reds = shown[(shown[..., 0] > shown[..., 1] + 0.15)]  # heatmap cells and the colour scale
+    assert len(reds) > 12 * 18 * 18, "too few red pixels: the heatmap cells are not sized"
+    assert len(np.unique((reds * 255).round().astype(int), axis=0)) >= 8, "no graded colour scale"
+    # The same page with the axis labels and colour scale hidden: what disappears is the labelling.
+    hidden = tmp_path / "hidden.html"
+    hidden.write_text(page.read_text().replace(
+        "</head>", "<style>.mj-axis, .mj-scale { visibility: hidden; }</style></head>"))
+    bare = _screenshot(hidden, tmp_path / "bare.png", tmp_path)
+    changed = np.abs(shown - bare).max(axis=-1) > 0.2
+    assert changed.sum() > 500, "axis labels and colour scale are not visible in the rendered report"
+    assert (bare[changed] > 0.97).all(axis=-1).mean() > 0.9, "hidden labels should leave white background"

@@ -24,6 +24,8 @@ def _public():
     items.append(("masked_jax.MaskedArray", mj.MaskedArray))
     for meth in ("filled", "count", "to_numpy_ma", "at"):
         items.append((f"MaskedArray.{meth}", getattr(mj.MaskedArray, meth)))
+    for meth in ("save_html", "plot"):
+        items.append((f"JacobianReport.{meth}", getattr(mj.JacobianReport, meth)))
     items += [("masked_jax.numpy", mnp), ("masked_jax.nn", mnn), ("masked_jax.optim", optim)]
     return items
 

@@ -57,8 +57,8 @@ def check_jacobian(f, args, *, semantics="both", modes=("fwd", "rev"), eps=None,
     """Compare finite-difference Jacobians of ``f`` with ``jax.jacfwd``/``jax.jacrev``.
 
     Inputs (the array leaves of ``args``) and outputs may be pytrees of float arrays,
-    ``MaskedArray``s, BCOO-backed masked arrays, row-sparse arrays and
-    ``jax.experimental.sparse.BCOO``s. Integer and bool leaves (masks, indices) are constants,
+    ``MaskedArray`` objects, BCOO-backed masked arrays, row-sparse arrays and
+    ``jax.experimental.sparse.BCOO`` objects. Integer and bool leaves (masks, indices) are constants,
     other Python values are static.
 
     * ``semantics="dense"`` perturbs every element (unspecified = 0) and compares every output.

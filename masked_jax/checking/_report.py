@@ -113,7 +113,7 @@ class JacobianReport:
                f"{'random projections (fast)' if self.fast else 'full Jacobian'}</small>"]
         for note in self.notes:
             out.append(f"<br><small>note: {e(note)}</small>")
-        out.append("<table><tr><th>semantics</th><th>mode</th><th>output</th><th>input</th><th>result</th>"
+        out.append(f"<table style='{_TABLE}'><tr><th>semantics</th><th>mode</th><th>output</th><th>input</th><th>result</th>"
                    "<th>max abs err</th><th>max rel err</th><th>off-mask leak</th></tr>")
         for c in self.checks:
             leak = max(c.leaks.values()) if c.leaks else None
@@ -124,7 +124,7 @@ class JacobianReport:
         out.append("</table>")
         for c in self.failures():
             out.append(f"<p><b>{c.semantics} {c.mode} d{e(c.output)}/d{e(c.input)}</b>: worst entries</p>"
-                       "<table><tr><th>output</th><th>input</th><th>numerical</th><th>analytical</th></tr>")
+                       f"<table style='{_TABLE}'><tr><th>output</th><th>input</th><th>numerical</th><th>analytical</th></tr>")
             for out_idx, in_idx, num, an, bad in c.worst:
                 style = " style='background:#ffcdd2'" if bad else ""
                 out.append(f"<tr{style}><td>{e(str(out_idx))}</td><td>{e(str(in_idx))}</td>"
@@ -133,26 +133,118 @@ class JacobianReport:
             if heatmap and c.diff is not None:
                 out.append(_heatmap(c.diff, max_heatmap))
         out.append("</div>")
-        return "".join(out)
+        return "".join(out).replace("<td>", f"<td style='{_TD}'>").replace("<th>", f"<th style='{_TD}'>")
+
+    def save_html(self, path, heatmap: bool = True) -> None:
+        """Write the report as a standalone HTML page that any browser shows as Jupyter does.
+
+        Examples:
+            >>> import os, tempfile, jax.numpy as jnp, masked_jax as mj
+            >>> r = mj.check_jacobian(jnp.sin, (jnp.array([0.5, 1.0]),), semantics="dense")
+            >>> path = os.path.join(tempfile.mkdtemp(), "report.html")
+            >>> r.save_html(path)
+            >>> "Jacobian check passed" in open(path).read()
+            True
+        """
+        with open(path, "w", encoding="utf-8") as f:
+            f.write("<!DOCTYPE html><html><head><meta charset='utf-8'><title>Jacobian check</title></head>"
+                    "<body style='font:14px sans-serif;margin:16px;background:#ffffff;color:#111111'>"
+                    f"{self.to_html(heatmap=heatmap)}</body></html>")
+
+    def plot(self, checks=None, max_cells: int = 60):
+        """``|numerical - analytical|`` of full-mode checks as matplotlib heatmaps, one panel each.
+
+        Args:
+            checks: the checks to draw; by default the failing ones that have a full Jacobian,
+                or every check with one when none failed.
+            max_cells: at most this many output and input elements per panel.
+
+        Returns:
+            A ``matplotlib.figure.Figure`` (matplotlib must be installed).
+
+        Examples:
+            >>> import jax.numpy as jnp, masked_jax as mj
+            >>> r = mj.check_jacobian(jnp.sin, (jnp.array([0.5, 1.0]),), semantics="dense")
+            >>> fig = r.plot()
+            >>> [ax.get_xlabel() for ax in fig.axes[:1]]
+            ['input element']
+        """
+        try:
+            import matplotlib.pyplot as plt
+            from matplotlib.ticker import MaxNLocator
+        except ImportError as err:  # pragma: no cover - matplotlib is an optional dependency
+            raise ImportError("JacobianReport.plot needs matplotlib: pip install matplotlib") from err
+        if checks is None:
+            with_diff = [c for c in self.checks if c.diff is not None]
+            checks = [c for c in with_diff if not c.passed] or with_diff
+        checks = [c for c in checks if c.diff is not None]
+        if not checks:
+            raise ValueError("no check to plot: fast mode (random projections) keeps no full Jacobian; "
+                             "run check_jacobian with fast=False")
+        fig, axes = plt.subplots(1, len(checks), figsize=(4.2 * len(checks), 3.6), squeeze=False)
+        for ax, c in zip(axes[0], checks):
+            d = np.ma.masked_invalid(np.asarray(c.diff, dtype=float)[:max_cells, :max_cells])
+            cmap = plt.get_cmap("Reds").with_extremes(bad="#dddddd")
+            im = ax.imshow(d, cmap=cmap, vmin=0.0, vmax=max(float(d.max()) if d.count() else 0.0, self.atol),
+                           interpolation="nearest", aspect="auto")
+            ax.set_title(f"{c.semantics} {c.mode} d{c.output}/d{c.input}: {'pass' if c.passed else 'FAIL'}",
+                         fontsize=9)
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+            ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+            ax.set_xlabel("input element")
+            ax.set_ylabel("output element")
+            fig.colorbar(im, ax=ax, label="|numerical - analytical|")
+        fig.tight_layout()
+        return fig
+
+
+_TABLE = "border-collapse:collapse;margin:6px 0;font:12px sans-serif"
+_TD = "border:1px solid #cccccc;padding:2px 6px;text-align:left"
+_CELL = 18  # heatmap cell size in pixels, set inline so the report needs no style sheet
 
 
 def _heatmap(diff, limit):
-    """``|numerical - analytical|`` as a grid of coloured cells (rows: outputs, columns: inputs)."""
-    d = diff[:limit, :limit]
-    top = np.nanmax(d) if np.isfinite(d).any() else 0.0
-    cells = []
-    for row in d:
-        tds = []
+    """``|numerical - analytical|`` as a grid of sized, coloured cells with axis labels and a
+    colour scale (rows: output elements, columns: input elements; grey: not compared)."""
+    d = np.asarray(diff)[:limit, :limit]
+    top = float(np.nanmax(d)) if np.isfinite(d).any() else 0.0
+    cell = f"width:{_CELL}px;height:{_CELL}px;min-width:{_CELL}px;padding:0;border:1px solid #ffffff"
+    label = "font:10px sans-serif;color:#333333;padding:0 3px;text-align:right"
+    rows = ["<tr><td style=''></td>" + "".join(f"<td class='mj-axis' style='{label};text-align:center'>{j}</td>"
+                                      for j in range(d.shape[1])) + "</tr>"]
+    for i, row in enumerate(d):
+        tds = [f"<td class='mj-axis' style='{label}'>{i}</td>"]
         for v in row:
             if np.isnan(v):
-                tds.append("<td style='background:#eeeeee' title='not compared'></td>")
+                tds.append(f"<td style='{cell};background:#dddddd' title='not compared'></td>")
             else:
-                a = 0.0 if top == 0 else min(1.0, float(v) / top)
-                tds.append(f"<td style='background:rgba(198,40,40,{a:.2f})' title='{v:.3g}'></td>")
-        cells.append("<tr>" + "".join(tds) + "</tr>")
-    return ("<p><small>|numerical - analytical| (rows: output elements, columns: input elements; grey: "
-            f"not compared; darkest = {top:.3g})</small></p>"
-            "<table class='mj-heatmap' style='border-collapse:collapse'>" + "".join(cells) + "</table>")
+                tds.append(f"<td style='{cell};background:{_red(v, top)}' title='{v:.3g}'></td>")
+        rows.append("<tr>" + "".join(tds) + "</tr>")
+    steps = np.linspace(0.0, 1.0, 11)
+    scale = ("<div class='mj-scale' style='display:inline-block;vertical-align:top;margin-left:16px;"
+             "font:11px sans-serif;color:#333333'><div>|error|</div>"
+             + "".join(f"<div style='display:flex;align-items:center;height:{_CELL}px'>"
+                       f"<span style='{cell};display:inline-block;background:{_red(s * top, top)}'></span>"
+                       f"<span style='margin-left:4px'>{s * top:.2g}</span></div>" for s in steps[::-1])
+             + f"<div style='display:flex;align-items:center;margin-top:4px'><span style='{cell};"
+               "display:inline-block;background:#dddddd'></span><span style='margin-left:4px'>not compared"
+               "</span></div></div>")
+    clipped = "" if d.shape == np.shape(diff) else f" (first {limit} x {limit} shown)"
+    return ("<div class='mj-heatmap-block' style='margin:8px 0'>"
+            f"<div class='mj-axis' style='font:12px sans-serif;color:#333333;margin-left:24px'>"
+            f"input element &rarr;{clipped}</div>"
+            "<div style='display:flex;align-items:flex-start'>"
+            "<div class='mj-axis' style='font:12px sans-serif;color:#333333;writing-mode:vertical-rl;"
+            "transform:rotate(180deg);margin-right:4px'>output element &rarr;</div>"
+            "<table class='mj-heatmap' style='border-collapse:collapse;table-layout:fixed'>"
+            + "".join(rows) + "</table>" + scale + "</div></div>")
+
+
+def _red(value, top):
+    """The heatmap's colour scale: from very light red at 0 to dark red at ``top``."""
+    a = 0.0 if top == 0 else min(1.0, max(0.0, float(value) / top))
+    lo, hi = (255, 245, 240), (103, 0, 13)
+    return "rgb({},{},{})".format(*(int(round(c0 + a * (c1 - c0))) for c0, c1 in zip(lo, hi)))
 
 
 class JacobianError(AssertionError):

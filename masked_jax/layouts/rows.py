@@ -216,9 +216,9 @@ def row_sparse(data, indices, shape, *, unique_indices: bool = False) -> RowSpar
     padding and are ignored everywhere.
 
     Args:
-        data: (K, *shape[1:]) array of row values.
+        data: ``(K, *shape[1:])`` array of row values.
         indices: (K,) integer row indices.
-        shape: the full shape (N, *shape[1:]).
+        shape: the full shape ``(N, *shape[1:])``.
         unique_indices: promise that ``indices`` has no duplicates (as BCOO's flag), so that ops
             skip coalescing. Checked when the indices are concrete.
 

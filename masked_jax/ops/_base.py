@@ -1,7 +1,7 @@
 """Shared helpers for masked rules.
 
 Every rule in :mod:`masked_jax.ops` works on *pairs* ``(data, mask)`` of plain
-``jax.Array``s, never on :class:`~masked_jax.MaskedArray` itself. ``mask`` is a
+``jax.Array`` objects, never on :class:`~masked_jax.MaskedArray` itself. ``mask`` is a
 bool array broadcastable to ``data``, or ``None`` meaning "every element is
 valid" (a plain operand), which lets rules skip work for unmasked inputs. The
 same rules therefore serve the ``masked_jax.numpy`` front end, the sparse

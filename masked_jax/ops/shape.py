@@ -267,8 +267,8 @@ def _sort_static(body, a):
 
 
 def _partition_static(body, a):
-    """jnp's partition takes ``top_k`` of ``kth + 1`` and of ``n - kth - 1`` elements: the ``k``s in
-    its body name the candidate ``kth``s (instead of every position of every axis)."""
+    """jnp's partition takes ``top_k`` of ``kth + 1`` and of ``n - kth - 1`` elements: the ``k`` values in
+    its body name the candidate ``kth`` values (instead of every position of every axis)."""
     ks = {e.params["k"] for e in body.eqns if e.primitive is jax.lax.top_k_p}
     return [dict(kth=kth, axis=ax) for ax in candidate_axes(a, none=False)
             for kth in sorted({k - 1 for k in ks} | {a[ax] - k - 1 for k in ks}) if 0 <= kth < a[ax]]

@@ -35,7 +35,7 @@ def scale_by_rss(initial_accumulator_value: float = 0.1, eps: float = 1e-7,
     where the sum is 0); ``"outside"`` is torch's and TensorFlow's Adagrad. The state
     is optax's ``ScaleByRssState``.
 
-    Gradient leaves may also be ``MaskedArray``s or :class:`RowSparseArray`s: the sums
+    Gradient leaves may also be ``MaskedArray`` objects or :class:`RowSparseArray` objects: the sums
     change only where the gradient is valid (for row-sparse gradients by a scatter-add
     of ``g**2`` into the K stored rows, duplicates summed first), and the updates come
     back in the gradient's storage. Masked parameters are read through their data.

@@ -12,8 +12,8 @@ from masked_jax.optim._views import data_of, view
 def apply_updates(params, updates):
     """``params + updates`` where each update is valid; parameters keep their dtype and storage.
 
-    Update leaves may be plain arrays (added everywhere), ``MaskedArray``s (added
-    where valid: other entries stay bit-identical) or :class:`RowSparseArray`s
+    Update leaves may be plain arrays (added everywhere), ``MaskedArray`` objects (added
+    where valid: other entries stay bit-identical) or :class:`RowSparseArray` objects
     (scatter-added into the stored rows; duplicate rows add up; O(K x dim)).
     ``None`` leaves leave the parameter alone. A ``MaskedArray`` parameter keeps its
     mask. Inside a jitted step that donates ``params`` the scatter is in place.

@@ -112,8 +112,8 @@ def _check_transformation(obj, argname: str) -> None:
 def lazy(inner: optax.GradientTransformation) -> optax.GradientTransformation:
     """Lift an optax transformation to lazy masked / row-sparse semantics.
 
-    Gradient leaves may be plain arrays (every entry valid), ``MaskedArray``s
-    (valid where the mask is True) or :class:`RowSparseArray`s (valid on the stored
+    Gradient leaves may be plain arrays (every entry valid), ``MaskedArray`` objects
+    (valid where the mask is True) or :class:`RowSparseArray` objects (valid on the stored
     rows; duplicates are summed first). Parameters and every parameter-shaped state
     leaf (adam's ``mu`` and ``nu``, momentum traces, adagrad sums) change only where
     the gradient is valid and stay bit-identical elsewhere; global state (step
