@@ -10,7 +10,7 @@ RUNTIME_STAMP := $(VENV)/.installed-runtime
 
 DOCS_STAMP := $(VENV)/.installed-docs
 
-.PHONY: demo test test-oldest docs notebooks bench clean
+.PHONY: demo browser test test-package docs notebooks bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -32,18 +32,29 @@ $(DOCS_STAMP): pyproject.toml | $(PY)
 demo: $(RUNTIME_STAMP)
 	JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(PY) -m masked_jax.demo
 
-test: $(STAMP)
+# Headless Chromium, for the test that renders the Jacobian report: Debian's package, installed
+# when no Chromium or Chrome is on PATH (as root, or through sudo).
+browser:
+	@command -v chromium >/dev/null || command -v chromium-browser >/dev/null || command -v google-chrome >/dev/null || \
+		{ SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); $$SUDO apt-get update -qq && \
+		  DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium >/dev/null; }
+
+test: $(STAMP) browser
 	JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(PY) -m pytest tests -n $${MJ_TEST_WORKERS:-auto}
 
-# The oldest versions pyproject admits, in their own venv, through a smoke suite (not part of
-# `make test`: it downloads a second jax).
+# The package as users get it: a wheel and an sdist built from this checkout, installed into a
+# fresh venv with the oldest versions pyproject admits; a user script runs from outside the
+# repository against the installed wheel, and a smoke suite runs from the unpacked sdist.
 OLDEST := jax==0.8.0 jaxlib==0.8.0 optax==0.2.4 numpy==2.0.2 chex==0.1.89
-test-oldest:
+SMOKE := tests/test_core.py tests/test_ad.py tests/test_validation.py
+test-package: $(STAMP)
+	rm -rf dist .venv-oldest
+	$(PY) -m build --outdir dist .
 	$(PYTHON) -m venv .venv-oldest
-	.venv-oldest/bin/python -m pip install $(OLDEST) pytest hypothesis
-	.venv-oldest/bin/python -m pip install --no-deps -e .
-	JAX_PLATFORMS=cpu .venv-oldest/bin/python -m pytest -p no:cacheprovider tests/test_core.py tests/test_ad.py \
-		tests/test_transform.py tests/test_maskify_coverage.py tests/test_validation.py tests/test_layouts.py
+	.venv-oldest/bin/python -m pip install -q $(OLDEST) pytest hypothesis dist/*.whl
+	cd "$$(mktemp -d)" && JAX_PLATFORMS=cpu "$(CURDIR)/.venv-oldest/bin/python" "$(CURDIR)/.ci/user_script.py"
+	src="$$(mktemp -d)" && tar xzf dist/*.tar.gz -C "$$src" && cd "$$src"/masked_jax-* && \
+		JAX_PLATFORMS=cpu "$(CURDIR)/.venv-oldest/bin/python" -m pytest -q -p no:cacheprovider $(SMOKE)
 
 # The site, into docs/_build/html: warnings are errors; the notebooks run at build time.
 docs: $(DOCS_STAMP)
