@@ -268,6 +268,58 @@ class MaskedArray(ArrayMethods):
         """Transpose (reversed axes)."""
         return apply("transpose", self)
 
+    @property
+    def mT(self) -> "MaskedArray":
+        """Transpose of the last two axes (the Array API's matrix transpose)."""
+        if self.ndim < 2:
+            raise ValueError(f"mT needs at least 2 dimensions; got shape {self.shape}.")
+        return apply("swapaxes", self, axis1=-1, axis2=-2)
+
+    @property
+    def device(self):
+        """The device of the data (the Array API's ``x.device``)."""
+        return self._data.device
+
+    def to_device(self, device, /, *, stream=None) -> "MaskedArray":
+        """Data and mask moved to ``device`` (a ``jax.Device`` or ``Sharding``).
+
+        Examples:
+            >>> import jax, jax.numpy as jnp, masked_jax as mj
+            >>> x = mj.masked_array(jnp.array([1.0, 2.0]), jnp.array([True, False]))
+            >>> x.to_device(jax.devices()[0]).device == jax.devices()[0]
+            True
+        """
+        if stream is not None:
+            raise ValueError("to_device: streams are not supported; pass stream=None.")
+        return MaskedArray._from_pair(jax.device_put(self._data, device), jax.device_put(self._mask, device))
+
+    def __array_namespace__(self, *, api_version: str | None = None):
+        """``masked_jax.numpy``: the Array API namespace with masked semantics.
+
+        Examples:
+            >>> import jax.numpy as jnp, masked_jax as mj
+            >>> xp = mj.masked_array(jnp.array([1.0, 5.0]), jnp.array([True, False])).__array_namespace__()
+            >>> xp.mean(xp.asarray([1.0, 3.0]))
+            MaskedArray(2.0, dtype=float32)
+        """
+        if api_version not in (None, "2023.12", "2022.12", "2021.12"):
+            raise ValueError(f"masked_jax.numpy implements the Array API 2023.12 (and earlier); "
+                             f"got api_version={api_version!r}.")
+        from masked_jax import numpy as mnp
+
+        return mnp
+
+    def __setitem__(self, index, value):
+        raise TypeError("MaskedArray is immutable, as jax arrays are: use x.at[index].set(value), which "
+                        "returns a new array (a MaskedArray value brings its mask along).")
+
+    def __dlpack__(self, *args, **kwargs):
+        raise TypeError("a MaskedArray has no DLPack form: DLPack carries no mask. Export x.filled(value) "
+                        "and x.mask separately.")
+
+    def __dlpack_device__(self):
+        return self._data.__dlpack_device__()
+
     def __hash__(self):
         raise TypeError("MaskedArray is unhashable.")
 

@@ -14,7 +14,7 @@ import pathlib
 import sys
 
 import masked_jax  # noqa: F401  (registers every op and builds the modules)
-from masked_jax import _frontend, nn, numpy
+from masked_jax import _array_api, _frontend, nn, numpy
 from masked_jax._methods import ArrayMethods
 
 HERE = pathlib.Path(__file__).parent
@@ -67,6 +67,8 @@ def _module_stub(module, extra: str = "") -> str:
             lines.append(f"def {name}{render_signature(inspect.signature(obj))}: ...")
         elif getattr(obj, "__module__", "") == "masked_jax._core":
             reexports.append(f"from masked_jax._core import {obj.__name__} as {name}")
+        elif name in _array_api.__all__:  # the Array API layer: typed in its own source
+            reexports.append(f"from masked_jax._array_api import {name} as {name}")
         elif inspect.isfunction(obj) and obj.__name__ == name:
             lines.append(f"def {name}{render_signature(inspect.signature(obj))}: ...")
         elif inspect.isfunction(obj):
@@ -95,13 +97,18 @@ def _methods_stub() -> str:
     return "\n".join(lines) + "\n"
 
 
+def _namespace_extra() -> str:
+    return ("\nfrom masked_jax._array_api import __array_namespace_info__ as __array_namespace_info__\n"
+            "__array_api_version__: str\n")
+
+
 def stubs() -> dict[pathlib.Path, str]:
     """Stub file -> its text, as generated from the registry now."""
     linalg = "\nclass _Linalg:\n" + "".join(
         f"    @staticmethod\n    def {n}{render_signature(inspect.signature(getattr(numpy.linalg, n)))}: ...\n"
         for n in sorted(vars(numpy.linalg))) + "\nlinalg: _Linalg\n"
     return {
-        HERE / "numpy.pyi": _module_stub(numpy, linalg),
+        HERE / "numpy.pyi": _module_stub(numpy, linalg + _namespace_extra()),
         HERE / "nn.pyi": _module_stub(nn),
         HERE / "_methods.pyi": _methods_stub(),
     }

@@ -35,5 +35,20 @@ __all__ = ["as_masked", "masked_array"]
 _frontend.attach("numpy", globals())
 
 amax, amin = max, min  # noqa: F821  (installed by attach)
-linalg = types.SimpleNamespace(norm=norm, matmul=matmul, vecdot=vdot)  # noqa: F821
 __all__ += ["amax", "amin"]
+
+# The Array API standard: constants, dtypes, creation and dtype functions, the standard's names for
+# the registry's ops, and the compositions with a masked meaning.
+from masked_jax import _array_api  # noqa: E402
+from masked_jax._array_api import *  # noqa: E402, F403
+from masked_jax._array_api import __array_namespace_info__  # noqa: E402, F401
+
+__array_api_version__ = _array_api.API_VERSION
+for _standard, _ours in _array_api.ALIASES.items():
+    globals()[_standard] = globals()[_ours]
+__all__ += _array_api.__all__ + list(_array_api.ALIASES)
+
+# The linalg extension: masked where it has a masked meaning, fully valid input only where not.
+linalg = types.SimpleNamespace(
+    matmul=matmul, vecdot=vecdot, tensordot=tensordot, matrix_transpose=matrix_transpose,  # noqa: F405, F821
+    outer=outer, vector_norm=norm, norm=norm, **vars(_array_api.linalg))  # noqa: F821

@@ -213,7 +213,7 @@ UNARY = {
     "round": Row(elementwise(np.round), cases=({}, {"decimals": 1})), "trunc": Row(elementwise(np.trunc)),
     "nan_to_num": Row(elementwise(np.nan_to_num)),
     "isnan": Row(elementwise(np.isnan)), "isinf": Row(elementwise(np.isinf)),
-    "isfinite": Row(elementwise(np.isfinite)),
+    "isfinite": Row(elementwise(np.isfinite)), "signbit": Row(elementwise(np.signbit)),
     "logical_not": Row(elementwise(np.logical_not), dtypes=(F64, I32, B)),
     "bitwise_not": Row(elementwise(np.bitwise_not), dtypes=(I32, B)),
     "invert": Row(elementwise(np.invert), dtypes=(I32, B)),

@@ -109,7 +109,7 @@ def build(layout, x, dtype, dup, pads):
 # the layouts are also checked by the conformance harness on every op: half the examples here
 # (MJ_HYPOTHESIS_EXAMPLES raises both)
 @pytest.mark.parametrize("name", list(OPS))
-@settings(max_examples=max(3, int(os.environ.get("MJ_HYPOTHESIS_EXAMPLES", "10")) // 2))
+@settings(max_examples=max(3, int(os.environ.get("MJ_HYPOTHESIS_EXAMPLES", "8")) // 2))
 @given(data=st.data())
 def test_layouts_equal_dense_and_dense_equals_numpy_ma(name, data):
     dtype, values, mask, layout, dup, pads, kw = data.draw(cases(name))

@@ -11,7 +11,7 @@ import pytest
 import masked_jax as mj
 import masked_jax.nn as mnn
 import masked_jax.numpy as mnp
-from masked_jax import optim
+from masked_jax import _array_api, optim
 
 
 def _public():
@@ -19,7 +19,7 @@ def _public():
     for mod in (mj, mnp, mnn, optim):
         for name in getattr(mod, "__all__", None) or [n for n in dir(mod) if not n.startswith("_")]:
             obj = getattr(mod, name)
-            if callable(obj) and not inspect.ismodule(obj):
+            if callable(obj) and not inspect.ismodule(obj) and name not in _array_api.DTYPES:  # jax's dtypes
                 items.append((f"{mod.__name__}.{name}", obj))
     items.append(("masked_jax.MaskedArray", mj.MaskedArray))
     for meth in ("filled", "count", "to_numpy_ma", "at"):

@@ -31,8 +31,8 @@ def test_runtime_signatures_are_jax_numpy_signatures():
     for name in mnp.__all__:
         fn, ref = getattr(mnp, name), getattr(jnp, name, None)
         spec = getattr(fn, "spec", None)
-        if spec is None or ref is None or spec.family in ("binary",) or name == "where":
-            continue
+        if spec is None or ref is None or spec.family in ("binary",) or name == "where" or fn.__name__ != name:
+            continue  # (an Array API alias, such as acos for arccos, is checked under its own name)
         try:
             want = inspect.signature(ref)
         except (TypeError, ValueError):
@@ -40,7 +40,7 @@ def test_runtime_signatures_are_jax_numpy_signatures():
         if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in want.parameters.values()) and name != "einsum":
             continue  # jnp ufuncs take (*args): ours are (x, /) and (x1, x2, /)
         want_params = [(p.name, p.kind, p.default) for p in want.parameters.values()
-                       if not p.name.startswith("_") and p.name not in ("out_sharding", "device")]
+                       if not p.name.startswith("_") and p.name != "out_sharding"]
         got = [(p.name, p.kind, p.default) for p in inspect.signature(fn).parameters.values()]
         assert got == want_params, name
         checked += 1

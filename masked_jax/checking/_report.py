@@ -139,11 +139,11 @@ class JacobianReport:
         """Write the report as a standalone HTML page that any browser shows as Jupyter does.
 
         Examples:
-            >>> import os, tempfile, jax.numpy as jnp, masked_jax as mj
+            >>> import pathlib, tempfile, jax.numpy as jnp, masked_jax as mj
             >>> r = mj.check_jacobian(jnp.sin, (jnp.array([0.5, 1.0]),), semantics="dense")
-            >>> path = os.path.join(tempfile.mkdtemp(), "report.html")
+            >>> path = pathlib.Path(tempfile.mkdtemp()) / "report.html"
             >>> r.save_html(path)
-            >>> "Jacobian check passed" in open(path).read()
+            >>> "Jacobian check passed" in path.read_text()
             True
         """
         with open(path, "w", encoding="utf-8") as f:

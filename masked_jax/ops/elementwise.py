@@ -53,9 +53,12 @@ def unary_spec(name, fn, safe=1, *, modules=("numpy",), methods=(), primitives=(
                   jax_name=jax_name or f"jnp.{name}", example=example, excluded=excluded or {})
 
 
-def astype(x: Pair, dtype) -> Pair:
-    """Change the data dtype; the mask is unchanged."""
-    return Pair(jnp.asarray(x.data).astype(dtype), x.mask)
+def astype(x: Pair, dtype, copy=False, device=None) -> Pair:
+    """Change the data dtype (and, with ``device``, move data and mask); the mask is unchanged."""
+    data = jnp.asarray(x.data).astype(dtype)
+    if device is None:
+        return Pair(data, x.mask)
+    return Pair(jax.device_put(data, device), None if x.mask is None else jax.device_put(x.mask, device))
 
 
 _INT = ("x = mj.masked_array(jnp.array([1, 2]), jnp.array([True, False]))", "{mod}.{name}(x).mask",
@@ -100,6 +103,7 @@ UNARY = [
     ("isnan", jnp.isnan, 0, (), ()),
     ("isinf", jnp.isinf, 0, (), ()),
     ("isfinite", jnp.isfinite, 0, (P.is_finite_p,), ()),
+    ("signbit", jnp.signbit, 0, (), ()),
     ("logical_not", jnp.logical_not, 0, (P.not_p,), ()),
     ("bitwise_not", jnp.bitwise_not, 0, (), ()),
     ("invert", jnp.invert, 0, (), ("__invert__",)),
@@ -146,7 +150,7 @@ LAX_ONLY = [
 
 # Ops whose output (or input) is not a float have no Jacobian to check.
 NO_JACOBIAN = {
-    **dict.fromkeys(("isnan", "isinf", "isfinite", "logical_not"), "bool output: no derivative"),
+    **dict.fromkeys(("isnan", "isinf", "isfinite", "signbit", "logical_not"), "bool output: no derivative"),
     **dict.fromkeys(("bitwise_not", "invert", "population_count", "clz"), "integer input: no derivative"),
     "stop_gradient": "its derivative is zero by definition, not the finite difference",
     "copy": "the identity; checked as a value only",
@@ -173,7 +177,7 @@ for _name, _fn, _safe, _prims in LAX_ONLY:
                         excluded={**MASKIFY_ONLY, **({"jacobians": NO_JACOBIAN[_name]} if _name in NO_JACOBIAN else {})}))
 
 register(OpSpec(
-    name="astype", family="elementwise", rule=astype, signature=signature_of(jnp.astype, drop=("device",)),
+    name="astype", family="elementwise", rule=astype, signature=signature_of(jnp.astype),
     operands=("x",), methods=("astype",), fn=jnp.astype, jax_name="jnp.astype",
     example=("x = mj.masked_array(jnp.array([1.5, 2.5]), jnp.array([True, False]))",
              "{mod}.astype(x, jnp.int32).dtype", "dtype('int32')"),

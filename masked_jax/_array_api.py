@@ -1,0 +1,533 @@
+"""The Array API standard (2023.12) on top of the op registry: constants, dtypes, creation
+functions, dtype functions, the standard's names for ops the registry already defines, and the
+functions whose masked meaning is a composition (``vecdot``, ``cumulative_sum``, the ``unique_*``
+family, ``searchsorted``, ``nonzero``).
+
+Creation functions return fully valid :class:`~masked_jax.MaskedArray` objects. Functions whose
+output size depends on the data (``nonzero``, ``unique_*``) need concrete inputs, as in
+``jax.numpy``; they work on the valid entries only.
+"""
+
+from __future__ import annotations
+
+import builtins
+import types
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from masked_jax._core import MaskedArray, as_masked
+
+API_VERSION = "2023.12"
+
+# Constants and dtypes: jax.numpy's.
+e, pi, inf, nan, newaxis = jnp.e, jnp.pi, jnp.inf, jnp.nan, jnp.newaxis
+bool = jnp.bool_  # noqa: A001 - the standard's name
+int8, int16, int32, int64 = jnp.int8, jnp.int16, jnp.int32, jnp.int64
+uint8, uint16, uint32, uint64 = jnp.uint8, jnp.uint16, jnp.uint32, jnp.uint64
+float32, float64, complex64, complex128 = jnp.float32, jnp.float64, jnp.complex64, jnp.complex128
+
+CONSTANTS = ["e", "pi", "inf", "nan", "newaxis"]
+DTYPES = ["bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+          "float32", "float64", "complex64", "complex128"]
+
+# The standard's names for ops of the registry (the same functions, not copies).
+ALIASES = {"acos": "arccos", "acosh": "arccosh", "asin": "arcsin", "asinh": "arcsinh", "atan": "arctan",
+           "atanh": "arctanh", "atan2": "arctan2", "pow": "power", "bitwise_invert": "invert",
+           "bitwise_left_shift": "left_shift", "bitwise_right_shift": "right_shift",
+           "concat": "concatenate", "permute_dims": "transpose"}
+
+
+def _op(name):
+    """The public function of a registered op (signature binding included)."""
+    from masked_jax import _frontend
+
+    return _frontend.function(name)
+
+
+def _dtype_of(x):
+    return x.dtype if isinstance(x, MaskedArray) else x
+
+
+def _valid(make):
+    """A creation function of ``jax.numpy`` whose result is fully valid."""
+
+    def created(*args, **kwargs):
+        return as_masked(make(*args, **kwargs))
+
+    created.__name__ = created.__qualname__ = make.__name__
+    created.__doc__ = (f"``jax.numpy.{make.__name__}``, fully valid.\n\n    Examples:\n"
+                       f"        >>> import masked_jax.numpy as mnp\n"
+                       f"        >>> bool(mnp.{make.__name__}({_EXAMPLE_ARGS[make.__name__]}).mask.all())\n"
+                       f"        True\n    ")
+    return created
+
+
+_EXAMPLE_ARGS = {"arange": "3", "empty": "(2,)", "eye": "2", "full": "(2,), 7.0", "linspace": "0.0, 1.0, 5",
+                 "ones": "(2,)", "zeros": "(2,)"}
+arange, empty, eye, full, linspace, ones, zeros = (
+    _valid(f) for f in (jnp.arange, jnp.empty, jnp.eye, jnp.full, jnp.linspace, jnp.ones, jnp.zeros))
+
+
+def asarray(obj, /, *, dtype=None, device=None, copy=None) -> MaskedArray:
+    """``obj`` as a :class:`MaskedArray`: a masked array keeps its mask, anything else is fully valid.
+
+    Examples:
+        >>> import masked_jax.numpy as mnp
+        >>> mnp.asarray([1, 2], dtype=mnp.float32)
+        MaskedArray([1.0 2.0], dtype=float32)
+    """
+    if isinstance(obj, MaskedArray):
+        data = jnp.asarray(obj.data, dtype=dtype, device=device, copy=copy)
+        return MaskedArray._from_pair(data, jnp.asarray(obj.mask, device=device, copy=copy))
+    if hasattr(obj, "todense") and hasattr(obj, "block"):  # a sparse masked layout
+        return asarray(obj.todense(), dtype=dtype, device=device, copy=copy)
+    return as_masked(jnp.asarray(obj, dtype=dtype, device=device, copy=copy))
+
+
+def from_dlpack(x, /, *, device=None, copy=None) -> MaskedArray:
+    """An array exported through DLPack (by any library), fully valid.
+
+    Examples:
+        >>> import numpy as np, masked_jax.numpy as mnp
+        >>> mnp.from_dlpack(np.arange(3, dtype=np.float32))
+        MaskedArray([0.0 1.0 2.0], dtype=float32)
+    """
+    return as_masked(jnp.from_dlpack(x, device=device, copy=copy))
+
+
+def _like(make):
+    def created(x, /, *args, dtype=None, device=None, **kwargs):
+        return as_masked(make(jnp.empty(x.shape, _dtype_of(x)), *args, dtype=dtype, device=device, **kwargs))
+
+    created.__name__ = created.__qualname__ = make.__name__
+    created.__doc__ = (f"``jax.numpy.{make.__name__}`` of ``x``'s shape and dtype, fully valid (whatever "
+                       f"``x``'s mask).\n\n    Examples:\n"
+                       f"        >>> import jax.numpy as jnp, masked_jax as mj, masked_jax.numpy as mnp\n"
+                       f"        >>> x = mj.masked_array(jnp.array([1.0, 2.0]), jnp.array([True, False]))\n"
+                       f"        >>> bool(mnp.{make.__name__}(x{', 5.0' if make is jnp.full_like else ''}).mask.all())\n"
+                       f"        True\n    ")
+    return created
+
+
+empty_like, full_like, ones_like, zeros_like = (
+    _like(f) for f in (jnp.empty_like, jnp.full_like, jnp.ones_like, jnp.zeros_like))
+
+
+def _triangle(keep, example_mask):
+    def tri(x, /, *, k: int = 0) -> MaskedArray:
+        x = as_masked(x)
+        if x.ndim < 2:
+            raise ValueError(f"{keep.__name__} needs at least 2 dimensions; got shape {x.shape}.")
+        inside = keep(jnp.ones(x.shape[-2:], jnp.bool_), k=k)
+        return MaskedArray._from_pair(keep(x.data, k=k), x.mask | ~inside)
+
+    tri.__name__ = tri.__qualname__ = keep.__name__
+    tri.__doc__ = (f"``jax.numpy.{keep.__name__}``: the kept triangle keeps its mask; the zeros written "
+                   f"outside it are valid.\n\n    Examples:\n"
+                   f"        >>> import jax.numpy as jnp, masked_jax as mj, masked_jax.numpy as mnp\n"
+                   f"        >>> x = mj.masked_array(jnp.ones((2, 2)), jnp.array([[False, False], [True, True]]))\n"
+                   f"        >>> mnp.{keep.__name__}(x).mask.tolist()\n"
+                   f"        {example_mask}\n    ")
+    return tri
+
+
+tril = _triangle(jnp.tril, "[[False, True], [True, True]]")
+triu = _triangle(jnp.triu, "[[False, False], [True, True]]")
+
+
+def meshgrid(*arrays, indexing: str = "xy") -> list[MaskedArray]:
+    """``jax.numpy.meshgrid`` of data and of masks: each output is valid where its input is.
+
+    Examples:
+        >>> import jax.numpy as jnp, masked_jax as mj, masked_jax.numpy as mnp
+        >>> xs, ys = mnp.meshgrid(mj.masked_array(jnp.array([0.0, 1.0]), jnp.array([True, False])),
+        ...                       mnp.asarray([5.0, 6.0, 7.0]))
+        >>> xs.shape, xs.mask[:, 1].tolist()
+        ((3, 2), [False, False, False])
+    """
+    arrays = [as_masked(a) for a in arrays]
+    data = jnp.meshgrid(*(a.data for a in arrays), indexing=indexing)
+    masks = jnp.meshgrid(*(a.mask for a in arrays), indexing=indexing)
+    return [MaskedArray._from_pair(d, m) for d, m in zip(data, masks)]
+
+
+# -- data type functions: a MaskedArray stands for its dtype ------------------------------------
+
+def can_cast(from_, to, /) -> builtins.bool:
+    """``jax.numpy.can_cast``; ``from_`` may be a dtype or an array.
+
+    Examples:
+        >>> import masked_jax.numpy as mnp
+        >>> mnp.can_cast(mnp.asarray([1], dtype=mnp.int8), mnp.int32)
+        True
+    """
+    return jnp.can_cast(_dtype_of(from_), to)
+
+
+def finfo(type, /):  # noqa: A002 - the standard's parameter name
+    """``jax.numpy.finfo`` of a float dtype or array.
+
+    Examples:
+        >>> import masked_jax.numpy as mnp
+        >>> mnp.finfo(mnp.float32).bits
+        32
+    """
+    return jnp.finfo(_dtype_of(type))
+
+
+def iinfo(type, /):  # noqa: A002 - the standard's parameter name
+    """``jax.numpy.iinfo`` of an integer dtype or array.
+
+    Examples:
+        >>> import masked_jax.numpy as mnp
+        >>> int(mnp.iinfo(mnp.int8).max)
+        127
+    """
+    return jnp.iinfo(_dtype_of(type))
+
+
+def isdtype(dtype, kind) -> builtins.bool:
+    """``jax.numpy.isdtype``.
+
+    Examples:
+        >>> import masked_jax.numpy as mnp
+        >>> mnp.isdtype(mnp.float32, "real floating")
+        True
+    """
+    return jnp.isdtype(dtype, kind)
+
+
+def result_type(*arrays_and_dtypes):
+    """``jax.numpy.result_type``; masked arrays stand for their dtypes.
+
+    Examples:
+        >>> import masked_jax.numpy as mnp
+        >>> mnp.result_type(mnp.asarray([1], dtype=mnp.int8), mnp.float32)
+        dtype('float32')
+    """
+    return jnp.result_type(*(_dtype_of(a) for a in arrays_and_dtypes))
+
+
+# -- compositions of registry ops ---------------------------------------------------------------
+
+def matrix_transpose(x, /) -> MaskedArray:
+    """The last two axes swapped, mask with data.
+
+    Examples:
+        >>> import masked_jax.numpy as mnp
+        >>> mnp.matrix_transpose(mnp.zeros((2, 3))).shape
+        (3, 2)
+    """
+    return as_masked(x).mT
+
+
+def vecdot(x1, x2, /, *, axis: int = -1) -> MaskedArray:
+    """``sum(conj(x1) * x2, axis)`` over the positions where both are valid; masked where none is.
+
+    Examples:
+        >>> import jax.numpy as jnp, masked_jax as mj, masked_jax.numpy as mnp
+        >>> a = mj.masked_array(jnp.array([1.0, 2.0, 3.0]), jnp.array([True, False, True]))
+        >>> mnp.vecdot(a, mnp.asarray([1.0, 1.0, 1.0]))
+        MaskedArray(4.0, dtype=float32)
+    """
+    a, b = as_masked(x1), as_masked(x2)
+    if a.shape[axis] != b.shape[axis]:
+        raise ValueError(f"vecdot: the contracted axis {axis} has size {a.shape[axis]} in x1 and "
+                         f"{b.shape[axis]} in x2; they must match.")
+    return _op("sum")(_op("multiply")(_op("conj")(a), b), axis=axis)
+
+
+def broadcast_arrays(*arrays) -> list[MaskedArray]:
+    """The arrays broadcast to one shape, masks with data.
+
+    Examples:
+        >>> import masked_jax.numpy as mnp
+        >>> [a.shape for a in mnp.broadcast_arrays(mnp.zeros((2, 1)), mnp.zeros(3))]
+        [(2, 3), (2, 3)]
+    """
+    shape = jnp.broadcast_shapes(*(np.shape(a) for a in arrays))
+    return [_op("broadcast_to")(as_masked(a), shape) for a in arrays]
+
+
+def unstack(x, /, *, axis: int = 0) -> tuple[MaskedArray, ...]:
+    """The slices of ``x`` along ``axis``, masks with data.
+
+    Examples:
+        >>> import masked_jax.numpy as mnp
+        >>> len(mnp.unstack(mnp.zeros((3, 2))))
+        3
+    """
+    x = _op("moveaxis")(as_masked(x), axis, 0)
+    return tuple(x[i] for i in range(x.shape[0]))
+
+
+def cumulative_sum(x, /, *, axis: int | None = None, dtype=None, include_initial: builtins.bool = False) -> MaskedArray:
+    """Running sum over the valid entries; a masked entry is masked in the output and adds nothing
+    (``numpy.ma.cumsum``). ``include_initial`` prepends a valid 0.
+
+    Examples:
+        >>> import jax.numpy as jnp, masked_jax as mj, masked_jax.numpy as mnp
+        >>> x = mj.masked_array(jnp.array([1.0, 9.0, 3.0]), jnp.array([True, False, True]))
+        >>> mnp.cumulative_sum(x)
+        MaskedArray([1.0 -- 4.0], dtype=float32)
+    """
+    x = as_masked(x)
+    if axis is None:
+        if x.ndim != 1:
+            raise ValueError(f"cumulative_sum: axis is required for a {x.ndim}-d array (the standard "
+                             "leaves it optional for 1-d arrays only).")
+        axis = 0
+    out = _op("cumsum")(x, axis=axis, dtype=dtype)
+    if not include_initial:
+        return out
+    axis = axis % x.ndim
+    shape = out.shape[:axis] + (1,) + out.shape[axis + 1:]
+    return _op("concatenate")([as_masked(jnp.zeros(shape, out.dtype)), out], axis=axis)
+
+
+def _valid_values(x):
+    x = as_masked(x)
+    try:
+        return np.asarray(x.data)[np.asarray(x.mask)], x
+    except jax.errors.TracerArrayConversionError as err:
+        raise TypeError("this function's output size depends on the data: it needs concrete arrays, "
+                        "not traced ones (call it outside jit, as jax.numpy's)") from err
+
+
+class UniqueAllResult(NamedTuple):
+    values: MaskedArray
+    indices: jax.Array
+    inverse_indices: MaskedArray
+    counts: jax.Array
+
+
+class UniqueCountsResult(NamedTuple):
+    values: MaskedArray
+    counts: jax.Array
+
+
+class UniqueInverseResult(NamedTuple):
+    values: MaskedArray
+    inverse_indices: MaskedArray
+
+
+def unique_all(x, /) -> UniqueAllResult:
+    """The distinct valid values (sorted), the flat index of each one's first occurrence, the
+    inverse (masked where ``x`` is) and the counts. NaN values are distinct, as in the standard.
+
+    Examples:
+        >>> import jax.numpy as jnp, masked_jax as mj, masked_jax.numpy as mnp
+        >>> x = mj.masked_array(jnp.array([3, 1, 3, 7]), jnp.array([True, True, True, False]))
+        >>> r = mnp.unique_all(x)
+        >>> r.values, r.indices.tolist(), r.counts.tolist()
+        (MaskedArray([1 3], dtype=int32), [1, 0], [1, 2])
+        >>> r.inverse_indices
+        MaskedArray([1 0 1 --], dtype=int32)
+    """
+    vals, x = _valid_values(x)
+    flat = np.flatnonzero(np.asarray(x.mask))
+    values, first, inverse, counts = np.unique(vals, return_index=True, return_inverse=True, return_counts=True,
+                                               equal_nan=False)
+    full_inverse = np.zeros(x.size, np.int64)
+    full_inverse[flat] = inverse.ravel()
+    inv = MaskedArray._from_pair(jnp.asarray(full_inverse.reshape(x.shape), jnp.int32 if x.size < 2**31 else None),
+                                 x.mask)
+    return UniqueAllResult(as_masked(jnp.asarray(values)), jnp.asarray(flat[first]), inv, jnp.asarray(counts))
+
+
+def unique_counts(x, /) -> UniqueCountsResult:
+    """The distinct valid values (sorted) and how often each occurs.
+
+    Examples:
+        >>> import jax.numpy as jnp, masked_jax as mj, masked_jax.numpy as mnp
+        >>> r = mnp.unique_counts(mj.masked_array(jnp.array([2, 2, 5]), jnp.array([True, True, False])))
+        >>> r.values, r.counts.tolist()
+        (MaskedArray([2], dtype=int32), [2])
+    """
+    r = unique_all(x)
+    return UniqueCountsResult(r.values, r.counts)
+
+
+def unique_inverse(x, /) -> UniqueInverseResult:
+    """The distinct valid values (sorted) and, for each entry of ``x``, the index of its value
+    (masked where ``x`` is masked).
+
+    Examples:
+        >>> import jax.numpy as jnp, masked_jax as mj, masked_jax.numpy as mnp
+        >>> mnp.unique_inverse(mj.masked_array(jnp.array([5, 2, 5]), jnp.array([True, True, False]))).inverse_indices
+        MaskedArray([1 0 --], dtype=int32)
+    """
+    r = unique_all(x)
+    return UniqueInverseResult(r.values, r.inverse_indices)
+
+
+def unique_values(x, /) -> MaskedArray:
+    """The distinct valid values, sorted.
+
+    Examples:
+        >>> import jax.numpy as jnp, masked_jax as mj, masked_jax.numpy as mnp
+        >>> mnp.unique_values(mj.masked_array(jnp.array([5, 2, 5, 9]), jnp.array([True, True, True, False])))
+        MaskedArray([2 5], dtype=int32)
+    """
+    return unique_all(x).values
+
+
+def nonzero(x, /) -> tuple[jax.Array, ...]:
+    """Indices of the valid nonzero entries (plain arrays: an index is always defined).
+
+    Examples:
+        >>> import jax.numpy as jnp, masked_jax as mj, masked_jax.numpy as mnp
+        >>> mnp.nonzero(mj.masked_array(jnp.array([0.0, 2.0, 3.0]), jnp.array([True, True, False])))
+        (Array([1], dtype=int32),)
+    """
+    x = as_masked(x)
+    if x.ndim == 0:
+        raise ValueError("nonzero of a 0-d array is not defined by the standard; use x[None].")
+    return jnp.nonzero(x.mask & (x.data != 0))
+
+
+def searchsorted(x1, x2, /, *, side: str = "left", sorter=None) -> MaskedArray:
+    """Insertion positions of the queries ``x2`` among the **valid** entries of the sorted 1-d
+    ``x1`` (masked entries of ``x1`` are absent, wherever they sit); masked where a query is masked.
+
+    Examples:
+        >>> import jax.numpy as jnp, masked_jax as mj, masked_jax.numpy as mnp
+        >>> x1 = mj.masked_array(jnp.array([1.0, 99.0, 3.0, 5.0]), jnp.array([True, False, True, True]))
+        >>> q = mj.masked_array(jnp.array([0.0, 4.0, 9.0]), jnp.array([True, True, False]))
+        >>> mnp.searchsorted(x1, q)
+        MaskedArray([0 2 --], dtype=int32)
+    """
+    a, q = as_masked(x1), as_masked(x2)
+    if a.ndim != 1:
+        raise ValueError(f"searchsorted: x1 must be 1-d; got shape {a.shape}.")
+    if side not in ("left", "right"):
+        raise ValueError(f"searchsorted: side must be 'left' or 'right'; got {side!r}.")
+    if sorter is not None:
+        a = _op("take")(a, jnp.asarray(sorter))
+    below = (a.data[None, :] < q.data.reshape(-1, 1)) if side == "left" else (a.data[None, :] <= q.data.reshape(-1, 1))
+    pos = jnp.sum(below & a.mask[None, :], axis=1, dtype=jnp.int32).reshape(q.shape)
+    return MaskedArray._from_pair(pos, q.mask)
+
+
+# -- the inspection namespace -------------------------------------------------------------------
+
+def __array_namespace_info__():
+    """jax.numpy's inspection namespace (devices, default and supported dtypes); the capabilities
+    say that boolean-mask indexing and data-dependent shapes need concrete arrays, as in jax.
+
+    Examples:
+        >>> import masked_jax.numpy as mnp
+        >>> mnp.__array_namespace_info__().default_dtypes()["indexing"]
+        dtype('int32')
+    """
+    return jnp.__array_namespace_info__()
+
+
+def diagonal(x, /, *, offset: int = 0) -> MaskedArray:
+    """The diagonals of the last two axes, mask with data (``linalg.diagonal``).
+
+    Examples:
+        >>> import jax.numpy as jnp, masked_jax as mj, masked_jax.numpy as mnp
+        >>> mnp.linalg.diagonal(mj.masked_array(jnp.eye(2), jnp.array([[True, True], [True, False]])))
+        MaskedArray([1.0 --], dtype=float32)
+    """
+    x = as_masked(x)
+    return MaskedArray._from_pair(jnp.diagonal(x.data, offset, -2, -1), jnp.diagonal(x.mask, offset, -2, -1))
+
+
+def trace(x, /, *, offset: int = 0, dtype=None) -> MaskedArray:
+    """Sum of the valid diagonal entries of the last two axes; masked where none is valid.
+
+    Examples:
+        >>> import jax.numpy as jnp, masked_jax as mj, masked_jax.numpy as mnp
+        >>> mnp.linalg.trace(mj.masked_array(jnp.array([[1.0, 2.0], [3.0, 9.0]]), jnp.array([[True, True], [True, False]])))
+        MaskedArray(1.0, dtype=float32)
+    """
+    return _op("sum")(diagonal(x, offset=offset), axis=-1, dtype=dtype)
+
+
+def matrix_norm(x, /, *, keepdims: builtins.bool = False, ord="fro") -> MaskedArray:
+    """The norm of each matrix (last two axes) over its valid entries.
+
+    Examples:
+        >>> import jax.numpy as jnp, masked_jax as mj, masked_jax.numpy as mnp
+        >>> mnp.linalg.matrix_norm(mj.masked_array(jnp.array([[3.0, 9.0], [4.0, 0.0]]), jnp.array([[True, False], [True, True]])))
+        MaskedArray(5.0, dtype=float32)
+    """
+    return _op("norm")(x, ord=ord, axis=(-2, -1), keepdims=keepdims)
+
+
+def cross(x1, x2, /, *, axis: int = -1) -> MaskedArray:
+    """The cross product of 3-vectors along ``axis``: a vector is valid where all three components
+    of both operands are (each component of the result reads the other two).
+
+    Examples:
+        >>> import jax.numpy as jnp, masked_jax as mj, masked_jax.numpy as mnp
+        >>> mnp.linalg.cross(mnp.asarray([1.0, 0.0, 0.0]), mnp.asarray([0.0, 1.0, 0.0]))
+        MaskedArray([0.0 0.0 1.0], dtype=float32)
+    """
+    a, b = as_masked(x1), as_masked(x2)
+    if a.shape[axis] != 3 or b.shape[axis] != 3:
+        raise ValueError(f"cross: the vectors along axis {axis} must have 3 components; got shapes "
+                         f"{a.shape} and {b.shape}.")
+    valid = jnp.all(a.mask, axis=axis, keepdims=True) & jnp.all(b.mask, axis=axis, keepdims=True)
+    data = jnp.cross(jnp.where(a.mask, a.data, 0), jnp.where(b.mask, b.data, 0), axis=axis)
+    return MaskedArray._from_pair(data, jnp.broadcast_to(valid, data.shape))
+
+
+# -- linalg and fft: decompositions and transforms have no masked meaning -----------------------
+
+def _fully_valid(x, name):
+    """The data of ``x`` when it is a plain array or a ``MaskedArray`` whose mask is concretely all
+    True; otherwise a ``TypeError`` that says why."""
+    if not isinstance(x, MaskedArray):
+        if hasattr(x, "todense") and hasattr(x, "block"):
+            x = x.todense()
+        else:
+            return x
+    try:
+        all_valid = builtins.bool(np.asarray(x.mask).all())
+    except jax.errors.TracerArrayConversionError:
+        all_valid = False
+    if not all_valid:
+        raise TypeError(
+            f"{name} has no masked meaning: a decomposition or transform of an array with masked entries is "
+            "not defined by its valid entries alone. It accepts fully valid arrays (a concrete all-True mask); "
+            f"for the dense meaning call it on x.filled(value).")
+    return x.data
+
+
+def _dense_only(fn, name):
+    def dense(x, /, *args, **kwargs):
+        out = fn(_fully_valid(x, name), *(_fully_valid(a, name) for a in args), **kwargs)
+        return jax.tree_util.tree_map(as_masked, out)
+
+    dense.__name__ = dense.__qualname__ = name.rsplit(".", 1)[-1]
+    dense.__doc__ = (f"``jax.numpy.{name}`` of fully valid arrays, with a fully valid result. An array with "
+                     f"masked entries (or a traced mask) raises ``TypeError``: {name} has no masked meaning.\n\n"
+                     "    Examples:\n"
+                     "        >>> import jax.numpy as jnp, masked_jax as mj, masked_jax.numpy as mnp\n"
+                     "        >>> mnp.linalg.det(mnp.eye(2))\n"
+                     "        MaskedArray(1.0, dtype=float32)\n"
+                     "        >>> mnp.linalg.det(mj.masked_array(jnp.eye(2), jnp.eye(2) > 0))\n"
+                     "        Traceback (most recent call last):\n"
+                     "        TypeError: linalg.det has no masked meaning: ...\n    ")
+    return dense
+
+
+DENSE_ONLY_LINALG = ["cholesky", "det", "eigh", "eigvalsh", "inv", "matrix_power", "matrix_rank", "pinv", "qr",
+                     "slogdet", "solve", "svd", "svdvals"]
+DENSE_ONLY_FFT = ["fft", "ifft", "fftn", "ifftn", "rfft", "irfft", "rfftn", "irfftn", "hfft", "ihfft", "fftfreq",
+                  "rfftfreq", "fftshift", "ifftshift"]
+linalg = types.SimpleNamespace(diagonal=diagonal, trace=trace, matrix_norm=matrix_norm, cross=cross,
+                               **{n: _dense_only(getattr(jnp.linalg, n), f"linalg.{n}") for n in DENSE_ONLY_LINALG})
+fft = types.SimpleNamespace(**{n: _dense_only(getattr(jnp.fft, n), f"fft.{n}") for n in DENSE_ONLY_FFT})
+
+__all__ = CONSTANTS + DTYPES + [
+    "arange", "asarray", "empty", "empty_like", "eye", "from_dlpack", "full", "full_like", "linspace", "meshgrid",
+    "ones", "ones_like", "tril", "triu", "zeros", "zeros_like", "can_cast", "finfo", "iinfo", "isdtype",
+    "result_type", "matrix_transpose", "vecdot", "broadcast_arrays", "unstack", "cumulative_sum", "unique_all",
+    "unique_counts", "unique_inverse", "unique_values", "nonzero", "searchsorted", "fft"]

@@ -1,0 +1,298 @@
+"""masked_jax.numpy as an Array API (2023.12) namespace, checked against the standard itself.
+
+``array_api_2023_12.json`` lists every name and signature of the standard, read off its signature
+stubs (``src/array_api_stubs/_2023_12`` of the data-apis/array-api repository). Hypothesis draws
+dtypes, shapes and values, special values (+-0, +-inf, NaN) included. With fully valid masks every
+function must equal jax.numpy bit for bit; with random masks it must equal numpy.ma on the valid
+entries.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import pathlib
+
+import array_api_compat
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+import masked_jax as mj
+import masked_jax.numpy as mnp
+
+SPEC = json.loads((pathlib.Path(__file__).parent / "array_api_2023_12.json").read_text())
+MODULES = [m for m in SPEC if m.endswith("_functions")]
+FUNCTIONS = {name: sig for m in MODULES for name, sig in SPEC[m].items()}
+SPECIALS = [0.0, -0.0, np.inf, -np.inf, np.nan, 1.0, -1.0, 0.5, 2.0, -2.5]
+
+# Elementwise functions, and numpy's name for each (numpy.ma has the same names).
+UNARY = ["abs", "acos", "acosh", "asin", "asinh", "atan", "atanh", "ceil", "cos", "cosh", "exp", "expm1", "floor",
+         "isfinite", "isinf", "isnan", "log", "log1p", "log2", "log10", "negative", "positive", "round", "sign",
+         "signbit", "sin", "sinh", "sqrt", "square", "tan", "tanh", "trunc"]
+BINARY = ["add", "atan2", "copysign", "divide", "equal", "floor_divide", "greater", "greater_equal", "hypot", "less",
+          "less_equal", "logaddexp", "maximum", "minimum", "multiply", "not_equal", "pow", "remainder", "subtract"]
+NUMPY_NAME = {"acos": "arccos", "acosh": "arccosh", "asin": "arcsin", "asinh": "arcsinh", "atan": "arctan",
+              "atanh": "arctanh", "atan2": "arctan2", "pow": "power"}
+REDUCTIONS = ["sum", "prod", "max", "min", "mean", "std", "var"]
+# Float sums and means equal jax.numpy up to the order of summation: masked_jax sums value and count
+# in one variadic reduction (several times faster on CPU), which XLA orders differently, and jnp's
+# division by a constant count becomes a product with its reciprocal. max, min and prod: bit for bit.
+SUMS = ("sum", "mean", "std", "var")
+
+
+def test_every_name_of_the_standard_is_in_the_namespace():
+    missing = [n for n in [*FUNCTIONS, *SPEC["constants"], *SPEC["dtypes"]] if not hasattr(mnp, n)]
+    missing += [f"linalg.{n}" for n in SPEC["linalg"] if not hasattr(mnp.linalg, n)]
+    missing += [f"fft.{n}" for n in SPEC["fft"] if not hasattr(mnp.fft, n)]
+    assert not missing, f"masked_jax.numpy lacks {missing}"
+    assert mnp.__array_api_version__ == "2023.12"
+    assert mnp.__array_namespace_info__().default_dtypes()["real floating"] in (jnp.float32, jnp.float64)
+    for name in SPEC["dtypes"] + SPEC["constants"]:
+        assert getattr(mnp, name) is getattr(jnp, name if name != "bool" else "bool_") or (
+            name in ("e", "pi", "inf", "nan") and np.array_equal(getattr(mnp, name), getattr(jnp, name), equal_nan=True))
+
+
+def test_the_array_object_has_every_attribute_of_the_standard():
+    x = mj.masked_array(jnp.arange(6.0).reshape(2, 3), jnp.arange(6).reshape(2, 3) % 2 == 0)
+    missing = [n for n in SPEC["array_object"] if not hasattr(x, n)]
+    assert not missing, missing
+    assert x.__array_namespace__() is mnp and x.__array_namespace__(api_version="2023.12") is mnp
+    with pytest.raises(ValueError, match="2023.12"):
+        x.__array_namespace__(api_version="2099.01")
+    assert x.device == x.data.device and x.to_device(jax.devices()[0]).device == jax.devices()[0]
+    np.testing.assert_array_equal(x.mT.mask, x.mask.T)
+    np.testing.assert_array_equal(x.mT.data, x.data.T)
+    with pytest.raises(TypeError, match="immutable"):
+        x[0, 0] = 1.0
+    with pytest.raises(TypeError, match="DLPack carries no mask"):
+        x.__dlpack__()
+    assert x.__dlpack_device__() == x.data.__dlpack_device__()
+
+
+@pytest.mark.parametrize("name", sorted(FUNCTIONS))
+def test_signature_takes_the_standards_parameters(name):
+    """Positional parameters of the standard can be passed positionally, keyword-only ones by name."""
+    fn, sig = getattr(mnp, name), FUNCTIONS[name]
+    if name == "__array_namespace_info__":
+        return
+    params = inspect.signature(fn).parameters
+    kinds = [p.kind for p in params.values()]
+    var_kw = inspect.Parameter.VAR_KEYWORD in kinds
+    positional = [p for p in params.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if inspect.Parameter.VAR_POSITIONAL not in kinds:
+        assert len(positional) >= len(sig["positional_only"]) + len(sig["args"]), (name, list(params))
+    for kw in sig["args"] + sig["keyword_only"]:
+        assert kw in params or var_kw, f"{name} does not take the standard's {kw}="
+
+
+def test_array_api_compat_finds_the_masked_namespace():
+    x = mj.masked_array(jnp.ones(3), jnp.array([True, False, True]))
+    assert array_api_compat.array_namespace(x) is mnp
+    assert array_api_compat.array_namespace(x, mnp.asarray([1.0])) is mnp
+
+
+def _special_floats(dtype):
+    # (no subnormals: XLA on CPU flushes them to zero, numpy does not)
+    return st.one_of(st.sampled_from(SPECIALS),
+                     st.floats(-5, 5, width=np.dtype(dtype).itemsize * 8, allow_subnormal=False))
+
+
+@st.composite
+def _operand(draw, dtype=None, shape=None):
+    dtype = dtype or draw(st.sampled_from([np.float32, np.float64]))
+    shape = shape if shape is not None else draw(hnp.array_shapes(min_dims=0, max_dims=3, min_side=0, max_side=4))
+    data = draw(hnp.arrays(dtype, shape, elements=_special_floats(dtype)))
+    mask = draw(hnp.arrays(np.bool_, shape))
+    return data, mask
+
+
+def _same_bits(got, want):
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.dtype == want.dtype and got.shape == want.shape, (got.dtype, want.dtype, got.shape, want.shape)
+    np.testing.assert_array_equal(got, want)
+    if got.dtype.kind == "f":  # the sign of zero too
+        np.testing.assert_array_equal(np.signbit(got), np.signbit(want))
+
+
+FEW = settings(max_examples=max(2, settings().max_examples // 3))  # each example compiles every function
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_special_values_equal_jax_numpy_bit_for_bit(dtype):
+    """+-0, +-inf, NaN and ordinary values through every elementwise function, every pair of them
+    through every binary function, fully valid: the same bits as jax.numpy (the sign of zero too)."""
+    x = np.array(SPECIALS, dtype)
+    a, b = x[:, None], x[None, :]
+    with np.errstate(all="ignore"):
+        for name in UNARY:
+            _same_bits(getattr(mnp, name)(mnp.asarray(x)).data, getattr(jnp, name)(jnp.asarray(x)))
+        for name in BINARY:
+            got = getattr(mnp, name)(mnp.asarray(a), mnp.asarray(b))
+            assert bool(got.mask.all()), name
+            _same_bits(got.data, getattr(jnp, name)(jnp.asarray(a), jnp.asarray(b)))
+
+
+@pytest.mark.parametrize("name", UNARY)
+@FEW
+@given(op=_operand())
+def test_unary_on_valid_equals_jax_numpy_and_on_masked_equals_numpy_ma(name, op):
+    data, mask = op
+    with np.errstate(all="ignore"):
+        full = getattr(mnp, name)(mnp.asarray(data))
+        assert bool(jnp.all(full.mask))
+        _same_bits(full.data, getattr(jnp, name)(jnp.asarray(data)))
+        got = getattr(mnp, name)(mj.masked_array(data, mask))
+        np.testing.assert_array_equal(got.mask, mask)
+        np_name = NUMPY_NAME.get(name, name)  # numpy.ma's function, or numpy's ufunc on a numpy.ma array
+        ref = (getattr(np.ma, np_name, None) or getattr(np, np_name))(np.ma.masked_array(data, ~mask))
+        where = mask & ~np.ma.getmaskarray(ref)  # numpy.ma also masks out-of-domain results
+        rtol = 1e-6 if data.dtype == np.float32 else 1e-12
+        np.testing.assert_allclose(np.asarray(got.data)[where], np.ma.getdata(ref)[where], rtol=rtol, atol=1e-30)
+
+
+@pytest.mark.parametrize("name", BINARY)
+@FEW
+@given(data=st.data())
+def test_binary_on_valid_equals_jax_numpy_and_on_masked_equals_numpy_ma(name, data):
+    dtype = data.draw(st.sampled_from([np.float32, np.float64]))
+    shape = data.draw(hnp.array_shapes(min_dims=1, max_dims=2, min_side=1, max_side=4))
+    (a, ma), (b, mb) = data.draw(_operand(dtype, shape)), data.draw(_operand(dtype, shape[-1:]))  # broadcast
+    with np.errstate(all="ignore"):
+        full = getattr(mnp, name)(mnp.asarray(a), mnp.asarray(b))
+        _same_bits(full.data, getattr(jnp, name)(jnp.asarray(a), jnp.asarray(b)))
+        got = getattr(mnp, name)(mj.masked_array(a, ma), mj.masked_array(b, mb))
+        np.testing.assert_array_equal(got.mask, ma & mb)
+        ref = getattr(np, NUMPY_NAME.get(name, name))(a, b)
+        rtol = 1e-6 if dtype == np.float32 else 1e-12
+        np.testing.assert_allclose(np.asarray(got.data)[ma & mb], np.broadcast_to(ref, got.shape)[ma & mb],
+                                   rtol=rtol, atol=1e-30)
+
+
+@pytest.mark.parametrize("name", REDUCTIONS)
+@given(data=st.data())
+def test_reductions_on_valid_equal_jax_numpy_and_on_masked_equal_numpy_ma(name, data):
+    dtype = data.draw(st.sampled_from([np.float32, np.float64]))
+    shape = data.draw(hnp.array_shapes(min_dims=1, max_dims=3, min_side=1, max_side=4))
+    x, m = data.draw(_operand(dtype, shape))
+    x = np.where(np.isfinite(x), x, 1.5).astype(dtype)  # numpy.ma does not mask inf - inf; keep both finite
+    axis = data.draw(st.sampled_from([None, *range(len(shape))]))
+    with np.errstate(all="ignore"):
+        full = getattr(mnp, name)(mnp.asarray(x), axis=axis)
+        want = getattr(jnp, name)(jnp.asarray(x), axis=axis)
+        if name in SUMS:  # the same sum in another order: within the rounding of reordering it
+            n = x.size if axis is None else x.shape[axis]
+            scale = np.sum(np.abs(x), axis=axis) if name == "sum" else np.abs(np.asarray(want))
+            bound = 4 * n * np.finfo(dtype).eps * scale
+            assert np.all(np.abs(np.asarray(full.data, np.float64) - np.asarray(want, np.float64)) <= bound)
+        else:
+            _same_bits(full.data, want)
+        got = getattr(mnp, name)(mj.masked_array(x, m), axis=axis)
+        ref = getattr(np.ma, name)(np.ma.masked_array(x.astype(np.float64), ~m), axis=axis)
+    ref_mask = np.ma.getmaskarray(ref) if axis is not None else np.array(not m.any())
+    valid = np.asarray(got.mask) & ~ref_mask
+    rtol = 1e-4 if dtype == np.float32 else 1e-9
+    np.testing.assert_allclose(np.asarray(got.data, np.float64)[valid], np.ma.getdata(ref)[valid], rtol=rtol, atol=1e-5)
+    if name not in ("std", "var"):  # a single valid entry: numpy.ma gives var 0, we too (ddof 0)
+        np.testing.assert_array_equal(np.asarray(got.mask), ~ref_mask)
+
+
+def test_creation_functions_are_fully_valid_and_equal_jax_numpy():
+    x = mj.masked_array(jnp.arange(6.0).reshape(2, 3), jnp.arange(6).reshape(2, 3) > 2)
+    cases = {
+        "arange": ((2, 9, 3), {}), "eye": ((3,), {"k": 1}), "full": (((2, 2), 7), {}),
+        "linspace": ((0.0, 1.0, 5), {"endpoint": False}), "ones": (((2, 3),), {"dtype": jnp.int32}),
+        "zeros": (((2,),), {}), "asarray": (([1, 2],), {"dtype": jnp.float32}),
+    }
+    for name, (args, kw) in cases.items():
+        got = getattr(mnp, name)(*args, **kw)
+        assert isinstance(got, mj.MaskedArray) and bool(got.mask.all()), name
+        _same_bits(got.data, getattr(jnp, name)(*args, **kw))
+    for name in ("zeros_like", "ones_like", "empty_like"):
+        got = getattr(mnp, name)(x)
+        assert got.shape == x.shape and got.dtype == x.dtype and bool(got.mask.all()), name
+    assert bool(mnp.full_like(x, 3.0).mask.all()) and float(mnp.full_like(x, 3.0).data[0, 0]) == 3.0
+    assert mnp.empty((2, 2)).shape == (2, 2)
+    assert mnp.asarray(x) is not x and np.array_equal(mnp.asarray(x).mask, x.mask)  # keeps the mask
+    np.testing.assert_array_equal(mnp.from_dlpack(np.arange(3.0)).data, np.arange(3.0))
+    # tril/triu: the kept triangle keeps its mask, the written zeros are valid
+    lower = mnp.tril(x)
+    np.testing.assert_array_equal(lower.data, jnp.tril(x.data))
+    np.testing.assert_array_equal(lower.mask, np.tril(np.asarray(x.mask)) | ~np.tril(np.ones((2, 3), bool)))
+    np.testing.assert_array_equal(mnp.triu(x, k=1).mask, np.triu(np.asarray(x.mask), 1) | ~np.triu(np.ones((2, 3), bool), 1))
+    gx, gy = mnp.meshgrid(x[0], mnp.arange(2.0))
+    np.testing.assert_array_equal(gx.mask, np.broadcast_to(np.asarray(x.mask[0]), (2, 3)))
+    assert bool(gy.mask.all())
+
+
+def test_dtype_functions_take_masked_arrays_for_their_dtypes():
+    x = mnp.asarray([1, 2], dtype=mnp.int16)
+    assert mnp.result_type(x, mnp.float32) == jnp.result_type(jnp.int16, jnp.float32)
+    assert mnp.can_cast(x, mnp.int32) and not mnp.can_cast(mnp.float32, mnp.int8)
+    assert mnp.iinfo(x).bits == 16 and mnp.finfo(mnp.float32).eps == jnp.finfo(jnp.float32).eps
+    assert mnp.isdtype(mnp.float32, ("real floating", "complex floating")) and not mnp.isdtype(mnp.int8, "bool")
+    assert mnp.astype(x, mnp.float32).dtype == jnp.float32
+
+
+def test_compositions_equal_numpy_ma_on_valid_entries(rng):
+    data = rng.normal(size=(4, 5))
+    mask = rng.random((4, 5)) > 0.3
+    x, ref = mj.masked_array(data, mask), np.ma.masked_array(data, ~mask)
+    np.testing.assert_allclose(mnp.cumulative_sum(x, axis=1).filled(0), np.ma.cumsum(ref, axis=1).filled(0))
+    np.testing.assert_array_equal(mnp.cumulative_sum(x, axis=1).mask, mask)
+    first = mnp.cumulative_sum(x, axis=0, include_initial=True)
+    assert first.shape == (5, 5) and bool(first.mask[0].all()) and float(jnp.abs(first.data[0]).sum()) == 0.0
+    y = mj.masked_array(rng.normal(size=(4, 5)), rng.random((4, 5)) > 0.3)
+    both = mask & np.asarray(y.mask)
+    vd = mnp.vecdot(x, y)
+    np.testing.assert_allclose(vd.filled(0), np.where(both, data * np.asarray(y.data), 0).sum(1))
+    np.testing.assert_array_equal(vd.mask, both.any(1))
+    sq = mj.masked_array(data[:, :4], mask[:, :4])
+    np.testing.assert_allclose(mnp.linalg.trace(sq).data, np.where(np.diag(mask[:, :4]), np.diag(data[:, :4]), 0).sum())
+    np.testing.assert_allclose(mnp.linalg.matrix_norm(x).data, np.sqrt((np.where(mask, data, 0) ** 2).sum()))
+    ints = mj.masked_array(np.array([3, 1, 3, 7, 1, 2]), np.array([True, True, True, False, True, False]))
+    r = mnp.unique_all(ints)
+    ref_vals, ref_first, ref_inv, ref_counts = np.unique(np.array([3, 1, 3, 1]), return_index=True,
+                                                         return_inverse=True, return_counts=True)
+    np.testing.assert_array_equal(r.values.data, ref_vals)
+    np.testing.assert_array_equal(r.counts, ref_counts)
+    np.testing.assert_array_equal(r.indices, np.flatnonzero(np.asarray(ints.mask))[ref_first])
+    np.testing.assert_array_equal(np.asarray(r.inverse_indices.data)[np.asarray(ints.mask)], ref_inv)
+    np.testing.assert_array_equal(r.inverse_indices.mask, ints.mask)
+    np.testing.assert_array_equal(mnp.nonzero(mj.masked_array(np.array([0.0, 2.0, 3.0]), np.array([True, True, False])))[0], [1])
+    srt = mj.masked_array(np.array([1.0, 50.0, 3.0, 5.0, 9.0]), np.array([True, False, True, True, True]))
+    q = np.array([0.0, 3.0, 4.0, 10.0])
+    for side in ("left", "right"):
+        np.testing.assert_array_equal(mnp.searchsorted(srt, q, side=side).data,
+                                      np.searchsorted(np.array([1.0, 3.0, 5.0, 9.0]), q, side=side))
+    assert [a.shape for a in mnp.broadcast_arrays(mnp.zeros((2, 1)), jnp.zeros(3))] == [(2, 3), (2, 3)]
+    parts = mnp.unstack(x, axis=1)
+    assert len(parts) == 5 and np.array_equal(parts[2].mask, mask[:, 2])
+    c = mnp.linalg.cross(mj.masked_array(np.eye(3), np.array([[True] * 3, [True, False, True], [True] * 3])),
+                         mnp.asarray(np.ones((3, 3))))
+    np.testing.assert_array_equal(c.mask.all(axis=1), [True, False, True])
+    np.testing.assert_allclose(c.data[0], np.cross(np.eye(3)[0], np.ones(3)))
+
+
+def test_functions_without_a_masked_meaning_raise_and_accept_fully_valid_input():
+    a = jnp.array([[2.0, 1.0], [1.0, 3.0]])
+    np.testing.assert_array_equal(mnp.linalg.inv(mnp.asarray(a)).data, jnp.linalg.inv(a))
+    np.testing.assert_array_equal(mnp.fft.fft(mnp.asarray(a)).data, jnp.fft.fft(a))
+    masked = mj.masked_array(a, jnp.array([[True, False], [True, True]]))
+    for fn in (mnp.linalg.inv, mnp.linalg.det, mnp.linalg.svd, mnp.fft.fft, mnp.fft.rfft):
+        with pytest.raises(TypeError, match="has no masked meaning.*filled"):
+            fn(masked)
+    with pytest.raises(TypeError, match="no masked meaning"):  # a traced mask is not known to be all valid
+        jax.jit(mnp.linalg.det)(mnp.asarray(a))
+    with pytest.raises(ValueError, match="3 components"):
+        mnp.linalg.cross(mnp.zeros((2, 2)), mnp.zeros((2, 2)))
+    with pytest.raises(ValueError, match="x1 must be 1-d"):
+        mnp.searchsorted(mnp.zeros((2, 2)), mnp.zeros(2))
+    with pytest.raises(ValueError, match="axis is required"):
+        mnp.cumulative_sum(mnp.zeros((2, 2)))
+    with pytest.raises(TypeError, match="concrete"):
+        jax.jit(mnp.unique_values)(mnp.asarray([1, 2]))
