@@ -18,7 +18,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from masked_jax._core import MaskedArray, as_masked
+from masked_jax._core import MaskedArray
+from masked_jax._core import as_masked as _as_masked
+from masked_jax._storage import SparseMasked
 
 API_VERSION = "2023.12"
 
@@ -40,11 +42,24 @@ ALIASES = {"acos": "arccos", "acosh": "arccosh", "asin": "arcsin", "asinh": "arc
            "concat": "concatenate", "permute_dims": "transpose"}
 
 
+def as_masked(x) -> MaskedArray:
+    """``x`` as a ``MaskedArray``; a sparse layout is densified (these functions have no sparse rule)."""
+    return x.todense() if isinstance(x, SparseMasked) else _as_masked(x)
+
+
 def _op(name):
     """The public function of a registered op (signature binding included)."""
     from masked_jax import _frontend
 
     return _frontend.function(name)
+
+
+def _document(fn, name, summary, *example):
+    """Name a generated function and give it a docstring: ``summary``, then an Examples block whose
+    lines are ``example`` (``>>>``/``...`` lines and the outputs they print)."""
+    fn.__name__ = fn.__qualname__ = name
+    fn.__doc__ = summary + "\n\n    Examples:\n" + "".join(f"        {line}\n" for line in example) + "    "
+    return fn
 
 
 def _dtype_of(x):
@@ -57,12 +72,9 @@ def _valid(make):
     def created(*args, **kwargs):
         return as_masked(make(*args, **kwargs))
 
-    created.__name__ = created.__qualname__ = make.__name__
-    created.__doc__ = (f"``jax.numpy.{make.__name__}``, fully valid.\n\n    Examples:\n"
-                       f"        >>> import masked_jax.numpy as mnp\n"
-                       f"        >>> bool(mnp.{make.__name__}({_EXAMPLE_ARGS[make.__name__]}).mask.all())\n"
-                       f"        True\n    ")
-    return created
+    return _document(created, make.__name__, f"``jax.numpy.{make.__name__}``, fully valid.",
+                     ">>> import masked_jax.numpy as mnp",
+                     f">>> bool(mnp.{make.__name__}({_EXAMPLE_ARGS[make.__name__]}).mask.all())", "True")
 
 
 _EXAMPLE_ARGS = {"arange": "3", "empty": "(2,)", "eye": "2", "full": "(2,), 7.0", "linspace": "0.0, 1.0, 5",
@@ -82,7 +94,7 @@ def asarray(obj, /, *, dtype=None, device=None, copy=None) -> MaskedArray:
     if isinstance(obj, MaskedArray):
         data = jnp.asarray(obj.data, dtype=dtype, device=device, copy=copy)
         return MaskedArray._from_pair(data, jnp.asarray(obj.mask, device=device, copy=copy))
-    if hasattr(obj, "todense") and hasattr(obj, "block"):  # a sparse masked layout
+    if isinstance(obj, SparseMasked):
         return asarray(obj.todense(), dtype=dtype, device=device, copy=copy)
     return as_masked(jnp.asarray(obj, dtype=dtype, device=device, copy=copy))
 
@@ -102,14 +114,11 @@ def _like(make):
     def created(x, /, *args, dtype=None, device=None, **kwargs):
         return as_masked(make(jnp.empty(x.shape, _dtype_of(x)), *args, dtype=dtype, device=device, **kwargs))
 
-    created.__name__ = created.__qualname__ = make.__name__
-    created.__doc__ = (f"``jax.numpy.{make.__name__}`` of ``x``'s shape and dtype, fully valid (whatever "
-                       f"``x``'s mask).\n\n    Examples:\n"
-                       f"        >>> import jax.numpy as jnp, masked_jax as mj, masked_jax.numpy as mnp\n"
-                       f"        >>> x = mj.masked_array(jnp.array([1.0, 2.0]), jnp.array([True, False]))\n"
-                       f"        >>> bool(mnp.{make.__name__}(x{', 5.0' if make is jnp.full_like else ''}).mask.all())\n"
-                       f"        True\n    ")
-    return created
+    fill = ", 5.0" if make is jnp.full_like else ""
+    return _document(created, make.__name__, f"``jax.numpy.{make.__name__}`` of ``x``'s shape and dtype, fully "
+                     "valid (whatever ``x``'s mask).", ">>> import jax.numpy as jnp, masked_jax as mj, masked_jax.numpy as mnp",
+                     ">>> x = mj.masked_array(jnp.array([1.0, 2.0]), jnp.array([True, False]))",
+                     f">>> bool(mnp.{make.__name__}(x{fill}).mask.all())", "True")
 
 
 empty_like, full_like, ones_like, zeros_like = (
@@ -124,14 +133,10 @@ def _triangle(keep, example_mask):
         inside = keep(jnp.ones(x.shape[-2:], jnp.bool_), k=k)
         return MaskedArray._from_pair(keep(x.data, k=k), x.mask | ~inside)
 
-    tri.__name__ = tri.__qualname__ = keep.__name__
-    tri.__doc__ = (f"``jax.numpy.{keep.__name__}``: the kept triangle keeps its mask; the zeros written "
-                   f"outside it are valid.\n\n    Examples:\n"
-                   f"        >>> import jax.numpy as jnp, masked_jax as mj, masked_jax.numpy as mnp\n"
-                   f"        >>> x = mj.masked_array(jnp.ones((2, 2)), jnp.array([[False, False], [True, True]]))\n"
-                   f"        >>> mnp.{keep.__name__}(x).mask.tolist()\n"
-                   f"        {example_mask}\n    ")
-    return tri
+    return _document(tri, keep.__name__, f"``jax.numpy.{keep.__name__}``: the kept triangle keeps its mask; the "
+                     "zeros written outside it are valid.", ">>> import jax.numpy as jnp, masked_jax as mj, masked_jax.numpy as mnp",
+                     ">>> x = mj.masked_array(jnp.ones((2, 2)), jnp.array([[False, False], [True, True]]))",
+                     f">>> mnp.{keep.__name__}(x).mask.tolist()", example_mask)
 
 
 tril = _triangle(jnp.tril, "[[False, True], [True, True]]")
@@ -483,11 +488,10 @@ def cross(x1, x2, /, *, axis: int = -1) -> MaskedArray:
 def _fully_valid(x, name):
     """The data of ``x`` when it is a plain array or a ``MaskedArray`` whose mask is concretely all
     True; otherwise a ``TypeError`` that says why."""
+    if isinstance(x, SparseMasked):
+        x = x.todense()
     if not isinstance(x, MaskedArray):
-        if hasattr(x, "todense") and hasattr(x, "block"):
-            x = x.todense()
-        else:
-            return x
+        return x
     try:
         all_valid = builtins.bool(np.asarray(x.mask).all())
     except jax.errors.TracerArrayConversionError:
@@ -505,17 +509,12 @@ def _dense_only(fn, name):
         out = fn(_fully_valid(x, name), *(_fully_valid(a, name) for a in args), **kwargs)
         return jax.tree_util.tree_map(as_masked, out)
 
-    dense.__name__ = dense.__qualname__ = name.rsplit(".", 1)[-1]
-    dense.__doc__ = (f"``jax.numpy.{name}`` of fully valid arrays, with a fully valid result. An array with "
-                     f"masked entries (or a traced mask) raises ``TypeError``: {name} has no masked meaning.\n\n"
-                     "    Examples:\n"
-                     "        >>> import jax.numpy as jnp, masked_jax as mj, masked_jax.numpy as mnp\n"
-                     "        >>> mnp.linalg.det(mnp.eye(2))\n"
-                     "        MaskedArray(1.0, dtype=float32)\n"
-                     "        >>> mnp.linalg.det(mj.masked_array(jnp.eye(2), jnp.eye(2) > 0))\n"
-                     "        Traceback (most recent call last):\n"
-                     "        TypeError: linalg.det has no masked meaning: ...\n    ")
-    return dense
+    return _document(dense, name.rsplit(".", 1)[-1],
+                     f"``jax.numpy.{name}`` of fully valid arrays, with a fully valid result. An array with masked "
+                     f"entries (or a traced mask) raises ``TypeError``: {name} has no masked meaning.",
+                     ">>> import jax.numpy as jnp, masked_jax as mj, masked_jax.numpy as mnp", ">>> mnp.linalg.det(mnp.eye(2))", "MaskedArray(1.0, dtype=float32)",
+                     ">>> mnp.linalg.det(mj.masked_array(jnp.eye(2), jnp.eye(2) > 0))",
+                     "Traceback (most recent call last):", "TypeError: linalg.det has no masked meaning: ...")
 
 
 DENSE_ONLY_LINALG = ["cholesky", "det", "eigh", "eigvalsh", "inv", "matrix_power", "matrix_rank", "pinv", "qr",

@@ -14,7 +14,7 @@ import pathlib
 import sys
 
 import masked_jax  # noqa: F401  (registers every op and builds the modules)
-from masked_jax import _array_api, _frontend, nn, numpy
+from masked_jax import _array_api, _compositions, _frontend, nn, numpy
 from masked_jax._methods import ArrayMethods
 
 HERE = pathlib.Path(__file__).parent
@@ -67,8 +67,9 @@ def _module_stub(module, extra: str = "") -> str:
             lines.append(f"def {name}{render_signature(inspect.signature(obj))}: ...")
         elif getattr(obj, "__module__", "") == "masked_jax._core":
             reexports.append(f"from masked_jax._core import {obj.__name__} as {name}")
-        elif name in _array_api.__all__:  # the Array API layer: typed in its own source
-            reexports.append(f"from masked_jax._array_api import {name} as {name}")
+        elif name in _array_api.__all__ or name in _compositions.__all__:  # typed in their own source
+            home = "_array_api" if name in _array_api.__all__ else "_compositions"
+            reexports.append(f"from masked_jax.{home} import {name} as {name}")
         elif inspect.isfunction(obj) and obj.__name__ == name:
             lines.append(f"def {name}{render_signature(inspect.signature(obj))}: ...")
         elif inspect.isfunction(obj):

@@ -43,10 +43,14 @@ from masked_jax import _array_api  # noqa: E402
 from masked_jax._array_api import *  # noqa: E402, F403
 from masked_jax._array_api import __array_namespace_info__  # noqa: E402, F401
 
+# Beyond the standard: jax.numpy functions whose masked meaning is a composition.
+from masked_jax import _compositions  # noqa: E402
+from masked_jax._compositions import *  # noqa: E402, F403
+
 __array_api_version__ = _array_api.API_VERSION
 for _standard, _ours in _array_api.ALIASES.items():
     globals()[_standard] = globals()[_ours]
-__all__ += _array_api.__all__ + list(_array_api.ALIASES)
+__all__ += _array_api.__all__ + list(_array_api.ALIASES) + _compositions.__all__
 
 # The linalg extension: masked where it has a masked meaning, fully valid input only where not.
 linalg = types.SimpleNamespace(

@@ -1,0 +1,346 @@
+"""jax.numpy functions beyond the Array API standard whose masked meaning is a composition of
+registered ops: the ``nan*`` reductions (NaN counts as masked), differences and diagonals, the
+stacking and splitting family, membership and binning over valid entries, 1-d convolutions with
+``numpy.ma``'s mask propagation, and interpolation with masked sample points.
+"""
+
+from __future__ import annotations
+
+import builtins
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from masked_jax._array_api import _document, _fully_valid, _op, as_masked, unique_all
+from masked_jax._array_api import cross as _cross_last
+from masked_jax._core import MaskedArray
+
+
+def _nan_masked(x):
+    x = as_masked(x)
+    if not jnp.issubdtype(x.dtype, jnp.inexact):
+        return x
+    return MaskedArray._from_pair(x.data, x.mask & ~jnp.isnan(x.data))
+
+
+def _nan_reduction(name):
+    def reduce(a, *args, **kwargs):
+        return _op(name)(_nan_masked(a), *args, **kwargs)
+
+    args = {"quantile": ", 0.5", "percentile": ", 50.0"}.get(name, "")
+    return _document(reduce, f"nan{name}", f"``{name}`` with NaN treated as masked (``jax.numpy.nan{name}``'s "
+                     "meaning, on the valid entries); a slice with no valid non-NaN entry is masked.", ">>> import jax.numpy as jnp, masked_jax as mj, masked_jax.numpy as mnp",
+                     ">>> x = mj.masked_array(jnp.array([1.0, jnp.nan, 3.0, 7.0]), jnp.array([True, True, True, False]))",
+                     f">>> bool(jnp.isnan(mnp.nan{name}(x{args}).filled(0)).any())", "False")
+
+
+NAN_REDUCTIONS = ["sum", "prod", "mean", "max", "min", "std", "var", "argmax", "argmin", "cumsum", "cumprod",
+                  "median", "quantile", "percentile"]
+NAN = {f"nan{n}": _nan_reduction(n) for n in NAN_REDUCTIONS}
+globals().update(NAN)
+
+
+def diff(a, n: int = 1, axis: int = -1, prepend=None, append=None) -> MaskedArray:
+    """``a[1:] - a[:-1]`` along ``axis``, ``n`` times: valid where both neighbours are
+    (``numpy.ma.diff``).
+
+    Examples:
+        >>> import jax.numpy as jnp, masked_jax as mj, masked_jax.numpy as mnp
+        >>> mnp.diff(mj.masked_array(jnp.array([1.0, 4.0, 9.0, 16.0]), jnp.array([True, True, False, True])))
+        MaskedArray([3.0 -- --], dtype=float32)
+    """
+    x = as_masked(a)
+    if n < 0:
+        raise ValueError(f"diff: n must be >= 0; got {n}.")
+    axis = axis % builtins.max(x.ndim, 1)
+    parts = [p for p in (prepend, x, append) if p is not None]
+    if len(parts) > 1:
+        shape = list(x.shape)
+        shape[axis] = 1
+        parts = [p if p is x or np.ndim(p) == x.ndim else _op("broadcast_to")(as_masked(p), tuple(shape)) for p in parts]
+        x = _op("concatenate")([as_masked(p) for p in parts], axis=axis)
+    for _ in range(n):
+        hi = tuple(slice(1, None) if d == axis else slice(None) for d in range(x.ndim))
+        lo = tuple(slice(None, -1) if d == axis else slice(None) for d in range(x.ndim))
+        x = _op("subtract")(x[hi], x[lo])
+    return x
+
+
+def diagonal(a, offset: int = 0, axis1: int = 0, axis2: int = 1) -> MaskedArray:
+    """``jax.numpy.diagonal``: the mask moves with the data.
+
+    Examples:
+        >>> import jax.numpy as jnp, masked_jax as mj, masked_jax.numpy as mnp
+        >>> mnp.diagonal(mj.masked_array(jnp.eye(2), jnp.array([[True, True], [True, False]])))
+        MaskedArray([1.0 --], dtype=float32)
+    """
+    x = as_masked(a)
+    return MaskedArray._from_pair(jnp.diagonal(x.data, offset, axis1, axis2), jnp.diagonal(x.mask, offset, axis1, axis2))
+
+
+def trace(a, offset: int = 0, axis1: int = 0, axis2: int = 1, dtype=None) -> MaskedArray:
+    """Sum of the valid diagonal entries (``numpy.ma.trace``); masked where none is valid.
+
+    Examples:
+        >>> import jax.numpy as jnp, masked_jax as mj, masked_jax.numpy as mnp
+        >>> mnp.trace(mj.masked_array(jnp.array([[1.0, 2.0], [3.0, 9.0]]), jnp.array([[True, True], [True, False]])))
+        MaskedArray(1.0, dtype=float32)
+    """
+    return _op("sum")(diagonal(a, offset, axis1, axis2), axis=-1, dtype=dtype)
+
+
+def cross(a, b, axisa: int = -1, axisb: int = -1, axisc: int = -1, axis: int | None = None) -> MaskedArray:
+    """``jax.numpy.cross`` of 3-vectors: a vector is valid where all components of both operands are.
+
+    Examples:
+        >>> import masked_jax.numpy as mnp
+        >>> mnp.cross(mnp.asarray([1.0, 0.0, 0.0]), mnp.asarray([0.0, 1.0, 0.0]))
+        MaskedArray([0.0 0.0 1.0], dtype=float32)
+    """
+    if axis is not None:
+        axisa = axisb = axisc = axis
+    a = _op("moveaxis")(as_masked(a), axisa, -1)
+    b = _op("moveaxis")(as_masked(b), axisb, -1)
+    return _op("moveaxis")(_cross_last(a, b), -1, axisc)
+
+
+def _at_least(x, ndim):
+    x = as_masked(x)
+    if x.ndim >= ndim:
+        return x
+    shape = {0: {1: (1,), 2: (1, 1), 3: (1, 1, 1)}, 1: {2: (1,) + x.shape, 3: (1,) + x.shape + (1,)},
+             2: {3: x.shape + (1,)}}[x.ndim][ndim]
+    return _op("reshape")(x, shape)
+
+
+def hstack(tup, *, dtype=None) -> MaskedArray:
+    """Join along the second axis (the first for 1-d arrays), masks with data.
+
+    Examples:
+        >>> import masked_jax.numpy as mnp
+        >>> mnp.hstack([mnp.zeros(2), mnp.ones(3)]).shape
+        (5,)
+    """
+    arrs = [_at_least(t, 1) for t in tup]
+    return _op("concatenate")(arrs, axis=0 if arrs[0].ndim == 1 else 1, dtype=dtype)
+
+
+def vstack(tup, *, dtype=None) -> MaskedArray:
+    """Join along the first axis after making every array at least 2-d, masks with data.
+
+    Examples:
+        >>> import masked_jax.numpy as mnp
+        >>> mnp.vstack([mnp.zeros(2), mnp.ones(2)]).shape
+        (2, 2)
+    """
+    return _op("concatenate")([_at_least(t, 2) for t in tup], axis=0, dtype=dtype)
+
+
+def dstack(tup, *, dtype=None) -> MaskedArray:
+    """Join along the third axis after making every array at least 3-d, masks with data.
+
+    Examples:
+        >>> import masked_jax.numpy as mnp
+        >>> mnp.dstack([mnp.zeros(2), mnp.ones(2)]).shape
+        (1, 2, 2)
+    """
+    return _op("concatenate")([_at_least(t, 3) for t in tup], axis=2, dtype=dtype)
+
+
+def column_stack(tup) -> MaskedArray:
+    """1-d arrays as columns, 2-d arrays as they are, joined along the second axis.
+
+    Examples:
+        >>> import masked_jax.numpy as mnp
+        >>> mnp.column_stack([mnp.zeros(3), mnp.ones(3)]).shape
+        (3, 2)
+    """
+    cols = [_op("reshape")(as_masked(t), (-1, 1)) if np.ndim(t) < 2 else as_masked(t) for t in tup]
+    return _op("concatenate")(cols, axis=1)
+
+
+def array_split(ary, indices_or_sections, axis: int = 0) -> list[MaskedArray]:
+    """``jax.numpy.array_split``: like ``split``, but the sections may differ in size by one.
+
+    Examples:
+        >>> import masked_jax.numpy as mnp
+        >>> [p.shape for p in mnp.array_split(mnp.zeros(5), 2)]
+        [(3,), (2,)]
+    """
+    x = as_masked(ary)
+    if isinstance(indices_or_sections, int):
+        sections = indices_or_sections
+        if sections <= 0:
+            raise ValueError(f"array_split: the number of sections must be > 0; got {sections}.")
+        each, extra = divmod(x.shape[axis], sections)
+        sizes = [each + 1] * extra + [each] * (sections - extra)
+        indices_or_sections = list(np.cumsum(sizes)[:-1])
+    return list(_op("split")(x, indices_or_sections, axis=axis))
+
+
+def _split_along(axis_of, name):
+    def split_fn(ary, indices_or_sections) -> list[MaskedArray]:
+        x = as_masked(ary)
+        return list(_op("split")(x, indices_or_sections, axis=axis_of(x)))
+
+    return _document(split_fn, name, f"``jax.numpy.{name}``: ``split`` along its axis, masks with data.",
+                     ">>> import masked_jax.numpy as mnp", f">>> len(mnp.{name}(mnp.zeros((2, 2, 2)), 2))", "2")
+
+
+hsplit = _split_along(lambda x: 1 if x.ndim > 1 else 0, "hsplit")
+vsplit = _split_along(lambda x: 0, "vsplit")
+dsplit = _split_along(lambda x: 2, "dsplit")
+
+
+def isin(element, test_elements, invert: bool = False) -> MaskedArray:
+    """Whether each valid entry of ``element`` equals a **valid** entry of ``test_elements``;
+    masked where ``element`` is masked.
+
+    Examples:
+        >>> import jax.numpy as jnp, masked_jax as mj, masked_jax.numpy as mnp
+        >>> tests = mj.masked_array(jnp.array([2, 5]), jnp.array([True, False]))
+        >>> mnp.isin(mj.masked_array(jnp.array([2, 5, 9]), jnp.array([True, True, False])), tests)
+        MaskedArray([True False --], dtype=bool)
+    """
+    e, t = as_masked(element), as_masked(test_elements)
+    hit = jnp.any((e.data[..., None] == t.data.ravel()) & t.mask.ravel(), axis=-1)
+    return MaskedArray._from_pair(~hit if invert else hit, e.mask)
+
+
+def digitize(x, bins, right: bool = False) -> MaskedArray:
+    """``jax.numpy.digitize`` of the valid entries of ``x`` (masked where ``x`` is); ``bins`` must
+    be fully valid.
+
+    Examples:
+        >>> import jax.numpy as jnp, masked_jax as mj, masked_jax.numpy as mnp
+        >>> mnp.digitize(mj.masked_array(jnp.array([0.5, 2.5, 9.0]), jnp.array([True, True, False])),
+        ...              jnp.array([1.0, 2.0, 3.0]))
+        MaskedArray([0 2 --], dtype=int32)
+    """
+    x = as_masked(x)
+    return MaskedArray._from_pair(jnp.digitize(x.data, _fully_valid(bins, "digitize's bins"), right=right), x.mask)
+
+
+def bincount(x, weights=None, minlength: int = 0, *, length: int | None = None) -> jax.Array:
+    """Counts (or summed ``weights``) of the valid entries of the non-negative integer ``x``;
+    masked entries and masked weights count nothing. A plain array: a count is always defined.
+
+    Examples:
+        >>> import jax.numpy as jnp, masked_jax as mj, masked_jax.numpy as mnp
+        >>> mnp.bincount(mj.masked_array(jnp.array([0, 1, 1, 3]), jnp.array([True, True, True, False])))
+        Array([1, 2], dtype=int32)
+    """
+    x = as_masked(x)
+    valid = x.mask
+    if weights is None:
+        w = valid.astype(jnp.int32)
+    else:
+        wm = as_masked(weights)
+        valid = valid & wm.mask
+        w = jnp.where(valid, wm.data, 0)
+    if length is None:
+        try:
+            length = builtins.max(int(np.max(np.where(np.asarray(valid), np.asarray(x.data), -1), initial=-1)) + 1,
+                                  minlength)
+        except jax.errors.TracerArrayConversionError as err:
+            raise TypeError("bincount under jit needs length= (its output size depends on the data)") from err
+    return jnp.bincount(jnp.where(valid, x.data, 0), weights=w, minlength=minlength, length=length)
+
+
+def histogram(a, bins=10, range=None, weights=None, density=None):  # noqa: A002 - numpy's name
+    """``jax.numpy.histogram`` of the valid entries (masked entries and masked weights count
+    nothing); the default range is that of the valid entries.
+
+    Examples:
+        >>> import jax.numpy as jnp, masked_jax as mj, masked_jax.numpy as mnp
+        >>> x = mj.masked_array(jnp.array([0.0, 1.0, 1.0, 99.0]), jnp.array([True, True, True, False]))
+        >>> counts, edges = mnp.histogram(x, bins=2)
+        >>> counts.tolist(), edges.tolist()
+        ([1.0, 2.0], [0.0, 0.5, 1.0])
+    """
+    x = as_masked(a)
+    valid = x.mask
+    w = valid.astype(x.dtype if jnp.issubdtype(x.dtype, jnp.inexact) else jnp.float32)
+    if weights is not None:
+        wm = as_masked(weights)
+        valid = valid & wm.mask
+        w = jnp.where(valid, wm.data, 0)
+    if range is None and np.ndim(bins) == 0:
+        lo = jnp.min(jnp.where(valid, x.data, jnp.inf))
+        hi = jnp.max(jnp.where(valid, x.data, -jnp.inf))
+        any_valid = jnp.any(valid)
+        range = (jnp.where(any_valid, lo, 0), jnp.where(any_valid, hi, 1))
+    return jnp.histogram(jnp.where(valid, x.data, range[0] if range is not None else 0), bins=bins, range=range,
+                         weights=w, density=density)
+
+
+def _convolution(fn, name):
+    def conv(a, v, mode: str = "full", propagate_mask: bool = True) -> MaskedArray:
+        x, k = as_masked(a), as_masked(v)
+        if x.ndim != 1 or k.ndim != 1:
+            raise ValueError(f"{name}: a and v must be 1-d; got shapes {x.shape} and {k.shape}.")
+        data = fn(jnp.where(x.mask, x.data, 0), jnp.where(k.mask, k.data, 0), mode=mode)
+        xm, km = x.mask.astype(jnp.float32), k.mask.astype(jnp.float32)
+        if propagate_mask:  # masked where any masked entry takes part
+            touched = fn(1 - xm, jnp.ones_like(km), mode=mode) + fn(jnp.ones_like(xm), 1 - km, mode=mode)
+            valid = touched < 0.5
+        else:  # masked where no pair of valid entries takes part
+            valid = fn(xm, km, mode=mode) > 0.5
+        return MaskedArray._from_pair(data, valid)
+
+    return _document(conv, name, f"``jax.numpy.{name}`` with ``numpy.ma.{name}``'s masks: with ``propagate_mask`` "
+                     "an output is masked when any masked entry takes part in it, without it only when no pair of "
+                     "valid entries does (masked entries then count as 0).", ">>> import jax.numpy as jnp, masked_jax as mj, masked_jax.numpy as mnp",
+                     ">>> a = mj.masked_array(jnp.array([1.0, 2.0, 3.0]), jnp.array([True, False, True]))",
+                     f">>> mnp.{name}(a, jnp.array([1.0, 1.0]), mode='valid').mask.tolist()", "[False, False]")
+
+
+convolve = _convolution(jnp.convolve, "convolve")
+correlate = _convolution(jnp.correlate, "correlate")
+
+
+def interp(x, xp, fp, left=None, right=None, period=None) -> MaskedArray:
+    """``jax.numpy.interp`` through the **valid** sample points ``(xp, fp)`` (a point is valid
+    where both are); masked where the query ``x`` is masked or no sample point is valid.
+
+    Examples:
+        >>> import jax.numpy as jnp, masked_jax as mj, masked_jax.numpy as mnp
+        >>> xp = mj.masked_array(jnp.array([0.0, 1.0, 2.0]), jnp.array([True, False, True]))
+        >>> mnp.interp(jnp.array([0.5, 1.0]), xp, jnp.array([0.0, 100.0, 2.0]))
+        MaskedArray([0.5 1.0], dtype=float32)
+    """
+    q, sx, sf = as_masked(x), as_masked(xp), as_masked(fp)
+    if sx.ndim != 1 or sf.shape != sx.shape:
+        raise ValueError(f"interp: xp and fp must be 1-d of one length; got shapes {sx.shape} and {sf.shape}.")
+    ok = sx.mask & sf.mask
+    # Each masked sample point takes the previous valid one's values (the first valid one's before
+    # it): repeated points change nothing, and the shapes stay static.
+    idx = jnp.where(ok, jnp.arange(ok.shape[0]), -1)
+    prev = jax.lax.cummax(idx)
+    take = jnp.where(prev < 0, jnp.argmax(ok), prev)
+    out = jnp.interp(q.data, sx.data[take], sf.data[take], left=left, right=right, period=period)
+    return MaskedArray._from_pair(out, q.mask & jnp.any(ok))
+
+
+def unique(ar, return_index: bool = False, return_inverse: bool = False, return_counts: bool = False,
+           axis: int | None = None, *, equal_nan: bool = True):
+    """The sorted distinct valid values of ``ar`` (and, as in ``numpy.unique``, the first indices,
+    the inverse and the counts, over the flattened array). Needs concrete arrays.
+
+    Examples:
+        >>> import jax.numpy as jnp, masked_jax as mj, masked_jax.numpy as mnp
+        >>> mnp.unique(mj.masked_array(jnp.array([3, 1, 3, 8]), jnp.array([True, True, True, False])))
+        MaskedArray([1 3], dtype=int32)
+    """
+    if axis is not None:
+        raise ValueError("unique: axis= has no masked meaning (rows with masked entries are not values); "
+                         "pass axis=None")
+    r = unique_all(ar)
+    extra = [r.indices] * return_index + [r.inverse_indices] * return_inverse + [r.counts] * return_counts
+    return (r.values, *extra) if extra else r.values
+
+
+__all__ = [*NAN, "diff", "diagonal", "trace", "cross", "hstack", "vstack", "dstack", "column_stack", "array_split",
+           "hsplit", "vsplit", "dsplit", "isin", "digitize", "bincount", "histogram", "convolve", "correlate",
+           "interp", "unique"]
