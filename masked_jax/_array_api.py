@@ -269,6 +269,22 @@ def unstack(x, /, *, axis: int = 0) -> tuple[MaskedArray, ...]:
     return tuple(x[i] for i in range(x.shape[0]))
 
 
+def _cumulative(name, x, axis, dtype, include_initial):
+    x = as_masked(x)
+    if axis is None:
+        if x.ndim != 1:
+            raise ValueError(f"cumulative_{name}: axis is required for a {x.ndim}-d array (the standard "
+                             "leaves it optional for 1-d arrays only).")
+        axis = 0
+    out = _op(f"cum{name}")(x, axis=axis, dtype=dtype)
+    if not include_initial:
+        return out
+    axis = axis % x.ndim
+    shape = out.shape[:axis] + (1,) + out.shape[axis + 1:]
+    initial = jnp.zeros(shape, out.dtype) if name == "sum" else jnp.ones(shape, out.dtype)
+    return _op("concatenate")([as_masked(initial), out], axis=axis)
+
+
 def cumulative_sum(x, /, *, axis: int | None = None, dtype=None, include_initial: builtins.bool = False) -> MaskedArray:
     """Running sum over the valid entries; a masked entry is masked in the output and adds nothing
     (``numpy.ma.cumsum``). ``include_initial`` prepends a valid 0.
@@ -279,18 +295,33 @@ def cumulative_sum(x, /, *, axis: int | None = None, dtype=None, include_initial
         >>> mnp.cumulative_sum(x)
         MaskedArray([1.0 -- 4.0], dtype=float32)
     """
+    return _cumulative("sum", x, axis, dtype, include_initial)
+
+
+def cumulative_prod(x, /, *, axis: int | None = None, dtype=None, include_initial: builtins.bool = False) -> MaskedArray:
+    """Running product over the valid entries (Array API 2024.12); a masked entry is masked in the
+    output and multiplies by nothing (``numpy.ma.cumprod``). ``include_initial`` prepends a valid 1.
+
+    Examples:
+        >>> import jax.numpy as jnp, masked_jax as mj, masked_jax.numpy as mnp
+        >>> x = mj.masked_array(jnp.array([2.0, 9.0, 3.0]), jnp.array([True, False, True]))
+        >>> mnp.cumulative_prod(x)
+        MaskedArray([2.0 -- 6.0], dtype=float32)
+    """
+    return _cumulative("prod", x, axis, dtype, include_initial)
+
+
+def count_nonzero(x, /, *, axis=None, keepdims: builtins.bool = False) -> jax.Array:
+    """How many valid entries are nonzero (Array API 2024.12): a plain array, as a count is
+    always defined.
+
+    Examples:
+        >>> import jax.numpy as jnp, masked_jax as mj, masked_jax.numpy as mnp
+        >>> mnp.count_nonzero(mj.masked_array(jnp.array([0.0, 2.0, 3.0]), jnp.array([True, True, False])))
+        Array(1, dtype=int32)
+    """
     x = as_masked(x)
-    if axis is None:
-        if x.ndim != 1:
-            raise ValueError(f"cumulative_sum: axis is required for a {x.ndim}-d array (the standard "
-                             "leaves it optional for 1-d arrays only).")
-        axis = 0
-    out = _op("cumsum")(x, axis=axis, dtype=dtype)
-    if not include_initial:
-        return out
-    axis = axis % x.ndim
-    shape = out.shape[:axis] + (1,) + out.shape[axis + 1:]
-    return _op("concatenate")([as_masked(jnp.zeros(shape, out.dtype)), out], axis=axis)
+    return jnp.count_nonzero(x.mask & (x.data != 0), axis=axis, keepdims=keepdims)
 
 
 def _valid_values(x):
@@ -528,5 +559,6 @@ fft = types.SimpleNamespace(**{n: _dense_only(getattr(jnp.fft, n), f"fft.{n}") f
 __all__ = CONSTANTS + DTYPES + [
     "arange", "asarray", "empty", "empty_like", "eye", "from_dlpack", "full", "full_like", "linspace", "meshgrid",
     "ones", "ones_like", "tril", "triu", "zeros", "zeros_like", "can_cast", "finfo", "iinfo", "isdtype",
-    "result_type", "matrix_transpose", "vecdot", "broadcast_arrays", "unstack", "cumulative_sum", "unique_all",
+    "result_type", "matrix_transpose", "vecdot", "broadcast_arrays", "unstack", "cumulative_sum", "cumulative_prod",
+    "count_nonzero", "unique_all",
     "unique_counts", "unique_inverse", "unique_values", "nonzero", "searchsorted", "fft"]

@@ -302,8 +302,8 @@ class MaskedArray(ArrayMethods):
             >>> xp.mean(xp.asarray([1.0, 3.0]))
             MaskedArray(2.0, dtype=float32)
         """
-        if api_version not in (None, "2023.12", "2022.12", "2021.12"):
-            raise ValueError(f"masked_jax.numpy implements the Array API 2023.12 (and earlier); "
+        if api_version not in (None, "2024.12", "2023.12", "2022.12", "2021.12"):
+            raise ValueError(f"masked_jax.numpy implements the Array API 2023.12, with 2024.12's additions; "
                              f"got api_version={api_version!r}.")
         from masked_jax import numpy as mnp
 

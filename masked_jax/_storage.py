@@ -18,17 +18,18 @@ from masked_jax._methods import ArrayMethods
 class StorageFallbackWarning(UserWarning):
     """An op had no sparse rule for a layout and densified its operand (MXNet's storage fallback).
 
-    Emitted once per op name.
+    Emitted once per op name (per thread), the first time that op densifies; under
+    :func:`~masked_jax.strict_storage` the same fallback raises :class:`StorageFallbackError`.
 
     Examples:
         >>> import warnings, jax.numpy as jnp, masked_jax as mj, masked_jax.numpy as mnp
         >>> x = mj.row_sparse(jnp.ones((1, 2)), jnp.array([0]), (3, 2))
-        >>> with warnings.catch_warnings(record=True) as w:
-        ...     warnings.simplefilter("always")
-        ...     mnp.atleast_2d(x)
-        ...     [issubclass(i.category, mj.StorageFallbackWarning) for i in w][:1]
-        MaskedArray(...)
-        [True]
+        >>> with warnings.catch_warnings():
+        ...     warnings.simplefilter("error", mj.StorageFallbackWarning)
+        ...     with mj.strict_storage():  # an error instead of the warning
+        ...         mnp.atleast_2d(x)
+        Traceback (most recent call last):
+        masked_jax._storage.StorageFallbackError: atleast_2d has no sparse rule for row_sparse storage and ...
     """
 
 

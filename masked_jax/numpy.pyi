@@ -24,7 +24,9 @@ from masked_jax._array_api import complex128 as complex128
 from masked_jax._array_api import complex64 as complex64
 from masked_jax._compositions import convolve as convolve
 from masked_jax._compositions import correlate as correlate
+from masked_jax._array_api import count_nonzero as count_nonzero
 from masked_jax._compositions import cross as cross
+from masked_jax._array_api import cumulative_prod as cumulative_prod
 from masked_jax._array_api import cumulative_sum as cumulative_sum
 from masked_jax._compositions import diagonal as diagonal
 from masked_jax._compositions import diff as diff
