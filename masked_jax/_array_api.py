@@ -130,16 +130,16 @@ def _triangle(keep, example_mask):
         x = as_masked(x)
         if x.ndim < 2:
             raise ValueError(f"{keep.__name__} needs at least 2 dimensions; got shape {x.shape}.")
-        inside = keep(jnp.ones(x.shape[-2:], jnp.bool_), k=k)
-        return MaskedArray._from_pair(keep(x.data, k=k), x.mask | ~inside)
+        return MaskedArray._from_pair(keep(x.data, k=k), x.mask)
 
-    return _document(tri, keep.__name__, f"``jax.numpy.{keep.__name__}``: the kept triangle keeps its mask; the "
-                     "zeros written outside it are valid.", ">>> import jax.numpy as jnp, masked_jax as mj, masked_jax.numpy as mnp",
+    return _document(tri, keep.__name__, f"``jax.numpy.{keep.__name__}``: zeros outside the kept triangle; the "
+                     "mask is unchanged (a written zero is valid where the entry was: a constant never makes a "
+                     "masked entry valid, as under ``maskify``).", ">>> import jax.numpy as jnp, masked_jax as mj, masked_jax.numpy as mnp",
                      ">>> x = mj.masked_array(jnp.ones((2, 2)), jnp.array([[False, False], [True, True]]))",
                      f">>> mnp.{keep.__name__}(x).mask.tolist()", example_mask)
 
 
-tril = _triangle(jnp.tril, "[[False, True], [True, True]]")
+tril = _triangle(jnp.tril, "[[False, False], [True, True]]")
 triu = _triangle(jnp.triu, "[[False, False], [True, True]]")
 
 
@@ -428,6 +428,8 @@ def nonzero(x, /) -> tuple[jax.Array, ...]:
 def searchsorted(x1, x2, /, *, side: str = "left", sorter=None) -> MaskedArray:
     """Insertion positions of the queries ``x2`` among the **valid** entries of the sorted 1-d
     ``x1`` (masked entries of ``x1`` are absent, wherever they sit); masked where a query is masked.
+    Each position is a count of valid entries below the query: exact for any mask under ``jit``, at
+    ``len(x1) * x2.size`` comparisons.
 
     Examples:
         >>> import jax.numpy as jnp, masked_jax as mj, masked_jax.numpy as mnp
@@ -470,8 +472,16 @@ def diagonal(x, /, *, offset: int = 0) -> MaskedArray:
         >>> mnp.linalg.diagonal(mj.masked_array(jnp.eye(2), jnp.array([[True, True], [True, False]])))
         MaskedArray([1.0 --], dtype=float32)
     """
+    return _diagonal(x, offset, -2, -1)
+
+
+def _diagonal(x, offset, axis1, axis2):
     x = as_masked(x)
-    return MaskedArray._from_pair(jnp.diagonal(x.data, offset, -2, -1), jnp.diagonal(x.mask, offset, -2, -1))
+    return MaskedArray._from_pair(jnp.diagonal(x.data, offset, axis1, axis2), jnp.diagonal(x.mask, offset, axis1, axis2))
+
+
+def _trace(x, offset, axis1, axis2, dtype):
+    return _op("sum")(_diagonal(x, offset, axis1, axis2), axis=-1, dtype=dtype)
 
 
 def trace(x, /, *, offset: int = 0, dtype=None) -> MaskedArray:
@@ -482,7 +492,7 @@ def trace(x, /, *, offset: int = 0, dtype=None) -> MaskedArray:
         >>> mnp.linalg.trace(mj.masked_array(jnp.array([[1.0, 2.0], [3.0, 9.0]]), jnp.array([[True, True], [True, False]])))
         MaskedArray(1.0, dtype=float32)
     """
-    return _op("sum")(diagonal(x, offset=offset), axis=-1, dtype=dtype)
+    return _trace(x, offset, -2, -1, dtype)
 
 
 def matrix_norm(x, /, *, keepdims: builtins.bool = False, ord="fro") -> MaskedArray:

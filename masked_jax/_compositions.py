@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from masked_jax._array_api import _document, _fully_valid, _op, as_masked, unique_all
+from masked_jax._array_api import _diagonal, _document, _fully_valid, _op, _trace, as_masked, unique_all
 from masked_jax._array_api import cross as _cross_last
 from masked_jax._core import MaskedArray
 
@@ -75,8 +75,7 @@ def diagonal(a, offset: int = 0, axis1: int = 0, axis2: int = 1) -> MaskedArray:
         >>> mnp.diagonal(mj.masked_array(jnp.eye(2), jnp.array([[True, True], [True, False]])))
         MaskedArray([1.0 --], dtype=float32)
     """
-    x = as_masked(a)
-    return MaskedArray._from_pair(jnp.diagonal(x.data, offset, axis1, axis2), jnp.diagonal(x.mask, offset, axis1, axis2))
+    return _diagonal(a, offset, axis1, axis2)
 
 
 def trace(a, offset: int = 0, axis1: int = 0, axis2: int = 1, dtype=None) -> MaskedArray:
@@ -87,7 +86,7 @@ def trace(a, offset: int = 0, axis1: int = 0, axis2: int = 1, dtype=None) -> Mas
         >>> mnp.trace(mj.masked_array(jnp.array([[1.0, 2.0], [3.0, 9.0]]), jnp.array([[True, True], [True, False]])))
         MaskedArray(1.0, dtype=float32)
     """
-    return _op("sum")(diagonal(a, offset, axis1, axis2), axis=-1, dtype=dtype)
+    return _trace(a, offset, axis1, axis2, dtype)
 
 
 def cross(a, b, axisa: int = -1, axisb: int = -1, axisc: int = -1, axis: int | None = None) -> MaskedArray:
@@ -319,7 +318,9 @@ def interp(x, xp, fp, left=None, right=None, period=None) -> MaskedArray:
     idx = jnp.where(ok, jnp.arange(ok.shape[0]), -1)
     prev = jax.lax.cummax(idx)
     take = jnp.where(prev < 0, jnp.argmax(ok), prev)
-    out = jnp.interp(q.data, sx.data[take], sf.data[take], left=left, right=right, period=period)
+    # sanitised on entry: NaN under a mask reaches neither the values nor the gradients
+    xs, fs = jnp.where(ok, sx.data, 0)[take], jnp.where(ok, sf.data, 0)[take]
+    out = jnp.interp(jnp.where(q.mask, q.data, xs[0]), xs, fs, left=left, right=right, period=period)
     return MaskedArray._from_pair(out, q.mask & jnp.any(ok))
 
 

@@ -223,11 +223,14 @@ def test_creation_functions_are_fully_valid_and_equal_jax_numpy():
     assert mnp.empty((2, 2)).shape == (2, 2)
     assert mnp.asarray(x) is not x and np.array_equal(mnp.asarray(x).mask, x.mask)  # keeps the mask
     np.testing.assert_array_equal(mnp.from_dlpack(np.arange(3.0)).data, np.arange(3.0))
-    # tril/triu: the kept triangle keeps its mask, the written zeros are valid
-    lower = mnp.tril(x)
-    np.testing.assert_array_equal(lower.data, jnp.tril(x.data))
-    np.testing.assert_array_equal(lower.mask, np.tril(np.asarray(x.mask)) | ~np.tril(np.ones((2, 3), bool)))
-    np.testing.assert_array_equal(mnp.triu(x, k=1).mask, np.triu(np.asarray(x.mask), 1) | ~np.triu(np.ones((2, 3), bool), 1))
+    # tril/triu: zeros written outside the triangle, the mask unchanged (a constant never makes a
+    # masked entry valid), as maskify gives for jax.numpy's own tril/triu
+    for name, k in (("tril", 0), ("triu", 1)):
+        got = getattr(mnp, name)(x, k=k)
+        np.testing.assert_array_equal(got.data, getattr(jnp, name)(x.data, k=k))
+        np.testing.assert_array_equal(got.mask, x.mask)
+        want = mj.maskify(lambda v, name=name, k=k: getattr(jnp, name)(v, k=k))(x)
+        np.testing.assert_array_equal(got.filled(-1), want.filled(-1))
     gx, gy = mnp.meshgrid(x[0], mnp.arange(2.0))
     np.testing.assert_array_equal(gx.mask, np.broadcast_to(np.asarray(x.mask[0]), (2, 3)))
     assert bool(gy.mask.all())
@@ -411,6 +414,10 @@ def test_membership_binning_and_interpolation_over_valid_entries(rng):
     np.testing.assert_allclose(np.asarray(got.data)[:4], np.interp([0.0, 1.5, 2.0, 3.5], [1.0, 3.0, 4.0], [10.0, 30.0, 20.0]))
     np.testing.assert_array_equal(got.mask, q.mask)
     np.testing.assert_allclose(jax.jit(mnp.interp)(q, xp, fp).data, got.data)
+    poisoned = mj.masked_array(np.where(np.asarray(q.mask), np.asarray(q.data), np.nan), q.mask)
+    g = mj.grad(lambda v: mnp.sum(mnp.interp(v, mj.masked_array(np.where(np.asarray(xp.mask), np.asarray(xp.data),
+                                                                              np.nan), xp.mask), fp)))(poisoned)
+    assert np.isfinite(np.asarray(g.data)).all()  # NaN under either mask reaches no gradient
     vals, counts = mnp.unique(e, return_counts=True)
     np.testing.assert_array_equal(vals.data, [1, 4, 9])
     np.testing.assert_array_equal(counts, [1, 2, 1])
