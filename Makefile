@@ -10,7 +10,7 @@ RUNTIME_STAMP := $(VENV)/.installed-runtime
 
 DOCS_STAMP := $(VENV)/.installed-docs
 
-.PHONY: demo browser test test-package docs notebooks bench clean
+.PHONY: demo browser test test-full test-package array-api-suite docs notebooks bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -41,6 +41,18 @@ browser:
 
 test: $(STAMP) browser
 	JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(PY) -m pytest tests -n $${MJ_TEST_WORKERS:-auto} --dist worksteal
+
+# The heavier sweeps: every (op, dtype, value set, mask, eager/jit) case of the jnp oracle, and
+# more hypothesis examples. `make test` runs a documented sample of the oracle (see docs/semantics.md).
+test-full: $(STAMP) browser
+	MJ_ORACLE=full MJ_HYPOTHESIS_EXAMPLES=$${MJ_HYPOTHESIS_EXAMPLES:-20} JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} \
+		$(PY) -m pytest tests -n $${MJ_TEST_WORKERS:-auto} --dist worksteal
+
+# The public Array API test suite against jax.numpy and masked_jax.numpy in one run: every test that
+# jax.numpy passes must pass for masked_jax.numpy (about 20 minutes per module on 2 cores). The
+# suite's checkout: ARRAY_API_TESTS_DIR, by default ../shared/array-api-tests.
+array-api-suite: $(STAMP)
+	$(PY) tests/array_api_suite.py --workers $${MJ_TEST_WORKERS:-2} $${ARRAY_API_TESTS_DIR:+--suite "$$ARRAY_API_TESTS_DIR"}
 
 # The package as users get it: a wheel and an sdist built from this checkout, installed into a
 # fresh venv with the oldest versions pyproject admits; a user script runs from outside the

@@ -7,6 +7,8 @@ from masked_jax._core import MaskedArray as MaskedArray
 from masked_jax._core import as_masked as as_masked
 from masked_jax._core import from_numpy_ma as from_numpy_ma
 from masked_jax._core import is_masked as is_masked
+from masked_jax._core import is_masked_leaf as is_masked_leaf
+from masked_jax._core import tree_map_data as tree_map_data
 from masked_jax._core import masked_array as masked_array
 from masked_jax._ad import grad as grad
 from masked_jax._ad import hessian as hessian
@@ -30,5 +32,10 @@ from masked_jax.layouts import strict_storage as strict_storage
 from masked_jax import numpy as numpy
 from masked_jax import nn as nn
 from masked_jax import optim as optim
+
+from masked_jax import _serialization
+
+_serialization.install()  # flax.serialization knows the array classes once flax is imported
+del _serialization
 
 __version__ = "0.1.0"

@@ -21,6 +21,7 @@ import numpy as np
 from masked_jax._core import MaskedArray
 from masked_jax._core import as_masked as _as_masked
 from masked_jax._storage import SparseMasked
+from masked_jax.ops._base import normalize_axis, result_dtype
 
 API_VERSION = "2023.12"
 
@@ -126,7 +127,7 @@ empty_like, full_like, ones_like, zeros_like = (
 
 
 def _triangle(keep, example_mask):
-    def tri(x, /, *, k: int = 0) -> MaskedArray:
+    def tri(x, /, k: int = 0) -> MaskedArray:
         x = as_masked(x)
         if x.ndim < 2:
             raise ValueError(f"{keep.__name__} needs at least 2 dimensions; got shape {x.shape}.")
@@ -242,7 +243,8 @@ def vecdot(x1, x2, /, *, axis: int = -1) -> MaskedArray:
     if a.shape[axis] != b.shape[axis]:
         raise ValueError(f"vecdot: the contracted axis {axis} has size {a.shape[axis]} in x1 and "
                          f"{b.shape[axis]} in x2; they must match.")
-    return _op("sum")(_op("multiply")(_op("conj")(a), b), axis=axis)
+    out_dtype = jax.eval_shape(lambda u, v: jnp.vecdot(u, v, axis=axis), a.data, b.data).dtype
+    return _op("astype")(_op("sum")(_op("multiply")(_op("conj")(a), b), axis=axis), out_dtype)
 
 
 def broadcast_arrays(*arrays) -> list[MaskedArray]:
@@ -276,6 +278,8 @@ def _cumulative(name, x, axis, dtype, include_initial):
             raise ValueError(f"cumulative_{name}: axis is required for a {x.ndim}-d array (the standard "
                              "leaves it optional for 1-d arrays only).")
         axis = 0
+    # the standard's cumulative_sum promotes as sum does (int8 -> the default int), jnp.cumsum does not
+    dtype = result_dtype(getattr(jnp, f"cumulative_{name}"), x.dtype, dtype=dtype)
     out = _op(f"cum{name}")(x, axis=axis, dtype=dtype)
     if not include_initial:
         return out
@@ -363,15 +367,20 @@ def unique_all(x, /) -> UniqueAllResult:
         >>> r.inverse_indices
         MaskedArray([1 0 1 --], dtype=int32)
     """
+    return unique_of_valid(x, equal_nan=False)
+
+
+def unique_of_valid(x, *, equal_nan: builtins.bool) -> UniqueAllResult:
+    """``jnp.unique`` of the valid entries alone (with ``equal_nan``), its indices and inverse
+    mapped back to ``x``'s positions; the inverse is masked where ``x`` is."""
     vals, x = _valid_values(x)
     flat = np.flatnonzero(np.asarray(x.mask))
-    values, first, inverse, counts = np.unique(vals, return_index=True, return_inverse=True, return_counts=True,
-                                               equal_nan=False)
-    full_inverse = np.zeros(x.size, np.int64)
-    full_inverse[flat] = inverse.ravel()
-    inv = MaskedArray._from_pair(jnp.asarray(full_inverse.reshape(x.shape), jnp.int32 if x.size < 2**31 else None),
-                                 x.mask)
-    return UniqueAllResult(as_masked(jnp.asarray(values)), jnp.asarray(flat[first]), inv, jnp.asarray(counts))
+    values, first, inverse, counts = jnp.unique(jnp.asarray(vals), return_index=True, return_inverse=True,
+                                                return_counts=True, equal_nan=equal_nan)
+    full_inverse = np.zeros(x.size, np.asarray(inverse).dtype)
+    full_inverse[flat] = np.asarray(inverse).ravel()
+    inv = MaskedArray._from_pair(jnp.asarray(full_inverse.reshape(x.shape)), x.mask)
+    return UniqueAllResult(as_masked(values), jnp.asarray(flat[np.asarray(first)], first.dtype), inv, counts)
 
 
 def unique_counts(x, /) -> UniqueCountsResult:
@@ -445,8 +454,12 @@ def searchsorted(x1, x2, /, *, side: str = "left", sorter=None) -> MaskedArray:
         raise ValueError(f"searchsorted: side must be 'left' or 'right'; got {side!r}.")
     if sorter is not None:
         a = _op("take")(a, jnp.asarray(sorter))
-    below = (a.data[None, :] < q.data.reshape(-1, 1)) if side == "left" else (a.data[None, :] <= q.data.reshape(-1, 1))
-    pos = jnp.sum(below & a.mask[None, :], axis=1, dtype=jnp.int32).reshape(q.shape)
+    v, w = a.data[None, :], q.data.reshape(-1, 1)
+    below = (v < w) if side == "left" else (v <= w)
+    if jnp.issubdtype(jnp.result_type(v, w), jnp.inexact):  # sort order, as jnp: NaN after every number
+        below = (below | (~jnp.isnan(v) & jnp.isnan(w))) if side == "left" else (below | jnp.isnan(w))
+    out_dtype = jax.eval_shape(jnp.searchsorted, a.data, q.data).dtype
+    pos = jnp.sum(below & a.mask[None, :], axis=1, dtype=out_dtype).reshape(q.shape)
     return MaskedArray._from_pair(pos, q.mask)
 
 
@@ -506,6 +519,45 @@ def matrix_norm(x, /, *, keepdims: builtins.bool = False, ord="fro") -> MaskedAr
     return _op("norm")(x, ord=ord, axis=(-2, -1), keepdims=keepdims)
 
 
+def vector_norm(x, /, *, axis=None, keepdims: builtins.bool = False, ord=2) -> MaskedArray:
+    """The vector norm over the valid entries of ``axis`` (``None``: every axis, the array taken as
+    one vector; a tuple: those axes taken as one vector), by ``jnp.linalg.vector_norm``'s own
+    arithmetic (integers square and sum in their dtype, as jnp's).
+
+    Examples:
+        >>> import jax.numpy as jnp, masked_jax as mj, masked_jax.numpy as mnp
+        >>> x = mj.masked_array(jnp.array([[1.0, 2.0], [3.0, 9.0]]), jnp.array([[True, True], [True, False]]))
+        >>> mnp.linalg.vector_norm(x, ord=1)
+        MaskedArray(6.0, dtype=float32)
+    """
+    x = as_masked(x)
+    if isinstance(ord, str) or not (ord is None or np.ndim(ord) == 0):
+        raise ValueError(f"vector_norm: ord must be a number (or inf, -inf); got {ord!r}.")
+    axes = tuple(range(x.ndim)) if axis is None else (axis,) if isinstance(axis, (int, np.integer)) else tuple(axis)
+    axes = normalize_axis(axes, x.ndim)
+    rest = [a for a in range(x.ndim) if a not in axes]
+    flat = _op("reshape")(_op("transpose")(x, rest + list(axes)), tuple(x.shape[a] for a in rest) + (-1,))
+    total = lambda v, **kw: _op("sum")(v, axis=-1, **kw)  # noqa: E731
+    if ord is None or ord == 2:
+        out = _op("sqrt")(total(_op("real")(_op("multiply")(flat, _op("conj")(flat)))))
+    elif ord == np.inf:
+        out = _op("max")(_op("abs")(flat), axis=-1)
+    elif ord == -np.inf:
+        out = _op("min")(_op("abs")(flat), axis=-1)
+    elif ord == 0:
+        out = total(_op("not_equal")(flat, 0), dtype=jnp.finfo(jnp.result_type(float)).dtype)
+    elif ord == 1:
+        out = total(_op("abs")(flat))
+    else:
+        a = _op("abs")(flat)
+        out = _op("power")(total(_op("power")(a, jnp.asarray(ord, a.dtype))), jnp.asarray(1.0 / ord, a.dtype))
+    out_dtype = jax.eval_shape(lambda d: jnp.linalg.vector_norm(d, ord=ord), x.data).dtype
+    out = _op("astype")(out, out_dtype)
+    if keepdims:
+        out = _op("reshape")(out, tuple(1 if a in axes else d for a, d in enumerate(x.shape)))
+    return out
+
+
 def cross(x1, x2, /, *, axis: int = -1) -> MaskedArray:
     """The cross product of 3-vectors along ``axis``: a vector is valid where all three components
     of both operands are (each component of the result reads the other two).
@@ -563,6 +615,7 @@ DENSE_ONLY_LINALG = ["cholesky", "det", "eigh", "eigvalsh", "inv", "matrix_power
 DENSE_ONLY_FFT = ["fft", "ifft", "fftn", "ifftn", "rfft", "irfft", "rfftn", "irfftn", "hfft", "ihfft", "fftfreq",
                   "rfftfreq", "fftshift", "ifftshift"]
 linalg = types.SimpleNamespace(diagonal=diagonal, trace=trace, matrix_norm=matrix_norm, cross=cross,
+                               vector_norm=vector_norm,
                                **{n: _dense_only(getattr(jnp.linalg, n), f"linalg.{n}") for n in DENSE_ONLY_LINALG})
 fft = types.SimpleNamespace(**{n: _dense_only(getattr(jnp.fft, n), f"fft.{n}") for n in DENSE_ONLY_FFT})
 

@@ -12,9 +12,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from masked_jax._array_api import _diagonal, _document, _fully_valid, _op, _trace, as_masked, unique_all
+from masked_jax._array_api import _diagonal, _document, _fully_valid, _op, _trace, as_masked, unique_of_valid
 from masked_jax._array_api import cross as _cross_last
 from masked_jax._core import MaskedArray
+from masked_jax.ops._base import normalize_axis
 
 
 def _nan_masked(x):
@@ -26,6 +27,11 @@ def _nan_masked(x):
 
 def _nan_reduction(name):
     def reduce(a, *args, **kwargs):
+        if name in ("cumsum", "cumprod"):  # as jnp: a NaN adds (multiplies) nothing, its position stays
+            x = as_masked(a)
+            if jnp.issubdtype(x.dtype, jnp.inexact):
+                x = MaskedArray._from_pair(jnp.where(jnp.isnan(x.data), 0 if name == "cumsum" else 1, x.data), x.mask)
+            return _op(name)(x, *args, **kwargs)
         return _op(name)(_nan_masked(a), *args, **kwargs)
 
     args = {"quantile": ", 0.5", "percentile": ", 50.0"}.get(name, "")
@@ -51,9 +57,11 @@ def diff(a, n: int = 1, axis: int = -1, prepend=None, append=None) -> MaskedArra
         MaskedArray([3.0 -- --], dtype=float32)
     """
     x = as_masked(a)
-    if n < 0:
-        raise ValueError(f"diff: n must be >= 0; got {n}.")
-    axis = axis % builtins.max(x.ndim, 1)
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
+        raise ValueError(f"diff: n must be an int >= 0; got {n!r}.")
+    if x.ndim == 0:
+        raise ValueError("diff: a must be at least 1-d (a 0-d array has no neighbours); got a 0-d array.")
+    (axis,) = normalize_axis(axis, x.ndim)
     parts = [p for p in (prepend, x, append) if p is not None]
     if len(parts) > 1:
         shape = list(x.shape)
@@ -63,7 +71,8 @@ def diff(a, n: int = 1, axis: int = -1, prepend=None, append=None) -> MaskedArra
     for _ in range(n):
         hi = tuple(slice(1, None) if d == axis else slice(None) for d in range(x.ndim))
         lo = tuple(slice(None, -1) if d == axis else slice(None) for d in range(x.ndim))
-        x = _op("subtract")(x[hi], x[lo])
+        # as jnp.diff: bool neighbours differ where they are not equal
+        x = _op("not_equal" if x.dtype == jnp.bool_ else "subtract")(x[hi], x[lo])
     return x
 
 
@@ -232,8 +241,8 @@ def bincount(x, weights=None, minlength: int = 0, *, length: int | None = None) 
     """
     x = as_masked(x)
     valid = x.mask
-    if weights is None:
-        w = valid.astype(jnp.int32)
+    if weights is None:  # counts in the dtype jnp.bincount counts in
+        w = valid.astype(jax.eval_shape(lambda d: jnp.bincount(d, length=1), x.data).dtype)
     else:
         wm = as_masked(weights)
         valid = valid & wm.mask
@@ -279,7 +288,8 @@ def _convolution(fn, name):
         x, k = as_masked(a), as_masked(v)
         if x.ndim != 1 or k.ndim != 1:
             raise ValueError(f"{name}: a and v must be 1-d; got shapes {x.shape} and {k.shape}.")
-        data = fn(jnp.where(x.mask, x.data, 0), jnp.where(k.mask, k.data, 0), mode=mode)
+        zero = lambda m: jnp.where(m.mask, m.data, jnp.zeros((), m.dtype))  # noqa: E731 (keeps the dtype)
+        data = fn(zero(x), zero(k), mode=mode)
         xm, km = x.mask.astype(jnp.float32), k.mask.astype(jnp.float32)
         if propagate_mask:  # masked where any masked entry takes part
             touched = fn(1 - xm, jnp.ones_like(km), mode=mode) + fn(jnp.ones_like(xm), 1 - km, mode=mode)
@@ -337,7 +347,7 @@ def unique(ar, return_index: bool = False, return_inverse: bool = False, return_
     if axis is not None:
         raise ValueError("unique: axis= has no masked meaning (rows with masked entries are not values); "
                          "pass axis=None")
-    r = unique_all(ar)
+    r = unique_of_valid(ar, equal_nan=equal_nan)
     extra = [r.indices] * return_index + [r.inverse_indices] * return_inverse + [r.counts] * return_counts
     return (r.values, *extra) if extra else r.values
 

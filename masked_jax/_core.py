@@ -8,6 +8,7 @@ whose mask marks invalid entries; :func:`from_numpy_ma` and
 
 from __future__ import annotations
 
+import html
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -24,11 +25,69 @@ from masked_jax.ops.shape import at_update
 if TYPE_CHECKING:
     from jax.experimental import sparse as jsparse
 
-_REPR_MAX_ELEMENTS = 1000
+
+
+def format_values(data: np.ndarray, mask: np.ndarray) -> str:
+    """The values as numpy.ma prints them, masked entries as ``--``: every value while the array
+    has at most ``np.get_printoptions()["threshold"]`` elements, else the edge items
+    (``edgeitems``) around ``...``, as ``jax.Array`` and ``numpy.ma`` summarise."""
+    if data.dtype.kind not in "biufc":  # bfloat16 and other ml_dtypes: shown through float32
+        data = data.astype(np.float32)
+    if data.size > np.get_printoptions()["threshold"]:
+        return str(np.ma.masked_array(data, mask=~mask))
+    cells = np.array([str(v) if ok else "--" for v, ok in zip(data.flat, mask.flat)], dtype=object)
+    return np.array2string(cells.reshape(data.shape), separator=" ", formatter={"all": str})
+
+
+def html_table(data: np.ndarray, mask: np.ndarray, caption: str) -> str:
+    """An HTML table of a 0-, 1- or 2-d array (summarised as :func:`format_values`); higher
+    dimensions as the printed text."""
+    if data.ndim > 2:
+        return f"<pre>{html.escape(caption)}\n{html.escape(format_values(data, mask))}</pre>"
+    if data.dtype.kind not in "biufc":
+        data = data.astype(np.float32)
+    d2, m2 = np.atleast_2d(data), np.atleast_2d(mask)
+    edge = np.get_printoptions()["edgeitems"]
+    big = data.size > np.get_printoptions()["threshold"]
+
+    def cut(n):
+        return list(range(n)) if not big or n <= 2 * edge else list(range(edge)) + [None] + list(range(n - edge, n))
+
+    rows = []
+    for i in cut(d2.shape[0]):
+        cells = []
+        for j in cut(d2.shape[1]):
+            if i is None or j is None:
+                cells.append('<td style="color:#888">&hellip;</td>')
+            elif m2[i, j]:
+                cells.append(f'<td class="mj-valid" style="padding:2px 6px">{html.escape(str(d2[i, j]))}</td>')
+            else:
+                cells.append('<td class="mj-masked" style="padding:2px 6px;background:#d0d0d0;color:#555">--</td>')
+        rows.append("<tr>" + "".join(cells) + "</tr>")
+    return (f'<table class="mj-array" style="border-collapse:collapse;font-family:monospace">'
+            f"<caption>{html.escape(caption)}</caption>{''.join(rows)}</table>")
 
 
 def _is_tracer(x) -> bool:
     return isinstance(x, jax.core.Tracer)
+
+
+def _check_rebuilt_mask(mask):
+    """A mask that generic tree code rebuilt (``jax.tree.map`` maps the mask too): bool, or a
+    tangent's float0; anything else is refused at once, with the fix."""
+    dtype = getattr(mask, "dtype", None)
+    if dtype is None or dtype == jnp.bool_ or dtype == jax.dtypes.float0:
+        return
+    raise TypeError(
+        f"a MaskedArray's mask must stay bool (True = valid); generic tree code turned it into {dtype}. "
+        "jax.tree.map maps every leaf, the mask too: map over the data only with "
+        "mj.tree_map_data(f, tree), or pass is_leaf=mj.is_masked_leaf and rebuild each array with "
+        "mj.masked_array(f(x.data), x.mask)."
+    )
+
+
+_DATA_KEY = jax.tree_util.GetAttrKey("data")
+_MASK_KEY = jax.tree_util.GetAttrKey("mask")
 
 
 def _check_data(data, argname="data"):
@@ -71,7 +130,7 @@ def _check_mask(mask, shape):
     return mask
 
 
-@jax.tree_util.register_pytree_node_class
+@jax.tree_util.register_pytree_with_keys_class
 class MaskedArray(ArrayMethods):
     """An array with a bool validity mask: ``mask[i]`` is ``True`` where ``data[i]`` is valid.
 
@@ -116,10 +175,15 @@ class MaskedArray(ArrayMethods):
     def tree_flatten(self):
         return (self._data, self._mask), None
 
+    def tree_flatten_with_keys(self):
+        """Children with their names: paths read ``.data`` and ``.mask`` (checkpoints, npz files)."""
+        return ((_DATA_KEY, self._data), (_MASK_KEY, self._mask)), None
+
     @classmethod
     def tree_unflatten(cls, aux, children):
         obj = object.__new__(cls)
         obj._data, obj._mask = children
+        _check_rebuilt_mask(obj._mask)
         return obj
 
     # -- attributes -----------------------------------------------------------------------
@@ -192,27 +256,35 @@ class MaskedArray(ArrayMethods):
 
     storage = "dense"
 
-    # -- conversions that would drop the mask ---------------------------------------------
-    def _no_scalar(self, kind):
-        raise TypeError(
-            f"{kind}() of a MaskedArray is ambiguous: its value may be masked. Use "
-            f"x.filled(fill_value) to choose a value for masked entries, or x.mask to test validity."
-        )
+    # -- conversions to Python scalars: a valid element gives its value ----------------------------
+    def _scalar(self, kind, convert):
+        """``convert(data)`` when the (single) element is valid and concrete; else a clear error."""
+        if _is_tracer(self._data) or _is_tracer(self._mask):
+            raise TypeError(
+                f"{kind}() of a traced MaskedArray: inside jit/vmap/grad its value and validity are not "
+                "known yet. Use jnp.where(x.mask, ...) or lax.cond on x.filled(value) instead."
+            )
+        if self.size == 1 and not bool(np.asarray(self._mask).reshape(())):
+            raise ValueError(
+                f"{kind}() of a masked element: it has no value. Use x.filled(fill_value) to choose one, "
+                "or test x.mask first."
+            )
+        return convert(self._data)
 
     def __bool__(self):
-        self._no_scalar("bool")
+        return self._scalar("bool", bool)
 
     def __float__(self):
-        self._no_scalar("float")
+        return self._scalar("float", float)
 
     def __int__(self):
-        self._no_scalar("int")
+        return self._scalar("int", int)
 
     def __complex__(self):
-        self._no_scalar("complex")
+        return self._scalar("complex", complex)
 
     def __index__(self):
-        self._no_scalar("index")
+        return self._scalar("index", lambda d: d.__index__())
 
     def __array__(self, dtype=None, copy=None):
         raise TypeError(
@@ -233,23 +305,22 @@ class MaskedArray(ArrayMethods):
             return f"MaskedArray({dt}[{shape}])"
         if self._mask.dtype == jax.dtypes.float0:  # a tangent or cotangent
             return f"MaskedArray(tangent={np.asarray(self._data)!r})"
-        data, mask = np.asarray(self._data), np.asarray(self._mask)
-        if data.size > _REPR_MAX_ELEMENTS:
-            shape = ", ".join(str(d) for d in data.shape)
-            return f"MaskedArray({data.dtype}[{shape}], valid={int(mask.sum())})"
-        cells = np.array(
-            [str(v) if ok else "--" for v, ok in zip(data.flat, mask.flat)], dtype=object
-        ).reshape(data.shape)
-        body = np.array2string(cells, separator=" ", formatter={"all": str})
+        body = format_values(np.asarray(self._data), np.asarray(self._mask))
         body = body.replace("\n", "\n" + " " * len("MaskedArray("))
         return f"MaskedArray({body}, dtype={self.dtype})"
 
     __str__ = __repr__
 
+    def _repr_html_(self):
+        """The notebook view: a table of the values, masked entries shown as ``--`` on grey."""
+        if _is_tracer(self._data) or _is_tracer(self._mask) or self._mask.dtype != jnp.bool_:
+            return f"<pre>{html.escape(repr(self))}</pre>"
+        return html_table(np.asarray(self._data), np.asarray(self._mask), f"MaskedArray {self.dtype}"
+                          f"[{', '.join(map(str, self.shape))}], {int(np.asarray(self._mask).sum())} valid")
+
     # -- indexing -----------------------------------------------------------------------------
     def __getitem__(self, index) -> "MaskedArray":
-        _check_index(index)
-        return apply("getitem", self, index=index)
+        return apply("getitem", self, index=_check_index(index, self.shape))
 
     @property
     def at(self) -> "_AtIndexer":
@@ -331,8 +402,7 @@ class _AtIndexer:
         self._x = x
 
     def __getitem__(self, index) -> "_AtRef":
-        _check_index(index)
-        return _AtRef(self._x, index)
+        return _AtRef(self._x, _check_index(index))
 
 
 class _AtRef:
@@ -363,13 +433,40 @@ class _AtRef:
         return self._update("max", value, kwargs)
 
 
-def _check_index(index):
+def _plain_index(p):
+    """An index part that is a MaskedArray: its data when every entry is (concretely) valid."""
+    if not isinstance(p, MaskedArray):
+        return p
+    if not (_is_tracer(p._mask) or _is_tracer(p._data)) and bool(np.all(np.asarray(p._mask))):
+        return p._data
+    raise TypeError(
+        "Indexing with a MaskedArray that has masked entries (or is traced) is not supported: a masked "
+        "entry has no defined position. Use idx.filled(...) or a plain bool/int array."
+    )
+
+
+def _check_index(index, shape=None):
+    """Refuse masked indices (a fully valid concrete MaskedArray index is its data), and static
+    integer indices out of range (as numpy does; jax would clamp them and return valid data from
+    another position). Returns the index with plain arrays for masked ones."""
     parts = index if isinstance(index, tuple) else (index,)
-    if any(isinstance(p, MaskedArray) for p in parts):
-        raise TypeError(
-            "Indexing with a MaskedArray is not supported: its masked entries have no defined "
-            "position. Use idx.filled(...) or a plain bool/int array."
-        )
+    parts = tuple(_plain_index(p) for p in parts)
+    index = parts if isinstance(index, tuple) else parts[0]
+    if shape is None or any(isinstance(p, (np.ndarray, jax.Array, list)) and np.ndim(p) and
+                            np.asarray(p).dtype == bool for p in parts if not _is_tracer(p)):
+        return index  # a bool index consumes several dimensions: leave it to jax
+    dim = 0
+    for p in parts:
+        if p is None:
+            continue
+        if p is Ellipsis:
+            dim = len(shape) - sum(1 for q in parts if q is not None and q is not Ellipsis) + dim
+            continue
+        if isinstance(p, (int, np.integer)) and not isinstance(p, (bool, np.bool_)) and dim < len(shape):
+            if not -shape[dim] <= p < shape[dim]:
+                raise IndexError(f"index {int(p)} is out of bounds for axis {dim} with size {shape[dim]}.")
+        dim += 1
+    return index
 
 
 # -- wrapping rules ----------------------------------------------------------------------------
@@ -383,6 +480,8 @@ def _unwrap(x, argname: str = "argument") -> Pair:
                 "is_leaf=mj.is_masked and rebuild with mj.masked_array(f(x.data), x.mask)."
             )
         return Pair(x._data, x._mask)
+    if isinstance(x, np.ma.MaskedArray):  # numpy.ma's mask marks *invalid* entries: inverted here
+        return _unwrap(from_numpy_ma(x), argname)
     if x is None or isinstance(x, (str, bytes)):
         raise TypeError(f"{argname} must be an array or MaskedArray; got {type(x).__name__}.")
     try:
@@ -478,6 +577,43 @@ def from_numpy_ma(a: np.ndarray) -> MaskedArray:
 def is_container(x: Any) -> bool:
     """Whether ``x`` is a masked array in any storage: a leaf for masked-aware tree maps."""
     return isinstance(x, (MaskedArray, _layouts.SparseMasked))
+
+
+def is_masked_leaf(x: Any) -> bool:
+    """``is_leaf`` for generic tree code: a masked array in any storage is one leaf, so a
+    ``jax.tree.map(f, tree, is_leaf=mj.is_masked_leaf)`` sees whole masked arrays, never their masks.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp, masked_jax as mj
+        >>> tree = {"w": mj.masked_array(jnp.ones(2), jnp.array([True, False]))}
+        >>> len(jax.tree.leaves(tree, is_leaf=mj.is_masked_leaf))
+        1
+    """
+    return is_container(x)
+
+
+def tree_map_data(f, tree: Any, *rest: Any) -> Any:
+    """``jax.tree.map(f, tree, *rest)`` over the *data* only: a masked array (any storage) keeps its
+    mask (or indices) and gets ``f`` of its data; plain leaves get ``f``. The way to scale, cast or
+    average parameter trees that hold masked arrays (a plain ``jax.tree.map`` maps the mask too).
+
+    Examples:
+        >>> import jax.numpy as jnp, masked_jax as mj
+        >>> tree = {"w": mj.masked_array(jnp.ones(2), jnp.array([True, False])), "b": jnp.ones(1)}
+        >>> mj.tree_map_data(lambda x: x * 2, tree)["w"]
+        MaskedArray([2.0 --], dtype=float32)
+        >>> mj.tree_map_data(lambda x: x.astype(jnp.bfloat16), tree)["w"].mask.dtype
+        dtype('bool')
+    """
+    def one(x, *others):
+        datas = [o.data if is_container(o) else o for o in others]
+        if isinstance(x, MaskedArray):
+            return MaskedArray._from_pair(f(x.data, *datas), x.mask)
+        if is_container(x):
+            return x.with_data(f(x.data, *datas))
+        return f(x, *datas)
+
+    return jax.tree_util.tree_map(one, tree, *rest, is_leaf=is_container)
 
 
 def is_masked(x: Any) -> bool:

@@ -18,7 +18,7 @@ import inspect
 
 import jax.numpy as jnp
 
-from masked_jax import ops
+from masked_jax import _validate, ops
 from masked_jax._core import _unwrap, _wrap, is_operand
 from masked_jax._methods import ArrayMethods
 from masked_jax._storage import SparseMasked
@@ -153,6 +153,9 @@ class _Call:
                 params.update(value)
             else:
                 params[name] = value
+        for name, check in _validate.BY_NAME.items():  # arguments validated by kind, as jnp does or better
+            if name in params:
+                params[name] = check(params[name], f"{self.qualname}: {name}")
         where = params.pop("where", None) if self.spec.family in _WHERE_FAMILIES else None
         self._check_supported(params)
         if where is None and not any(params.get(n) is not None for n in self.spec.optional_operands) \

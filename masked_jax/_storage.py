@@ -5,12 +5,14 @@ storage name, and the storage-fallback state (strict mode, warned ops) as one ob
 from __future__ import annotations
 
 import abc
+import html
 import contextlib
 import threading
 import warnings
 from typing import Any, ClassVar
 
 import jax
+import numpy as np
 
 from masked_jax._methods import ArrayMethods
 
@@ -192,6 +194,43 @@ class SparseMasked(ArrayMethods, abc.ABC):
 
     def _repr_shape(self):
         return f"{self.dtype}[{', '.join(str(d) for d in self.shape)}]"
+
+    def _stored(self):
+        """``[(position label, value text)]`` of the stored slots, padding marked, the middle cut as
+        ``numpy`` summarises (``edgeitems`` at each end) when there are more than ``2 * edgeitems``;
+        ``None`` when the buffers are traced or batched (then only the summary line is shown)."""
+        if is_tracer(self.data) or is_tracer(self.indices) or self.indices.ndim != (1 if self.storage == "row_sparse" else 2):
+            return None
+        data, indices = np.asarray(self.data), np.asarray(self.indices)
+        if data.dtype.kind not in "biufc":
+            data = data.astype(np.float32)
+        valid = np.asarray(self.block().mask).reshape(len(indices), -1).any(axis=1)
+        edge, k = np.get_printoptions()["edgeitems"], len(indices)
+        keep = list(range(k)) if k <= 2 * edge + 1 else list(range(edge)) + [None] + list(range(k - edge, k))
+        out = []
+        for i in keep:
+            if i is None:
+                out.append(("...", ""))
+                continue
+            where = f"{self._label} {indices[i].tolist()}" if valid[i] else "padding"
+            out.append((where, np.array2string(data[i], separator=" ") if data[i].ndim else str(data[i])))
+        return out
+
+    def __str__(self):
+        lines = self._stored()
+        if lines is None:
+            return repr(self)
+        return repr(self) + "".join(f"\n  {where}: {value}" if value else f"\n  {where}" for where, value in lines)
+
+    def _repr_html_(self):
+        """The notebook view: the summary line, then one table row per stored slot."""
+        lines = self._stored()
+        head = f"<code>{html.escape(repr(self))}</code>"
+        if lines is None:
+            return head
+        rows = "".join(f"<tr><td style='padding:2px 6px;color:#555'>{html.escape(w)}</td>"
+                       f"<td style='padding:2px 6px;font-family:monospace'>{html.escape(v)}</td></tr>" for w, v in lines)
+        return f"<div class='mj-sparse'>{head}<table style='border-collapse:collapse'>{rows}</table></div>"
 
 
 def tostype(x, storage: str, nse: int | None = None):

@@ -19,6 +19,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from masked_jax import _validate
 from masked_jax import _frontend, ops
 from masked_jax._core import MaskedArray, _unwrap, _wrap
 
@@ -26,13 +27,13 @@ __all__ = ["one_hot"]
 _frontend.attach("nn", globals())
 
 
-def one_hot(x: Any, num_classes: int, *, dtype: Any = jnp.float32, axis: int = -1) -> MaskedArray:
+def one_hot(x: Any, num_classes: int, *, dtype: Any = None, axis: int = -1) -> MaskedArray:
     """One-hot encode integer ``x``; the encoding of a masked index is masked (all classes).
 
     Args:
         x: integer array or ``MaskedArray`` of class indices.
         num_classes: number of classes (static).
-        dtype: dtype of the encoding.
+        dtype: dtype of the encoding (``None``: ``jax.nn.one_hot``'s default float).
         axis: where the class axis goes.
 
     Examples:
@@ -43,10 +44,11 @@ def one_hot(x: Any, num_classes: int, *, dtype: Any = jnp.float32, axis: int = -
                      [-- -- --]], dtype=float32)
     """
     p = _unwrap(x, "x")
+    num_classes = _validate.count(num_classes, "one_hot: num_classes")
     if not jnp.issubdtype(jnp.result_type(p.data), jnp.integer):
         raise TypeError(f"one_hot needs integer class indices; got dtype {jnp.result_type(p.data)}.")
     data = jax.nn.one_hot(p.data if p.mask is None else jnp.where(p.mask, p.data, 0),
-                          num_classes, dtype=dtype, axis=axis)
+                          num_classes, axis=axis, **({} if dtype is None else {"dtype": dtype}))
     if p.mask is None:
         return _wrap(ops.Pair(data, None))
     mask = jnp.broadcast_to(jnp.expand_dims(p.mask, axis), data.shape)

@@ -55,4 +55,4 @@ __all__ += _array_api.__all__ + list(_array_api.ALIASES) + _compositions.__all__
 # The linalg extension: masked where it has a masked meaning, fully valid input only where not.
 linalg = types.SimpleNamespace(
     matmul=matmul, vecdot=vecdot, tensordot=tensordot, matrix_transpose=matrix_transpose,  # noqa: F405, F821
-    outer=outer, vector_norm=norm, norm=norm, **vars(_array_api.linalg))  # noqa: F821
+    outer=outer, norm=norm, **vars(_array_api.linalg))  # noqa: F821

@@ -418,3 +418,77 @@ LINALG = {
 }
 
 ROWS: dict[str, Row] = {**UNARY, **BINARY, **REDUCTIONS, **NORMALIZATIONS, **SHAPE, **LINALG}
+
+
+@dataclasses.dataclass
+class Oracle:
+    """How the jnp-oracle check (``tests/oracle.py``) treats an op, when not by its family's default.
+
+    * ``make(dtype, values, masks, poison)``: the operands;
+    * ``partial(name, ops, case)``: the partial-mask reference, ``(want, valid)``; ``None`` uses the
+      family's (``oracle.CHECK_PARTIAL``); ``False`` (with ``why``) has none;
+    * ``cases``: the cases, when not the row's;
+    * ``jax``: the oracle function, when not the op's own jnp function;
+    * ``why``: the reason for a difference from jnp or a missing reference (``oracle.DIFFERENCES``
+      lists them all, and the docs quote that list).
+    """
+
+    make: Callable[..., Any] | None = None
+    partial: Any = None
+    cases: tuple | None = None
+    jax: Callable[..., Any] | None = None
+    why: str = ""
+    undefined: str = ""  # what jnp computes as NaN or inf that the masked op masks (and why)
+    complex_specials: bool = True  # False: complex operands draw ordinary values only (see why)
+    skip_dtypes: tuple = ()  # dtypes whose jnp result is undefined behaviour (see why)
+
+
+_COMPLEX_NAN = ("with a complex NaN among the valid entries jnp's own max depends on where the NaN sits (its "
+                "complex order is not total with NaN), so a masked slice, with fills where masked entries sit, "
+                "may differ: complex operands draw ordinary values")
+_UNSIGNED_SHIFT = ("jax.nn shifts by max(x, initial=-inf): -inf cast to an unsigned dtype is undefined (numpy "
+                   "warns 'invalid value encountered in cast'), so jnp's unsigned results are not an oracle")
+_DOF = "no degrees of freedom left (jnp divides by n - ddof <= 0) is masked"
+
+
+def _oracle_refs():
+    import oracle
+
+    slices = oracle.by_slice
+    in_range = ({"indices": jnp.array([2, 0, 3, 1]), "axis": 0}, {"indices": jnp.array([1, 2]), "axis": 1})
+    return {
+        "argmax": Oracle(partial=slices(positions=True)),
+        "argmin": Oracle(partial=slices(positions=True)),
+        "cumsum": Oracle(partial=slices(keeps_shape=True)),
+        "cumprod": Oracle(partial=slices(keeps_shape=True)),
+        "sort": Oracle(partial=slices(-1, to_front=True)),
+        "argsort": Oracle(partial=slices(-1, to_front=True, positions=True)),
+        "partition": Oracle(partial=slices(-1, to_front=True), jax=lambda a, kth, axis=-1: jnp.sort(a, axis=axis),
+                            why="any partition around kth is jnp.partition's; the masked one is the sorted "
+                                "array (a partition, with jnp's element at kth), so the oracle is jnp.sort"),
+        "argpartition": Oracle(partial=slices(-1, to_front=True, positions=True),
+                               jax=lambda a, kth, axis=-1: jnp.argsort(a, axis=axis).astype(jnp.int32),
+                               why="as partition: the indices of the sorted array (jnp.argsort, in "
+                                   "jnp.argpartition's int32)"),
+        "var": Oracle(undefined=_DOF),
+        "std": Oracle(undefined=_DOF),
+        "cov": Oracle(undefined=_DOF, partial=False, why="pairwise valid observations (numpy.ma.cov) are not one compacted "
+                                         "slice: the partial-mask reference is numpy.ma's (reference check)"),
+        "corrcoef": Oracle(partial=False, why="as cov: numpy.ma.corrcoef is the partial-mask reference",
+                           undefined="a correlation with a zero variance (jnp: 0/0) is masked"),
+        **{n: Oracle(complex_specials=False, why=_COMPLEX_NAN) for n in ("max", "min", "ptp", "logsumexp")},
+        **{n: Oracle(skip_dtypes=("uint8", "uint16", "uint32", "uint64"), why=_UNSIGNED_SHIFT)
+           for n in ("softmax", "log_softmax")},
+        "take": Oracle(cases=in_range, why="an out-of-range index gives a masked element, where jnp.take "
+                                           "returns a fill value (NaN, or the integer minimum)"),
+    }
+
+
+ORACLE: dict[str, Oracle] = {}
+
+
+def oracle_rows() -> dict[str, Oracle]:
+    """The oracle table (built on first use: its references live in ``tests/oracle.py``)."""
+    if not ORACLE:
+        ORACLE.update(_oracle_refs())
+    return ORACLE

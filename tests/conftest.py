@@ -12,7 +12,7 @@ jax.config.update("jax_numpy_rank_promotion", "allow")
 
 settings.register_profile(
     "default",
-    max_examples=int(os.environ.get("MJ_HYPOTHESIS_EXAMPLES", "8")),
+    max_examples=int(os.environ.get("MJ_HYPOTHESIS_EXAMPLES", "6")),
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
     derandomize=True,
@@ -73,11 +73,15 @@ def pytest_terminal_summary(terminalreporter):
     from conformance_table import ROWS
     from masked_jax.ops import REGISTRY
 
-    by_check, sub = {}, 0
+    by_check, sub, oracle_cases = {}, 0, 0
+    for report in terminalreporter.stats.get("passed", []):
+        oracle_cases += sum(v for k, v in getattr(report, "user_properties", ()) if k == "oracle_cases")
     for nodeid in passed:
         name, check = nodeid.split("[", 1)[1].rstrip("]").rsplit("-", 1)
         by_check[check] = by_check.get(check, 0) + 1
         row = ROWS[name]
+        if check == "oracle":
+            continue
         per = len(row.dtypes) if check == "reference" else _SUBCASES.get(check, _LAYOUT_SUBCASES)
         sub += per * len(row.cases)
     excluded = sum(len(s.excluded) for s in REGISTRY.values())
@@ -87,3 +91,6 @@ def pytest_terminal_summary(terminalreporter):
         f"excluded in the registry: {excluded}")
     terminalreporter.write_line("per check: " + ", ".join(f"{c} {n}" for c, n in sorted(by_check.items())))
     terminalreporter.write_line(f"sub-cases run (table cases x dtypes / transforms / poisons / layouts): {sub}")
+    terminalreporter.write_line(
+        f"jnp-oracle cases (ops x dtypes x value sets x full/partial mask x poison x eager/jit): {oracle_cases}"
+        + ("" if os.environ.get("MJ_ORACLE") == "full" else " (the sample; MJ_ORACLE=full runs all)"))

@@ -5,6 +5,10 @@ Built the way ``jax.experimental.sparse``'s ``test_util`` is: one args-maker per
 
 * ``reference``: values and masks against ``numpy.ma`` (or the row's documented reference), for
   every dtype of the row;
+* ``oracle``: ``jax.numpy`` itself as the oracle (``tests/oracle.py``): every dtype jnp accepts,
+  special values (±0, ±inf, NaN, extremes) as valid entries, NaN/inf under the mask; with a full
+  mask bit for bit (dtype and weak type too), with a partial mask jnp on each slice's valid
+  entries alone;
 * ``transforms``: eager, ``jit`` (no retrace when only mask values change), ``vmap`` and ``scan``
   give the same values and masks;
 * ``jacobians``: ``mj.jacfwd`` and ``mj.jacrev`` agree, equal central differences on the valid
@@ -12,7 +16,8 @@ Built the way ``jax.experimental.sparse``'s ``test_util`` is: one args-maker per
 * ``poison``: NaN, +inf and -inf under the mask change no valid value and no gradient;
 * ``layouts``: BCOO (flat, batched, hybrid, with duplicates) and row-sparse (with duplicates),
   each with NaN/inf in padding slots and negative padding indices, give the dense-layout result,
-  eager and under ``jit``, and the same gradients per stored slot (exact zeros at padding);
+  eager, under ``jit`` and under ``vmap`` (a batch of each layout in, its results out), and the
+  same gradients per stored slot (exact zeros at padding);
 * ``maskify``: ``mj.maskify`` of the plain jax function equals the op, eager and under ``jit``.
 
 An op is left out of a check only by its registry entry (``OpSpec.excluded``, with the reason).
@@ -33,6 +38,7 @@ from masked_jax.layouts import BCOOMaskedArray, RowSparseArray, SparseMasked
 from masked_jax.ops import REGISTRY
 
 from conformance_table import ROWS
+import oracle
 
 MASK_A = np.array([[1, 0, 1], [1, 1, 1], [0, 0, 0], [0, 1, 1]], bool)  # partial, full and empty rows
 MASK_B = np.array([[1, 1, 0], [0, 1, 1], [1, 0, 1], [1, 1, 1]], bool)
@@ -367,6 +373,12 @@ def check_layouts(name):
             jitted, g_all = jax.jit(values_and_grads)(lays)
             for kind, got in jitted.items():
                 assert_same(got, want, row.rtol, f"{name} on {kind} under jit ({case})")
+            if c == 0:  # vmap over a batch of each layout (in) returning its layout (out): one program
+                batched = jax.jit(jax.vmap(lambda ls: {k: call(name, public(name), v, case) for k, v in ls.items()}))(
+                    _stack([lays, lays]))
+                for kind, got in batched.items():
+                    for i in range(2):
+                        assert_same(_index(got, i), want, row.rtol, f"{name} on {kind} under vmap[{i}] ({case})")
             if not grads:
                 continue
             g_want = mj.grad(_loss(name, case, ops, shape, pos))(ops[pos])
@@ -394,5 +406,9 @@ def check_maskify(name):
         assert_same(jax.jit(plain)(*ops), want, row.rtol, f"jit(maskify({name})) ({case})")
 
 
-CHECKS = {"reference": check_reference, "transforms": check_transforms, "jacobians": check_jacobians,
+def check_oracle(name):
+    return oracle.check_oracle(name)
+
+
+CHECKS = {"reference": check_reference, "oracle": check_oracle, "transforms": check_transforms, "jacobians": check_jacobians,
           "poison": check_poison, "layouts": check_layouts, "maskify": check_maskify}

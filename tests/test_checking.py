@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-import shutil
-import subprocess
-
 import jax
-import matplotlib.image
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -18,6 +14,8 @@ import masked_jax as mj
 import masked_jax.nn as mnn
 import masked_jax.numpy as mnp
 from masked_jax.checking._check import _largest, _unravel
+
+from browser import screenshot as _screenshot
 
 MASK = jnp.array([[True, False, True], [True, True, False]])
 X = mj.masked_array(jnp.array([[0.5, jnp.nan, 2.0], [1.5, -0.3, jnp.inf]]), MASK)
@@ -291,23 +289,6 @@ def test_every_op_passes_check_jacobian_in_masked_semantics():
     assert by_op == set(names) and len(names) >= 60
     failed = {c.output for c in r.checks if not c.passed}
     assert not failed, "\n".join(repr(c) for c in r.checks if not c.passed)
-
-
-def _chromium():
-    for name in ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable"):
-        if shutil.which(name):
-            return shutil.which(name)
-    raise AssertionError("headless Chromium is needed to render the HTML report: `make test` installs it "
-                         "(apt-get install chromium)")
-
-
-def _screenshot(html_path, png_path, tmp_path):
-    subprocess.run([_chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                    "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                    f"--user-data-dir={tmp_path / 'profile'}", "--hide-scrollbars", "--window-size=640,900",
-                    f"--screenshot={png_path}", html_path.as_uri()],
-                   check=True, capture_output=True, timeout=120)
-    return matplotlib.image.imread(png_path)[..., :3]
 
 
 def test_html_report_renders_labelled_heatmap_in_headless_chromium(tmp_path):

@@ -38,11 +38,11 @@ BAD_INPUTS = [
     (lambda: mj.masked_array(object(), None), TypeError, "data must be a numeric or bool array"),
     (lambda: mj.masked_array(x3(), None), TypeError, "not a MaskedArray"),
     (lambda: mj.masked_array(jnp.zeros(3), "yes"), TypeError, "mask must"),
-    (lambda: bool(x3()[0]), TypeError, "ambiguous"),
-    (lambda: float(x3()[0]), TypeError, r"x.filled\(fill_value\)"),
-    (lambda: int(mj.as_masked(jnp.int32(3))), TypeError, "ambiguous"),
+    (lambda: bool(x3()), ValueError, "more than one element"),
+    (lambda: float(mj.masked_array(jnp.array(2.0), jnp.array(False))), ValueError, r"x.filled\(fill_value\)"),
+    (lambda: jax.jit(lambda v: int(v))(mj.as_masked(jnp.int32(3))), TypeError, "traced"),
     (lambda: np.asarray(x3()), TypeError, "cannot be converted to a plain array"),
-    (lambda: x3()[mj.as_masked(jnp.array([0]))], TypeError, "Indexing with a MaskedArray"),
+    (lambda: x3()[mj.masked_array(jnp.array([0]), jnp.array([False]))], TypeError, "Indexing with a MaskedArray"),
     (lambda: mnp.add(x3(), "a"), TypeError, "x2 must be an array"),
     (lambda: mnp.add(x3(), None), TypeError, "x2 must be an array"),
     (lambda: mnp.sum(x3(), axis=3), ValueError, "out of bounds"),
@@ -74,7 +74,7 @@ def test_repr_concrete_and_traced():
     seen = []
     jax.jit(lambda x: seen.append(repr(x)) or x)(mj.as_masked(jnp.zeros((3, 4), jnp.float32)))
     assert seen == ["MaskedArray(float32[3, 4])"]
-    assert "valid=" in repr(mj.as_masked(jnp.zeros((100, 100))))
+    assert "..." in repr(mj.as_masked(jnp.zeros((100, 100))))  # summarised as numpy.ma (tests/test_tree.py)
 
 
 def test_numpy_ma_round_trip_inverts_mask():

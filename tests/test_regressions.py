@@ -116,3 +116,180 @@ def test_maskify_variance_is_the_same_eagerly_and_under_jit_and_scan():
     f = mj.maskify(lambda v: jnp.var(v, axis=-1))
     for out in (f(x), jax.jit(f)(x), jax.lax.scan(lambda c, v: (c, f(v)), 0, mnp.stack([x, x]))[1][1]):
         assert float(out.data) == 0.25
+
+
+# -- the jnp-oracle round: each reported example, pinned ----------------------------------------------
+LOW = (jnp.bfloat16, jnp.float16)
+
+
+def _todense(x):
+    return x.todense() if hasattr(x, "todense") else x
+
+
+@pytest.mark.parametrize("dtype", LOW)
+@pytest.mark.parametrize("name", ["sum", "mean", "var", "std", "nansum", "nanmean", "average", "trace"])
+def test_low_precision_reductions_accumulate_in_float32_as_jnp(dtype, name):
+    data = jnp.full((1000,), 0.1, dtype) if name != "trace" else jnp.eye(1000, dtype=dtype) * 0.1
+    x = mj.as_masked(data)
+    got = getattr(mnp, name)(x)
+    want = getattr(jnp, name)(data)
+    assert got.dtype == want.dtype
+    np.testing.assert_allclose(np.float32(got.data), np.float32(want), rtol=2e-2, atol=1e-4)
+    if name == "sum":  # the reported numbers: 256 and 505.25 before
+        assert float(mnp.sum(mj.as_masked(jnp.ones(1000, jnp.bfloat16))).data) == 1000.0
+
+
+@pytest.mark.parametrize("dtype", LOW)
+def test_low_precision_norms_vecdot_and_sparse_layouts_accumulate_in_float32(dtype):
+    data = jnp.ones((1000,), dtype)
+    x = mj.as_masked(data)
+    assert float(mnp.linalg.norm(x).data) == pytest.approx(float(jnp.linalg.norm(data)), rel=1e-2)
+    assert float(mnp.vecdot(x, x).data) == float(jnp.vecdot(data, data))
+    b = mj.as_masked(data.reshape(1, 1000)).tostype("bcoo")
+    assert float(mnp.sum(b, axis=1).todense().data[0]) == 1000.0
+    r = mj.as_masked(data.reshape(1000, 1)).tostype("row_sparse")
+    assert float(mnp.sum(r, axis=0).data[0]) == 1000.0
+
+
+@pytest.mark.parametrize("dtype", [jnp.uint8, jnp.uint16, jnp.uint32, jnp.uint64])
+def test_unsigned_extremes_and_arg_reductions(dtype):
+    data = jnp.array([5, 2, 9], dtype)
+    x = mj.masked_array(data, jnp.array([True, True, False]))
+    assert int(mnp.min(x).data) == 2 and int(mnp.max(x).data) == 5
+    assert int(mnp.argmin(x).data) == 1 and int(mnp.ptp(x).data) == 3
+    assert int(mnp.nanmin(x).data) == 2
+    assert int(mj.maskify(jnp.min)(x).data) == 2
+    assert int(_todense(mnp.min(x.tostype("bcoo"))).data) == 2
+
+
+def test_cumulative_sum_promotes_small_integers_as_jnp():
+    x = mj.as_masked(jnp.array([100, 100, 100], jnp.int8))
+    got = mnp.cumulative_sum(x)
+    want = jnp.cumulative_sum(x.data)
+    assert got.dtype == want.dtype
+    np.testing.assert_array_equal(got.data, want)
+
+
+def test_quantile_and_median_treat_inf_and_nan_as_values():
+    assert float(mnp.quantile(mnp.asarray([1.0, jnp.inf]), 1.0, method="higher").data) == np.inf
+    assert np.isnan(float(mnp.median(mnp.asarray([1.0, jnp.nan, 3.0])).data))
+    # NaN under the mask is not a value
+    x = mj.masked_array(jnp.array([1.0, jnp.nan, 3.0]), jnp.array([True, False, True]))
+    assert float(mnp.median(x).data) == 2.0
+
+
+def test_unique_honours_equal_nan_and_searchsorted_puts_nan_last():
+    vals = jnp.array([1.0, jnp.nan, jnp.nan])
+    for equal_nan in (True, False):
+        got = mnp.unique(mj.as_masked(vals), equal_nan=equal_nan)
+        assert got.shape == jnp.unique(vals, equal_nan=equal_nan).shape
+    got = mnp.searchsorted(mnp.asarray([1.0, 2.0]), mnp.asarray([jnp.nan, 1.5]))
+    np.testing.assert_array_equal(got.data, jnp.searchsorted(jnp.array([1.0, 2.0]), jnp.array([jnp.nan, 1.5])))
+
+
+@pytest.mark.parametrize("name", ["matmul", "dot", "einsum", "tensordot", "inner", "vdot"])
+def test_a_valid_inf_meeting_a_masked_entry_is_not_a_term(name):
+    a = mj.masked_array(jnp.array([[jnp.inf, 1.0], [2.0, 3.0]]), jnp.ones((2, 2), bool))
+    b = mj.masked_array(jnp.array([[5.0, 1.0], [2.0, 7.0]]), jnp.array([[False, True], [True, True]]))
+    fn = {"einsum": lambda x, y: mnp.einsum("ij,jk->ik", x, y), "tensordot": lambda x, y: mnp.tensordot(x, y, 1)}.get(
+        name, getattr(mnp, name))
+    out = fn(a, b)
+    # the terms: a[i, k] * b[k, j] where both are valid; a[0, 0] = inf meets only the masked b[0, 0]
+    if name == "matmul" or name in ("dot", "einsum", "tensordot"):
+        np.testing.assert_array_equal(out.data[0, 0], 2.0)
+        assert np.isinf(out.data[0, 1])
+    elif name == "inner":  # sum_k a[i, k] b[j, k]: a[0, 0] meets masked b[0, 0] and valid b[1, 0]
+        assert float(out.data[0, 0]) == 1.0 and np.isinf(out.data[0, 1])
+    else:  # vdot flattens: inf meets the masked b[0, 0]
+        assert float(out.data) == 1.0 * 1.0 + 2.0 * 2.0 + 3.0 * 7.0
+    assert not np.any(np.isnan(np.asarray(out.data)))
+
+
+def test_vector_norm_is_a_vector_norm():
+    x = jnp.array([[1.0, 2.0], [3.0, 9.0]])
+    assert float(mnp.linalg.vector_norm(mj.as_masked(x), ord=1).data) == float(jnp.linalg.vector_norm(x, ord=1))
+    np.testing.assert_allclose(mnp.linalg.vector_norm(mj.as_masked(x), axis=(0, 1), keepdims=True).data,
+                               jnp.linalg.vector_norm(x, axis=(0, 1), keepdims=True))
+
+
+def test_diff_refuses_what_jnp_refuses_and_handles_bool():
+    with pytest.raises(ValueError, match="axis 5"):
+        mnp.diff(mnp.asarray(jnp.ones((2, 3))), axis=5)
+    with pytest.raises(ValueError, match="at least 1-d"):
+        mnp.diff(mnp.asarray(1.0))
+    b = jnp.array([True, False, False])
+    np.testing.assert_array_equal(mnp.diff(mj.as_masked(b)).data, jnp.diff(b))
+
+
+def test_static_index_out_of_range_raises_index_error():
+    x = mnp.asarray(jnp.ones((2, 3)))
+    with pytest.raises(IndexError, match="out of bounds"):
+        x[5]
+    with pytest.raises(IndexError, match="out of bounds"):
+        x[..., -4]
+    assert x[1, -1].shape == ()
+
+
+def test_scalar_conversions_of_0d_masked_arrays():
+    v = mnp.asarray(3.0)
+    assert bool(v) and float(v) == 3.0 and int(v) == 3 and complex(v) == 3 + 0j
+    assert [10, 20, 30][mnp.asarray(1)] == 20  # __index__
+    masked = mj.masked_array(jnp.array(1.0), jnp.array(False))
+    for convert in (bool, float, int, complex):
+        with pytest.raises(ValueError, match="masked element"):
+            convert(masked)
+    with pytest.raises(TypeError, match="traced"):
+        jax.jit(lambda x: float(x))(v)
+
+
+@pytest.mark.parametrize("call, kind, match", [
+    (lambda: mj.row_sparse(jnp.ones((1, 2)), jnp.array([0]), 3.5), TypeError, "shape"),
+    (lambda: mj.row_sparse(jnp.ones((1, 2)), jnp.array([0]), (-3, 2)), ValueError, "shape"),
+    (lambda: mj.row_sparse(jnp.ones((1, 2)), jnp.array([0]), (3, 2.0)), TypeError, "shape"),
+    (lambda: mnp.sum(mnp.asarray(1.0), axis=0), ValueError, "axis 0"),
+    (lambda: mnp.argmax(mnp.asarray(1.0), axis=0), ValueError, "axis 0"),
+    (lambda: mj.nn.one_hot(jnp.array([1]), -2), ValueError, "num_classes"),
+])
+def test_malformed_calls_name_the_argument(call, kind, match):
+    with pytest.raises(kind, match=match):
+        call()
+
+
+def test_numpy_ma_operands_keep_their_mask():
+    a = np.ma.masked_array([1.0, 2.0], mask=[False, True])
+    out = mnp.exp(a)
+    np.testing.assert_array_equal(out.mask, [True, False])
+
+
+def test_masked_adagrad_validates_its_hyperparameters():
+    from masked_jax import optim
+
+    with pytest.raises(ValueError, match="initial_accumulator_value"):
+        optim.masked_adagrad(0.1, initial_accumulator_value=-1.0)
+    with pytest.raises(TypeError, match="learning_rate"):
+        optim.masked_adagrad("x")
+
+
+@pytest.mark.parametrize("make", [lambda optax: optax.polyak_sgd(1.0), lambda optax: optax.contrib.reduce_on_plateau()])
+def test_lazy_forwards_extra_arguments_and_is_inner_for_plain_gradients(make):
+    import optax
+
+    from masked_jax import optim
+
+    params, grads = jnp.ones(3), jnp.array([1.0, -2.0, 3.0])
+    tx, ltx = make(optax), optim.lazy(make(optax))
+    want, _ = tx.update(grads, tx.init(params), params, value=jnp.array(2.0))
+    got, _ = ltx.update(grads, ltx.init(params), params, value=jnp.array(2.0))
+    np.testing.assert_array_equal(got, want)
+    chained = optax.chain(optim.lazy(make(optax)))
+    got, _ = chained.update(grads, chained.init(params), params, value=jnp.array(2.0))
+    np.testing.assert_array_equal(got, want)
+
+
+def test_bcoo_reductions_count_beyond_int32_elements():
+    big = (70_000, 70_000)  # 4.9e9 elements: a linear index past 2**31
+    b = sparse.BCOO((jnp.array([1.0, 2.0, 3.0]), jnp.array([[69_999, 69_999], [0, 1], [69_999, 5]])), shape=big)
+    x = mj.from_bcoo(b)
+    assert float(_todense(mnp.sum(x)).data) == 6.0
+    row = _todense(mnp.sum(x, axis=1))
+    assert float(row.data[69_999]) == 4.0 and bool(row.mask[0]) and not bool(row.mask[1])

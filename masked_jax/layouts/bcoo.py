@@ -20,7 +20,24 @@ from masked_jax.layouts.segments import unique_ids
 from masked_jax.ops._base import Pair
 
 
-@jax.tree_util.register_pytree_node_class
+DATA_KEY, INDICES_KEY = jax.tree_util.GetAttrKey("data"), jax.tree_util.GetAttrKey("indices")
+
+
+def batched_shape(shape, data, indices):
+    """``shape`` with the batch dimensions a transform added or removed: ``vmap`` and ``scan`` stack
+    or slice the buffers along new leading (batch) dimensions and keep the aux ``shape`` as it was.
+    The buffers say how many dimensions the array has (``n_batch + n_sparse + n_dense = data.ndim -
+    1 + indices.shape[-1]``); leading dimensions the buffers gained are prepended, those they lost
+    dropped."""
+    if not (hasattr(data, "ndim") and hasattr(indices, "ndim")) or indices.ndim < 2:
+        return shape  # placeholders of a tree utility, or no index dimension to read
+    extra = data.ndim - 1 + indices.shape[-1] - len(shape)
+    if extra > 0:
+        return tuple(data.shape[:extra]) + shape
+    return shape[-extra:] if extra < 0 else shape
+
+
+@jax.tree_util.register_pytree_with_keys_class
 class BCOOMaskedArray(SparseMasked, storage="bcoo"):
     """A masked array stored as BCOO: build with :func:`from_bcoo` or ``x.tostype("bcoo")``.
 
@@ -40,13 +57,18 @@ class BCOOMaskedArray(SparseMasked, storage="bcoo"):
     def tree_flatten(self):
         return (self.data, self.indices), self.shape
 
+    def tree_flatten_with_keys(self):
+        """Children with their names: paths read ``.data`` and ``.indices``."""
+        return ((DATA_KEY, self.data), (INDICES_KEY, self.indices)), self.shape
+
     @classmethod
     def tree_unflatten(cls, shape, children):
         obj = object.__new__(cls)
         obj.data, obj.indices = children
-        obj.shape = tuple(shape)
+        obj.shape = batched_shape(tuple(shape), obj.data, obj.indices)
         return obj
 
+    _label = "entry"
     dtype = property(lambda self: self.data.dtype)
     n_batch = property(lambda self: self.indices.ndim - 2)
     n_sparse = property(lambda self: self.indices.shape[-1])

@@ -14,13 +14,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import sparse as jsparse
 
+from masked_jax import _validate
 from masked_jax._core import MaskedArray, _check_data
 from masked_jax._storage import SparseMasked, is_tracer
 from masked_jax.layouts.segments import unique_ids
+from masked_jax.layouts.bcoo import DATA_KEY, INDICES_KEY, BCOOMaskedArray
 from masked_jax.ops._base import Pair
 
 
-@jax.tree_util.register_pytree_node_class
+@jax.tree_util.register_pytree_with_keys_class
 class RowSparseArray(SparseMasked, storage="row_sparse"):
     """K stored rows of an array of shape ``(N, ...)``; build with :func:`row_sparse`.
 
@@ -38,8 +40,17 @@ class RowSparseArray(SparseMasked, storage="row_sparse"):
     def tree_flatten(self):
         return (self.data, self.indices), (self.shape, self.unique_indices)
 
+    def tree_flatten_with_keys(self):
+        """Children with their names: paths read ``.data`` and ``.indices``."""
+        return ((DATA_KEY, self.data), (INDICES_KEY, self.indices)), (self.shape, self.unique_indices)
+
     @classmethod
     def tree_unflatten(cls, aux, children):
+        data, indices = children
+        if getattr(indices, "ndim", 1) > 1:
+            # Stacked by vmap or scan: one row set per batch element. That is the BCOO layout with
+            # batch dimensions (the stored rows as dense blocks), which every rule handles.
+            return _batched_rows(aux[0], data, indices)
         obj = object.__new__(cls)
         obj.data, obj.indices = children
         obj.shape, obj.unique_indices = aux
@@ -49,6 +60,7 @@ class RowSparseArray(SparseMasked, storage="row_sparse"):
     def _make(cls, shape, data, indices, unique_indices=False):
         return cls.tree_unflatten((tuple(shape), bool(unique_indices)), (data, indices))
 
+    _label = "row"
     dtype = property(lambda self: self.data.dtype)
     nse = property(lambda self: self.data.shape[0], doc="K, the static number of stored rows.")
 
@@ -208,6 +220,14 @@ def check_integer_indices(indices, argname: str = "indices"):
     return indices
 
 
+def _batched_rows(shape, data, indices):
+    """Row sets stacked along leading batch dimensions, as a batched BCOO-backed masked array of
+    shape ``batch + shape`` (row ``indices[b, i]`` of batch element ``b`` holds ``data[b, i]``)."""
+    n_batch = indices.ndim - 1
+    out_shape = tuple(indices.shape[:n_batch]) + tuple(shape)
+    return BCOOMaskedArray.tree_unflatten(out_shape, (data, indices[..., None]))
+
+
 def row_sparse(data, indices, shape, *, unique_indices: bool = False) -> RowSparseArray:
     """Row-sparse array of ``shape`` with rows ``data[i]`` at row ``indices[i]``.
 
@@ -229,7 +249,7 @@ def row_sparse(data, indices, shape, *, unique_indices: bool = False) -> RowSpar
         MaskedArray([4.0 6.0], dtype=float32)
     """
     data = _check_data(data)
-    shape = tuple(int(s) for s in shape)
+    shape = _validate.shape(shape, "row_sparse: shape")
     indices = check_integer_indices(indices)
     if indices.ndim != 1:
         raise ValueError(f"indices must be 1-D (one row index per stored row); got shape {indices.shape}.")

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import sparse as jsparse
 
-from masked_jax.ops._base import highest, lowest, normalize_axis
+from masked_jax.ops._base import accumulation_dtype, highest, lowest, normalize_axis
 
 
 def sorted_search(sorted_values, queries):
@@ -88,7 +88,9 @@ class Segments:
         return jnp.where(self.valid, values, jnp.asarray(fill_value, values.dtype))
 
     def sum(self, v):
-        return jax.ops.segment_sum(self.clean(v), self.seg, self.n_seg)
+        """Sum per segment; float16/bfloat16 accumulate in float32, as ``jnp.sum`` does."""
+        acc = accumulation_dtype(v.dtype)
+        return jax.ops.segment_sum(self.clean(v).astype(acc), self.seg, self.n_seg).astype(v.dtype)
 
     def max(self, v):
         init = lowest(v.dtype)

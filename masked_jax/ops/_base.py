@@ -54,12 +54,15 @@ def scalar_like(value, dtype):
 
     A Python scalar is weakly typed, so filling with it keeps ``data``'s dtype
     and weak type exactly (``jnp.where(m, x, 1.0)`` stays float16 for float16 x).
+    An integer a weak Python int cannot carry (``2**32 - 1`` for uint32 or uint64: jax parses
+    Python ints as int32/int64) comes as a 0-d array of ``dtype``.
     """
     kind = np.dtype(dtype).kind
     if kind == "b":
         return bool(value)
     if kind in "iu":
-        return int(value)
+        value = int(value)
+        return value if -(2**31) <= value < 2**31 else np.asarray(value, dtype)
     if kind == "c":
         return complex(value)
     return float(value)
@@ -89,7 +92,7 @@ def normalize_axis(axis, ndim: int) -> tuple[int, ...]:
         if isinstance(a, (bool, np.bool_)) or not isinstance(a, (int, np.integer)):
             raise TypeError(f"axis must be None, an int or a tuple of ints; got {axis!r}.")
         a = int(a)
-        if not -ndim <= a < max(ndim, 1):
+        if not -ndim <= a < ndim:  # as jnp: a 0-d array has no axis 0
             raise ValueError(f"axis {a} is out of bounds for an array of dimension {ndim}.")
         out.append(a % max(ndim, 1))
     if len(set(out)) != len(out):
@@ -98,13 +101,16 @@ def normalize_axis(axis, ndim: int) -> tuple[int, ...]:
 
 
 def lowest(dtype):
-    """The smallest value of ``dtype`` (-inf for floats): the identity of ``max``."""
+    """The smallest value of ``dtype`` (-inf for floats): the identity of ``max`` (a scalar that
+    ``jnp`` takes for ``dtype``: see :func:`scalar_like`)."""
     dtype = np.dtype(dtype)
     if dtype == np.bool_:
         return False
     if jnp.issubdtype(dtype, jnp.floating):
         return -np.inf
-    return np.iinfo(dtype).min
+    if dtype.kind == "c":  # jnp orders complex values lexicographically
+        return complex(-np.inf, -np.inf)
+    return scalar_like(np.iinfo(dtype).min, dtype)
 
 
 def highest(dtype):
@@ -114,7 +120,32 @@ def highest(dtype):
         return True
     if jnp.issubdtype(dtype, jnp.floating):
         return np.inf
-    return np.iinfo(dtype).max
+    if dtype.kind == "c":
+        return complex(np.inf, np.inf)
+    return scalar_like(np.iinfo(dtype).max, dtype)
+
+
+_LOW_PRECISION = (np.dtype(jnp.float16), np.dtype(jnp.bfloat16))
+
+
+def accumulation_dtype(dtype):
+    """The dtype a sum of ``dtype`` values accumulates in, as ``jax.numpy`` does: float16 and
+    bfloat16 in float32 (a bfloat16 running sum of ones stalls at 256), every other dtype in
+    itself."""
+    return np.dtype(jnp.float32) if np.dtype(dtype) in _LOW_PRECISION else np.dtype(dtype)
+
+
+def result_dtype(jax_fn, in_dtype, **params):
+    """The dtype ``jax_fn(x, **params)`` returns for ``dtype`` data, read off ``jax.numpy`` itself
+    (abstract evaluation, no computation): the oracle for ``mean``'s, ``var``'s and the cumulative
+    ops' result dtypes, including the ``dtype=`` argument."""
+    params = tuple(sorted(params.items(), key=lambda kv: kv[0]))
+    return _result_dtype(jax_fn, np.dtype(in_dtype), params, bool(jax.config.jax_enable_x64))
+
+
+@functools.lru_cache(maxsize=None)
+def _result_dtype(jax_fn, in_dtype, params, x64):  # x64: the answer depends on it
+    return jax.eval_shape(lambda d: jax_fn(d, **dict(params)), jax.ShapeDtypeStruct((1,), in_dtype)).dtype
 
 
 @jax.custom_jvp

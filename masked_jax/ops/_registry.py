@@ -26,7 +26,7 @@ from typing import Any, Callable, Mapping
 FAMILIES = ("elementwise", "binary", "reductions", "normalization", "shape", "linalg")
 
 # The checks of the conformance harness; a spec leaves one out with a reason (``excluded``).
-CHECKS = ("reference", "transforms", "jacobians", "poison", "layouts", "maskify")
+CHECKS = ("reference", "oracle", "transforms", "jacobians", "poison", "layouts", "maskify")
 
 # Parameters a masked op accepts with their jnp meaning only at the default value.
 _UNSUPPORTED_DEFAULTS = {"out": None}
@@ -87,6 +87,8 @@ class OpSpec:
         returns: ``"masked"`` or ``"array"`` (``count``, ``argsort``: always defined).
         example: ``(setup, call, result)`` doctest lines, ``{mod}``/``{name}`` substituted.
         excluded: harness check -> why this op is left out of it.
+        refused_dtypes: dtype name -> why the op refuses a dtype that ``jax.numpy`` accepts (the
+            jnp-oracle check of the harness skips exactly these).
         jax_name: the mirrored jax function, for the docstring.
         static: ``static(body, *operand_shapes) -> iterable of keyword dicts``: the static
             arguments ``fn`` may have been called with (``body``, the jaxpr of the call, may narrow
@@ -116,6 +118,7 @@ class OpSpec:
     jax_name: str = ""
     summary: str = ""
     static: Callable[..., Any] | None = None
+    refused_dtypes: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
         if self.family not in FAMILIES:

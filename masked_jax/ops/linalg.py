@@ -5,10 +5,19 @@
 Because masked-out entries are replaced by 0 before contracting, the data is
 the contraction of the filled operands, and the mask is the same contraction
 applied to the masks as 0/1 numbers, compared with 0.
+
+A masked term never contributes, whatever it holds, and a *valid* ``inf`` or NaN is a value as
+in ``jax.numpy``. Zero-filling alone breaks the second rule: a valid ``inf`` meeting a masked
+entry would form ``inf * 0 = NaN``. So when a valid operand entry is not finite (checked at run
+time: ``lax.cond``, no cost otherwise), the finite terms are contracted as above and the
+non-finite ones are counted by sign (one batched contraction of indicator arrays): an output
+with a NaN term (a valid NaN, or a valid ``inf`` times a valid 0) or with both ``+inf`` and
+``-inf`` terms is NaN, else one with an infinite term is that infinity, as IEEE sums are.
 """
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 import inspect
@@ -23,20 +32,46 @@ def contraction(fn):
     """Rule for a multilinear ``fn(*operands, **kwargs)`` such as ``jnp.matmul``."""
 
     def rule(*operands: Pair, **kwargs) -> Pair:
-        data = fn(*(fill(o.data, o.mask, 0) for o in operands), **kwargs)
         if all(o.mask is None for o in operands):
-            return Pair(data, None)
-        counts = [
-            jnp.ones(jnp.shape(o.data), jnp.float32)
-            if o.mask is None
-            else jnp.broadcast_to(o.mask, jnp.shape(o.data)).astype(jnp.float32)
-            for o in operands
-        ]
-        return Pair(data, fn(*counts, **kwargs) > 0)
+            return Pair(fn(*(o.data for o in operands), **kwargs), None)
+        valid = [jnp.broadcast_to(True if o.mask is None else o.mask, jnp.shape(o.data)) for o in operands]
+        counts = [v.astype(jnp.float32) for v in valid]
+        mask = fn(*counts, **kwargs) > 0
+        filled = [fill(o.data, o.mask, 0) for o in operands]
+        if len(operands) != 2 or not all(jnp.issubdtype(jnp.result_type(o.data), jnp.floating) for o in operands):
+            return Pair(fn(*filled, **kwargs), mask)
+        (a, b), (va, vb) = [jnp.asarray(o.data) for o in operands], valid
+        nonfinite = jnp.any(va & ~jnp.isfinite(a)) | jnp.any(vb & ~jnp.isfinite(b))
+        data = jax.lax.cond(nonfinite, lambda: _with_nonfinite(fn, kwargs, a, b, va, vb),
+                            lambda: fn(*filled, **kwargs))
+        return Pair(data, mask)
 
     rule.__name__ = getattr(fn, "__name__", "contraction")
     rule.fn = fn
     return rule
+
+
+def _with_nonfinite(fn, kwargs, a, b, va, vb):
+    """``fn(a, b)`` over jointly valid terms when valid entries may be ``inf`` or NaN: the finite
+    terms contracted, the non-finite ones counted by sign (see the module docstring)."""
+    finite = fn(jnp.where(va & jnp.isfinite(a), a, 0), jnp.where(vb & jnp.isfinite(b), b, 0), **kwargs)
+
+    def kinds(x, v):
+        inf, nan = v & jnp.isinf(x), v & jnp.isnan(x)
+        pos, neg = v & (x > 0), v & (x < 0)
+        return dict(v=v, pi=pos & inf, ni=neg & inf, pf=pos & ~inf, nf=neg & ~inf, p=pos, n=neg,
+                    i=inf, z=v & (x == 0), nan=nan)
+
+    ka, kb = kinds(a, va), kinds(b, vb)
+    pairs = [("pi", "p"), ("pf", "pi"), ("ni", "n"), ("nf", "ni"),    # +inf terms
+             ("pi", "n"), ("pf", "ni"), ("ni", "p"), ("nf", "pi"),    # -inf terms
+             ("nan", "v"), ("v", "nan"), ("i", "z"), ("z", "i")]      # NaN terms
+    left = jnp.stack([ka[p] for p, _ in pairs]).astype(jnp.float32)
+    right = jnp.stack([kb[q] for _, q in pairs]).astype(jnp.float32)
+    counts = jax.vmap(lambda u, w: fn(u, w, **kwargs))(left, right) > 0
+    pos, neg, nan = (jnp.any(counts[i:i + 4], axis=0) for i in (0, 4, 8))
+    out = jnp.where(pos, jnp.inf, jnp.where(neg, -jnp.inf, finite))
+    return jnp.where(nan | (pos & neg), jnp.nan, out).astype(finite.dtype)
 
 
 def einsum(*operands: Pair, subscripts: str, **kwargs) -> Pair:

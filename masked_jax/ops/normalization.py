@@ -16,21 +16,31 @@ from masked_jax.ops.statistics import _seg_norm, norm
 
 
 def _shifted(x: Pair, axis):
-    z, m, _ = reductions.shifted_by_max(x, axis)
-    return z, m
+    """``(x - max, mask, has)`` over the valid elements of ``axis``, as ``jax.nn.softmax`` shifts: by
+    the valid maximum as it is (a valid ``inf`` gives ``inf - inf = NaN``, as in jax), integers
+    subtracted in their own dtype before ``exp`` promotes them. Masked entries hold 0; a slice with
+    no valid element is shifted by 0 (``has`` False)."""
+    m = materialize(x.mask, jnp.shape(x.data))
+    data = fill(x.data, m, 0)
+    has = jnp.any(m, axis=axis, keepdims=True)
+    top = jnp.where(has, reductions.max(Pair(data, m), axis=axis, keepdims=True).data, 0)
+    z = jnp.where(m, data - jax.lax.stop_gradient(top).astype(data.dtype), 0)
+    if not jnp.issubdtype(z.dtype, jnp.inexact):
+        z = z.astype(reductions._float_dtype(z.dtype))
+    return z, m, has
 
 
 def softmax(x: Pair, axis=-1) -> Pair:
-    z, m = _shifted(x, axis)
+    z, m, has = _shifted(x, axis)
     e = jnp.where(m, jnp.exp(z), 0)
     total = jnp.sum(e, axis=axis, keepdims=True)
-    return Pair(e / jnp.where(total > 0, total, 1), m)
+    return Pair(e / jnp.where(has, total, 1), m)
 
 
 def log_softmax(x: Pair, axis=-1) -> Pair:
-    z, m = _shifted(x, axis)
+    z, m, has = _shifted(x, axis)
     total = jnp.sum(jnp.where(m, jnp.exp(z), 0), axis=axis, keepdims=True)
-    out = z - jnp.log(jnp.where(total > 0, total, 1))
+    out = z - jnp.log(jnp.where(has, total, 1))
     return Pair(jnp.where(m, out, 0), m)
 
 
@@ -48,12 +58,14 @@ def normalize(x: Pair, ord=2, axis=-1, eps=1e-12) -> Pair:
 
 # -- segment kernels (BCOO-backed arrays, along an axis) -------------------------------------------
 def _softmax_parts(g, v):
-    v = reductions._float(v)
-    top = jax.lax.stop_gradient(g.max(v))
-    z = g.clean(v - g.back(jnp.where(jnp.isfinite(top), top, 0)))
+    """The stored entries' shift, exponentials and totals, as :func:`_shifted` (per segment)."""
+    has = g.count > 0
+    top = jax.lax.stop_gradient(jnp.where(has, g.max(v), 0))
+    z = g.clean(v - g.back(top).astype(v.dtype))
+    z = reductions._float(z)
     e = jnp.where(g.valid, jnp.exp(z), 0)
-    total = g.back(g.sum(e))
-    return z, e, jnp.where(total > 0, total, 1)
+    total = g.back(jnp.where(has, g.sum(e), 1))
+    return z, e, total
 
 
 def _seg_softmax(g, v):

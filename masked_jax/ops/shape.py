@@ -121,7 +121,9 @@ def atleast(fn):
 
 
 def _sort_operands(x: Pair, axis, descending):
-    """Sort keys (masked last; then the values, ascending or descending) and the values to carry."""
+    """Sort keys and the values to carry, as ``jnp.sort`` arranges them: ascending, masked last;
+    descending is jnp's reversed ascending sort (NaN first), masked still last. For the
+    descending sort the keys put masked entries *first* and the caller reverses the result."""
     data = jnp.asarray(x.data)
     m = materialize(x.mask, data.shape)
     if axis is None:
@@ -129,33 +131,32 @@ def _sort_operands(x: Pair, axis, descending):
         axis = 0
     (axis,) = normalize_axis(axis, data.ndim)
     data = fill(data, m, 0)
-    keys = [(~m).astype(jnp.int8)]
-    if not descending:
-        keys.append(data)
-    elif jnp.issubdtype(data.dtype, jnp.complexfloating):
-        raise TypeError("sort: descending=True is not defined for complex values.")
-    elif jnp.issubdtype(data.dtype, jnp.floating):
-        # NaN first among the valid values (as jnp's descending sort), then the values negated
-        keys += [(~jnp.isnan(data)).astype(jnp.int8), -data]
-    else:
-        keys.append(~data)  # bitwise not reverses the order of signed, unsigned and bool values
-    return keys, data, axis
+    first = m if descending else ~m  # the key that sorts masked entries to the far end
+    return [first.astype(jnp.int8), data], data, axis
 
 
 def sort(x: Pair, axis=-1, *, stable=True, descending=False) -> Pair:
-    """Sort valid elements (ascending, or descending with ``descending=True``); masked elements go
-    last either way (as ``numpy.ma.sort``). The sort is always stable."""
+    """Sort valid elements (ascending, or descending with ``descending=True`` as jnp's reversed
+    ascending sort); masked elements go last either way (as ``numpy.ma.sort``). Always stable."""
     keys, data, axis = _sort_operands(x, axis, descending)
     outs = jax.lax.sort((*keys, data), dimension=axis, num_keys=len(keys), is_stable=True)
-    return Pair(outs[-1], outs[0] == 0)
+    valid, out = (outs[0] == 1, outs[-1]) if descending else (outs[0] == 0, outs[-1])
+    if descending:
+        valid, out = jax.lax.rev(valid, (axis,)), jax.lax.rev(out, (axis,))
+    return Pair(out, valid)
 
 
-def argsort(x: Pair, axis=-1, *, stable=True, descending=False):
+def argsort(x: Pair, axis=-1, *, stable=True, descending=False, dtype=None):
     """Indices that sort valid elements (ascending or descending), masked ones last (a plain int
-    array). Equal valid elements keep their order."""
+    array of jnp's index dtype). Equal valid elements keep their order, descending too (as jnp's
+    stable descending argsort: reverse, sort, reverse)."""
     keys, data, axis = _sort_operands(x, axis, descending)
-    iota = jax.lax.broadcasted_iota(jnp.result_type(int), data.shape, axis)
-    return jax.lax.sort((*keys, iota), dimension=axis, num_keys=len(keys), is_stable=True)[-1]
+    idx_dtype = dtype or jax.eval_shape(lambda d: jnp.argsort(d, axis=axis), data).dtype
+    iota = jax.lax.broadcasted_iota(idx_dtype, data.shape, axis)
+    if descending:
+        keys, iota = [jax.lax.rev(k, (axis,)) for k in keys], jax.lax.rev(iota, (axis,))
+    out = jax.lax.sort((*keys, iota), dimension=axis, num_keys=len(keys), is_stable=True)[-1]
+    return jax.lax.rev(out, (axis,)) if descending else out
 
 
 def _check_kth(x: Pair, kth, axis):
@@ -176,7 +177,7 @@ def partition(x: Pair, kth, axis=-1) -> Pair:
 def argpartition(x: Pair, kth, axis=-1):
     """Indices that partition ``x`` around ``kth`` (those of :func:`partition`): a plain int array."""
     _check_kth(x, kth, axis)
-    return argsort(x, axis)
+    return argsort(x, axis, dtype=jax.eval_shape(lambda d: jnp.argpartition(d, kth, axis), jnp.asarray(x.data)).dtype)
 
 
 def getitem(x: Pair, index) -> Pair:

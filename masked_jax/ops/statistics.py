@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from masked_jax.ops._base import Pair, candidate_axes, fill, materialize, normalize_axis
+from masked_jax.ops._base import Pair, candidate_axes, fill, materialize, normalize_axis, result_dtype
 from masked_jax.ops._registry import OpSpec, register, signature_of
 from masked_jax.ops.reductions import _float, _float_dtype, _mask, _safe_div, max, mean, min, safe_sqrt, sum
 
@@ -78,28 +78,29 @@ def _check_q(q, lo=0.0, hi=1.0, name="q"):
 
 
 def quantile(x: Pair, q, axis=None, method="linear", keepdims=False) -> Pair:
-    """Quantiles of the valid elements (``method`` as numpy's linear family)."""
+    """Quantiles of the valid elements, by ``jnp.quantile``'s own arithmetic on each slice's valid
+    entries: a valid NaN makes its slice's quantile NaN, the interpolation weights are
+    ``q * (n - 1)``'s fractional parts, and ``lower``/``higher``/``nearest`` pick an element without
+    arithmetic (so a valid ``inf`` is returned as it is, never as ``inf - inf``)."""
     if method not in QUANTILE_METHODS:
         raise ValueError(f"method must be one of {QUANTILE_METHODS}; got {method!r}.")
     _check_q(q)
     data, m, axes = _move_to_end(x, axis)
-    dtype = _float_dtype(data.dtype)
+    dtype = result_dtype(jnp.quantile, data.dtype, q=0.5)
     data = data.astype(dtype)
+    if jnp.issubdtype(dtype, jnp.inexact):  # as jnp: a NaN among the valid entries poisons its slice
+        data = jnp.where(jnp.any(m & jnp.isnan(data), axis=-1, keepdims=True), jnp.nan, data)
     # Sort valid values first (ascending), masked ones last.
     invalid = (~m).astype(jnp.int8)
     _, srt = jax.lax.sort((invalid, fill(data, m, 0)), dimension=data.ndim - 1, num_keys=2)
     n = jnp.sum(m, axis=-1, keepdims=True)
-    q = jnp.asarray(q, dtype=dtype)
+    q = jnp.asarray(q)
+    q = q.astype(jnp.result_type(q, 1.0))  # as jnp: positions and weights in q's own inexact dtype
     qs = q.reshape(q.shape + (1,) * data.ndim)
-    pos = qs * jnp.maximum(n - 1, 0).astype(dtype)
-    lo = jnp.floor(pos)
-    hi = jnp.ceil(pos)
-    if method == "lower":
-        hi = lo
-    elif method == "higher":
-        lo = hi
-    elif method == "nearest":
-        lo = hi = jnp.round(pos)
+    pos = qs * (n.astype(q.dtype) - 1)
+    lo, hi = jnp.floor(pos), jnp.ceil(pos)
+    high_weight = pos - lo
+    low_weight = 1 - high_weight
     top = jnp.maximum(n - 1, 0)
     lo_i = jnp.clip(lo.astype(jnp.int32), 0, top)
     hi_i = jnp.clip(hi.astype(jnp.int32), 0, top)
@@ -109,9 +110,20 @@ def quantile(x: Pair, q, axis=None, method="linear", keepdims=False) -> Pair:
     else:
         v_lo = jnp.take_along_axis(srt_b, lo_i, -1)
         v_hi = jnp.take_along_axis(srt_b, hi_i, -1)
-    frac = 0.5 if method == "midpoint" else pos - lo
-    out = (v_lo + (v_hi - v_lo) * frac)[..., 0]
-    valid = jnp.broadcast_to(n[..., 0] > 0, out.shape)
+    valid = n > 0
+    if method == "linear":  # the weights only where the slice has entries (no 0 * inf at empty ones)
+        out = (jnp.where(valid, v_lo, 0).astype(q.dtype) * jnp.where(valid, low_weight, 1)
+               + jnp.where(valid, v_hi, 0).astype(q.dtype) * jnp.where(valid, high_weight, 0)).astype(dtype)
+    elif method == "lower":
+        out = v_lo
+    elif method == "higher":
+        out = v_hi
+    elif method == "nearest":
+        out = jnp.where(high_weight <= 0.5, v_lo, v_hi)
+    else:  # midpoint
+        out = (v_lo + v_hi) * jnp.asarray(0.5, dtype)
+    out = out[..., 0].astype(dtype)
+    valid = jnp.broadcast_to(valid[..., 0], out.shape)
     out = jnp.where(valid, out, 0)
     if keepdims:
         shape = list(q.shape) + [1 if a in axes else s for a, s in enumerate(np.shape(x.data))]
@@ -120,7 +132,8 @@ def quantile(x: Pair, q, axis=None, method="linear", keepdims=False) -> Pair:
 
 
 def median(x: Pair, axis=None, keepdims=False) -> Pair:
-    return quantile(x, 0.5, axis=axis, keepdims=keepdims)
+    """``jnp.median``: the midpoint quantile at 0.5 of the valid elements."""
+    return quantile(x, 0.5, axis=axis, keepdims=keepdims, method="midpoint")
 
 
 def percentile(x: Pair, q, axis=None, method="linear", keepdims=False) -> Pair:
@@ -178,6 +191,12 @@ VECTOR_ORDS = "None, 0, 1, 2, inf, -inf or any other number"
 MATRIX_ORDS = (None, "fro", "nuc", 1, -1, 2, -2, np.inf, -np.inf)
 
 
+def safe_root(s, ord):
+    """``s ** (1 / ord)`` with value and derivative 0 at ``s == 0``; NaN stays NaN (as jnp)."""
+    pos = s > 0
+    return jnp.where(pos, jnp.where(pos, s, 1) ** (1.0 / ord), jnp.where(s == 0, 0, jnp.nan).astype(s.dtype))
+
+
 def _vector_norm(x: Pair, ord, axis, keepdims) -> Pair:
     if isinstance(ord, str):
         raise ValueError(f"ord={ord!r} is a matrix norm: it needs two axes (axis=(r, c)).")
@@ -196,8 +215,7 @@ def _vector_norm(x: Pair, ord, axis, keepdims) -> Pair:
     if ord == 1:
         return sum(a, axis=axis, keepdims=keepdims)
     s = sum(Pair(a.data**ord, a.mask), axis=axis, keepdims=keepdims)
-    pos = s.data > 0
-    return Pair(jnp.where(pos, jnp.where(pos, s.data, 1) ** (1.0 / ord), 0), s.mask)
+    return Pair(safe_root(s.data, ord), s.mask)
 
 
 def _matrix_norm(x: Pair, ord, axes, keepdims) -> Pair:
@@ -227,6 +245,7 @@ def _matrix_norm(x: Pair, ord, axes, keepdims) -> Pair:
 
 def norm(x: Pair, ord=None, axis=None, keepdims=False) -> Pair:
     """Vector or matrix norm over valid elements (same ``ord``/``axis`` rules as jnp)."""
+    x = Pair(jnp.asarray(x.data).astype(_float_dtype(jnp.result_type(x.data))), x.mask)  # as jnp: inexact first
     ndim = np.ndim(x.data)
     if axis is None:
         if ord is None:
@@ -256,9 +275,7 @@ def _seg_norm(g, v, ord=None):
         return g.sum((a != 0).astype(a.dtype))
     if ord == 1:
         return g.sum(a)
-    s = g.sum(_float(a) ** ord)
-    pos = s > 0
-    return jnp.where(pos, jnp.where(pos, s, 1) ** (1.0 / ord), 0)
+    return safe_root(g.sum(_float(a) ** ord), ord)
 
 
 _Q = ("x = mj.masked_array(jnp.array([1.0, 2.0, 3.0, 100.0]), jnp.array([True, True, True, False]))",

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from masked_jax import _validate
 from masked_jax._core import is_container
 from masked_jax.optim._lazy import lazy
 from masked_jax.optim._views import data_of, view
@@ -57,6 +58,8 @@ def scale_by_rss(initial_accumulator_value: float = 0.1, eps: float = 1e-7,
         >>> u.todense().filled(0)[:, 0], state.sum_of_squares[:, 0]
         (Array([0., 0., 1., 0.], dtype=float32), Array([ 0.,  0., 49.,  0.], dtype=float32))
     """
+    _validate.nonnegative(initial_accumulator_value, "scale_by_rss: initial_accumulator_value")
+    _validate.nonnegative(eps, "scale_by_rss: eps")
     if eps_placement not in _PLACEMENTS:
         raise ValueError(f"eps_placement must be one of {_PLACEMENTS}; got {eps_placement!r}.")
 
@@ -131,6 +134,7 @@ def masked_adagrad(learning_rate: optax.ScalarOrSchedule, initial_accumulator_va
         Duchi, Hazan and Singer, Adaptive Subgradient Methods for Online Learning and
         Stochastic Optimization, JMLR 2011.
     """
+    _validate.learning_rate(learning_rate, "masked_adagrad: learning_rate")
     return optax.chain(
         scale_by_rss(initial_accumulator_value, eps, eps_placement),
         lazy(optax.scale_by_learning_rate(learning_rate)),

@@ -127,7 +127,9 @@ def lazy(inner: optax.GradientTransformation) -> optax.GradientTransformation:
     the gradient's storage: apply them with :func:`apply_updates`.
 
     With plain-array gradients ``lazy(inner)`` is ``inner``, exactly (``MultiSteps`` aside: its
-    lift below gives the same parameters).
+    lift below gives the same parameters). It is a ``GradientTransformationExtraArgs``: optax's extra
+    arguments (``value=`` for ``polyak_sgd`` and ``reduce_on_plateau``) reach ``inner`` when it
+    takes them, as in ``optax.chain``.
 
     ``lazy(optax.MultiSteps(inner, k))`` accumulates exactly per entry: the gradients of
     ``k`` micro-steps are summed (or averaged) into a parameter-shaped accumulator, and at
@@ -178,13 +180,20 @@ def lazy(inner: optax.GradientTransformation) -> optax.GradientTransformation:
     def init_fn(params):
         return inner.init(jax.tree_util.tree_map(data_of, params, is_leaf=is_container))
 
-    def update_fn(updates, state, params=None):
+    takes_extra = isinstance(inner, optax.GradientTransformationExtraArgs)
+
+    def inner_update(updates, state, params, extra_args):
+        # optax's own rule (``with_extra_args_support``): extra arguments reach an inner
+        # transformation that declares it takes them, and no other
+        return inner.update(updates, state, params, **extra_args) if takes_extra else inner.update(updates, state, params)
+
+    def update_fn(updates, state, params=None, **extra_args):
         if params is not None:
             params = jax.tree_util.tree_map(data_of, params, is_leaf=is_container)
         check_update_arguments(inner, updates, state, params)
         leaves, treedef = jax.tree_util.tree_flatten(updates, is_leaf=is_container)
         if not any(is_container(g) for g in leaves):
-            return inner.update(updates, state, params)
+            return inner_update(updates, state, params, extra_args)
         ref = _Reference.of(updates)
         _check_liftable(ref, state)
         views, gathered = [], []
@@ -199,12 +208,12 @@ def lazy(inner: optax.GradientTransformation) -> optax.GradientTransformation:
         if params is not None:
             params = jax.tree_util.tree_unflatten(treedef, gather(treedef.flatten_up_to(params)))
         inner_state = _map_param_shaped(ref, gather, state)
-        u, new_inner_state = inner.update(jax.tree_util.tree_unflatten(treedef, gathered),
-                                          inner_state, params)
+        u, new_inner_state = inner_update(jax.tree_util.tree_unflatten(treedef, gathered), inner_state, params,
+                                          extra_args)
         new_state = _map_param_shaped(
             ref, lambda old, new: [v.scatter(o, n) for v, o, n in zip(views, old, new)],
             state, new_inner_state)
         u_leaves = treedef.flatten_up_to(u)
         return jax.tree_util.tree_unflatten(treedef, [v.wrap(x) for v, x in zip(views, u_leaves)]), new_state
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -1,0 +1,84 @@
+"""Run the public Array API test suite (data-apis/array-api-tests) against ``jax.numpy`` and
+``masked_jax.numpy`` in the same run, and compare: every test that ``jax.numpy`` passes must pass
+for ``masked_jax.numpy`` too.
+
+Usage (``make array-api-suite`` runs the whole suite; ``tests/test_array_api_suite.py`` a subset)::
+
+    python tests/array_api_suite.py [--suite DIR] [--max-examples 5] [--workers N] [FILE_OR_NODE ...]
+
+The suite's location comes from ``--suite``, else ``ARRAY_API_TESTS_DIR``, else
+``../shared/array-api-tests`` beside the checkout. Each module runs with
+``ARRAY_API_TESTS_VERSION=2023.12`` and ``JAX_ENABLE_X64=1``. Prints both pass counts and every test
+``jax.numpy`` passes and ``masked_jax.numpy`` does not; exits 1 if there is one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+MODULES = ("jax.numpy", "masked_jax.numpy")
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def suite_dir(given: str | None) -> Path:
+    path = Path(given or os.environ.get("ARRAY_API_TESTS_DIR") or ROOT.parent / "shared" / "array-api-tests")
+    if not (path / "array_api_tests").is_dir():
+        raise SystemExit(f"no Array API test suite at {path}: clone data-apis/array-api-tests (see "
+                         "docs/array_api.md for the commit) and pass --suite or set ARRAY_API_TESTS_DIR.")
+    return path
+
+
+def run(module: str, suite: Path, targets, max_examples: int, workers: int) -> dict[str, str]:
+    """``{test id: outcome}`` of the suite's ``targets`` run against ``module``."""
+    env = {**os.environ, "ARRAY_API_TESTS_MODULE": module, "ARRAY_API_TESTS_VERSION": "2023.12",
+           "JAX_ENABLE_X64": "1", "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu"),
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    with tempfile.TemporaryDirectory() as tmp:
+        report = Path(tmp) / "report.json"
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--max-examples", str(max_examples),
+               "--json-report", f"--json-report-file={report}", "--disable-warnings", "-o", "addopts="]
+        if workers > 1:
+            cmd += ["-n", str(workers)]
+        subprocess.run(cmd + list(targets), cwd=suite, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                       check=False)
+        if not report.exists():
+            raise SystemExit(f"the suite wrote no report for {module} (does `pytest {' '.join(targets)}` "
+                             f"collect in {suite}?)")
+        tests = json.loads(report.read_text())["tests"]
+    return {t["nodeid"]: t["outcome"] for t in tests}
+
+
+def compare(results: dict[str, dict[str, str]]) -> list[str]:
+    """Test ids ``jax.numpy`` passes and ``masked_jax.numpy`` does not."""
+    ref, ours = results["jax.numpy"], results["masked_jax.numpy"]
+    return sorted(t for t, outcome in ref.items() if outcome == "passed" and ours.get(t) != "passed")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("targets", nargs="*", default=["array_api_tests"])
+    parser.add_argument("--suite")
+    parser.add_argument("--max-examples", type=int, default=5)
+    parser.add_argument("--workers", type=int, default=1)
+    args = parser.parse_args(argv)
+    suite = suite_dir(args.suite)
+    results = {m: run(m, suite, args.targets, args.max_examples, args.workers) for m in MODULES}
+    lost = compare(results)
+    for m in MODULES:
+        outcomes = results[m].values()
+        print(f"{m}: {sum(o == 'passed' for o in outcomes)} passed, {sum(o == 'failed' for o in outcomes)} failed, "
+              f"{sum(o == 'skipped' for o in outcomes)} skipped")
+    print(f"passed by jax.numpy and not by masked_jax.numpy: {len(lost)}")
+    for t in lost:
+        print(f"  {t}  ({results['masked_jax.numpy'].get(t, 'not run')})")
+    return 1 if lost else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
