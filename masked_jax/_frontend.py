@@ -23,7 +23,9 @@ from masked_jax._core import _unwrap, _wrap, is_operand
 from masked_jax._methods import ArrayMethods
 from masked_jax._storage import SparseMasked
 from masked_jax.layouts import dispatch
-from masked_jax.ops._base import Pair, and_masks
+from masked_jax._core import MaskedArray
+from masked_jax.ops._base import Pair, and_masks, normalize_axis
+from masked_jax.ops.reductions import IDENTITY_REDUCTIONS, empty_slices
 from masked_jax.ops._registry import ANNOTATIONS, OPERAND, OpSpec, on_register
 
 _SEMANTICS = {
@@ -158,6 +160,10 @@ class _Call:
                 params[name] = check(params[name], f"{self.qualname}: {name}")
         where = params.pop("where", None) if self.spec.family in _WHERE_FAMILIES else None
         self._check_supported(params)
+        if self.spec.name in IDENTITY_REDUCTIONS and operands and _empty_reduction(operands[0], params):
+            # a sum (prod, any, all) over a zero-size slice: jnp's identity, valid (nothing is masked)
+            out = self.dense(operands, params, where, labels)
+            return MaskedArray._from_pair(out.data, None)
         if where is None and not any(params.get(n) is not None for n in self.spec.optional_operands) \
                 and any(isinstance(o, SparseMasked) for o in operands):
             return dispatch.apply(self.spec, operands, params, self.dense)
@@ -189,6 +195,13 @@ class _Call:
         if self.spec.sequence:
             return _wrap(self.spec.rule(pairs, **params))
         return _wrap(self.spec.rule(*pairs, **params))
+
+
+def _empty_reduction(x, params) -> bool:
+    shape = getattr(x, "shape", None)
+    if shape is None or 0 not in tuple(shape):
+        return False
+    return empty_slices(tuple(shape), normalize_axis(params.get("axis"), len(shape)))
 
 
 def public_function(spec: OpSpec, module: str):

@@ -88,18 +88,16 @@ def _sum_and_count_jvp(axes, primals, tangents):
     return (total, n), (t_total, np.zeros(n.shape, jax.dtypes.float0))
 
 
+IDENTITY_REDUCTIONS = ("sum", "prod", "any", "all")  # valid over a zero-size slice (see empty_slices)
+
+
 def empty_slices(shape, axes) -> bool:
-    """Whether the reduced axes have no element at all (a static, zero-size slice): nothing in it
-    is masked, so a reduction with an identity gives ``jax.numpy``'s valid result (a sum of nothing
-    is 0, ``all`` of nothing True), where a slice whose entries are all *masked* stays masked."""
+    """Whether the reduced axes of an array of ``shape`` have no element at all (a static,
+    zero-size slice): nothing in it is masked, so a reduction with an identity gives
+    ``jax.numpy``'s valid result (a sum of nothing is 0, ``all`` of nothing True), where a slice
+    whose entries are all *masked* stays masked. Applied by the public functions to the array the
+    user passed (a sparse layout's stored block may be empty while the array is not)."""
     return builtins.any(shape[a] == 0 for a in axes)
-
-
-def _no_identity(name, shape, axes):
-    """``max``, ``min``, ``argmax`` and ``argmin`` over a zero-size slice: refused, as jnp does."""
-    if empty_slices(shape, axes) and np.prod(shape) == 0:
-        raise ValueError(f"{name}: zero-size array to reduction operation {name} which has no identity "
-                         f"(as jax.numpy); got shape {tuple(shape)} reduced over axes {axes}.")
 
 
 def _keep(x, axes, keepdims):
@@ -121,14 +119,14 @@ def sum(x: Pair, axis=None, dtype=None, keepdims=False) -> Pair:  # noqa: A001
     data = jnp.asarray(x.data)
     axes = normalize_axis(axis, m.ndim)
     total, n = sum_and_count(fill(data, m, 0).astype(_sum_dtype(data.dtype, dtype)), m, axes)
-    return Pair(_keep(total, axes, keepdims), _keep((n > 0) | empty_slices(m.shape, axes), axes, keepdims))
+    return Pair(_keep(total, axes, keepdims), _keep(n > 0, axes, keepdims))
 
 
 def prod(x: Pair, axis=None, dtype=None, keepdims=False) -> Pair:
     m = _mask(x)
     axes = normalize_axis(axis, m.ndim)
     data = jnp.prod(fill(x.data, m, 1), axis=axes, keepdims=keepdims, dtype=dtype)
-    return Pair(data, jnp.any(m, axis=axes, keepdims=keepdims) | empty_slices(m.shape, axes))
+    return Pair(data, jnp.any(m, axis=axes, keepdims=keepdims))
 
 
 def mean(x: Pair, axis=None, dtype=None, keepdims=False) -> Pair:
@@ -170,7 +168,6 @@ def std(x: Pair, axis=None, dtype=None, ddof=0, keepdims=False, *, correction=No
 def max(x: Pair, axis=None, keepdims=False) -> Pair:  # noqa: A001
     m = _mask(x)
     axes = normalize_axis(axis, m.ndim)
-    _no_identity("max", m.shape, axes)
     init = lowest(jnp.result_type(x.data))
     data = jnp.max(fill(x.data, m, init), axis=axes, keepdims=keepdims, initial=init)
     return Pair(data, jnp.any(m, axis=axes, keepdims=keepdims))
@@ -179,7 +176,6 @@ def max(x: Pair, axis=None, keepdims=False) -> Pair:  # noqa: A001
 def min(x: Pair, axis=None, keepdims=False) -> Pair:  # noqa: A001
     m = _mask(x)
     axes = normalize_axis(axis, m.ndim)
-    _no_identity("min", m.shape, axes)
     init = highest(jnp.result_type(x.data))
     data = jnp.min(fill(x.data, m, init), axis=axes, keepdims=keepdims, initial=init)
     return Pair(data, jnp.any(m, axis=axes, keepdims=keepdims))
@@ -202,9 +198,16 @@ def _arg_extreme(x: Pair, axis, keepdims, largest: bool) -> Pair:
             raise TypeError(f"axis must be an int or None for argmax/argmin; got {axis!r}.")
         (axis_,) = normalize_axis(axis, data.ndim)
         out_keep = keepdims
-    if data.shape[axis_] == 0:  # as jnp
-        raise ValueError(f"{'argmax' if largest else 'argmin'}: attempt to get the arg of an empty sequence "
-                         f"(axis {axis_} of shape {tuple(np.shape(x.data))} has size 0).")
+    if data.shape[axis_] == 0:  # jnp refuses; the masked result is masked (no element to point to)
+        shape = list(data.shape)
+        if out_keep:
+            shape[axis_] = 1
+        else:
+            del shape[axis_]
+        if axis is None and keepdims:
+            shape = [1] * np.ndim(x.data)
+        zeros = jnp.zeros(shape, dtype=jnp.result_type(int))
+        return Pair(zeros, jnp.zeros(shape, dtype=bool))
     ext = (max if largest else min)(Pair(data, m), axis=axis_, keepdims=True).data
     hit = m & (data == ext)
     if jnp.issubdtype(data.dtype, jnp.inexact):
@@ -229,14 +232,14 @@ def any(x: Pair, axis=None, keepdims=False) -> Pair:  # noqa: A001
     m = _mask(x)
     axes = normalize_axis(axis, m.ndim)
     data = jnp.any(fill(x.data, m, 0), axis=axes, keepdims=keepdims)
-    return Pair(data, jnp.any(m, axis=axes, keepdims=keepdims) | empty_slices(m.shape, axes))
+    return Pair(data, jnp.any(m, axis=axes, keepdims=keepdims))
 
 
 def all(x: Pair, axis=None, keepdims=False) -> Pair:  # noqa: A001
     m = _mask(x)
     axes = normalize_axis(axis, m.ndim)
     data = jnp.all(fill(x.data, m, 1), axis=axes, keepdims=keepdims)
-    return Pair(data, jnp.any(m, axis=axes, keepdims=keepdims) | empty_slices(m.shape, axes))
+    return Pair(data, jnp.any(m, axis=axes, keepdims=keepdims))
 
 
 def shifted_by_max(x: Pair, axis):
