@@ -21,10 +21,12 @@ settings.register_profile(
 settings.load_profile("default")
 
 
-# The compile-bound suites (the conformance harness, the differential and layout property tests)
-# check semantics, not speed: they compile with XLA's optimization passes off, which made the
+# The compile-bound suites (the conformance harness, the property tests, the model and autodiff
+# tests) check semantics, not speed: they compile with XLA's optimization passes off, which made the
 # layouts checks about a sixth faster. MJ_XLA_OPTIMIZE=1 compiles them as users do, with every pass on.
-_FAST_COMPILE = {"test_conformance.py", "test_differential.py", "test_layouts.py"}
+_FAST_COMPILE = {"test_conformance.py", "test_differential.py", "test_layouts.py", "test_real_models.py", "test_ad.py",
+                 "test_registry.py", "test_linalg.py", "test_transform.py", "test_maskify_coverage.py",
+                 "test_regressions.py", "test_array_api.py", "test_tree.py", "test_nn.py", "test_numpy_ma.py"}
 
 
 @pytest.fixture(autouse=True)
