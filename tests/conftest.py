@@ -12,7 +12,7 @@ jax.config.update("jax_numpy_rank_promotion", "allow")
 
 settings.register_profile(
     "default",
-    max_examples=int(os.environ.get("MJ_HYPOTHESIS_EXAMPLES", "6")),
+    max_examples=int(os.environ.get("MJ_HYPOTHESIS_EXAMPLES", "5")),
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
     derandomize=True,

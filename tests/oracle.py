@@ -35,7 +35,7 @@ from masked_jax import _frontend
 from masked_jax.layouts import SparseMasked
 from masked_jax.ops import REGISTRY
 
-from conformance_table import ROWS, oracle_rows
+from conformance_table import ROWS, oracle_rows, quiet
 
 # Every dtype of the matrix (x64 is on in the test process: the 64-bit ones run too).
 DTYPES = ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "float16",
@@ -58,17 +58,6 @@ ROUNDING = {**{name: _ORDER for name in ("sum", "mean", "var", "std", "average",
                                          "cumprod", "prod", "matmul", "dot", "vdot", "inner", "tensordot", "einsum")},
             **{name: _FMA for name in ("quantile", "percentile", "median")}}
 SUMMATION_ORDER = set(ROUNDING)
-
-
-def quiet(fn):
-    """Run ``fn`` with numpy's and jax's warnings off (special values overflow on purpose)."""
-    @functools.wraps(fn)
-    def wrapped(*args, **kwargs):
-        with warnings.catch_warnings(), np.errstate(all="ignore"):
-            warnings.simplefilter("ignore")
-            return fn(*args, **kwargs)
-
-    return wrapped
 
 
 def np_dtype(name):
