@@ -246,6 +246,7 @@ def accepts(name, dtype, case) -> bool:
 _ACCEPTS: dict = {}
 
 
+@quiet
 def _accepts(name, dtype, case):
     ops = operands(name, np_dtype(dtype), "ordinary", full=True)
     plain = [o.data if isinstance(o, mj.MaskedArray) else o for o in ops]
@@ -479,7 +480,17 @@ SAMPLE_JIT_DTYPES = ("float32",)
 SAMPLE_DTYPES = ("bool", "int8", "uint32", "bfloat16", "float32", "complex64")
 
 
+@quiet
+def _plan(name):
+    return list(_plan_cases(name))
+
+
 def plan(name):
+    """The (dtype, values, mask, poison, jit, scalar, case) cases the check runs for op ``name``."""
+    return _plan(name)
+
+
+def _plan_cases(name):
     """The (dtype, values, mask, poison, jit, scalar) cases the check runs for op ``name``."""
     spec = REGISTRY[name]
     o = oracle_rows().get(name)
@@ -506,6 +517,7 @@ def plan(name):
                 yield dtype, "special", "full", None, False, True, case
 
 
+@quiet
 def scalar_accepted(name, dtype, case):
     ops = operands(name, dtype, "ordinary", full=True, scalar=True)
     try:
