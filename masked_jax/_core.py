@@ -31,8 +31,7 @@ def format_values(data: np.ndarray, mask: np.ndarray) -> str:
     """The values as numpy.ma prints them, masked entries as ``--``: every value while the array
     has at most ``np.get_printoptions()["threshold"]`` elements, else the edge items
     (``edgeitems``) around ``...``, as ``jax.Array`` and ``numpy.ma`` summarise."""
-    if data.dtype.kind not in "biufc":  # bfloat16 and other ml_dtypes: shown through float32
-        data = data.astype(np.float32)
+    data = _layouts.displayable(data)
     if data.size > np.get_printoptions()["threshold"]:
         return str(np.ma.masked_array(data, mask=~mask))
     cells = np.array([str(v) if ok else "--" for v, ok in zip(data.flat, mask.flat)], dtype=object)
@@ -44,19 +43,12 @@ def html_table(data: np.ndarray, mask: np.ndarray, caption: str) -> str:
     dimensions as the printed text."""
     if data.ndim > 2:
         return f"<pre>{html.escape(caption)}\n{html.escape(format_values(data, mask))}</pre>"
-    if data.dtype.kind not in "biufc":
-        data = data.astype(np.float32)
-    d2, m2 = np.atleast_2d(data), np.atleast_2d(mask)
-    edge = np.get_printoptions()["edgeitems"]
+    d2, m2 = np.atleast_2d(_layouts.displayable(data)), np.atleast_2d(mask)
     big = data.size > np.get_printoptions()["threshold"]
-
-    def cut(n):
-        return list(range(n)) if not big or n <= 2 * edge else list(range(edge)) + [None] + list(range(n - edge, n))
-
     rows = []
-    for i in cut(d2.shape[0]):
+    for i in _layouts.edge_positions(d2.shape[0], big):
         cells = []
-        for j in cut(d2.shape[1]):
+        for j in _layouts.edge_positions(d2.shape[1], big):
             if i is None or j is None:
                 cells.append('<td style="color:#888">&hellip;</td>')
             elif m2[i, j]:

@@ -201,14 +201,10 @@ class SparseMasked(ArrayMethods, abc.ABC):
         ``None`` when the buffers are traced or batched (then only the summary line is shown)."""
         if is_tracer(self.data) or is_tracer(self.indices) or self.indices.ndim != (1 if self.storage == "row_sparse" else 2):
             return None
-        data, indices = np.asarray(self.data), np.asarray(self.indices)
-        if data.dtype.kind not in "biufc":
-            data = data.astype(np.float32)
+        data, indices = displayable(np.asarray(self.data)), np.asarray(self.indices)
         valid = np.asarray(self.block().mask).reshape(len(indices), -1).any(axis=1)
-        edge, k = np.get_printoptions()["edgeitems"], len(indices)
-        keep = list(range(k)) if k <= 2 * edge + 1 else list(range(edge)) + [None] + list(range(k - edge, k))
         out = []
-        for i in keep:
+        for i in edge_positions(len(indices), summarise=True):
             if i is None:
                 out.append(("...", ""))
                 continue
@@ -231,6 +227,20 @@ class SparseMasked(ArrayMethods, abc.ABC):
         rows = "".join(f"<tr><td style='padding:2px 6px;color:#555'>{html.escape(w)}</td>"
                        f"<td style='padding:2px 6px;font-family:monospace'>{html.escape(v)}</td></tr>" for w, v in lines)
         return f"<div class='mj-sparse'>{head}<table style='border-collapse:collapse'>{rows}</table></div>"
+
+
+def displayable(data: np.ndarray) -> np.ndarray:
+    """Host data as numpy can print it (bfloat16 and other ml_dtypes through float32)."""
+    return data if data.dtype.kind in "biufc" else data.astype(np.float32)
+
+
+def edge_positions(n: int, summarise: bool) -> list:
+    """The positions shown along an axis of length ``n``: all, or when ``summarise`` and ``n`` is
+    longer than ``2 * edgeitems``, the ``edgeitems`` at each end around ``None`` (the ellipsis)."""
+    edge = np.get_printoptions()["edgeitems"]
+    if not summarise or n <= 2 * edge:
+        return list(range(n))
+    return list(range(edge)) + [None] + list(range(n - edge, n))
 
 
 def tostype(x, storage: str, nse: int | None = None):
