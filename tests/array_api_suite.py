@@ -30,7 +30,7 @@ def suite_dir(given: str | None) -> Path:
     path = Path(given or os.environ.get("ARRAY_API_TESTS_DIR") or ROOT.parent / "shared" / "array-api-tests")
     if not (path / "array_api_tests").is_dir():
         raise SystemExit(f"no Array API test suite at {path}: clone data-apis/array-api-tests (see "
-                         "docs/array_api.md for the commit) and pass --suite or set ARRAY_API_TESTS_DIR.")
+                         "docs/semantics.md for the commit) and pass --suite or set ARRAY_API_TESTS_DIR.")
     return path
 
 
