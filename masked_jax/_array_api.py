@@ -11,6 +11,7 @@ output size depends on the data (``nonzero``, ``unique_*``) need concrete inputs
 from __future__ import annotations
 
 import builtins
+import inspect
 import types
 from typing import NamedTuple
 
@@ -55,10 +56,18 @@ def _op(name):
     return _frontend.function(name)
 
 
-def _document(fn, name, summary, *example):
+def _document(fn, name, summary, *example, signature_of=None):
     """Name a generated function and give it a docstring: ``summary``, then an Examples block whose
-    lines are ``example`` (``>>>``/``...`` lines and the outputs they print)."""
+    lines are ``example`` (``>>>``/``...`` lines and the outputs they print). ``signature_of``: the
+    ``jax.numpy`` function it wraps, whose signature (parameter names, defaults, keyword-only
+    markers) it reports to ``inspect.signature``, as the Array API requires."""
     fn.__name__ = fn.__qualname__ = name
+    if signature_of is not None:
+        params = list(inspect.signature(signature_of).parameters.values())
+        own = list(inspect.signature(fn).parameters.values())
+        if own and own[0].kind is inspect.Parameter.POSITIONAL_ONLY:  # the array: ours is positional-only
+            params[0] = own[0]
+        fn.__signature__ = inspect.Signature(params)
     fn.__doc__ = summary + "\n\n    Examples:\n" + "".join(f"        {line}\n" for line in example) + "    "
     return fn
 
@@ -75,7 +84,8 @@ def _valid(make):
 
     return _document(created, make.__name__, f"``jax.numpy.{make.__name__}``, fully valid.",
                      ">>> import masked_jax.numpy as mnp",
-                     f">>> bool(mnp.{make.__name__}({_EXAMPLE_ARGS[make.__name__]}).mask.all())", "True")
+                     f">>> bool(mnp.{make.__name__}({_EXAMPLE_ARGS[make.__name__]}).mask.all())", "True",
+                     signature_of=make)
 
 
 _EXAMPLE_ARGS = {"arange": "3", "empty": "(2,)", "eye": "2", "full": "(2,), 7.0", "linspace": "0.0, 1.0, 5",
@@ -112,14 +122,14 @@ def from_dlpack(x, /, *, device=None, copy=None) -> MaskedArray:
 
 
 def _like(make):
-    def created(x, /, *args, dtype=None, device=None, **kwargs):
-        return as_masked(make(jnp.empty(x.shape, _dtype_of(x)), *args, dtype=dtype, device=device, **kwargs))
+    def created(x, /, *args, **kwargs):
+        return as_masked(make(jnp.empty(x.shape, _dtype_of(x)), *args, **kwargs))
 
     fill = ", 5.0" if make is jnp.full_like else ""
     return _document(created, make.__name__, f"``jax.numpy.{make.__name__}`` of ``x``'s shape and dtype, fully "
                      "valid (whatever ``x``'s mask).", ">>> import jax.numpy as jnp, masked_jax as mj, masked_jax.numpy as mnp",
                      ">>> x = mj.masked_array(jnp.array([1.0, 2.0]), jnp.array([True, False]))",
-                     f">>> bool(mnp.{make.__name__}(x{fill}).mask.all())", "True")
+                     f">>> bool(mnp.{make.__name__}(x{fill}).mask.all())", "True", signature_of=make)
 
 
 empty_like, full_like, ones_like, zeros_like = (
@@ -370,17 +380,26 @@ def unique_all(x, /) -> UniqueAllResult:
     return unique_of_valid(x, equal_nan=False)
 
 
-def unique_of_valid(x, *, equal_nan: builtins.bool) -> UniqueAllResult:
+def unique_of_valid(x, *, equal_nan: builtins.bool, index=True, inverse=True, counts=True) -> UniqueAllResult:
     """``jnp.unique`` of the valid entries alone (with ``equal_nan``), its indices and inverse
-    mapped back to ``x``'s positions; the inverse is masked where ``x`` is."""
+    mapped back to ``x``'s positions; the inverse is masked where ``x`` is. Only the parts asked
+    for are computed (each is a separate compilation); the others are ``None``."""
     vals, x = _valid_values(x)
     flat = np.flatnonzero(np.asarray(x.mask))
-    values, first, inverse, counts = jnp.unique(jnp.asarray(vals), return_index=True, return_inverse=True,
-                                                return_counts=True, equal_nan=equal_nan)
-    full_inverse = np.zeros(x.size, np.asarray(inverse).dtype)
-    full_inverse[flat] = np.asarray(inverse).ravel()
-    inv = MaskedArray._from_pair(jnp.asarray(full_inverse.reshape(x.shape)), x.mask)
-    return UniqueAllResult(as_masked(values), jnp.asarray(flat[np.asarray(first)], first.dtype), inv, counts)
+    out = jnp.unique(jnp.asarray(vals), return_index=index, return_inverse=inverse, return_counts=counts,
+                     equal_nan=equal_nan)
+    out = list(out) if isinstance(out, (tuple, list)) else [out]
+    values = out.pop(0)
+    first = out.pop(0) if index else None
+    inv = out.pop(0) if inverse else None
+    count = out.pop(0) if counts else None
+    if inv is not None:
+        full_inverse = np.zeros(x.size, np.asarray(inv).dtype)
+        full_inverse[flat] = np.asarray(inv).ravel()
+        inv = MaskedArray._from_pair(jnp.asarray(full_inverse.reshape(x.shape)), x.mask)
+    if first is not None:
+        first = jnp.asarray(flat[np.asarray(first)], first.dtype)
+    return UniqueAllResult(as_masked(values), first, inv, count)
 
 
 def unique_counts(x, /) -> UniqueCountsResult:
@@ -392,7 +411,7 @@ def unique_counts(x, /) -> UniqueCountsResult:
         >>> r.values, r.counts.tolist()
         (MaskedArray([2], dtype=int32), [2])
     """
-    r = unique_all(x)
+    r = unique_of_valid(x, equal_nan=False, index=False, inverse=False)
     return UniqueCountsResult(r.values, r.counts)
 
 
@@ -405,7 +424,7 @@ def unique_inverse(x, /) -> UniqueInverseResult:
         >>> mnp.unique_inverse(mj.masked_array(jnp.array([5, 2, 5]), jnp.array([True, True, False]))).inverse_indices
         MaskedArray([1 0 --], dtype=int32)
     """
-    r = unique_all(x)
+    r = unique_of_valid(x, equal_nan=False, index=False, counts=False)
     return UniqueInverseResult(r.values, r.inverse_indices)
 
 
@@ -417,7 +436,7 @@ def unique_values(x, /) -> MaskedArray:
         >>> mnp.unique_values(mj.masked_array(jnp.array([5, 2, 5, 9]), jnp.array([True, True, True, False])))
         MaskedArray([2 5], dtype=int32)
     """
-    return unique_all(x).values
+    return unique_of_valid(x, equal_nan=False, index=False, inverse=False, counts=False).values
 
 
 def nonzero(x, /) -> tuple[jax.Array, ...]:
@@ -607,7 +626,8 @@ def _dense_only(fn, name):
                      f"entries (or a traced mask) raises ``TypeError``: {name} has no masked meaning.",
                      ">>> import jax.numpy as jnp, masked_jax as mj, masked_jax.numpy as mnp", ">>> mnp.linalg.det(mnp.eye(2))", "MaskedArray(1.0, dtype=float32)",
                      ">>> mnp.linalg.det(mj.masked_array(jnp.eye(2), jnp.eye(2) > 0))",
-                     "Traceback (most recent call last):", "TypeError: linalg.det has no masked meaning: ...")
+                     "Traceback (most recent call last):", "TypeError: linalg.det has no masked meaning: ...",
+                     signature_of=fn)
 
 
 DENSE_ONLY_LINALG = ["cholesky", "det", "eigh", "eigvalsh", "inv", "matrix_power", "matrix_rank", "pinv", "qr",

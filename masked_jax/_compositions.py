@@ -347,7 +347,7 @@ def unique(ar, return_index: bool = False, return_inverse: bool = False, return_
     if axis is not None:
         raise ValueError("unique: axis= has no masked meaning (rows with masked entries are not values); "
                          "pass axis=None")
-    r = unique_of_valid(ar, equal_nan=equal_nan)
+    r = unique_of_valid(ar, equal_nan=equal_nan, index=return_index, inverse=return_inverse, counts=return_counts)
     extra = [r.indices] * return_index + [r.inverse_indices] * return_inverse + [r.counts] * return_counts
     return (r.values, *extra) if extra else r.values
 

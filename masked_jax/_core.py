@@ -376,9 +376,17 @@ class MaskedArray(ArrayMethods):
         raise TypeError("MaskedArray is immutable, as jax arrays are: use x.at[index].set(value), which "
                         "returns a new array (a MaskedArray value brings its mask along).")
 
-    def __dlpack__(self, *args, **kwargs):
-        raise TypeError("a MaskedArray has no DLPack form: DLPack carries no mask. Export x.filled(value) "
-                        "and x.mask separately.")
+    def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):
+        """The data through DLPack, for a fully valid array (a concrete all-True mask); DLPack carries
+        no mask, so an array with masked entries (or a traced mask) raises ``TypeError``."""
+        try:
+            all_valid = bool(np.asarray(self._mask).all())
+        except jax.errors.TracerArrayConversionError:
+            all_valid = False
+        if not all_valid:
+            raise TypeError("a MaskedArray with masked entries has no DLPack form: DLPack carries no mask. "
+                            "Export x.filled(value) and x.mask separately.")
+        return self._data.__dlpack__(stream=stream, max_version=max_version, dl_device=dl_device, copy=copy)
 
     def __dlpack_device__(self):
         return self._data.__dlpack_device__()

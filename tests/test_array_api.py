@@ -76,6 +76,9 @@ def test_the_array_object_has_every_attribute_of_the_standard():
     with pytest.raises(TypeError, match="DLPack carries no mask"):
         x.__dlpack__()
     assert x.__dlpack_device__() == x.data.__dlpack_device__()
+    full = mnp.asarray(jnp.arange(3.0))  # fully valid: its data goes through DLPack, to numpy too
+    np.testing.assert_array_equal(np.from_dlpack(full), np.arange(3.0))
+    np.testing.assert_array_equal(mnp.from_dlpack(full).data, np.arange(3.0))
 
 
 @pytest.mark.parametrize("name", sorted(FUNCTIONS))

@@ -75,6 +75,31 @@ def test_split_pad_take_take_along_axis():
     assert mnp.atleast_2d(x[0]).shape == (1, 3)
 
 
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("axis", [None, 0, 1])
+def test_masked_indices_read_nothing(jit, axis):
+    """A masked index gives a masked element and no gradient, whatever position it holds (also
+    out of range); valid indices read as plain ones."""
+    import jax
+
+    d = jnp.arange(6.0).reshape(2, 3)
+    x = mj.masked_array(d, jnp.array([[True, False, True], [True, True, True]]))
+    idx = mj.masked_array(jnp.array([1, 99, 0]), jnp.array([True, False, True]))
+    take = jax.jit(mnp.take, static_argnames="axis") if jit else mnp.take
+    got = take(x, idx, axis=axis)
+    plain = mnp.take(x, jnp.array([1, 0, 0]), axis=axis)  # 99 replaced by any in-range index
+    keep = np.array([True, False, True]).reshape((1,) * (0 if axis in (None, 0) else 1) + (3,)
+                                                 + (1,) * (1 if axis == 0 else 0))
+    np.testing.assert_array_equal(got.mask, np.asarray(plain.mask) & keep)
+    np.testing.assert_array_equal(np.where(got.mask, got.data, 0), np.where(got.mask, plain.data, 0))
+    grad = jax.grad(lambda v: take(mj.masked_array(v, x.mask), idx, axis=axis).filled(0.0).sum())(d)
+    expect = jax.grad(lambda v: jnp.sum(jnp.where(got.mask, jnp.take(v, jnp.array([1, 0, 0]), axis=axis), 0)))(d)
+    np.testing.assert_array_equal(grad, expect * x.mask)
+    along = mnp.take_along_axis(x, mj.masked_array(jnp.array([[2], [9]]), jnp.array([[True], [False]])), axis=1)
+    np.testing.assert_array_equal(along.mask, [[True], [False]])
+    np.testing.assert_array_equal(along.data[0], [2.0])
+
+
 def test_at_updates_under_jit():
     import jax
 

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from masked_jax.ops._base import Pair, candidate_axes, fill, materialize, normalize_axis
+from masked_jax.ops._base import Pair, and_masks, candidate_axes, fill, materialize, normalize_axis
 from masked_jax.ops._registry import OpSpec, register, signature_of
 
 
@@ -80,33 +80,49 @@ def pad(x: Pair, pad_width, mode="constant", **kwargs) -> Pair:
 
 
 def take(x: Pair, indices, axis=None, mode=None, fill_value=None) -> Pair:
-    """``jnp.take``; out-of-range indices in the default ``"fill"`` mode give masked elements."""
-    _check_indices(indices)
+    """``jnp.take``; out-of-range indices in the default ``"fill"`` mode give masked elements, and so
+    do masked indices (a masked array of indices: its masked entries read nothing)."""
+    indices, valid_index = _split_indices(indices)
     data = jnp.take(x.data, indices, axis=axis, mode=mode, fill_value=fill_value)
     m = materialize(x.mask, jnp.shape(x.data))
     if mode in (None, "fill"):
         mask = jnp.take(m, indices, axis=axis, mode="fill", fill_value=False)
     else:
         mask = jnp.take(m, indices, axis=axis, mode=mode)
+    if valid_index is not None:  # the index's validity, at the output axes the index spans
+        before = 0 if axis is None else normalize_axis(axis, jnp.ndim(x.data))[0]
+        after = jnp.ndim(mask) - before - jnp.ndim(valid_index)
+        mask = mask & valid_index.reshape((1,) * before + valid_index.shape + (1,) * after)
     return Pair(data, mask)
 
 
 def take_along_axis(x: Pair, indices, axis=-1, mode=None, fill_value=None) -> Pair:
-    """``jnp.take_along_axis``; out-of-range indices in the default ``"fill"`` mode are masked."""
-    _check_indices(indices)
+    """``jnp.take_along_axis``; out-of-range indices in the default ``"fill"`` mode are masked, and
+    so are masked indices."""
+    indices, valid_index = _split_indices(indices)
     data = jnp.take_along_axis(x.data, indices, axis=axis, mode=mode, fill_value=fill_value)
     m = materialize(x.mask, jnp.shape(x.data))
     fill_mode = mode in (None, "fill")
     mask = jnp.take_along_axis(m, indices, axis=axis, mode=mode, fill_value=False if fill_mode else None)
-    return Pair(data, mask)
+    return Pair(data, and_masks(mask, valid_index))
 
 
-def _check_indices(indices):
+def _split_indices(indices):
+    """``(positions, validity)`` of integer indices: a plain array has validity ``None``; a masked
+    one (a ``MaskedArray`` or a ``Pair``) reads position 0 at its masked entries, whose outputs the
+    caller masks with the validity."""
+    valid = None
     if isinstance(indices, Pair) or hasattr(indices, "mask"):
-        raise TypeError("indices must be a plain integer array; a masked index has no defined position.")
+        if not hasattr(indices, "data"):
+            raise TypeError(f"indices must be an integer array or a masked array of them; got {type(indices).__name__}.")
+        indices, valid = jnp.asarray(indices.data), indices.mask
     dtype = jnp.result_type(indices)
     if not jnp.issubdtype(dtype, jnp.integer):
         raise TypeError(f"indices must be integers; got dtype {dtype}.")
+    if valid is None:
+        return indices, None
+    valid = materialize(valid, jnp.shape(indices))
+    return jnp.where(valid, indices, 0), valid
 
 
 def atleast(fn):
