@@ -107,7 +107,22 @@ def asarray(obj, /, *, dtype=None, device=None, copy=None) -> MaskedArray:
         return MaskedArray._from_pair(data, jnp.asarray(obj.mask, device=device, copy=copy))
     if isinstance(obj, SparseMasked):
         return asarray(obj.todense(), dtype=dtype, device=device, copy=copy)
+    if isinstance(obj, (list, tuple)):
+        leaves = jax.tree_util.tree_leaves(obj, is_leaf=_is_masked)
+        if builtins.any(_is_masked(v) for v in leaves):
+            # a nested sequence with masked elements: their data and masks, stacked alike
+            dense = jax.tree_util.tree_map(lambda v: v.todense() if isinstance(v, SparseMasked) else v, obj,
+                                           is_leaf=_is_masked)
+            data = jax.tree_util.tree_map(lambda v: v.data if _is_masked(v) else v, dense, is_leaf=_is_masked)
+            mask = jax.tree_util.tree_map(lambda v: v.mask if _is_masked(v) else np.ones(np.shape(v), np.bool_),
+                                          dense, is_leaf=_is_masked)
+            return MaskedArray._from_pair(jnp.asarray(data, dtype=dtype, device=device, copy=copy),
+                                          jnp.asarray(mask, device=device))
     return as_masked(jnp.asarray(obj, dtype=dtype, device=device, copy=copy))
+
+
+def _is_masked(v) -> builtins.bool:
+    return isinstance(v, (MaskedArray, SparseMasked))
 
 
 def from_dlpack(x, /, *, device=None, copy=None) -> MaskedArray:

@@ -25,7 +25,7 @@ from masked_jax._storage import SparseMasked
 from masked_jax.layouts import dispatch
 from masked_jax._core import MaskedArray
 from masked_jax.ops._base import Pair, and_masks, normalize_axis
-from masked_jax.ops.reductions import IDENTITY_REDUCTIONS, empty_slices
+from masked_jax.ops.reductions import IDENTITY_REDUCTIONS, NAN_OVER_EMPTY, empty_slices
 from masked_jax.ops._registry import ANNOTATIONS, OPERAND, OpSpec, on_register
 
 _SEMANTICS = {
@@ -160,10 +160,13 @@ class _Call:
                 params[name] = check(params[name], f"{self.qualname}: {name}")
         where = params.pop("where", None) if self.spec.family in _WHERE_FAMILIES else None
         self._check_supported(params)
-        if self.spec.name in IDENTITY_REDUCTIONS and operands and _empty_reduction(operands[0], params):
-            # a sum (prod, any, all) over a zero-size slice: jnp's identity, valid (nothing is masked)
+        if self.spec.name in IDENTITY_REDUCTIONS + NAN_OVER_EMPTY and operands \
+                and _empty_reduction(operands[0], params):
+            # a reduction over a zero-size slice: nothing is masked, so jnp's result, valid: the
+            # identity of a sum (prod, any, all), NaN for a mean (var, std: 0 / 0)
             out = self.dense(operands, params, where, labels)
-            return MaskedArray._from_pair(out.data, None)
+            data = jnp.full_like(out.data, jnp.nan) if self.spec.name in NAN_OVER_EMPTY else out.data
+            return MaskedArray._from_pair(data, None)
         if where is None and not any(params.get(n) is not None for n in self.spec.optional_operands) \
                 and any(isinstance(o, SparseMasked) for o in operands):
             return dispatch.apply(self.spec, operands, params, self.dense)

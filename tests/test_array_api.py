@@ -9,6 +9,7 @@ entries.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import json
 import pathlib
@@ -454,3 +455,38 @@ def test_sparse_layouts_give_the_dense_results():
             got, want = fn(lay), fn(dense)
             np.testing.assert_array_equal(got.mask, want.mask)
             np.testing.assert_array_equal(got.filled(0), want.filled(0))
+
+
+@pytest.mark.parametrize("name", ["arange", "eye", "full", "full_like", "linspace", "zeros", "linalg.svd",
+                                  "linalg.cholesky", "fft.fft", "fft.fftfreq"])
+def test_generated_wrappers_report_the_wrapped_signature(name):
+    """The creation, linalg and fft wrappers take jnp's parameters by jnp's names (the array, where
+    there is one, positional-only)."""
+    ours = functools.reduce(getattr, name.split("."), mnp)
+    theirs = functools.reduce(getattr, name.split("."), jnp)
+    got, want = list(inspect.signature(ours).parameters.values()), list(inspect.signature(theirs).parameters.values())
+    assert [p.name for p in got[1:]] == [p.name for p in want[1:]]
+    assert [p.default for p in got[1:]] == [p.default for p in want[1:]]
+
+
+def test_asarray_of_a_sequence_with_masked_elements_keeps_their_masks():
+    x = mj.masked_array(jnp.arange(4.0).reshape(2, 2), jnp.array([[True, False], [True, True]]))
+    t = mnp.asarray([[x[i, j] for i in range(2)] for j in range(2)], dtype=x.dtype)  # a transpose, by hand
+    np.testing.assert_array_equal(t.mask, np.asarray(x.mask).T)
+    np.testing.assert_array_equal(np.where(t.mask, t.data, 0), np.where(x.mask, x.data, 0).T)
+    mixed = mnp.asarray([x[0, 1], 5.0])
+    np.testing.assert_array_equal(mixed.mask, [False, True])
+    assert mixed.data[1] == 5.0
+
+
+@pytest.mark.parametrize("name", ["mean", "var", "std", "average", "sum", "prod"])
+def test_reductions_over_zero_size_slices_are_jnps_valid_results(name):
+    """No element at all means nothing is masked: jnp's identity or NaN, valid (all-masked slices
+    stay masked)."""
+    for shape, axis in [((0,), None), ((0, 3), 0)]:
+        got = getattr(mnp, name)(mnp.asarray(jnp.zeros(shape)), axis=axis)
+        want = getattr(jnp, name)(jnp.zeros(shape), axis=axis)
+        assert bool(got.mask.all()) and got.dtype == want.dtype
+        np.testing.assert_array_equal(got.data, want)
+    masked = getattr(mnp, name)(mj.masked_array(jnp.zeros(3), jnp.zeros(3, bool)))
+    assert not bool(masked.mask)

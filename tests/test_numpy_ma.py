@@ -16,7 +16,7 @@ from hypothesis.extra import numpy as hnp
 
 import masked_jax as mj
 from masked_jax.ops._base import normalize_axis
-from masked_jax.ops.reductions import IDENTITY_REDUCTIONS, empty_slices
+from masked_jax.ops.reductions import IDENTITY_REDUCTIONS, NAN_OVER_EMPTY, empty_slices
 import masked_jax.numpy as mnp
 from op_table import BY_FAMILY, quiet
 from strategies import ALL, assert_masked_equal, masked_arrays, masks, poison, tolerance, values
@@ -92,8 +92,8 @@ def test_reduction_matches_numpy_ma(op, data):
     except ValueError:
         assert x.size == 0, "numpy.ma only refuses reductions of empty arrays"
         ref = np.ma.masked_all(np.shape(got.data))
-    if op.name in IDENTITY_REDUCTIONS and empty_slices(x.shape, normalize_axis(kw.get("axis"), x.ndim)):
-        # a zero-size slice (nothing masked in it): jnp's identity, valid (numpy.ma masks it)
+    if op.name in IDENTITY_REDUCTIONS + NAN_OVER_EMPTY and empty_slices(x.shape, normalize_axis(kw.get("axis"), x.ndim)):
+        # a zero-size slice (nothing masked in it): jnp's identity or NaN, valid (numpy.ma masks it)
         ref = np.asarray(getattr(jnp, op.name)(x.data, **kw))
         expected_valid = np.ones(np.shape(got.data), bool)
     _check_against(got, ref, expected_valid, x.dtype)
@@ -128,4 +128,6 @@ def test_average_matches_numpy_ma(x, data):
     got = mnp.average(x, axis=axis, weights=jnp.asarray(w))
     ref = quiet(np.ma.average)(x.to_numpy_ma(), axis=axis, weights=w)
     expected_valid = np.sum(np.asarray(x.mask), axis=axis) > 0
+    if empty_slices(x.shape, normalize_axis(axis, x.ndim)):  # nothing masked: jnp's NaN, valid
+        ref, expected_valid = np.ma.asarray(jnp.average(x.data, axis=axis, weights=w)), np.ones(np.shape(got.data), bool)
     _check_against(got, np.ma.asarray(ref), expected_valid, x.dtype)

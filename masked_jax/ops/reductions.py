@@ -89,6 +89,7 @@ def _sum_and_count_jvp(axes, primals, tangents):
 
 
 IDENTITY_REDUCTIONS = ("sum", "prod", "any", "all")  # valid over a zero-size slice (see empty_slices)
+NAN_OVER_EMPTY = ("mean", "var", "std", "average")  # valid NaN over a zero-size slice, as jnp's 0 / 0
 
 
 def empty_slices(shape, axes) -> bool:
