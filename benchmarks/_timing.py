@@ -27,6 +27,7 @@ def progress(items, label):
 def result_path(stem):
     """``results/<stem>.png``, with ``_<backend>`` appended off the CPU (``optim_gpu.png``)."""
     backend = jax.default_backend()
+    os.makedirs(RESULTS, exist_ok=True)
     return os.path.join(RESULTS, stem + ("" if backend == "cpu" else f"_{backend}") + ".png")
 
 

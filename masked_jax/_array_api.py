@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from masked_jax._core import MaskedArray
+from masked_jax._core import MaskedArray, fully_valid_data
 from masked_jax._core import as_masked as _as_masked
 from masked_jax._storage import SparseMasked
 from masked_jax.ops._base import normalize_axis, result_dtype
@@ -615,25 +615,15 @@ def cross(x1, x2, /, *, axis: int = -1) -> MaskedArray:
 def _fully_valid(x, name):
     """The data of ``x`` when it is a plain array or a ``MaskedArray`` whose mask is concretely all
     True; otherwise a ``TypeError`` that says why."""
-    if isinstance(x, SparseMasked):
-        x = x.todense()
-    if not isinstance(x, MaskedArray):
-        return x
-    try:
-        all_valid = builtins.bool(np.asarray(x.mask).all())
-    except jax.errors.TracerArrayConversionError:
-        all_valid = False
-    if not all_valid:
-        raise TypeError(
-            f"{name} has no masked meaning: a decomposition or transform of an array with masked entries is "
-            "not defined by its valid entries alone. It accepts fully valid arrays (a concrete all-True mask); "
-            f"for the dense meaning call it on x.filled(value).")
-    return x.data
+    return fully_valid_data(x, name, "it has no masked meaning: a decomposition or transform of an array with "
+                            "masked entries is not defined by its valid entries alone; for the dense meaning call "
+                            "it on x.filled(value).")
 
 
 def _dense_only(fn, name):
     def dense(x, /, *args, **kwargs):
-        out = fn(_fully_valid(x, name), *(_fully_valid(a, name) for a in args), **kwargs)
+        out = fn(_fully_valid(x, name), *(_fully_valid(a, name) for a in args),
+                 **{k: _fully_valid(v, f"{name}'s {k}") for k, v in kwargs.items()})
         return jax.tree_util.tree_map(as_masked, out)
 
     return _document(dense, name.rsplit(".", 1)[-1],
@@ -641,7 +631,7 @@ def _dense_only(fn, name):
                      f"entries (or a traced mask) raises ``TypeError``: {name} has no masked meaning.",
                      ">>> import jax.numpy as jnp, masked_jax as mj, masked_jax.numpy as mnp", ">>> mnp.linalg.det(mnp.eye(2))", "MaskedArray(1.0, dtype=float32)",
                      ">>> mnp.linalg.det(mj.masked_array(jnp.eye(2), jnp.eye(2) > 0))",
-                     "Traceback (most recent call last):", "TypeError: linalg.det has no masked meaning: ...",
+                     "Traceback (most recent call last):", "TypeError: linalg.det must be fully valid (a concrete all-True mask): it has no masked meaning: ...",
                      signature_of=fn)
 
 

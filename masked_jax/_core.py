@@ -60,6 +60,23 @@ def html_table(data: np.ndarray, mask: np.ndarray, caption: str) -> str:
             f"<caption>{html.escape(caption)}</caption>{''.join(rows)}</table>")
 
 
+def fully_valid_data(x, what: str, why: str):
+    """The data of ``x`` when it is a plain value or a masked array whose mask is concretely all
+    True (a sparse layout is densified); otherwise a ``TypeError`` naming ``what`` and saying
+    ``why`` a masked entry has no meaning there."""
+    if isinstance(x, _layouts.SparseMasked):
+        x = x.todense()
+    if not isinstance(x, MaskedArray):
+        return x
+    try:
+        all_valid = bool(np.asarray(x.mask).all())
+    except jax.errors.TracerArrayConversionError:
+        all_valid = False
+    if not all_valid:
+        raise TypeError(f"{what} must be fully valid (a concrete all-True mask): {why}")
+    return x.data
+
+
 def _is_tracer(x) -> bool:
     return isinstance(x, jax.core.Tracer)
 

@@ -19,7 +19,7 @@ import inspect
 import jax.numpy as jnp
 
 from masked_jax import _validate, ops
-from masked_jax._core import _unwrap, _wrap, is_operand
+from masked_jax._core import _unwrap, _wrap, fully_valid_data, is_operand
 from masked_jax._methods import ArrayMethods
 from masked_jax._storage import SparseMasked
 from masked_jax.layouts import dispatch
@@ -120,6 +120,11 @@ def _as_mask(where, name):
     return w
 
 
+# parameters that take masked arrays (a masked index reads nothing); any other parameter given a
+# masked array takes its data when it is fully valid
+_MASKED_PARAMETERS = {("take", "indices"), ("take_along_axis", "indices")}
+
+
 class _Call:
     """The callable behind one public function: binding, unwrapping, dispatch, wrapping."""
 
@@ -155,6 +160,10 @@ class _Call:
                 params.update(value)
             else:
                 params[name] = value
+        for name, value in params.items():  # a masked array where jnp takes a plain one (repeats, shift)
+            if is_operand(value) and (self.spec.name, name) not in _MASKED_PARAMETERS:
+                params[name] = fully_valid_data(value, f"{self.qualname}: {name}",
+                                                "it is a parameter, not data, and a masked entry has no value to use.")
         for name, check in _validate.BY_NAME.items():  # arguments validated by kind, as jnp does or better
             if name in params:
                 params[name] = check(params[name], f"{self.qualname}: {name}")

@@ -490,3 +490,13 @@ def test_reductions_over_zero_size_slices_are_jnps_valid_results(name):
         np.testing.assert_array_equal(got.data, want)
     masked = getattr(mnp, name)(mj.masked_array(jnp.zeros(3), jnp.zeros(3, bool)))
     assert not bool(masked.mask)
+
+
+def test_parameters_given_as_fully_valid_masked_arrays_take_their_data():
+    """A parameter jnp takes as a plain array (repeats, rtol) may come as a masked array, as the
+    Array API suite passes them: fully valid, its data is used; with a masked entry it is refused."""
+    x = mnp.asarray(jnp.arange(3))
+    np.testing.assert_array_equal(mnp.repeat(x, mnp.asarray(jnp.array([1, 0, 2]))).data, [0, 2, 2])
+    np.testing.assert_allclose(mnp.linalg.pinv(mnp.eye(2), rtol=mnp.asarray(1e-3)).data, np.eye(2))
+    with pytest.raises(TypeError, match="repeats must be fully valid"):
+        mnp.repeat(x, mj.masked_array(jnp.array([1, 0, 2]), jnp.array([True, False, True])))
