@@ -128,15 +128,23 @@ def _check_mask(mask, shape):
             f"mask must have dtype bool (True = valid); got {mask.dtype}. "
             "Convert it with mask.astype(bool) or build it with a comparison."
         )
-    if mask.shape != tuple(shape):
-        try:
-            mask = jnp.broadcast_to(mask, shape)
-        except ValueError:
-            raise ValueError(
-                f"mask must have the data's shape {tuple(shape)} or broadcast to it; "
-                f"got mask of shape {mask.shape}."
-            ) from None
-    return mask
+    return compact(mask, shape)
+
+
+def compact(mask, shape):
+    """``mask`` stored at its own (compact) shape, with leading 1s up to ``len(shape)`` dims: a
+    (B, L, 1) token mask of (B, L, D) data stays (B, L, 1). It must broadcast to ``shape`` without
+    growing it."""
+    shape = tuple(shape)
+    mshape = tuple(jnp.shape(mask))
+    if mshape == shape:
+        return mask
+    ok = len(mshape) <= len(shape) and all(m in (1, d) for m, d in zip(mshape[::-1], shape[::-1]))
+    if not ok:
+        raise ValueError(
+            f"mask must have the data's shape {shape} or broadcast to it; got mask of shape {mshape}."
+        )
+    return jnp.reshape(mask, (1,) * (len(shape) - len(mshape)) + mshape)
 
 
 @jax.tree_util.register_pytree_with_keys_class
@@ -176,7 +184,7 @@ class MaskedArray(ArrayMethods):
         if mask is None:
             obj._mask = jnp.ones(data.shape, bool)
         else:
-            obj._mask = jnp.broadcast_to(mask, data.shape)
+            obj._mask = compact(mask, data.shape)  # a compact mask stays compact
         obj._data = with_mask_tangent(data, mask)  # None (all valid): nothing to mask
         return obj
 
@@ -203,7 +211,25 @@ class MaskedArray(ArrayMethods):
 
     @property
     def mask(self) -> jax.Array:
-        """The bool validity mask, ``True`` where the element is valid."""
+        """The bool validity mask at the data's shape, ``True`` where the element is valid (a
+        compact mask broadcast; see :attr:`compact_mask`)."""
+        if self._mask.shape == self._data.shape:
+            return self._mask
+        return jnp.broadcast_to(self._mask, self._data.shape)
+
+    @property
+    def compact_mask(self) -> jax.Array:
+        """The mask as stored: any shape of the data's rank that broadcasts to the data's shape,
+        such as (B, L, 1) for (B, L, D) data. Rules propagate it without broadcasting it (an
+        elementwise op of two compact masks gives their broadcast), so a token mask costs (B, L)
+        bools, not (B, L, D).
+
+        Examples:
+            >>> import jax.numpy as jnp, masked_jax as mj
+            >>> x = mj.masked_array(jnp.ones((2, 3, 4)), jnp.array([[True, True, False], [True, False, False]])[..., None])
+            >>> x.compact_mask.shape, x.mask.shape, (2 * x).compact_mask.shape
+            ((2, 3, 1), (2, 3, 4), (2, 3, 1))
+        """
         return self._mask
 
     shape = property(lambda self: tuple(self._data.shape), doc="Shape of the array.")
@@ -224,7 +250,7 @@ class MaskedArray(ArrayMethods):
             >>> mj.masked_array(jnp.array([1, 2]), jnp.array([True, False])).filled(-1)
             Array([ 1, -1], dtype=int32)
         """
-        return jnp.where(self._mask, self._data, jnp.asarray(fill_value, dtype=self.dtype))
+        return jnp.where(self._mask, self._data, jnp.asarray(fill_value, dtype=self.dtype))  # broadcasts
 
     def to_numpy_ma(self) -> np.ma.MaskedArray:
         """Convert to ``numpy.ma.MaskedArray``, **inverting** the mask (numpy.ma: True = invalid).
@@ -237,7 +263,7 @@ class MaskedArray(ArrayMethods):
         """
         if _is_tracer(self._data) or _is_tracer(self._mask):
             raise TypeError("to_numpy_ma() needs concrete values; it cannot run inside jit/vmap/grad.")
-        return np.ma.masked_array(np.asarray(self._data), mask=~np.asarray(self._mask))
+        return np.ma.masked_array(np.asarray(self._data), mask=~np.asarray(self.mask))
 
     def to_bcoo(self, nse: int | None = None) -> jsparse.BCOO:
         """A ``jax.experimental.sparse.BCOO`` holding exactly the valid entries (stored zeros too).
@@ -314,7 +340,7 @@ class MaskedArray(ArrayMethods):
             return f"MaskedArray({dt}[{shape}])"
         if self._mask.dtype == jax.dtypes.float0:  # a tangent or cotangent
             return f"MaskedArray(tangent={np.asarray(self._data)!r})"
-        body = format_values(np.asarray(self._data), np.asarray(self._mask))
+        body = format_values(np.asarray(self._data), np.asarray(self.mask))
         body = body.replace("\n", "\n" + " " * len("MaskedArray("))
         return f"MaskedArray({body}, dtype={self.dtype})"
 
@@ -324,8 +350,8 @@ class MaskedArray(ArrayMethods):
         """The notebook view: a table of the values, masked entries shown as ``--`` on grey."""
         if _is_tracer(self._data) or _is_tracer(self._mask) or self._mask.dtype != jnp.bool_:
             return f"<pre>{html.escape(repr(self))}</pre>"
-        return html_table(np.asarray(self._data), np.asarray(self._mask), f"MaskedArray {self.dtype}"
-                          f"[{', '.join(map(str, self.shape))}], {int(np.asarray(self._mask).sum())} valid")
+        return html_table(np.asarray(self._data), np.asarray(self.mask), f"MaskedArray {self.dtype}"
+                          f"[{', '.join(map(str, self.shape))}], {int(np.asarray(self.mask).sum())} valid")
 
     # -- indexing -----------------------------------------------------------------------------
     def __getitem__(self, index) -> "MaskedArray":

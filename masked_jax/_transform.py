@@ -87,7 +87,7 @@ def maskify(fun):
             if isinstance(leaf, SparseMasked):
                 leaf = leaf.todense()
             if isinstance(leaf, MaskedArray):
-                pairs.append(Pair(leaf.data, leaf.mask))
+                pairs.append(Pair(leaf.data, leaf.compact_mask))
                 dyn_pos.append(i)
             elif isinstance(leaf, (jax.Array, np.ndarray, np.generic)):
                 pairs.append(Pair(jnp.asarray(leaf), None))

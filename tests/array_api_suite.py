@@ -64,6 +64,24 @@ def compare(results: dict[str, dict[str, str]]) -> list[str]:
     return sorted(t for t, outcome in ref.items() if outcome == "passed" and ours.get(t) != "passed")
 
 
+RERUNS = 5
+
+
+def confirm(lost, suite: Path, max_examples: int) -> list[str]:
+    """Of the tests ``jax.numpy`` passed and ``masked_jax.numpy`` failed, those ``jax.numpy`` fails
+    itself when they run again (``RERUNS`` times): not reliable passes. Some tests draw their input
+    with hypothesis' ``.example()``, which no seed fixes (``test_special_cases.py::test_unary``:
+    ``sign(-0 - 0j)`` is ``-0 - 0j`` in both modules, where the standard wants ``0 + 0j``), so one
+    run of each module may see different inputs."""
+    unreliable = set()
+    for _ in range(RERUNS if lost else 0):
+        again = run("jax.numpy", suite, [t for t in lost if t not in unreliable], max_examples, 1)
+        unreliable |= {t for t, outcome in again.items() if outcome != "passed"}
+        if len(unreliable) == len(lost):
+            break
+    return sorted(unreliable)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("targets", nargs="*", default=["array_api_tests"])
@@ -74,10 +92,17 @@ def main(argv=None) -> int:
     suite = suite_dir(args.suite)
     results = {m: run(m, suite, args.targets, args.max_examples, args.workers) for m in MODULES}
     lost = compare(results)
+    unreliable = confirm(lost, suite, args.max_examples)
+    lost = [t for t in lost if t not in unreliable]
     for m in MODULES:
         outcomes = results[m].values()
         print(f"{m}: {sum(o == 'passed' for o in outcomes)} passed, {sum(o == 'failed' for o in outcomes)} failed, "
               f"{sum(o == 'skipped' for o in outcomes)} skipped")
+    if unreliable:
+        print(f"failed by masked_jax.numpy, and by jax.numpy too when run again ({RERUNS} more runs): "
+              f"{len(unreliable)}")
+        for t in unreliable:
+            print(f"  {t}")
     print(f"passed by jax.numpy and not by masked_jax.numpy: {len(lost)}")
     for t in lost:
         print(f"  {t}  ({results['masked_jax.numpy'].get(t, 'not run')})")

@@ -18,6 +18,8 @@ Built the way ``jax.experimental.sparse``'s ``test_util`` is: one args-maker per
   each with NaN/inf in padding slots and negative padding indices, give the dense-layout result,
   eager, under ``jit`` and under ``vmap`` (a batch of each layout in, its results out), and the
   same gradients per stored slot (exact zeros at padding);
+* ``compact``: masks stored compact ((n, 1) for whole rows, (1, m) for whole columns) give the
+  full-mask results and gradients, eager and under ``jit``;
 * ``maskify``: ``mj.maskify`` of the plain jax function equals the op, eager and under ``jit``.
 
 An op is left out of a check only by its registry entry (``OpSpec.excluded``, with the reason).
@@ -44,6 +46,8 @@ MASK_A = np.array([[1, 0, 1], [1, 1, 1], [0, 0, 0], [0, 1, 1]], bool)  # partial
 MASK_B = np.array([[1, 1, 0], [0, 1, 1], [1, 0, 1], [1, 1, 1]], bool)
 ROWS_A = np.repeat(np.array([1, 0, 1, 1], bool)[:, None], 3, 1)  # whole rows: every layout holds it
 ROWS_B = np.repeat(np.array([1, 1, 0, 1], bool)[:, None], 3, 1)
+COLS_A = np.repeat(np.array([[1, 0, 1]], bool), 4, 0)  # whole columns: a (1, 3) compact mask
+COLS_B = np.repeat(np.array([[1, 1, 0]], bool), 4, 0)
 LAYOUTS = ("bcoo", "bcoo_dup", "bcoo_batch", "bcoo_hybrid", "rows", "rows_dup")
 POISONS = (np.nan, np.inf, -np.inf)
 VMAP_LAYOUTS = ("bcoo_dup", "rows_dup")  # vmapped in and out: duplicates and poisoned padding, both kinds
@@ -403,6 +407,44 @@ def check_layouts(name):
                                            err_msg=f"{name} on {kind}: gradient per stored slot (0 at padding)")
 
 
+def compacted(mask):
+    """``mask`` at its compact shape: size 1 along every axis it does not vary along."""
+    m = np.asarray(mask)
+    for axis in range(m.ndim):
+        if m.shape[axis] > 1 and (m == m.take([0], axis=axis)).all():
+            m = m.take([0], axis=axis)
+    return jnp.asarray(m)
+
+
+def check_compact(name):
+    """Compact masks as one more layout: the operands with whole rows valid (a (n, 1) mask) and with
+    whole columns valid (a (1, m) mask) give the results and the gradients of the same operands with
+    full masks, NaN under the mask; every case eagerly, the first case under ``jit`` too."""
+    spec, row = REGISTRY[name], ROWS[name]
+    dtype = row.dtypes[0]
+    compact_seen = False
+    for masks in ((ROWS_A, ROWS_B), (COLS_A, COLS_B)):
+        ops = operands(name, dtype, masks=masks)
+        small = [mj.masked_array(o.data, compacted(o.mask)) if isinstance(o, mj.MaskedArray) else o for o in ops]
+        compact_seen |= any(isinstance(o, mj.MaskedArray) and o.compact_mask.shape != o.shape for o in small)
+        for c, case in enumerate(row.cases):
+            want = call(name, public(name), ops, case)
+            assert_same(call(name, public(name), small, case), want, row.rtol, f"{name} with compact masks ({case})")
+            if c:
+                continue
+            assert_same(jax.jit(lambda o: call(name, public(name), o, case))(small), want, row.rtol,
+                        f"{name} with compact masks under jit ({case})")
+            if "jacobians" in spec.excluded or not _float_out(want):
+                continue
+            pos = diff_position(ops)
+            shape = np.shape(_dense(want).data)
+            g_want = mj.grad(_loss(name, case, ops, shape, pos))(ops[pos])
+            g = mj.grad(_loss(name, case, small, shape, pos))(small[pos])
+            np.testing.assert_allclose(np.asarray(g.filled(0)), np.asarray(g_want.filled(0)), rtol=1e-9, atol=1e-12,
+                                       err_msg=f"{name} with compact masks: gradient")
+    assert compact_seen, f"{name}: no operand of its row took a compact mask"
+
+
 def check_maskify(name):
     spec, row = REGISTRY[name], ROWS[name]
     fn = row.jax or spec.fn
@@ -420,4 +462,4 @@ def check_oracle(name):
 
 
 CHECKS = {"reference": check_reference, "oracle": check_oracle, "transforms": check_transforms, "jacobians": check_jacobians,
-          "poison": check_poison, "layouts": check_layouts, "maskify": check_maskify}
+          "poison": check_poison, "layouts": check_layouts, "compact": check_compact, "maskify": check_maskify}

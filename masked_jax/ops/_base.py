@@ -80,6 +80,38 @@ def materialize(mask: Mask, shape) -> jnp.ndarray:
     return jnp.broadcast_to(mask, shape)
 
 
+def ranked(mask: Mask, ndim: int) -> Mask:
+    """``mask`` with leading 1s up to ``ndim`` dims (a compact mask keeps its sizes)."""
+    if mask is None or jnp.ndim(mask) == ndim:
+        return mask
+    return jnp.reshape(mask, (1,) * (ndim - jnp.ndim(mask)) + tuple(jnp.shape(mask)))
+
+
+def compact_or_ones(mask: Mask, shape) -> jnp.ndarray:
+    """``mask`` at the data's rank, kept compact; ``None`` (all valid) as a (1, ..., 1) True."""
+    return jnp.ones((1,) * len(shape), bool) if mask is None else ranked(mask, len(shape))
+
+
+def any_valid(mask, shape, axes, keepdims=False):
+    """Validity of a reduction over ``axes`` of data of ``shape``: whether each slice has a valid
+    element, at the compact shape of the kept axes (``mask`` is compact, of the data's rank). A
+    zero-size slice has none."""
+    out = jnp.any(mask, axis=axes, keepdims=True)
+    if any(shape[a] == 0 for a in axes):
+        out = jnp.zeros_like(out)
+    return out if keepdims else jnp.squeeze(out, axis=axes)
+
+
+def count_valid(mask, shape, axes, keepdims=False):
+    """The number of valid elements of each slice over ``axes`` (int32), at the compact shape of
+    the kept axes: axes along which the compact ``mask`` does not vary count their length."""
+    varying = tuple(a for a in axes if mask.shape[a] != 1)
+    factor = int(np.prod([shape[a] for a in axes if mask.shape[a] == 1], dtype=np.int64))
+    n = jnp.sum(mask, axis=varying, keepdims=True, dtype=jnp.int32) if varying else mask.astype(jnp.int32)
+    n = n * factor if factor != 1 else n
+    return n if keepdims else jnp.squeeze(n, axis=axes)
+
+
 def normalize_axis(axis, ndim: int) -> tuple[int, ...]:
     """``axis`` (None, int or tuple) as a sorted tuple of non-negative ints."""
     if axis is None:

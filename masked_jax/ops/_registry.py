@@ -26,7 +26,7 @@ from typing import Any, Callable, Mapping
 FAMILIES = ("elementwise", "binary", "reductions", "normalization", "shape", "linalg")
 
 # The checks of the conformance harness; a spec leaves one out with a reason (``excluded``).
-CHECKS = ("reference", "oracle", "transforms", "jacobians", "poison", "layouts", "maskify")
+CHECKS = ("reference", "oracle", "transforms", "jacobians", "poison", "layouts", "compact", "maskify")
 
 # Parameters a masked op accepts with their jnp meaning only at the default value.
 _UNSUPPORTED_DEFAULTS = {"out": None}

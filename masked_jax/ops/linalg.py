@@ -25,7 +25,7 @@ import inspect
 
 import jax.extend.core.primitives as P
 
-from masked_jax.ops._base import Pair, fill
+from masked_jax.ops._base import Pair, and_masks, any_valid, fill, ranked
 from masked_jax.ops._registry import OpSpec, register, signature_of
 
 
@@ -36,23 +36,90 @@ def contraction(fn):
         if all(o.mask is None for o in operands):
             return Pair(fn(*(o.data for o in operands), **kwargs), None)
         valid = [jnp.broadcast_to(True if o.mask is None else o.mask, jnp.shape(o.data)) for o in operands]
-        counts = [v.astype(jnp.float32) for v in valid]
-        mask = fn(*counts, **kwargs) > 0
-        filled = [fill(o.data, o.mask, 0) for o in operands]
-        if len(operands) != 2 or not all(jnp.issubdtype(jnp.result_type(o.data), jnp.floating) for o in operands):
-            return Pair(fn(*filled, **kwargs), mask)
-        (a, b), (va, vb) = [jnp.asarray(o.data) for o in operands], valid
-        nonfinite = jnp.any(va & ~jnp.isfinite(a)) | jnp.any(vb & ~jnp.isfinite(b))
-        if not any(isinstance(v, jax.core.Tracer) for v in (a, b, va, vb)):
-            # eagerly the branch is known: only the program that runs is built (no compile of the other)
-            return Pair(_with_nonfinite(fn, kwargs, a, b, va, vb) if bool(nonfinite) else fn(*filled, **kwargs), mask)
-        data = jax.lax.cond(nonfinite, lambda: _with_nonfinite(fn, kwargs, a, b, va, vb),
-                            lambda: fn(*filled, **kwargs))
-        return Pair(data, mask)
+        mask = fn(*(v.astype(jnp.float32) for v in valid), **kwargs) > 0
+        return Pair(_contract_data(fn, operands, **kwargs), mask)
 
     rule.__name__ = getattr(fn, "__name__", "contraction")
     rule.fn = fn
     return rule
+
+
+def _contract_data(fn, operands, **kwargs):
+    """The data of a contraction over jointly valid terms: masked entries zero-filled, and, for two
+    float operands, the exact rule for valid non-finite entries (see the module docstring)."""
+    filled = [fill(o.data, o.mask, 0) for o in operands]
+    if len(operands) != 2 or not all(jnp.issubdtype(jnp.result_type(o.data), jnp.floating) for o in operands):
+        return fn(*filled, **kwargs)
+    a, b = [jnp.asarray(o.data) for o in operands]
+    va, vb = [jnp.broadcast_to(True if o.mask is None else o.mask, jnp.shape(o.data)) for o in operands]
+    nonfinite = jnp.any(va & ~jnp.isfinite(a)) | jnp.any(vb & ~jnp.isfinite(b))
+    if not any(isinstance(v, jax.core.Tracer) for v in (a, b, va, vb)):
+        # eagerly the branch is known: only the program that runs is built (no compile of the other)
+        return _with_nonfinite(fn, kwargs, a, b, va, vb) if bool(nonfinite) else fn(*filled, **kwargs)
+    return jax.lax.cond(nonfinite, lambda: _with_nonfinite(fn, kwargs, a, b, va, vb), lambda: fn(*filled, **kwargs))
+
+
+def dot_general(bind, a: Pair, b: Pair, dimension_numbers) -> Pair:
+    """``lax.dot_general`` over jointly valid terms, with compact masks.
+
+    ``bind(a, b)`` contracts data (the primitive with its parameters). Where the masks allow, the
+    output mask comes from the masks alone, with no mask contraction, and stays compact:
+
+    when neither mask varies along the contracted dims (a (B, L, 1) token mask times a dense
+    layer's weights; queries against keys over the head dim), an output is valid iff both operands'
+    slices are, and each output has all its terms valid or none. Zero-filling is then exact (a
+    valid ``inf`` never meets a masked entry) and the output mask is the broadcast of the two
+    reduced masks, with no mask contraction. Otherwise the general :func:`contraction` rule runs.
+    """
+    (lc, rc), (lb, rb) = dimension_numbers
+    nda, ndb = jnp.ndim(a.data), jnp.ndim(b.data)
+    ma, mb = ranked(a.mask, nda), ranked(b.mask, ndb)
+    if ma is None and mb is None:
+        return Pair(bind(a.data, b.data), None)
+    const_a = ma is None or all(ma.shape[d] == 1 for d in lc)
+    const_b = mb is None or all(mb.shape[d] == 1 for d in rc)
+    if not (const_a and const_b):  # a masked term may meet a valid inf: the data by the general rule
+        data = _contract_data(lambda x, y: bind(x, y), [a, b])
+        return Pair(data, _compact_mask_contraction(ma, mb, jnp.shape(a.data), jnp.shape(b.data), lc, rc, lb, rb))
+    free_a = [d for d in range(nda) if d not in lc and d not in lb]
+    free_b = [d for d in range(ndb) if d not in rc and d not in rb]
+
+    def side(m, contract, batch, free, before, after, shape):
+        """``any`` of ``m`` over the contracted dims, in the output's layout (batch, lhs free, rhs
+        free), 1 on the other operand's free dims."""
+        if m is None:
+            return None
+        r = any_valid(m, shape, tuple(contract), keepdims=True)
+        r = jnp.transpose(r, list(batch) + list(free) + list(contract))
+        r = jnp.reshape(r, r.shape[:len(batch)] + (1,) * before + r.shape[len(batch):len(batch) + len(free)]
+                        + (1,) * after)
+        return r
+
+    out_a = side(ma, lc, lb, free_a, 0, len(free_b), jnp.shape(a.data))
+    out_b = side(mb, rc, rb, free_b, len(free_a), 0, jnp.shape(b.data))
+    data = bind(fill(a.data, ma, 0), fill(b.data, mb, 0))
+    return Pair(data, and_masks(out_a, out_b))
+
+
+def _compact_mask_contraction(ma, mb, shape_a, shape_b, lc, rc, lb, rb):
+    """The output mask of a ``dot_general`` (is there a jointly valid term?) contracted on the
+    compact masks: a contracted dim along which one mask is 1 is reduced (``any``) in the other
+    first, batch dims are brought to a common size, free dims stay compact."""
+    ma = jnp.ones((1,) * len(shape_a), bool) if ma is None else ma
+    mb = jnp.ones((1,) * len(shape_b), bool) if mb is None else mb
+    for da, db in zip(lc, rc):
+        if ma.shape[da] == 1 and mb.shape[db] != 1:
+            mb = any_valid(mb, mb.shape, (db,), keepdims=True)
+        elif mb.shape[db] == 1 and ma.shape[da] != 1:
+            ma = any_valid(ma, ma.shape, (da,), keepdims=True)
+        if shape_a[da] == 0:  # nothing to contract: no term at all
+            ma = jnp.zeros_like(ma)
+    for da, db in zip(lb, rb):
+        size = max(ma.shape[da], mb.shape[db])
+        ma = jnp.broadcast_to(ma, ma.shape[:da] + (size,) + ma.shape[da + 1:])
+        mb = jnp.broadcast_to(mb, mb.shape[:db] + (size,) + mb.shape[db + 1:])
+    counts = jax.lax.dot_general(ma.astype(jnp.float32), mb.astype(jnp.float32), ((lc, rc), (lb, rb)))
+    return counts > 0
 
 
 def _with_nonfinite(fn, kwargs, a, b, va, vb):

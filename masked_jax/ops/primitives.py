@@ -27,7 +27,7 @@ import numpy as np
 from jax import lax
 
 from masked_jax.ops import binary, elementwise, linalg, reductions, shape
-from masked_jax.ops._base import Pair, and_masks, fill, highest, lowest, materialize
+from masked_jax.ops._base import Pair, and_masks, fill, highest, lowest, materialize, ranked
 from masked_jax.ops._registry import REGISTRY, OpSpec, on_register
 
 STRUCTURAL: dict = {}  # primitive -> rule(prim, invals, **params)
@@ -108,6 +108,8 @@ def _binary(spec):
 
 def _linalg(spec):
     def rule(prim, invals, **params):
+        if prim is P.dot_general_p:
+            return linalg.dot_general(_bound(prim, params), *invals, params["dimension_numbers"])
         return linalg.contraction(_bound(prim, params))(*invals)
     return rule
 
@@ -189,6 +191,64 @@ def _passthrough(prim, invals, **params):
     _require_valid(prim, rest)
     extra = [r.data for r in rest]
     return shape.passthrough(lambda d: prim.bind(d, *extra, **params))(x)
+
+
+def _compact_shape_op(prim, invals, **params):
+    """Shape primitives that keep a compact mask compact: ``transpose`` and ``squeeze`` act on the
+    mask as on the data, ``broadcast_in_dim`` broadcasts it only along the dims it already has,
+    ``reshape`` keeps it compact where each group of merged or split dims is all 1 or all full in
+    the mask (else, as the other shape primitives, it materialises the mask)."""
+    x = invals[0]
+    shape = jnp.shape(x.data)
+    m = ranked(x.mask, len(shape))
+    if m is None or jnp.shape(m) == shape or len(invals) > 1:
+        return _passthrough(prim, invals, **params)
+    data = prim.bind(x.data, **params)
+    if prim in (P.transpose_p, P.squeeze_p):
+        return Pair(data, prim.bind(m, **params))
+    if prim is P.broadcast_in_dim_p:
+        out = [1] * len(params["shape"])
+        for i, d in enumerate(params["broadcast_dimensions"]):
+            out[d] = m.shape[i]
+        return Pair(data, jax.lax.broadcast_in_dim(m, tuple(out), params["broadcast_dimensions"]))
+    if prim is P.reshape_p and params.get("dimensions") is None:
+        new = _reshaped_compact(m, shape, tuple(params["new_sizes"]))
+        if new is not None:
+            return Pair(data, new)
+    return _passthrough(prim, invals, **params)
+
+
+def _reshaped_compact(m, old, new):
+    """``m`` (compact, for data of shape ``old``) reshaped for data of shape ``new``, or ``None``
+    when a group of dims that the reshape merges or splits is partly compact."""
+    if 0 in old or 0 in new:
+        return None
+    out, i, j = [], 0, 0
+    while i < len(old) or j < len(new):
+        gi, gj = [i], [j]  # the smallest groups of old and new dims with equal sizes
+        po, pn = (old[i] if i < len(old) else 1), (new[j] if j < len(new) else 1)
+        i, j = i + 1, j + 1
+        while po != pn:
+            if po < pn:
+                if i >= len(old):
+                    return None
+                po *= old[i]
+                gi.append(i)
+                i += 1
+            else:
+                if j >= len(new):
+                    return None
+                pn *= new[j]
+                gj.append(j)
+                j += 1
+        sizes = [m.shape[k] for k in gi if k < len(old)]
+        if all(sz == 1 for sz in sizes):
+            out += [1] * len([k for k in gj if k < len(new)])
+        elif all(m.shape[k] == old[k] for k in gi if k < len(old)):
+            out += [new[k] for k in gj if k < len(new)]
+        else:
+            return None
+    return jnp.reshape(m, tuple(out)) if len(out) == len(new) else None
 
 
 def _require_valid(prim, operands, what="index"):
@@ -370,9 +430,10 @@ _DEBUG_CALLBACK_P = staged_primitive("debug_callback", lambda a: jax.debug.callb
 _PURE_CALLBACK_P = staged_primitive("pure_callback", lambda a: jax.pure_callback(
     lambda b: b, jax.ShapeDtypeStruct((4,), jnp.float32), a), _ONES)
 
-_PASSTHROUGH = [P.reshape_p, P.transpose_p, P.broadcast_in_dim_p, P.squeeze_p, P.rev_p, P.slice_p,
-                P.dynamic_slice_p, _TILE_P]
+_PASSTHROUGH = [P.rev_p, P.slice_p, P.dynamic_slice_p, _TILE_P]
 STRUCTURAL.update({prim: _passthrough for prim in _PASSTHROUGH if prim is not None})
+STRUCTURAL.update({prim: _compact_shape_op for prim in (P.reshape_p, P.transpose_p, P.broadcast_in_dim_p,
+                                                        P.squeeze_p)})
 STRUCTURAL.update({P.conv_general_dilated_p: _conv, P.reduce_window_sum_p: _reduce_window(lambda d: 0),
                    P.reduce_window_max_p: _reduce_window(lowest), P.reduce_window_min_p: _reduce_window(highest),
                    P.reduce_xor_p: _reduce_xor, lax.optimization_barrier_p: _same_value, P.sharding_constraint_p: _same_value,

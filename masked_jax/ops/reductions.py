@@ -25,13 +25,28 @@ import numpy as np
 
 import jax.extend.core.primitives as P
 
-from masked_jax.ops._base import (Pair, accumulation_dtype, fill, highest, lowest, materialize, normalize_axis,
-                                  result_dtype)
+from masked_jax.ops._base import (Pair, accumulation_dtype, any_valid, compact_or_ones, count_valid, fill, highest,
+                                  lowest, materialize, normalize_axis, result_dtype)
 from masked_jax.ops._registry import OpSpec, register, rule_signature, signature_of
 
 
 def _mask(x: Pair):
     return materialize(x.mask, jnp.shape(x.data))
+
+
+def _compact(x: Pair):
+    """The mask at the data's rank, compact (``None``: a (1, ..., 1) True)."""
+    return compact_or_ones(x.mask, jnp.shape(x.data))
+
+
+def sum_count(data, mask, axes):
+    """``(sum(data), count(mask))`` over ``axes``; ``data`` is 0 where ``mask`` is False. A mask at
+    the data's shape takes the one-pass :func:`sum_and_count`; a compact one sums the data and counts
+    the compact mask (at the compact shape)."""
+    if jnp.shape(mask) == jnp.shape(data):
+        return sum_and_count(data, mask, axes)
+    acc = accumulation_dtype(data.dtype)
+    return jnp.sum(data.astype(acc), axis=axes).astype(data.dtype), count_valid(mask, jnp.shape(data), axes)
 
 
 def _float_dtype(dtype):
@@ -107,7 +122,11 @@ def _keep(x, axes, keepdims):
 
 def count(x: Pair, axis=None, keepdims=False):
     """Number of valid elements (a plain array: a count is always defined)."""
-    return jnp.sum(_mask(x), axis=normalize_axis(axis, np.ndim(x.data)), keepdims=keepdims)
+    shape = jnp.shape(x.data)
+    axes = normalize_axis(axis, len(shape))
+    n = count_valid(_compact(x), shape, axes, keepdims=True)  # a plain array: at the output's shape
+    n = jnp.broadcast_to(n, [1 if a in axes else d for a, d in enumerate(shape)])
+    return n if keepdims else jnp.squeeze(n, axis=axes)
 
 
 def _sum_dtype(dtype, requested):
@@ -116,26 +135,26 @@ def _sum_dtype(dtype, requested):
 
 
 def sum(x: Pair, axis=None, dtype=None, keepdims=False) -> Pair:  # noqa: A001
-    m = _mask(x)
+    m = _compact(x)
     data = jnp.asarray(x.data)
     axes = normalize_axis(axis, m.ndim)
-    total, n = sum_and_count(fill(data, m, 0).astype(_sum_dtype(data.dtype, dtype)), m, axes)
+    total, n = sum_count(fill(data, m, 0).astype(_sum_dtype(data.dtype, dtype)), m, axes)
     return Pair(_keep(total, axes, keepdims), _keep(n > 0, axes, keepdims))
 
 
 def prod(x: Pair, axis=None, dtype=None, keepdims=False) -> Pair:
-    m = _mask(x)
+    m = _compact(x)
     axes = normalize_axis(axis, m.ndim)
     data = jnp.prod(fill(x.data, m, 1), axis=axes, keepdims=keepdims, dtype=dtype)
-    return Pair(data, jnp.any(m, axis=axes, keepdims=keepdims))
+    return Pair(data, any_valid(m, jnp.shape(x.data), axes, keepdims))
 
 
 def mean(x: Pair, axis=None, dtype=None, keepdims=False) -> Pair:
-    m = _mask(x)
+    m = _compact(x)
     dtype = result_dtype(jnp.mean, jnp.result_type(x.data), dtype=dtype)
     acc = accumulation_dtype(dtype)  # float16/bfloat16: the sum and the quotient in float32, as jnp
     axes = normalize_axis(axis, m.ndim)
-    total, n = sum_and_count(fill(x.data, m, 0).astype(acc), m, axes)
+    total, n = sum_count(fill(x.data, m, 0).astype(acc), m, axes)
     valid = n > 0
     out = _safe_div(total, n.astype(acc), valid).astype(dtype)
     return Pair(_keep(out, axes, keepdims), _keep(valid, axes, keepdims))
@@ -144,13 +163,13 @@ def mean(x: Pair, axis=None, dtype=None, keepdims=False) -> Pair:
 def var(x: Pair, axis=None, dtype=None, ddof=0, keepdims=False, *, correction=None) -> Pair:
     if correction is not None:
         ddof = correction
-    m = _mask(x)
+    m = _compact(x)
     out_dtype = result_dtype(jnp.var, jnp.result_type(x.data), dtype=dtype)
     # jnp.var computes in the input's inexact dtype (float32 for float16/bfloat16), or in ``dtype``
     work = accumulation_dtype(dtype or (x.data.dtype if jnp.issubdtype(x.data.dtype, jnp.inexact) else out_dtype))
     data = fill(x.data, m, 0).astype(work)
     axes = normalize_axis(axis, m.ndim)
-    total, n = sum_and_count(data, m, axes)
+    total, n = sum_count(data, m, axes)
     centre = jnp.expand_dims(total / jnp.maximum(n, 1).astype(work), axes)
     dev = jnp.where(m, data - centre, 0)
     sq = jnp.real(dev * jnp.conj(dev)) if jnp.iscomplexobj(dev) else dev * dev
@@ -167,19 +186,19 @@ def std(x: Pair, axis=None, dtype=None, ddof=0, keepdims=False, *, correction=No
 
 
 def max(x: Pair, axis=None, keepdims=False) -> Pair:  # noqa: A001
-    m = _mask(x)
+    m = _compact(x)
     axes = normalize_axis(axis, m.ndim)
     init = lowest(jnp.result_type(x.data))
     data = jnp.max(fill(x.data, m, init), axis=axes, keepdims=keepdims, initial=init)
-    return Pair(data, jnp.any(m, axis=axes, keepdims=keepdims))
+    return Pair(data, any_valid(m, jnp.shape(x.data), axes, keepdims))
 
 
 def min(x: Pair, axis=None, keepdims=False) -> Pair:  # noqa: A001
-    m = _mask(x)
+    m = _compact(x)
     axes = normalize_axis(axis, m.ndim)
     init = highest(jnp.result_type(x.data))
     data = jnp.min(fill(x.data, m, init), axis=axes, keepdims=keepdims, initial=init)
-    return Pair(data, jnp.any(m, axis=axes, keepdims=keepdims))
+    return Pair(data, any_valid(m, jnp.shape(x.data), axes, keepdims))
 
 
 def ptp(x: Pair, axis=None, keepdims=False) -> Pair:
@@ -230,17 +249,17 @@ def argmin(x: Pair, axis=None, keepdims=None) -> Pair:
 
 
 def any(x: Pair, axis=None, keepdims=False) -> Pair:  # noqa: A001
-    m = _mask(x)
+    m = _compact(x)
     axes = normalize_axis(axis, m.ndim)
     data = jnp.any(fill(x.data, m, 0), axis=axes, keepdims=keepdims)
-    return Pair(data, jnp.any(m, axis=axes, keepdims=keepdims))
+    return Pair(data, any_valid(m, jnp.shape(x.data), axes, keepdims))
 
 
 def all(x: Pair, axis=None, keepdims=False) -> Pair:  # noqa: A001
-    m = _mask(x)
+    m = _compact(x)
     axes = normalize_axis(axis, m.ndim)
     data = jnp.all(fill(x.data, m, 1), axis=axes, keepdims=keepdims)
-    return Pair(data, jnp.any(m, axis=axes, keepdims=keepdims))
+    return Pair(data, any_valid(m, jnp.shape(x.data), axes, keepdims))
 
 
 def shifted_by_max(x: Pair, axis):
@@ -249,7 +268,7 @@ def shifted_by_max(x: Pair, axis):
     Masked data is 0 before shifting; the max is a constant for autodiff and 0
     where a slice has no (finite) valid maximum.
     """
-    m = _mask(x)
+    m = _compact(x)
     data = fill(x.data, m, 0)
     if not jnp.issubdtype(data.dtype, jnp.inexact):
         data = data.astype(_float_dtype(data.dtype))
@@ -262,7 +281,7 @@ def logsumexp(x: Pair, axis=None, keepdims=False) -> Pair:
     z, m, top = shifted_by_max(x, axis)
     axes = normalize_axis(axis, z.ndim)
     total = jnp.sum(jnp.where(m, jnp.exp(z), 0), axis=axes, keepdims=keepdims)
-    valid = jnp.any(m, axis=axes, keepdims=keepdims)
+    valid = any_valid(m, jnp.shape(z), axes, keepdims)
     top = top if keepdims else jnp.squeeze(top, axis=axes)
     # as jax.nn.logsumexp: log of the sum plus the shift, NaN in, NaN out (a fully masked slice: -inf)
     out = jnp.log(jnp.where(valid, total, 1)) + top
