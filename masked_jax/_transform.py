@@ -310,9 +310,17 @@ class _Interpreter:
     def control(self, prim, params, invals, is_literal=None):
         if prim in _CALLS:
             closed = params.get("jaxpr") or params.get("call_jaxpr") or params.get("fun_jaxpr")
-            if isinstance(closed, jcore.ClosedJaxpr):
-                return self.run(closed.jaxpr, closed.consts, invals, is_literal)
-            return self.run(closed, (), invals, is_literal)
+            try:
+                if isinstance(closed, jcore.ClosedJaxpr):
+                    return self.run(closed.jaxpr, closed.consts, invals, is_literal)
+                return self.run(closed, (), invals, is_literal)
+            except MaskifyError as err:
+                user = _public_name(params.get("name")) if prim is P.jit_p else None
+                if user is None:
+                    raise
+                new = MaskifyError(_inside_public_call(self.fun_name, user, err))
+                new.detail = getattr(err, "detail", None) or str(err).split(": ", 1)[-1]  # the primitive's
+                raise new from None
         if prim is P.cond_p:
             index, *ops = invals
             if index.mask is not None:
@@ -355,6 +363,35 @@ class _Interpreter:
         carry, ys = lax.scan(step, carry, xs, length=params["length"], reverse=params["reverse"],
                              unroll=params["unroll"])
         return list(carry) + list(ys)
+
+
+def _public_name(name):
+    """``"jnp.searchsorted"`` for the jit call of a public ``jax.numpy`` / ``jax.nn`` function, else
+    ``None`` (jax's internal helpers start with ``_``)."""
+    if not name or name.startswith("_"):
+        return None
+    for label, module in (("jnp", jnp), ("jax.nn", jax.nn)):
+        if callable(getattr(module, name, None)):
+            return f"{label}.{name}"
+    return None
+
+
+def _inside_public_call(fun_name, user, err):
+    """The message for a primitive without a masked meaning met inside ``user`` (a jax function):
+    the user-level function first, the masked function to call instead where there is one, the
+    primitive's detail last."""
+    from masked_jax import nn as mnn, numpy as mnp
+
+    short = user.split(".")[-1]
+    module = mnn if user.startswith("jax.nn") else mnp
+    instead = (f" Call masked_jax.{module.__name__.split('.')[-1]}.{short}, its masked version, directly"
+               + (" (jnp.interp and jnp.histogram call jnp.searchsorted: masked_jax.numpy.interp and "
+                  "masked_jax.numpy.histogram are theirs)." if short == "searchsorted" else ".")
+               if hasattr(module, short) else " Fill the operand first (x.filled(...)).")
+    detail = getattr(err, "detail", None) or str(err).split(": ", 1)[-1]
+    out = (f"maskify({fun_name}): {user} is not supported on a masked operand; its implementation "
+           f"reads elements in a way that has no masked meaning.{instead} (Inside {user}: {detail})")
+    return out
 
 
 def _known(v, table) -> bool:

@@ -119,6 +119,11 @@ def _logsumexp(d, axis=None, keepdims=False):
     return out if keepdims else np.squeeze(out, axis=axis)
 
 
+def _logmeanexp(d, axis=None, keepdims=False):
+    n = np.sum(~np.isnan(d), axis=axis, keepdims=keepdims)
+    return _logsumexp(d, axis=axis, keepdims=keepdims) - np.log(np.maximum(n, 1))
+
+
 def _norm(d, ord=None, axis=None, keepdims=False):
     a = np.abs(np.nan_to_num(d))
     if ord in (None, 2):
@@ -323,6 +328,7 @@ REDUCTIONS = {
     "any": Row(_ma_reduce("any"), cases=AXES, dtypes=(F64, B)),
     "all": Row(_ma_reduce("all"), cases=AXES, dtypes=(F64, B)),
     "logsumexp": Row(over_valid(_logsumexp), cases=AXES),
+    "logmeanexp": Row(over_valid(_logmeanexp), cases=AXES),
     "cumsum": Row(_ma_reduce("cumsum"), cases=({}, {"axis": 1}, {"axis": 0}), dtypes=(F64, I32)),
     "cumprod": Row(_ma_reduce("cumprod"), cases=({"axis": 1},), domain=((0.5, 1.5),)),
     "average": Row(quiet(lambda a, w, **kw: np.ma.average(a, weights=w, **kw)), make=_average_make,
@@ -476,7 +482,7 @@ def _oracle_refs():
                                          "slice: the partial-mask reference is numpy.ma's (reference check)"),
         "corrcoef": Oracle(partial=False, why="as cov: numpy.ma.corrcoef is the partial-mask reference",
                            undefined="a correlation with a zero variance (jnp: 0/0) is masked"),
-        **{n: Oracle(complex_specials=False, why=_COMPLEX_NAN) for n in ("max", "min", "ptp", "logsumexp")},
+        **{n: Oracle(complex_specials=False, why=_COMPLEX_NAN) for n in ("max", "min", "ptp", "logsumexp", "logmeanexp")},
         **{n: Oracle(skip_dtypes=("uint8", "uint16", "uint32", "uint64"), why=_UNSIGNED_SHIFT)
            for n in ("softmax", "log_softmax")},
         "take": Oracle(cases=in_range, why="an out-of-range index gives a masked element, where jnp.take "

@@ -54,7 +54,7 @@ _ORDER = ("summation order: value and count are reduced in one variadic reductio
 _FMA = ("the linear interpolation a*w0 + b*w1 may be contracted by XLA into a fused multiply-add in one "
         "program and not in the other (1 ulp)")
 ROUNDING = {**{name: _ORDER for name in ("sum", "mean", "var", "std", "average", "norm", "cov", "corrcoef",
-                                         "logsumexp", "softmax", "log_softmax", "softmin", "normalize", "cumsum",
+                                         "logsumexp", "logmeanexp", "softmax", "log_softmax", "softmin", "normalize", "cumsum",
                                          "cumprod", "prod", "matmul", "dot", "vdot", "inner", "tensordot", "einsum")},
             **{name: _FMA for name in ("quantile", "percentile", "median")}}
 SUMMATION_ORDER = set(ROUNDING)

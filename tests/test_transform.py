@@ -376,3 +376,79 @@ def test_checkpoint_and_barriers_are_interpreted():
     _same(mj.maskify(lambda v: jax.lax.optimization_barrier(v) + 1.0)(X), X + 1.0)
     g = mj.grad(mj.maskify(lambda v: jnp.sum(jax.checkpoint(f)(v))))(X)
     _same(g, mj.grad(mj.maskify(lambda v: jnp.sum(f(v))))(X))
+
+
+# -- compact masks, whole-call recognition, user-level error names --------------------------------
+LENGTHS = (5, 2, 3)
+
+
+def _padded(features=4, seed=0):
+    """A (B, L, F) batch of sequences of LENGTHS with NaN padding, its (B, L, 1) compact mask."""
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(len(LENGTHS), max(LENGTHS), features)).astype(np.float32)
+    tokens = np.arange(max(LENGTHS))[None, :] < np.asarray(LENGTHS)[:, None]
+    x = np.where(tokens[..., None], x, np.nan)
+    return mj.masked_array(jnp.asarray(x), jnp.asarray(tokens)[..., None]), x
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_logmeanexp_divides_by_the_valid_count(jit):
+    """jax.nn.logmeanexp is recognised as a whole call: each sequence's value equals the unpadded run."""
+    xm, x = _padded()
+    f = mj.maskify(lambda v: jax.nn.logmeanexp(v, axis=1))
+    out = (jax.jit(f) if jit else f)(xm)
+    for b, n in enumerate(LENGTHS):
+        np.testing.assert_allclose(out.data[b], jax.nn.logmeanexp(jnp.asarray(x[b, :n]), axis=0), rtol=1e-6)
+    g = jax.grad(lambda v: jnp.sum(mj.maskify(lambda u: jax.nn.logmeanexp(u, axis=1))(
+        mj.masked_array(v, xm.compact_mask)).data))(jnp.nan_to_num(xm.data))
+    for b, n in enumerate(LENGTHS):
+        want = jax.grad(lambda u: jnp.sum(jax.nn.logmeanexp(u, axis=0)))(jnp.asarray(x[b, :n]))
+        np.testing.assert_allclose(g[b, :n], want, rtol=1e-6)
+        assert not np.asarray(g[b, n:]).any()
+
+
+def test_a_token_mask_stays_compact_through_a_dense_layer_norm_and_attention():
+    """A (B, L, 1) mask keeps its shape through dense layers, layer norm, attention scores and a
+    softmax inside maskify; the results equal those of the same batch with a full mask."""
+    xm, _ = _padded(8)
+    full = mj.masked_array(xm.data, xm.mask)
+    w = jax.random.normal(jax.random.key(0), (8, 8))
+
+    def block(v):
+        h = v @ w
+        h = (h - h.mean(-1, keepdims=True)) / jnp.sqrt(h.var(-1, keepdims=True) + 1e-5)
+        scores = jnp.einsum("bqd,bkd->bqk", h, h)
+        return jax.nn.softmax(scores, axis=-1) @ h
+
+    got, want = mj.maskify(block)(xm), mj.maskify(block)(full)
+    assert xm.compact_mask.shape == (3, 5, 1) and full.compact_mask.shape == (3, 5, 8)
+    np.testing.assert_array_equal(got.mask, want.mask)
+    np.testing.assert_allclose(np.where(want.mask, got.data, 0), np.where(want.mask, want.data, 0), rtol=1e-5)
+    seen = []
+    original = mj.MaskedArray._from_pair
+
+    def spy(data, mask):
+        seen.append(np.shape(mask))
+        return original(data, mask)
+
+    mj.MaskedArray._from_pair = staticmethod(spy)
+    try:
+        mj.maskify(lambda v: v @ w)(xm)
+    finally:
+        mj.MaskedArray._from_pair = original
+    assert seen == [(3, 5, 1)], seen  # the dense layer's output mask: not broadcast to (3, 5, 8)
+
+
+@pytest.mark.parametrize("fun,user,instead", [
+    (lambda v: jnp.searchsorted(v, 2.5), "jnp.searchsorted", "masked_jax.numpy.searchsorted"),
+    (lambda v: jnp.digitize(v, jnp.array([1.5, 2.5])), "jnp.digitize", "masked_jax.numpy.digitize"),
+    (lambda v: jnp.interp(2.5, v, v), "jnp.searchsorted", "masked_jax.numpy.interp"),
+    (lambda v: jnp.histogram(v, bins=2), "jnp.searchsorted", "masked_jax.numpy.histogram"),
+])
+def test_errors_name_the_user_level_function(fun, user, instead):
+    x = mj.masked_array(jnp.array([1.0, 2.0, 3.0, 4.0]), jnp.array([True, True, True, False]))
+    with pytest.raises(mj.MaskifyError) as err:
+        mj.maskify(fun)(x)
+    msg = str(err.value)
+    assert msg.index(user) < msg.index("Inside"), msg  # the user-level name first, the primitive after
+    assert instead in msg

@@ -137,9 +137,12 @@ def _with_nonfinite(fn, kwargs, a, b, va, vb):
     pairs = [("pi", "p"), ("pf", "pi"), ("ni", "n"), ("nf", "ni"),    # +inf terms
              ("pi", "n"), ("pf", "ni"), ("ni", "p"), ("nf", "pi"),    # -inf terms
              ("nan", "v"), ("v", "nan"), ("i", "z"), ("z", "i")]      # NaN terms
-    left = jnp.stack([ka[p] for p, _ in pairs]).astype(jnp.float32)
-    right = jnp.stack([kb[q] for _, q in pairs]).astype(jnp.float32)
-    counts = jax.vmap(lambda u, w: fn(u, w, **kwargs))(left, right) > 0
+    # one indicator pair at a time (a sequential map over bool stacks): this branch is compiled into
+    # every program with a masked contraction, so its memory is kept to one contraction's
+    left = jnp.stack([ka[p] for p, _ in pairs])
+    right = jnp.stack([kb[q] for _, q in pairs])
+    counts = jax.lax.map(lambda uw: fn(uw[0].astype(jnp.float32), uw[1].astype(jnp.float32), **kwargs) > 0,
+                         (left, right))
     pos, neg, nan = (jnp.any(counts[i:i + 4], axis=0) for i in (0, 4, 8))
     out = jnp.where(pos, jnp.inf, jnp.where(neg, -jnp.inf, finite))
     return jnp.where(nan | (pos & neg), jnp.nan, out).astype(finite.dtype)

@@ -25,7 +25,7 @@ import numpy as np
 
 import jax.extend.core.primitives as P
 
-from masked_jax.ops._base import (Pair, accumulation_dtype, any_valid, compact_or_ones, count_valid, fill, highest,
+from masked_jax.ops._base import (Pair, accumulation_dtype, any_valid, candidate_axes, compact_or_ones, count_valid, fill, highest,
                                   lowest, materialize, normalize_axis, result_dtype)
 from masked_jax.ops._registry import OpSpec, register, rule_signature, signature_of
 
@@ -288,6 +288,22 @@ def logsumexp(x: Pair, axis=None, keepdims=False) -> Pair:
     return Pair(jnp.where(valid, out, -jnp.inf), valid)
 
 
+def logmeanexp(x: Pair, axis=None, keepdims=False) -> Pair:
+    """``log(mean(exp(x)))`` over the valid elements: ``logsumexp`` minus the log of the *valid*
+    count (``jax.nn.logmeanexp`` divides by the static length); a fully masked slice is masked
+    (fill -inf, as ``logsumexp``)."""
+    lse = logsumexp(x, axis=axis, keepdims=keepdims)
+    shape = jnp.shape(x.data)
+    n = count_valid(_compact(x), shape, normalize_axis(axis, len(shape)), keepdims)
+    valid = lse.mask
+    out = lse.data - jnp.log(jnp.where(valid, n, 1).astype(lse.data.dtype))
+    return Pair(jnp.where(valid, out, -jnp.inf), valid)
+
+
+def _logmeanexp_static(body, a):
+    return [dict(axis=ax, keepdims=k) for ax in candidate_axes(a) for k in (False, True)]
+
+
 def cumulative(fn, identity, what):
     """Rule for a running reduction ``fn(data, axis=...)``: masked elements enter as ``identity``
     (a value, or a function of the dtype); the mask is unchanged (as ``numpy.ma``)."""
@@ -340,6 +356,12 @@ def _seg_logsumexp(g, v):
     return jnp.where(valid, jnp.log(jnp.where(valid, total, 1)) + top, -jnp.inf)
 
 
+def _seg_logmeanexp(g, v):
+    lse = _seg_logsumexp(g, v)
+    valid = g.count > 0
+    return jnp.where(valid, lse - jnp.log(jnp.maximum(g.count, 1).astype(lse.dtype)), -jnp.inf)
+
+
 def _seg_mean(g, v, dtype=None):
     w = v.astype(dtype) if dtype else _float(v)
     return g.sum(w) / jnp.maximum(g.count, 1).astype(w.dtype)
@@ -378,6 +400,10 @@ _fn("all", jnp.all, all, methods=("all",), primitives=(P.reduce_and_p,), segment
     excluded=_BOOL)
 _fn("logsumexp", jax.nn.logsumexp, logsumexp, modules=("numpy", "nn"), segment=_seg_logsumexp,
     jax_name="jax.nn.logsumexp")
+_fn("logmeanexp", jax.nn.logmeanexp, logmeanexp, modules=("numpy", "nn"), jax_name="jax.nn.logmeanexp",
+    static=_logmeanexp_static, segment=_seg_logmeanexp,
+    example=("x = mj.masked_array(jnp.array([0.0, 0.0, 9.0]), jnp.array([True, True, False]))",
+             "{mod}.logmeanexp(x)", "MaskedArray(0.0, dtype=float32)"))
 _fn("cumsum", jnp.cumsum, cumsum, methods=("cumsum",), primitives=(P.cumsum_p,),
     example=("x = mj.masked_array(jnp.array([1.0, 2.0, 3.0]), jnp.array([True, False, True]))",
              "{mod}.cumsum(x)", "MaskedArray([1.0 -- 4.0], dtype=float32)"))
