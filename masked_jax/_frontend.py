@@ -163,7 +163,7 @@ class _Call:
         for name, value in params.items():  # a masked array where jnp takes a plain one (repeats, shift)
             if is_operand(value) and name not in self.spec.optional_operands \
                     and (self.spec.name, name) not in _MASKED_PARAMETERS:
-                params[name] = fully_valid_data(value, f"{self.qualname}: {name}",
+                params[name] = fully_valid_data(value, f"{self.qualname}: {name}=",
                                                 "it is a parameter, not data, and a masked entry has no value to use.")
         for name, check in _validate.BY_NAME.items():  # arguments validated by kind, as jnp does or better
             if name in params:
