@@ -18,8 +18,11 @@ with a NaN term (a valid NaN, or a valid ``inf`` times a valid 0) or with both `
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import inspect
 
@@ -56,7 +59,24 @@ def _contract_data(fn, operands, **kwargs):
     if not any(isinstance(v, jax.core.Tracer) for v in (a, b, va, vb)):
         # eagerly the branch is known: only the program that runs is built (no compile of the other)
         return _with_nonfinite(fn, kwargs, a, b, va, vb) if bool(nonfinite) else fn(*filled, **kwargs)
-    return jax.lax.cond(nonfinite, lambda: _with_nonfinite(fn, kwargs, a, b, va, vb), lambda: fn(*filled, **kwargs))
+    # The zero-filled contraction outside the conditional: XLA fuses the fills into it, and the
+    # result's derivative is its derivative (the conditional is never differentiated). Where the
+    # exact value differs it is not finite, or it replaces a NaN formed by a masked entry times a
+    # valid inf, whose terms' derivatives the zero-filled contraction has right.
+    fast = fn(*filled, **kwargs)
+    return _exact_value(functools.partial(fn, **kwargs), fast, nonfinite, a, b, va, vb)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _exact_value(fn, fast, nonfinite, a, b, va, vb):
+    """``fast`` (the zero-filled contraction), or the exact contraction when a valid entry is not
+    finite; its tangent is ``fast``'s."""
+    return jax.lax.cond(nonfinite, lambda: _with_nonfinite(fn, {}, a, b, va, vb), lambda: fast)
+
+
+@_exact_value.defjvp
+def _exact_value_jvp(fn, primals, tangents):
+    return _exact_value(fn, *primals), tangents[0]
 
 
 def dot_general(bind, a: Pair, b: Pair, dimension_numbers) -> Pair:
@@ -122,27 +142,37 @@ def _compact_mask_contraction(ma, mb, shape_a, shape_b, lc, rc, lb, rb):
     return counts > 0
 
 
+# Each operand entry as a code: 0 masked, 1 +inf, 2 -inf, 3 positive finite, 4 negative finite, 5 zero,
+# 6 NaN; the kinds of entry the non-finite terms are counted over, as sets of codes.
+_KINDS = {"v": {1, 2, 3, 4, 5, 6}, "pi": {1}, "ni": {2}, "pf": {3}, "nf": {4}, "p": {1, 3}, "n": {2, 4},
+          "i": {1, 2}, "z": {5}, "nan": {6}}
+_TERMS = [("pi", "p"), ("pf", "pi"), ("ni", "n"), ("nf", "ni"),    # +inf terms
+          ("pi", "n"), ("pf", "ni"), ("ni", "p"), ("nf", "pi"),    # -inf terms
+          ("nan", "v"), ("v", "nan"), ("i", "z"), ("z", "i")]      # NaN terms
+_LEFT, _RIGHT = (np.array([[code in _KINDS[pair[side]] for code in range(7)] for pair in _TERMS])
+                 for side in (0, 1))
+
+
+def _codes(x, valid):
+    code = jnp.where(jnp.isinf(x), jnp.where(x > 0, 1, 2), jnp.where(x > 0, 3, jnp.where(x < 0, 4, 5)))
+    return jnp.where(valid, jnp.where(jnp.isnan(x), 6, code), 0).astype(jnp.int8)
+
+
 def _with_nonfinite(fn, kwargs, a, b, va, vb):
     """``fn(a, b)`` over jointly valid terms when valid entries may be ``inf`` or NaN: the finite
-    terms contracted, the non-finite ones counted by sign (see the module docstring)."""
+    terms contracted, the non-finite ones counted by sign (see the module docstring). One term
+    kind at a time (a sequential map over the 12 kinds, each read off one int8 code per entry):
+    this branch is compiled into every program with a general masked contraction, so its memory
+    is kept to about one contraction's."""
     finite = fn(jnp.where(va & jnp.isfinite(a), a, 0), jnp.where(vb & jnp.isfinite(b), b, 0), **kwargs)
+    ca, cb = _codes(a, va), _codes(b, vb)
+    left, right = jnp.asarray(_LEFT), jnp.asarray(_RIGHT)
 
-    def kinds(x, v):
-        inf, nan = v & jnp.isinf(x), v & jnp.isnan(x)
-        pos, neg = v & (x > 0), v & (x < 0)
-        return dict(v=v, pi=pos & inf, ni=neg & inf, pf=pos & ~inf, nf=neg & ~inf, p=pos, n=neg,
-                    i=inf, z=v & (x == 0), nan=nan)
+    def count(t):
+        u, w = jnp.take(left[t], ca.astype(jnp.int32)), jnp.take(right[t], cb.astype(jnp.int32))
+        return fn(u.astype(jnp.float32), w.astype(jnp.float32), **kwargs) > 0
 
-    ka, kb = kinds(a, va), kinds(b, vb)
-    pairs = [("pi", "p"), ("pf", "pi"), ("ni", "n"), ("nf", "ni"),    # +inf terms
-             ("pi", "n"), ("pf", "ni"), ("ni", "p"), ("nf", "pi"),    # -inf terms
-             ("nan", "v"), ("v", "nan"), ("i", "z"), ("z", "i")]      # NaN terms
-    # one indicator pair at a time (a sequential map over bool stacks): this branch is compiled into
-    # every program with a masked contraction, so its memory is kept to one contraction's
-    left = jnp.stack([ka[p] for p, _ in pairs])
-    right = jnp.stack([kb[q] for _, q in pairs])
-    counts = jax.lax.map(lambda uw: fn(uw[0].astype(jnp.float32), uw[1].astype(jnp.float32), **kwargs) > 0,
-                         (left, right))
+    counts = jax.lax.map(count, jnp.arange(len(_TERMS)))
     pos, neg, nan = (jnp.any(counts[i:i + 4], axis=0) for i in (0, 4, 8))
     out = jnp.where(pos, jnp.inf, jnp.where(neg, -jnp.inf, finite))
     return jnp.where(nan | (pos & neg), jnp.nan, out).astype(finite.dtype)
