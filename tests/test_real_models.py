@@ -88,6 +88,11 @@ LINEN = {
     "MultiHeadAttention": lambda: nn.MultiHeadDotProductAttention(num_heads=2, qkv_features=4),
     "GRU": lambda: nn.RNN(nn.GRUCell(features=3)),
     "LSTM": lambda: nn.RNN(nn.OptimizedLSTMCell(features=3)),
+    # SAME padding: the positions just past each sequence read its padding, which the unpadded run
+    # sees as the convolution's own zeros: they stay masked, the last tokens are valid
+    "Conv": lambda: nn.Conv(3, kernel_size=(3,), padding="SAME"),
+    "Conv-dilated": lambda: nn.Sequential([nn.Conv(4, kernel_size=(2,), kernel_dilation=(2,), padding="SAME"),
+                                           nn.gelu, nn.Conv(3, kernel_size=(3,), padding="SAME")]),
 }
 
 
@@ -209,6 +214,16 @@ def test_nnx_modules_equal_unpadded_sequences():
     check_module(apply, state, xm, x)
 
 
+def test_nnx_conv_same_padding_equals_unpadded_sequences():
+    graphdef, state = nnx.split(nnx.Conv(D, 3, kernel_size=3, padding="SAME", rngs=nnx.Rngs(0)))
+
+    def apply(s, v):
+        return nnx.merge(graphdef, s)(v)
+
+    xm, x = _batch(8)
+    check_module(apply, state, xm, x)
+
+
 # -- equinox ---------------------------------------------------------------------------------------------
 class _EqxEncoder(eqx.Module):
     """Per-sequence equinox model (L, D) -> (L, 3): attention, a GRU under scan, layer norm, MLP."""
@@ -229,6 +244,18 @@ class _EqxEncoder(eqx.Module):
         x = x + self.attn(x, x, x)
         _, hs = jax.lax.scan(lambda h, v: (self.gru(v, h),) * 2, jnp.zeros(D, x.dtype), x)
         return jax.vmap(lambda v: self.head(self.norm(v)))(hs)
+
+
+def test_equinox_conv1d_with_padding_equals_unpadded_sequences():
+    conv = eqx.nn.Conv1d(D, 3, kernel_size=3, padding=1, key=jax.random.key(3))  # (channels, length)
+    params, static = eqx.partition(conv, eqx.is_array)
+    params = jax.tree.map(lambda a: a.astype(jnp.float32), params)  # (the tests run with x64 on)
+
+    def apply(p, v):  # (B, L, D) -> (B, L, 3)
+        return jnp.swapaxes(jax.vmap(eqx.combine(p, static))(jnp.swapaxes(v, 1, 2)), 1, 2)
+
+    xm, x = _batch(9)
+    check_module(apply, params, xm, x)
 
 
 def test_equinox_model_equals_unpadded_sequences():

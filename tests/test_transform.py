@@ -346,16 +346,44 @@ def test_pooling_is_over_valid_elements_and_average_pooling_is_a_masked_mean():
             np.testing.assert_allclose(np.asarray(out.filled(0)), np.ma.filled(ref, 0), rtol=1e-12)
 
 
-def test_convolution_sums_over_jointly_valid_taps():
-    w = jnp.asarray(RNG.normal(size=(3, 3, 3, 2)))
-    conv = lambda v: jax.lax.conv_general_dilated(v, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))  # noqa: E731
-    out = mj.maskify(conv)(IMG)
-    np.testing.assert_allclose(np.asarray(out.filled(0)), np.asarray(conv(IMG.filled(0))) * np.asarray(out.mask), rtol=1e-12)
-    valid_taps = jax.lax.conv_general_dilated(jnp.asarray(IMG_MASK, jnp.float64), jnp.ones((3, 3, 3, 2)), (1, 1), "SAME",
-                                              dimension_numbers=("NHWC", "HWIO", "NHWC"))
+@pytest.mark.parametrize("k,stride,dil,padding", [
+    (3, 1, 1, "SAME"), (3, 2, 1, "SAME"), (2, 1, 2, "SAME"), (3, 1, 1, "VALID"), (3, 2, 2, "VALID"),
+    (2, 1, 1, ((1, 0),)), (3, 1, 1, ((2, 0),)), (1, 1, 1, ((1, 2),)), (3, 2, 1, ((0, 3),))])
+def test_convolution_equals_the_per_sequence_unpadded_run(k, stride, dil, padding):
+    """Masked taps read as the convolution's own padding, and an output is valid iff the run on the
+    unpadded sequence has it: values, masks and input gradients equal the per-sequence runs."""
+    lengths, width, c, f = (9, 5, 1, 3), 9, 3, 2
+    rng = np.random.default_rng(k * 10 + stride)
+    w = jnp.asarray(rng.normal(size=(k, c, f)), jnp.float32)
+    conv = lambda v: jax.lax.conv_general_dilated(v, w, (stride,), padding, rhs_dilation=(dil,),  # noqa: E731
+                                                   dimension_numbers=("NWC", "WIO", "NWC"))
+    x = rng.normal(size=(len(lengths), width, c)).astype(np.float32)
+    tok = np.arange(width)[None] < np.asarray(lengths)[:, None]
+    xm = mj.masked_array(jnp.asarray(np.where(tok[..., None], x, np.nan)), jnp.asarray(tok[..., None]))
+    cot = jnp.asarray(rng.normal(size=np.shape(conv(jnp.asarray(x)))), jnp.float32)
+    for f_ in (mj.maskify(conv), jax.jit(mj.maskify(conv))):
+        out = f_(xm)
+        g = jax.grad(lambda d: jnp.sum(f_(mj.masked_array(d, xm.compact_mask)).filled(0.0) * cot))(xm.data)
+        for b, n in enumerate(lengths):
+            ref = np.asarray(conv(jnp.asarray(x[b:b + 1, :n])))[0]  # (0 outputs when the window is longer)
+            m = np.asarray(out.mask)[b, :, 0]
+            n_out = ref.shape[0]
+            assert m[:n_out].all() and not m[n_out:].any(), (b, m, n_out)
+            np.testing.assert_allclose(np.asarray(out.data)[b, :n_out], ref, rtol=1e-5, atol=1e-5)
+            g_ref = jax.grad(lambda u: jnp.sum(conv(u)[0] * cot[b, :n_out]))(jnp.asarray(x[b:b + 1, :n]))
+            np.testing.assert_allclose(np.asarray(g)[b, :n], np.asarray(g_ref)[0], rtol=1e-5, atol=1e-5)
+            assert not np.asarray(g)[b, n:].any()
+
+
+def test_a_masked_kernel_keeps_the_partial_convolution_rule():
+    w = mj.masked_array(jnp.asarray(RNG.normal(size=(3, 3, 3, 2))), jnp.asarray(RNG.random((3, 3, 3, 2)) > 0.3))
+    conv = lambda v, k: jax.lax.conv_general_dilated(v, k, (1, 1), "SAME",  # noqa: E731
+                                                      dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    out = mj.maskify(conv)(IMG, w)
+    np.testing.assert_allclose(np.asarray(out.filled(0)), np.asarray(conv(IMG.filled(0), w.filled(0))) * np.asarray(out.mask),
+                               rtol=1e-12)
+    valid_taps = conv(jnp.asarray(IMG_MASK, jnp.float64), jnp.asarray(w.mask, jnp.float64))
     np.testing.assert_array_equal(np.asarray(out.mask), np.asarray(valid_taps) > 0)
-    g = mj.grad(mj.maskify(lambda v: jnp.sum(conv(v) ** 2)))(IMG)
-    assert bool(jnp.all(jnp.isfinite(g.data))) and bool(jnp.all(g.mask == IMG.mask))
 
 
 def test_a_masked_index_gives_a_masked_row():

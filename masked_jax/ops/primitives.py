@@ -288,8 +288,46 @@ def _gather(prim, invals, **params):
 
 
 def _conv(prim, invals, **params):
-    """A convolution sums over the jointly valid taps; an output is valid iff it has one (as matmul)."""
-    return linalg.contraction(_bound(prim, params))(*invals)
+    """A convolution of a masked input with a plain kernel follows the unpadded reference: masked
+    taps read as zeros, as the convolution's own padding, and an output is valid iff every tap it
+    reads is valid, outside the array, or a masked tap the convolution's padding would cover in a
+    run on the valid region alone (within ``pad_lo`` before it or ``pad_hi`` after it, per spatial
+    dim). For a right-padded sequence that is exactly the outputs of the per-sequence run on the
+    unpadded tokens, for every padding, stride and dilation. A masked kernel, or an input
+    dilation (a transposed convolution), takes the partial-convolution rule: valid where one
+    jointly valid tap exists."""
+    lhs, rhs = invals
+    if rhs.mask is not None or any(d != 1 for d in params["lhs_dilation"]) \
+            or params["batch_group_count"] != 1 or any(p < 0 for pair in params["padding"] for p in pair):
+        return linalg.contraction(_bound(prim, params))(*invals)
+    dn = params["dimension_numbers"]
+    lhs_spec, out_spec = dn.lhs_spec, dn.out_spec
+    shape = jnp.shape(lhs.data)
+    spatial, pads = lhs_spec[2:], params["padding"]
+    m = ranked(lhs.mask, len(shape))
+    m = jnp.all(m, axis=lhs_spec[1], keepdims=True)  # a position is valid where all its channels are
+    m = jnp.broadcast_to(m, tuple(shape[d] if d in spatial else m.shape[d] for d in range(len(shape))))
+    # where the run on the valid region alone would have its padding: valid positions dilated by
+    # (pad_lo forward, pad_hi backward) along each spatial dim
+    window = [1] * len(shape)
+    offsets = [(0, 0)] * len(shape)
+    for d, (lo, hi) in zip(spatial, pads):
+        window[d] = lo + hi + 1
+        offsets[d] = (lo, hi)
+    # on the array extended by the convolution's padding: a padding position far from the valid
+    # region (past a short sequence's end) is not the unpadded run's padding
+    m = jnp.pad(m, offsets, constant_values=False)
+    allowed = jax.lax.reduce_window(m, False, jax.lax.bitwise_or, tuple(window), (1,) * len(shape),
+                                    tuple((hi, lo) for lo, hi in offsets))
+    kernel_shape = [1] * len(shape)
+    rhs_spec = dn.rhs_spec
+    for i, d in enumerate(rhs_spec[2:]):
+        kernel_shape[d] = jnp.shape(rhs.data)[d]
+    bad = jax.lax.conv_general_dilated(
+        (~allowed).astype(jnp.float32), jnp.ones(tuple(kernel_shape), jnp.float32), params["window_strides"],
+        [(0, 0)] * len(pads), rhs_dilation=params["rhs_dilation"], dimension_numbers=dn)
+    data = prim.bind(fill(lhs.data, lhs.mask, 0), rhs.data, **params)
+    return Pair(data, bad == 0)
 
 
 def _reduce_window(identity):
