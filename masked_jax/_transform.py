@@ -114,7 +114,8 @@ def _is_masked_leaf(x):
 
 
 def _wrap(p: Pair):
-    return p.data if p.mask is None else MaskedArray._from_pair(p.data, p.mask)
+    # a plain output is a jax array, as jax's own functions return (a literal output is a numpy value)
+    return jnp.asarray(p.data) if p.mask is None else MaskedArray._from_pair(p.data, p.mask)
 
 
 class _Sized:

@@ -480,3 +480,14 @@ def test_errors_name_the_user_level_function(fun, user, instead):
     msg = str(err.value)
     assert msg.index(user) < msg.index("Inside"), msg  # the user-level name first, the primitive after
     assert instead in msg
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_outputs_valid_by_construction_come_back_as_plain_arrays(jit):
+    """An output none of whose values depends on a masked input (its mask is statically all valid)
+    is a plain array, eagerly and under jit alike; the others are masked arrays."""
+    xm, _ = _padded()
+    f = mj.maskify(lambda v, w: (jnp.mean(v, axis=1), jnp.zeros_like(v), w @ w.T, jnp.float32(v.shape[1])))
+    pooled, zeros, gram, length = (jax.jit(f) if jit else f)(xm, jnp.ones((2, 3)))
+    assert isinstance(pooled, mj.MaskedArray)
+    assert all(isinstance(o, jax.Array) and not isinstance(o, mj.MaskedArray) for o in (zeros, gram, length))
