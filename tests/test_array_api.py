@@ -498,5 +498,5 @@ def test_parameters_given_as_fully_valid_masked_arrays_take_their_data():
     x = mnp.asarray(jnp.arange(3))
     np.testing.assert_array_equal(mnp.repeat(x, mnp.asarray(jnp.array([1, 0, 2]))).data, [0, 2, 2])
     np.testing.assert_allclose(mnp.linalg.pinv(mnp.eye(2), rtol=mnp.asarray(1e-3)).data, np.eye(2))
-    with pytest.raises(TypeError, match="repeats must be fully valid"):
+    with pytest.raises(TypeError, match="repeats= must be fully valid"):
         mnp.repeat(x, mj.masked_array(jnp.array([1, 0, 2]), jnp.array([True, False, True])))
