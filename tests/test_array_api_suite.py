@@ -1,7 +1,7 @@
 """The public Array API test suite (data-apis/array-api-tests), a subset of it, against jax.numpy and
 masked_jax.numpy in the same run: every test jax.numpy passes must pass for masked_jax.numpy.
 
-`make array-api-suite` runs the whole suite (about 4 minutes per module on 2 cores); this subset
+`make array-api-suite` runs the whole suite (a few minutes per module on 2 cores); this subset
 covers the array object (scalar conversions, indexing), constants, dtype functions, creation
 functions and a sample of the elementwise functions and reductions.
 """
