@@ -491,3 +491,16 @@ def test_outputs_valid_by_construction_come_back_as_plain_arrays(jit):
     pooled, zeros, gram, length = (jax.jit(f) if jit else f)(xm, jnp.ones((2, 3)))
     assert isinstance(pooled, mj.MaskedArray)
     assert all(isinstance(o, jax.Array) and not isinstance(o, mj.MaskedArray) for o in (zeros, gram, length))
+
+
+@pytest.mark.parametrize("mask", [[True, False, True, True], [False, False, True, True]], ids=["hole", "left-padding"])
+def test_running_reductions_skip_holes_and_left_padding(mask):
+    """What the docs recommend instead of lax.associative_scan: running sums and maxima over valid
+    entries only, the mask kept (holes and left padding included), eagerly and under jit."""
+    x = mj.masked_array(jnp.array([1.0, 2.0, 3.0, 4.0]), jnp.array(mask))
+    valid = np.asarray(mask)
+    for fun, ref in ((jnp.cumsum, np.cumsum), (lambda v: jax.lax.cummax(v, axis=0), np.maximum.accumulate)):
+        for f in (mj.maskify(fun), jax.jit(mj.maskify(fun))):
+            out = f(x)
+            np.testing.assert_array_equal(out.mask, valid)
+            np.testing.assert_allclose(np.asarray(out.data)[valid], ref(np.array([1.0, 2.0, 3.0, 4.0])[valid]))
