@@ -19,7 +19,7 @@ from jax.typing import ArrayLike, DTypeLike
 from masked_jax import ops
 from masked_jax import _storage as _layouts
 from masked_jax._methods import ArrayMethods
-from masked_jax.ops._base import Pair, with_mask_tangent
+from masked_jax.ops._base import Pair, ranked, with_mask_tangent
 from masked_jax.ops.shape import at_update
 
 if TYPE_CHECKING:
@@ -137,14 +137,11 @@ def compact(mask, shape):
     growing it."""
     shape = tuple(shape)
     mshape = tuple(jnp.shape(mask))
-    if mshape == shape:
-        return mask
-    ok = len(mshape) <= len(shape) and all(m in (1, d) for m, d in zip(mshape[::-1], shape[::-1]))
-    if not ok:
+    if len(mshape) > len(shape) or any(m not in (1, d) for m, d in zip(mshape[::-1], shape[::-1])):
         raise ValueError(
             f"mask must have the data's shape {shape} or broadcast to it; got mask of shape {mshape}."
         )
-    return jnp.reshape(mask, (1,) * (len(shape) - len(mshape)) + mshape)
+    return ranked(mask, len(shape))
 
 
 @jax.tree_util.register_pytree_with_keys_class
@@ -422,14 +419,9 @@ class MaskedArray(ArrayMethods):
     def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):
         """The data through DLPack, for a fully valid array (a concrete all-True mask); DLPack carries
         no mask, so an array with masked entries (or a traced mask) raises ``TypeError``."""
-        try:
-            all_valid = bool(np.asarray(self._mask).all())
-        except jax.errors.TracerArrayConversionError:
-            all_valid = False
-        if not all_valid:
-            raise TypeError("a MaskedArray with masked entries has no DLPack form: DLPack carries no mask. "
-                            "Export x.filled(value) and x.mask separately.")
-        return self._data.__dlpack__(stream=stream, max_version=max_version, dl_device=dl_device, copy=copy)
+        data = fully_valid_data(self, "a MaskedArray exported through DLPack",
+                                "DLPack carries no mask. Export x.filled(value) and x.mask separately.")
+        return data.__dlpack__(stream=stream, max_version=max_version, dl_device=dl_device, copy=copy)
 
     def __dlpack_device__(self):
         return self._data.__dlpack_device__()
@@ -480,12 +472,8 @@ def _plain_index(p):
     """An index part that is a MaskedArray: its data when every entry is (concretely) valid."""
     if not isinstance(p, MaskedArray):
         return p
-    if not (_is_tracer(p._mask) or _is_tracer(p._data)) and bool(np.all(np.asarray(p._mask))):
-        return p._data
-    raise TypeError(
-        "Indexing with a MaskedArray that has masked entries (or is traced) is not supported: a masked "
-        "entry has no defined position. Use idx.filled(...) or a plain bool/int array."
-    )
+    return fully_valid_data(p, "Indexing with a MaskedArray: the index", "a masked entry has no defined position. "
+                            "Use idx.filled(...) or a plain bool/int array.")
 
 
 def _check_index(index, shape=None):

@@ -390,9 +390,8 @@ def _inside_public_call(fun_name, user, err):
                   "masked_jax.numpy.histogram are theirs)." if short == "searchsorted" else ".")
                if hasattr(module, short) else " Fill the operand first (x.filled(...)).")
     detail = getattr(err, "detail", None) or str(err).split(": ", 1)[-1]
-    out = (f"maskify({fun_name}): {user} is not supported on a masked operand; its implementation "
-           f"reads elements in a way that has no masked meaning.{instead} (Inside {user}: {detail})")
-    return out
+    return (f"maskify({fun_name}): {user} is not supported on a masked operand; its implementation "
+            f"reads elements in a way that has no masked meaning.{instead} (Inside {user}: {detail})")
 
 
 def _known(v, table) -> bool:

@@ -434,7 +434,7 @@ def check_layouts(name):
                                            err_msg=f"{name} on {kind}: gradient per stored slot (0 at padding)")
 
 
-def compacted(mask):
+def compact_form(mask):
     """``mask`` at its compact shape: size 1 along every axis it does not vary along."""
     m = np.asarray(mask)
     for axis in range(m.ndim):
@@ -452,7 +452,7 @@ def check_compact(name):
     compact_seen = False
     for masks in ((ROWS_A, ROWS_B), (COLS_A, COLS_B)):
         ops = operands(name, dtype, masks=masks)
-        small = [mj.masked_array(o.data, compacted(o.mask)) if isinstance(o, mj.MaskedArray) else o for o in ops]
+        small = [mj.masked_array(o.data, compact_form(o.mask)) if isinstance(o, mj.MaskedArray) else o for o in ops]
         compact_seen |= any(isinstance(o, mj.MaskedArray) and o.compact_mask.shape != o.shape for o in small)
         for c, case in enumerate(row.cases):
             want = call(name, public(name), ops, case)

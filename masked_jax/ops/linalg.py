@@ -89,7 +89,8 @@ def dot_general(bind, a: Pair, b: Pair, dimension_numbers) -> Pair:
     layer's weights; queries against keys over the head dim), an output is valid iff both operands'
     slices are, and each output has all its terms valid or none. Zero-filling is then exact (a
     valid ``inf`` never meets a masked entry) and the output mask is the broadcast of the two
-    reduced masks, with no mask contraction. Otherwise the general :func:`contraction` rule runs.
+    reduced masks, with no mask contraction. Otherwise the data follow the general rule (exact for
+    valid non-finite entries) and the mask is contracted on the compact masks.
     """
     (lc, rc), (lb, rb) = dimension_numbers
     nda, ndb = jnp.ndim(a.data), jnp.ndim(b.data)
@@ -99,7 +100,7 @@ def dot_general(bind, a: Pair, b: Pair, dimension_numbers) -> Pair:
     const_a = ma is None or all(ma.shape[d] == 1 for d in lc)
     const_b = mb is None or all(mb.shape[d] == 1 for d in rc)
     if not (const_a and const_b):  # a masked term may meet a valid inf: the data by the general rule
-        data = _contract_data(lambda x, y: bind(x, y), [a, b])
+        data = _contract_data(bind, [a, b])
         return Pair(data, _compact_mask_contraction(ma, mb, jnp.shape(a.data), jnp.shape(b.data), lc, rc, lb, rb))
     free_a = [d for d in range(nda) if d not in lc and d not in lb]
     free_b = [d for d in range(ndb) if d not in rc and d not in rb]

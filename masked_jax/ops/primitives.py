@@ -301,7 +301,7 @@ def _conv(prim, invals, **params):
             or params["batch_group_count"] != 1 or any(p < 0 for pair in params["padding"] for p in pair):
         return linalg.contraction(_bound(prim, params))(*invals)
     dn = params["dimension_numbers"]
-    lhs_spec, out_spec = dn.lhs_spec, dn.out_spec
+    lhs_spec = dn.lhs_spec
     shape = jnp.shape(lhs.data)
     spatial, pads = lhs_spec[2:], params["padding"]
     m = ranked(lhs.mask, len(shape))
@@ -319,9 +319,8 @@ def _conv(prim, invals, **params):
     m = jnp.pad(m, offsets, constant_values=False)
     allowed = jax.lax.reduce_window(m, False, jax.lax.bitwise_or, tuple(window), (1,) * len(shape),
                                     tuple((hi, lo) for lo, hi in offsets))
-    kernel_shape = [1] * len(shape)
-    rhs_spec = dn.rhs_spec
-    for i, d in enumerate(rhs_spec[2:]):
+    kernel_shape = [1] * len(shape)  # one input and one output feature, the kernel's window
+    for d in dn.rhs_spec[2:]:
         kernel_shape[d] = jnp.shape(rhs.data)[d]
     bad = jax.lax.conv_general_dilated(
         (~allowed).astype(jnp.float32), jnp.ones(tuple(kernel_shape), jnp.float32), params["window_strides"],
