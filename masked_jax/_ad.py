@@ -39,8 +39,8 @@ def _split(tree):
 def _rebuild(data, meta):
     if meta is None:
         return data
-    if isinstance(meta, _lookup._LookupRows):  # a row_sparse table: an opaque leaf to ``fun``
-        return _lookup.Table(meta.with_data(data))
+    if isinstance(meta, _lookup._LookupRows):  # a row_sparse table: the rows it read
+        return meta.with_data(data)
     if isinstance(meta, SparseMasked):
         return meta.with_data(data)
     return MaskedArray.tree_unflatten(None, (data, meta))
@@ -110,8 +110,9 @@ def value_and_grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: boo
     array: ``True`` (every array of the differentiated argument), a prefix pytree
     of bools (as ``optax.masked`` takes), or a callable returning one (a tuple of
     those for several ``argnums``). The dense ``N x dim`` gradient is never built.
-    ``fun`` is traced twice (see ``masked_jax/_lookup.py``); its lookups must not
-    depend on the values read.
+    Rows are read by ``mj.lookup``, ``table[ids]`` or ``jnp.take(table, ids, axis=0)``,
+    also inside ``jit``, ``vmap``, ``lax.scan`` and ``jax.checkpoint``; any other use of a
+    selected table is a ``TypeError``.
 
     Examples:
         >>> import jax.numpy as jnp, masked_jax as mj, masked_jax.numpy as mnp
@@ -124,8 +125,10 @@ def value_and_grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: boo
     @functools.wraps(fun)
     def wrapped(*args, **kwargs):
         if row_sparse is not None and row_sparse is not False:
-            args = _lookup.substitute(fun, args, kwargs, _argnums_tuple(argnums, len(args)), row_sparse)
-        g, diff, masks, treedefs = _reader(fun, args, kwargs, argnums)
+            read, args = _lookup.substitute(fun, args, kwargs, _argnums_tuple(argnums, len(args)), row_sparse)
+        else:
+            read = fun
+        g, diff, masks, treedefs = _reader(read, args, kwargs, argnums)
         (_, (value, aux)), grads = jax.value_and_grad(
             lambda d: _loss(_with_aux(g(d), has_aux)), has_aux=True, holomorphic=holomorphic)(diff)
         grads = _lookup.as_row_sparse(_grad_tree(grads, masks, treedefs, argnums))

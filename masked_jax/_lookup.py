@@ -5,16 +5,20 @@ gradient: XLA builds a zero table and scatter-adds the row cotangents into it,
 every step. ``mj.value_and_grad(..., row_sparse=...)`` avoids that by
 differentiating with respect to the *rows that were read* instead of the table:
 
-1. a discovery run of ``fun`` with each selected table replaced by a recorder
-   notes the ids of every lookup (under ``jit`` this run is dead code: only its
-   ids are used, so XLA removes the rest);
-2. the rows are gathered once, outside differentiation;
-3. ``fun`` runs again with each table replaced by a :class:`RowSparseArray` of
-   those rows, whose lookups hand back the gathered rows in the same order,
-   and is differentiated with respect to them.
+1. ``fun`` is traced once to a jaxpr, the selected tables among its inputs;
+2. a first evaluation of that jaxpr records the ids of every read of a table's rows
+   (a row gather, ``dynamic_slice`` or ``slice`` along axis 0: ``mj.lookup``, ``jnp.take``,
+   ``table[ids]``, ``flax.linen.Embed``, ``equinox.nn.Embedding`` under ``vmap``), also inside
+   ``jit``, ``scan`` and ``checkpoint`` bodies (a scan returns its bodies' ids stacked). Under
+   ``jit`` everything but the ids is dead code that XLA removes;
+3. the rows are gathered once, outside differentiation;
+4. a second evaluation, differentiated with respect to those rows, hands each read its rows
+   (a scan takes its bodies' rows as one more scanned input, a checkpoint as one more argument).
 
-The gradient of a table is therefore a ``RowSparseArray`` of ``K = number of
-ids read`` rows (duplicates not yet summed: the optimizers coalesce).
+The gradient of a table is therefore a ``RowSparseArray`` of ``K = number of ids read`` rows
+(duplicates not yet summed: the optimizers coalesce). Any other use of a selected table (a
+matmul, a column slice, a ``while_loop`` or ``cond`` body that reads it) is a ``TypeError`` that
+names the operation.
 """
 
 from __future__ import annotations
@@ -22,19 +26,25 @@ from __future__ import annotations
 import math
 
 import jax
+import jax.extend.core.primitives as P
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
+from jax.extend import core as jcore
 
 from masked_jax._core import MaskedArray, is_container, is_masked
 from masked_jax._storage import SparseMasked
 from masked_jax.layouts.rows import RowSparseArray, check_integer_indices, pad_indices
 
+# checkpoint's primitive: exported as remat_p by newer jax; otherwise read off a staged checkpoint
+_REMAT_P = getattr(P, "remat_p", None) or jax.make_jaxpr(jax.checkpoint(jnp.sin))(1.0).eqns[0].primitive
+_INLINE = (P.jit_p, P.closed_call_p)  # calls whose body is evaluated in place
+_PASS = (P.copy_p, P.device_put_p)  # identity-like ops a table may go through
+
 
 def _normalize_ids(ids, n: int):
     """Integer ids in ``[-n, n)`` with negatives wrapped as numpy does; every other id becomes ``n``
     (out of range: it reads zeros and gets no gradient), also below ``-n``."""
-    if is_container(ids):
-        raise TypeError("lookup ids must be a plain integer array, not a masked array.")
     ids = check_integer_indices(ids, "ids")
     wrapped = jnp.where(ids < 0, ids + n, ids)
     return jnp.where((wrapped >= 0) & (wrapped < n), wrapped, n).astype(jnp.int32)
@@ -45,125 +55,16 @@ def _read(table, ids):
     return jnp.take(table, ids, axis=0, mode="fill", fill_value=0)
 
 
-def _not_an_array(self):
-    raise TypeError(
-        "a table differentiated with row_sparse=... can only be read through mj.lookup(table, ids) "
-        "or table[ids] (integer ids); other uses would need its dense gradient. Leave it out of "
-        "row_sparse to get a dense gradient instead."
-    )
-
-
-class _Recorder:
-    """Stands in for a table during the discovery run: reads rows and records the ids."""
-
-    def __init__(self, table):
-        self.table = table
-        self.ids = []
-
-    shape = property(lambda self: self.table.shape)
-    dtype = property(lambda self: self.table.dtype)
-    ndim = property(lambda self: self.table.ndim)
-
-    def _lookup(self, ids):
-        ids = _normalize_ids(ids, self.shape[0])
-        self.ids.append(ids)
-        return _read(self.table, ids)
-
-    __jax_array__ = _not_an_array
-
-
-@jax.tree_util.register_pytree_node_class
-class _LookupRows(RowSparseArray):
-    """The rows a function read from a table, replayed to it in the order it read them."""
-
-    __slots__ = ("segments", "_cursor")
-
-    def tree_flatten(self):
-        return (self.data, self.indices), (self.shape, self.segments)
-
-    @classmethod
-    def tree_unflatten(cls, aux, children):
-        shape, segments = aux
-        obj = super().tree_unflatten((shape, False), children)
-        obj.segments, obj._cursor = segments, 0
-        return obj
-
-    def with_data(self, data):
-        return _LookupRows.tree_unflatten((self.shape, self.segments), (data, self.indices))
-
-    def as_row_sparse(self) -> RowSparseArray:
-        return RowSparseArray._make(self.shape, self.data, self.indices, False)
-
-    def _lookup(self, ids):
-        ids = _normalize_ids(ids, self.shape[0])
-        if self._cursor >= len(self.segments):
-            raise ValueError(
-                f"this table was read {len(self.segments)} times in the discovery run of the "
-                "function but more often now: with row_sparse=..., the lookups must not depend on "
-                "the values read."
-            )
-        if ids.shape != self.segments[self._cursor]:
-            raise ValueError(
-                f"lookup {self._cursor} of this table had ids of shape "
-                f"{self.segments[self._cursor]} in the discovery run but {ids.shape} now."
-            )
-        start = sum(math.prod(s) for s in self.segments[: self._cursor])
-        size = math.prod(ids.shape)
-        self._cursor += 1
-        rows = jax.lax.slice_in_dim(self.data, start, start + size, axis=0)
-        return rows.reshape(ids.shape + self.shape[1:])
-
-    __jax_array__ = _not_an_array
-
-
-class Table:
-    """What a function differentiated with ``row_sparse=...`` sees in place of a selected table.
-
-    An opaque leaf, not a pytree node: trees that hold it still line up with trees that hold
-    ``None`` or an array at the same place (``eqx.combine(params, static)``, ``optax``-style
-    masks). It is read through :func:`lookup` or ``table[ids]`` only.
-    """
-
-    __slots__ = ("rows",)
-
-    def __init__(self, rows: _LookupRows):
-        self.rows = rows
-
-    shape = property(lambda self: self.rows.shape)
-    dtype = property(lambda self: self.rows.dtype)
-    ndim = property(lambda self: self.rows.ndim)
-
-    def _lookup(self, ids):
-        return self.rows._lookup(ids)
-
-    def __repr__(self):
-        return f"Table({self.rows.dtype}{list(self.shape)}, rows read={self.rows.indices.shape[0]})"
-
-    __jax_array__ = _not_an_array
-
-
-def _getitem(self, key):
-    if isinstance(key, tuple) or isinstance(key, slice) or key is None or key is Ellipsis:
-        raise TypeError(
-            f"a table differentiated with row_sparse=... can only be indexed by integer ids "
-            f"(table[ids]); got {key!r}."
-        )
-    return self._lookup(key)
-
-
-_Recorder.__getitem__ = _getitem
-_LookupRows.__getitem__ = _getitem
-Table.__getitem__ = _getitem
-
-
 def lookup(table, ids):
     """Rows ``table[ids]`` of a table of shape (N, ...); shape ``ids.shape + table.shape[1:]``.
 
     Negative ids count from the end as in numpy; ids still out of range read zeros
-    and get no gradient. On a plain array this is a gather. Inside a function
-    differentiated by ``mj.grad`` / ``mj.value_and_grad`` with ``row_sparse=...``
-    it is what makes the table's gradient a :class:`RowSparseArray` of the rows read,
-    without a dense ``N x dim`` gradient ever being built. ``table[ids]`` does the same.
+    and get no gradient. Masked ids (a ``MaskedArray``) read nothing: their rows are
+    masked and get no gradient. On a plain array this is a gather. Inside a function
+    differentiated by ``mj.grad`` / ``mj.value_and_grad`` with ``row_sparse=...``,
+    the table's gradient is a :class:`RowSparseArray` of the rows read, without a dense
+    ``N x dim`` gradient ever being built; ``table[ids]`` and ``jnp.take(table, ids,
+    axis=0)`` do the same there.
 
     Examples:
         >>> import jax.numpy as jnp, masked_jax as mj
@@ -171,24 +72,287 @@ def lookup(table, ids):
         >>> mj.lookup(table, jnp.array([5, 0]))
         Array([[10., 11.],
                [ 0.,  1.]], dtype=float32)
+        >>> mj.lookup(table, mj.masked_array(jnp.array([5, 0]), jnp.array([True, False])))
+        MaskedArray([[10.0 11.0]
+                     [-- --]], dtype=float32)
         >>> loss = lambda t, ids: jnp.sum(mj.lookup(t, ids) ** 2)
         >>> g = mj.grad(loss, row_sparse=True)(table, jnp.array([5, 0]))
         >>> g, g.indices
         (RowSparseArray(float32[6, 2], rows=2), Array([5, 0], dtype=int32))
     """
-    if isinstance(table, (_Recorder, _LookupRows, Table)):
-        return table._lookup(ids)
     if isinstance(table, SparseMasked):
         table = table.todense()
-    if is_masked(table):
-        ids = _normalize_ids(ids, table.shape[0])
-        valid = (ids >= 0) & (ids < table.shape[0])
-        mask = _read(table.mask, ids) & valid.reshape(ids.shape + (1,) * (table.ndim - 1))
-        return MaskedArray._from_pair(_read(table.data, ids), mask)
-    table = jnp.asarray(table)
+    if not is_masked(table):
+        table = jnp.asarray(table)
     if table.ndim == 0:
         raise ValueError("lookup needs a table with at least one dimension (the rows).")
-    return _read(table, _normalize_ids(ids, table.shape[0]))
+    n, trailing = table.shape[0], (1,) * (table.ndim - 1)
+    id_mask = None
+    if is_container(ids):
+        ids = ids.todense() if isinstance(ids, SparseMasked) else ids
+        id_mask = ids.mask
+        ids = ids.data
+    ids = _normalize_ids(ids, n)
+    if id_mask is not None:
+        ids = jnp.where(id_mask, ids, n)  # a masked id reads nothing: a masked row, no gradient
+    if not is_masked(table):
+        rows = _read(table, ids)
+        return rows if id_mask is None else MaskedArray._from_pair(rows, id_mask.reshape(ids.shape + trailing))
+    mask = _read(table.mask, ids) & (ids < n).reshape(ids.shape + trailing)
+    return MaskedArray._from_pair(_read(table.data, ids), mask)
+
+
+def _misuse(what: str) -> TypeError:
+    return TypeError(
+        f"a table differentiated with row_sparse=... can only be read by rows (mj.lookup(table, ids), "
+        f"table[ids], jnp.take(table, ids, axis=0)); here it is {what}. Such a use would need the "
+        "table's dense gradient: leave the table out of row_sparse to get one.")
+
+
+class _Ref:
+    """A selected table inside the evaluated program: which table, and the dtype it was cast to."""
+
+    __slots__ = ("k", "dtype")
+
+    def __init__(self, k: int, dtype):
+        self.k, self.dtype = k, dtype
+
+
+def _fill_value(dtype, value):
+    """The value a gather in fill mode gives out of range (jax's defaults when ``value`` is None)."""
+    if value is not None:
+        return jnp.asarray(value, dtype)
+    if jnp.issubdtype(dtype, jnp.inexact):
+        return jnp.asarray(jnp.nan, dtype)
+    if jnp.issubdtype(dtype, jnp.bool_):
+        return jnp.asarray(True)
+    info = jnp.iinfo(dtype)
+    return jnp.asarray(info.min if jnp.issubdtype(dtype, jnp.signedinteger) else info.max, dtype)
+
+
+def _row_read(eqn, shape, invals):
+    """``(ids, valid, arrange, clamped)`` for an equation that reads whole rows of a table of
+    ``shape``: the row ids read (any shape ``S``; ``n`` where nothing is read), which ids are in
+    range (``None``: all are, after clamping), how rows of shape ``S + shape[1:]`` become the
+    equation's output, and the clamped ids whose rows ``promise_in_bounds`` gives out of range.
+    ``None`` for other uses."""
+    prim, params, n, row = eqn.primitive, eqn.params, shape[0], tuple(shape[1:])
+    if prim is P.gather_p:
+        dn, sizes = params["dimension_numbers"], tuple(params["slice_sizes"])
+        if dn.operand_batching_dims or sizes[1:] != row or 0 not in dn.start_index_map:
+            return None
+        size, idx, mode = sizes[0], invals[1], params["mode"]
+        starts = [idx[..., j] for j in range(idx.shape[-1])]
+        first = starts[dn.start_index_map.index(0)].astype(jnp.int32)
+        window = jnp.arange(size, dtype=jnp.int32)
+        # a window of rows is in range from start 0 to n - size; a full slice along the other
+        # dims only from start 0
+        valid = (first >= 0) & (first <= n - size)
+        for j, d in enumerate(dn.start_index_map):
+            if d != 0:
+                valid = valid & (starts[j] == 0)
+        if mode == lax.GatherScatterMode.CLIP:
+            ids, valid = jnp.clip(first, 0, n - size)[..., None] + window, None
+        elif mode in (lax.GatherScatterMode.FILL_OR_DROP, lax.GatherScatterMode.PROMISE_IN_BOUNDS):
+            # out of range, fill mode gives its fill value; promise_in_bounds reads the clamped
+            # rows, but the scatter that is its gradient drops them: neither is a row read
+            ids = jnp.where(valid[..., None], first[..., None] + window, n)
+            valid = jnp.broadcast_to(valid[..., None], ids.shape)
+        else:
+            return None
+        batch = first.shape
+        kept = [sizes[d] for d in range(len(shape)) if d not in dn.collapsed_slice_dims]
+        batch_axes = iter(range(len(batch)))
+        perm = [len(batch) + dn.offset_dims.index(a) if a in dn.offset_dims else next(batch_axes)
+                for a in range(len(batch) + len(kept))]
+
+        def arrange(rows):
+            return jnp.transpose(rows.reshape(batch + tuple(kept)), perm)
+
+        def clamped():
+            return jnp.clip(first, 0, n - size)[..., None] + window
+
+        return ids, valid, arrange, clamped
+    if prim is P.dynamic_slice_p:
+        size = params["slice_sizes"][0]
+        if tuple(params["slice_sizes"][1:]) != row:
+            return None
+        start = jnp.clip(invals[1], 0, n - size).astype(jnp.int32)
+        return start + jnp.arange(size, dtype=jnp.int32), None, lambda rows: rows, None
+    if prim is P.slice_p:
+        starts, limits = params["start_indices"], params["limit_indices"]
+        strides = params["strides"] or (1,) * len(shape)
+        if tuple(starts[1:]) != (0,) * len(row) or tuple(limits[1:]) != row or any(s != 1 for s in strides[1:]):
+            return None
+        return jnp.arange(starts[0], limits[0], strides[0], dtype=jnp.int32), None, lambda rows: rows, None
+    return None
+
+
+class _Run:
+    """One evaluation of the traced program. ``collect``: reads the tables and records the ids of
+    every row read (``items``: arrays, and lists for scan and checkpoint bodies; ``ks``: which
+    table, in the same structure). Otherwise: hands each read the next rows of ``queue`` (the
+    same structure, rows in place of ids)."""
+
+    def __init__(self, tables, collect: bool, queue=None):
+        self.tables, self.collect = tables, collect
+        self.items, self.ks = [], []
+        self.queue = list(queue) if queue is not None else None
+
+    def child(self, queue=None):
+        return _Run(self.tables, self.collect, queue)
+
+    def eval(self, jaxpr, consts, args):
+        env = {}
+
+        def read(v):
+            return v.val if isinstance(v, jcore.Literal) else env[v]
+
+        env.update(zip(jaxpr.constvars, consts))
+        env.update(zip(jaxpr.invars, args))
+        for eqn in jaxpr.eqns:
+            invals = [read(v) for v in eqn.invars]
+            if any(isinstance(x, _Ref) for x in invals):
+                outs = self.table_use(eqn, invals)
+            else:
+                with eqn.ctx.manager:
+                    outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
+            env.update(zip(eqn.outvars, outs if eqn.primitive.multiple_results else [outs]))
+        return [read(v) for v in jaxpr.outvars]
+
+    # -- an equation that uses a table -------------------------------------------------------------
+    def table_use(self, eqn, invals):
+        prim, params = eqn.primitive, eqn.params
+        refs = [isinstance(x, _Ref) for x in invals]
+        if refs[0] and not any(refs[1:]) and prim in (P.gather_p, P.dynamic_slice_p, P.slice_p):
+            return self.read_rows(eqn, invals)
+        if prim is P.convert_element_type_p:
+            return _Ref(invals[0].k, params["new_dtype"])
+        if prim in _PASS:
+            return list(invals) if prim.multiple_results else invals[0]
+        if prim in _INLINE:
+            closed = params.get("jaxpr") or params.get("call_jaxpr")
+            return self.eval(closed.jaxpr, closed.consts, invals)
+        if prim is P.scan_p:
+            return self.scan(params, invals)
+        if prim is _REMAT_P:
+            return self.checkpoint(params, invals)
+        if prim is P.while_p:
+            raise _misuse("read inside a lax.while_loop (or fori_loop with traced bounds), whose number of "
+                          "reads is not known; use lax.scan or read the rows before the loop")
+        if prim is P.cond_p:
+            raise _misuse("read inside a lax.cond / lax.switch branch; read the rows before the branch")
+        if prim in (P.custom_jvp_call_p, P.custom_vjp_call_p):
+            raise _misuse("an argument of a function with a custom_jvp / custom_vjp rule; read the rows "
+                          "outside it and pass them in")
+        if prim in (P.gather_p, P.dynamic_slice_p, P.slice_p):
+            raise _misuse(f"read by a {prim.name} that does not take whole rows along axis 0")
+        raise _misuse(f"used by '{prim.name}'")
+
+    def read_rows(self, eqn, invals):
+        ref = invals[0]
+        table = self.tables[ref.k]
+        found = _row_read(eqn, table.shape, invals)
+        if found is None:
+            raise _misuse(f"read by a {eqn.primitive.name} that does not take whole rows along axis 0")
+        ids, valid, arrange, clamped = found
+        if self.collect:
+            self.items.append(ids)
+            self.ks.append(ref.k)
+            rows = _read(table, ids)
+        else:
+            rows = self.queue.pop(0)
+        rows = rows.astype(ref.dtype)
+        if valid is not None:  # what the gather gives out of range: its fill, or a clamped row
+            if eqn.params["mode"] == lax.GatherScatterMode.FILL_OR_DROP:
+                fill = _fill_value(ref.dtype, eqn.params["fill_value"])
+            else:
+                fill = lax.stop_gradient(_read(table, clamped()).astype(ref.dtype))
+            rows = jnp.where(valid.reshape(valid.shape + (1,) * (rows.ndim - valid.ndim)), rows, fill)
+        return arrange(rows)
+
+    def body(self, jaxpr, consts, refs_in, group, run_args):
+        """Evaluate a body with its table arguments put back; a child run records into / reads
+        from ``group``. Returns ``(outs, child)``."""
+        sub = self.child(None if self.collect else group)
+        args = iter(run_args)
+        outs = sub.eval(jaxpr, consts, [r if r is not None else next(args) for r in refs_in])
+        if any(isinstance(o, _Ref) for o in outs):
+            raise _misuse("returned from a scan, checkpoint or jit body")
+        return outs, sub
+
+    def scan(self, params, invals):
+        nconsts, ncarry = params["num_consts"], params["num_carry"]
+        if any(isinstance(x, _Ref) for x in invals[nconsts:]):
+            raise _misuse("a carry or scanned input of lax.scan; close over it (or pass it as a constant) "
+                          "and read its rows inside the body")
+        consts, carry, xs = invals[:nconsts], invals[nconsts:nconsts + ncarry], invals[nconsts + ncarry:]
+        refs_in = [x if isinstance(x, _Ref) else None for x in consts] + [None] * (len(invals) - nconsts)
+        plain = [x for x in consts if not isinstance(x, _Ref)]
+        group = None if self.collect else self.queue.pop(0)
+        ks = []
+
+        def step(c, x):
+            xs_t, rows_t = x
+            body = params["jaxpr"]
+            outs, sub = self.body(body.jaxpr, body.consts, refs_in, rows_t, plain + list(c) + list(xs_t))
+            ks[:] = [sub.ks]
+            return outs[:ncarry], (outs[ncarry:], sub.items if self.collect else None)
+
+        carry, (ys, recorded) = lax.scan(step, list(carry), (list(xs), group), length=params["length"],
+                                         reverse=params["reverse"], unroll=params["unroll"])
+        if self.collect:
+            self.items.append(recorded)
+            self.ks.append(ks[0])
+        return list(carry) + list(ys)
+
+    def checkpoint(self, params, invals):
+        refs_in = [x if isinstance(x, _Ref) else None for x in invals]
+        plain = [x for x in invals if not isinstance(x, _Ref)]
+        jaxpr = params["jaxpr"]
+        if self.collect:
+            outs, sub = self.body(jaxpr, (), refs_in, None, plain)
+            self.items.append(sub.items)
+            self.ks.append(sub.ks)
+            return outs
+
+        def fn(group, *args):
+            return self.body(jaxpr, (), refs_in, group, args)[0]
+
+        return jax.checkpoint(fn, prevent_cse=params["prevent_cse"], policy=params["policy"])(
+            self.queue.pop(0), *plain)
+
+
+def _is_array(x) -> bool:
+    return isinstance(x, (jax.Array, np.ndarray, np.generic))
+
+
+class _Slot:
+    """Marks where a selected table sits in the arguments while they are flattened."""
+
+    def __init__(self, k: int):
+        self.k = k
+
+
+@jax.tree_util.register_pytree_node_class
+class _LookupRows(RowSparseArray):
+    """The rows a function read from a table, in the order it read them; what the differentiated
+    evaluation takes in place of the table."""
+
+    __slots__ = ()
+
+    def tree_flatten(self):
+        return (self.data, self.indices), self.shape
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return super().tree_unflatten((aux, False), children)
+
+    def with_data(self, data):
+        return _LookupRows.tree_unflatten(self.shape, (data, self.indices))
+
+    def as_row_sparse(self) -> RowSparseArray:
+        return RowSparseArray._make(self.shape, self.data, self.indices, False)
 
 
 def _flags(spec, arg):
@@ -206,10 +370,10 @@ def _flags(spec, arg):
                          f"pytree structure with bool leaves: {err}") from None
 
 
-def substitute(fun, args, kwargs, nums, spec):
-    """Return ``args`` with the selected tables replaced by the rows ``fun`` reads from them."""
+def _mark(args, nums, spec):
+    """``args`` with each selected table replaced by a :class:`_Slot`, and the tables."""
     specs = spec if len(nums) > 1 and isinstance(spec, tuple) else (spec,) * len(nums)
-    flat = {}  # argnum -> (leaves, treedef), the selected tables replaced by recorders
+    out, tables = list(args), []
     for i, s in zip(nums, specs):
         flags = jax.tree_util.tree_leaves(_flags(s, args[i]))  # bools: one per container leaf
         leaves, treedef = jax.tree_util.tree_flatten(args[i], is_leaf=is_container)
@@ -218,25 +382,97 @@ def substitute(fun, args, kwargs, nums, spec):
                 if not isinstance(leaf, (jax.Array, np.ndarray)) or np.ndim(leaf) == 0:
                     raise TypeError(f"row_sparse must select plain arrays of shape (N, ...) (the "
                                     f"tables); got {type(leaf).__name__} of shape {np.shape(leaf)}.")
-                leaves[j] = _Recorder(jnp.asarray(leaf))
-        flat[i] = (leaves, treedef)
+                tables.append(jnp.asarray(leaf))
+                leaves[j] = _Slot(len(tables) - 1)
+        out[i] = jax.tree_util.tree_unflatten(treedef, leaves)
+    return out, tables
 
-    def with_leaves(replace):
-        out = list(args)
-        for i, (leaves, treedef) in flat.items():
-            out[i] = jax.tree_util.tree_unflatten(treedef, [replace(x) for x in leaves])
-        return out
 
-    fun(*with_leaves(lambda x: x), **kwargs)  # the discovery run: the recorders note the ids
+def _leaves_per_table(items, ks, n_tables):
+    """Flatten the recorded structure: per table, its arrays in order."""
+    per = [[] for _ in range(n_tables)]
+    for item, k in zip(items, ks):
+        if isinstance(k, list):
+            for t, arrays in enumerate(_leaves_per_table(item, k, n_tables)):
+                per[t].extend(arrays)
+        else:
+            per[k].append(item)
+    return per
 
-    def replay(x):
-        if not isinstance(x, _Recorder):
-            return x
-        ids = jnp.concatenate([r.reshape(-1) for r in x.ids]) if x.ids else jnp.zeros((0,), jnp.int32)
-        ids = pad_indices(ids, x.shape[0]) if ids.shape[0] == 1 else ids
-        return _LookupRows.tree_unflatten((x.shape, tuple(r.shape for r in x.ids)), (_read(x.table, ids), ids))
 
-    return with_leaves(replay)
+def _rows_like(items, ks, rows, row_shape):
+    """``items`` with each ids array replaced by its rows, taken in order from ``rows[k]``."""
+    out = []
+    for item, k in zip(items, ks):
+        if isinstance(k, list):
+            out.append(_rows_like(item, k, rows, row_shape))
+        else:
+            size = math.prod(item.shape)
+            out.append(rows[k][0][rows[k][1]:rows[k][1] + size].reshape(item.shape + row_shape[k]))
+            rows[k][1] += size
+    return out
+
+
+def substitute(fun, args, kwargs, nums, spec):
+    """``(fun2, args2)``: ``args`` with the selected tables replaced by the rows ``fun`` reads from
+    them, and the function of those arguments that gives ``fun``'s result, each row read taking
+    its rows (see the module docstring)."""
+    marked, tables = _mark(args, nums, spec)
+    leaves, treedef = jax.tree_util.tree_flatten((tuple(marked), kwargs))
+    # traced: arrays, the tables, and numbers in the differentiated arguments; the rest (flags,
+    # sizes, functions) stays as the function saw it
+    starts = np.cumsum([0] + [len(jax.tree_util.tree_leaves(a)) for a in marked])
+    differentiated = {j for i in nums for j in range(starts[i], starts[i + 1])}
+    dyn = [i for i, leaf in enumerate(leaves) if isinstance(leaf, _Slot) or _is_array(leaf)
+           or (i in differentiated and isinstance(leaf, (float, complex)))]
+    out_info = {}
+
+    def flat_fun(*values):
+        full = list(leaves)
+        for i, v in zip(dyn, values):
+            full[i] = v
+        a, kw = jax.tree_util.tree_unflatten(treedef, full)
+        out_leaves, out_tree = jax.tree_util.tree_flatten(fun(*a, **kw))
+        out_info["tree"] = out_tree
+        out_info["static"] = [None if _is_array(o) else o for o in out_leaves]
+        return [o for o in out_leaves if _is_array(o)]
+
+    values = [tables[leaves[i].k] if isinstance(leaves[i], _Slot) else leaves[i] for i in dyn]
+    closed = jax.make_jaxpr(flat_fun)(*values)
+
+    def ref_values(values):
+        return [_Ref(leaves[i].k, tables[leaves[i].k].dtype) if isinstance(leaves[i], _Slot) else v
+                for i, v in zip(dyn, values)]
+
+    run = _Run(tables, collect=True)
+    if any(isinstance(o, _Ref) for o in run.eval(closed.jaxpr, closed.consts, ref_values(values))):
+        raise _misuse("returned by the function (as its output or aux)")
+    rows_args = list(args)
+    all_ids = []
+    for k, arrays in enumerate(_leaves_per_table(run.items, run.ks, len(tables))):
+        ids = jnp.concatenate([a.reshape(-1) for a in arrays]) if arrays else jnp.zeros((0,), jnp.int32)
+        all_ids.append(pad_indices(ids, tables[k].shape[0]) if ids.shape[0] == 1 else ids)
+    for i in nums:
+        rows_args[i] = jax.tree_util.tree_map(
+            lambda x: _LookupRows.tree_unflatten(tables[x.k].shape, (_read(tables[x.k], all_ids[x.k]), all_ids[x.k]))
+            if isinstance(x, _Slot) else x, marked[i], is_leaf=lambda x: isinstance(x, _Slot))
+
+    def fun2(*a, **kw):
+        flat, tree2 = jax.tree_util.tree_flatten((tuple(a), kw), is_leaf=lambda x: isinstance(x, _LookupRows))
+        if tree2 != treedef:
+            raise ValueError("row_sparse: the function was called with arguments of another structure "
+                             "than the ones its lookups were recorded with.")
+        rows = [None] * len(tables)
+        for i in dyn:
+            if isinstance(leaves[i], _Slot):
+                rows[leaves[i].k] = [flat[i].data, 0]
+        queue = _rows_like(run.items, run.ks, rows, [t.shape[1:] for t in tables])
+        outs = iter(_Run(tables, collect=False, queue=queue).eval(
+            closed.jaxpr, closed.consts, ref_values([flat[i] for i in dyn])))
+        out_leaves = [next(outs) if s is None else s for s in out_info["static"]]
+        return jax.tree_util.tree_unflatten(out_info["tree"], out_leaves)
+
+    return fun2, rows_args
 
 
 def as_row_sparse(grads):

@@ -271,10 +271,20 @@ def _pad(prim, invals, padding_config):
 
 
 def _gather(prim, invals, **params):
-    """Rows (slices) move with their mask; a masked index gives a masked slice (it reads slice 0, a
-    finite value, which no result or gradient sees); out of range in fill mode: masked."""
+    """Rows (slices) move with their mask; a masked index gives a masked slice that reads nothing
+    (the gather turns into fill mode with an out-of-range start there, so no slice is read and no
+    gradient goes anywhere, also for row-sparse gradients); out of range in fill mode: masked."""
     x, idx = invals
-    idx_data = fill(idx.data, idx.mask, 0)
+    idx_data = idx.data
+    if idx.mask is not None:
+        dn, mode = params["dimension_numbers"], params["mode"]
+        if mode != lax.GatherScatterMode.FILL_OR_DROP:  # clamp in-range as the original mode does
+            shape = jnp.shape(x.data)
+            hi = jnp.array([shape[d] - params["slice_sizes"][d] for d in dn.start_index_map], idx_data.dtype)
+            idx_data = jnp.clip(idx_data, 0, hi)
+        params = {**params, "mode": lax.GatherScatterMode.FILL_OR_DROP, "fill_value": 0}  # masked: any data
+        whole = jnp.all(materialize(idx.mask, jnp.shape(idx_data)), axis=-1, keepdims=True)
+        idx_data = jnp.where(whole, idx_data, -1)
     data = prim.bind(x.data, idx_data, **params)
     mask = None
     if x.mask is not None or params.get("mode") == lax.GatherScatterMode.FILL_OR_DROP:
