@@ -1,0 +1,176 @@
+"""Bags of ids pooled into one row each: ``embedding_bag``.
+
+A bag is a set of ids whose rows are combined (summed, averaged, ...) into one vector, as
+torch's ``EmbeddingBag`` and TensorFlow's ``safe_embedding_lookup_sparse`` do for multi-hot
+features. Bags come padded (an id array of shape ``(..., L)``, padding masked or negative) or
+ragged (flat ids with ``offsets`` or ``lengths``). The rows are read by one
+:func:`~masked_jax.lookup`, so ``mj.grad(..., row_sparse=...)`` gives the table a row-sparse
+gradient holding the rows read, and nothing for padding.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from masked_jax._core import MaskedArray, is_container
+from masked_jax._lookup import lookup
+from masked_jax._storage import SparseMasked
+from masked_jax.layouts.rows import check_integer_indices
+
+COMBINERS = ("sum", "mean", "sqrtn", "max")
+
+
+def _split_masked(x):
+    """``(data, mask or None)`` of a plain or masked array."""
+    if isinstance(x, SparseMasked):
+        x = x.todense()
+    if is_container(x):
+        return x.data, x.mask
+    if x is None:
+        return None, None
+    return jnp.asarray(x), None
+
+
+def _concrete(x):
+    try:
+        return np.asarray(x)
+    except jax.errors.TracerArrayConversionError:
+        return None
+
+
+def _ragged_segments(n_ids: int, offsets, lengths):
+    """``(bag of each id, number of bags)`` from torch-style start ``offsets`` or bag ``lengths``;
+    ids past the last bag belong to none (bag ``n_bags``, dropped)."""
+    if (offsets is None) == (lengths is None):
+        raise ValueError("ragged bags need exactly one of offsets= (the start of each bag in ids) or "
+                         "lengths= (the size of each bag).")
+    name = "offsets" if lengths is None else "lengths"
+    given = check_integer_indices(offsets if lengths is None else lengths, name)
+    if given.ndim != 1:
+        raise ValueError(f"{name} must be one-dimensional (one entry per bag); got shape {given.shape}.")
+    host = _concrete(given)
+    if lengths is None:
+        if host is not None and host.size and (host[0] != 0 or np.any(np.diff(host) < 0) or host[-1] > n_ids):
+            raise ValueError(f"offsets must start at 0, never decrease and stay <= len(ids) = {n_ids}; "
+                             f"got {host.tolist()}.")
+        starts = given
+    else:
+        if host is not None and (np.any(host < 0) or host.sum() > n_ids):
+            raise ValueError(f"lengths must be >= 0 and sum to at most len(ids) = {n_ids}; got {host.tolist()}.")
+        starts = jnp.cumsum(given) - given
+        ends = jnp.cumsum(given)
+    n_bags = given.shape[0]
+    position = jnp.arange(n_ids)
+    bag = jnp.searchsorted(starts, position, side="right").astype(jnp.int32) - 1
+    if lengths is not None:  # ids past the end of their bag (past sum(lengths)) belong to none
+        bag = jnp.where(position < ends[jnp.clip(bag, 0, n_bags - 1)], bag, n_bags)
+    return jnp.where(bag < 0, n_bags, bag), n_bags
+
+
+def embedding_bag(table, ids, *, offsets=None, lengths=None, weights=None, combiner: str = "sum"):
+    """Rows of ``table`` read by bags of ids and combined into one row per bag.
+
+    Bags are given either
+
+    * **padded**: ``ids`` of shape ``(..., L)``, one bag per leading index; or
+    * **ragged**: ``ids`` of shape ``(nnz,)`` with ``offsets`` (the start of each bag, torch's
+      convention: ``offsets[0] == 0``, non-decreasing) or ``lengths`` (the size of each bag; ids
+      past ``sum(lengths)`` belong to no bag).
+
+    **Which ids count.** An id counts iff it lies in ``[0, N)`` and is not masked (``ids`` may be
+    a ``MaskedArray``). Negative ids and ids ``>= N`` are padding, eagerly and under ``jit``
+    alike: ``-1`` never reads row ``N - 1`` here (unlike :func:`~masked_jax.lookup`, which
+    counts negative ids from the end as numpy indexing does). Padding reads nothing and gets no
+    gradient, also as a row-sparse gradient.
+
+    ``weights`` (same shape as ``ids``) scale each id's row; a masked weight makes its id padding.
+    ``combiner``, over the ids that count, with weights ``w`` (1 without ``weights``):
+
+    * ``"sum"``: ``sum(w * row)``;
+    * ``"mean"``: ``sum(w * row) / sum(w)``;
+    * ``"sqrtn"``: ``sum(w * row) / sqrt(sum(w ** 2))``;
+    * ``"max"``: the elementwise maximum of the rows (no ``weights``).
+
+    Returns a ``MaskedArray`` of shape ``bags + table.shape[1:]``, where ``bags`` is ``ids.shape[:-1]``
+    (padded) or ``(len(offsets or lengths),)`` (ragged). A bag with no id that counts is masked
+    (for ``mean``/``sqrtn``, also one whose weights sum to 0); its data is 0. The rows are read by
+    one :func:`~masked_jax.lookup`, so under ``mj.grad(..., row_sparse=...)`` the table's gradient
+    holds only the rows the bags read.
+
+    Bad input raises: non-integer ids, offsets or lengths, weights of another shape, an unknown
+    combiner, weights with ``max``, and (when they are concrete, as eagerly) offsets that do not
+    start at 0, decrease or pass the end, or negative lengths. Under ``jit``, offsets and lengths
+    are not checked.
+
+    Examples:
+        >>> import jax.numpy as jnp, masked_jax as mj
+        >>> table = jnp.arange(8.0).reshape(4, 2)
+        >>> mj.embedding_bag(table, jnp.array([[0, 2, -1], [-1, -1, -1]]), combiner="mean")
+        MaskedArray([[2.0 3.0]
+                     [-- --]], dtype=float32)
+        >>> mj.embedding_bag(table, jnp.array([1, 3, 3]), offsets=jnp.array([0, 1]),
+        ...                  weights=jnp.array([1.0, 0.5, 0.5]))
+        MaskedArray([[2.0 3.0]
+                     [6.0 7.0]], dtype=float32)
+    """
+    if combiner not in COMBINERS:
+        raise ValueError(f"combiner must be one of {COMBINERS}; got {combiner!r}.")
+    if is_container(table):
+        raise TypeError("embedding_bag reads a plain table (an array of shape (N, ...)); got a masked array.")
+    table = jnp.asarray(table)
+    if table.ndim == 0:
+        raise ValueError("embedding_bag needs a table with at least one dimension (the rows).")
+    n, row_shape = table.shape[0], table.shape[1:]
+    id_data, id_mask = _split_masked(ids)
+    id_data = check_integer_indices(id_data, "ids")
+    w, w_mask = _split_masked(weights)
+    if w is not None:
+        if combiner == "max":
+            raise ValueError("combiner='max' takes no weights.")
+        if w.shape != id_data.shape:
+            raise ValueError(f"weights must have the shape of ids, {id_data.shape}; got {w.shape}.")
+    counts = (id_data >= 0) & (id_data < n)
+    for m in (id_mask, w_mask):
+        if m is not None:
+            counts = counts & jnp.broadcast_to(m, id_data.shape)
+    w = jnp.ones(id_data.shape, table.dtype) if w is None else w.astype(table.dtype)
+    w = jnp.where(counts, w, 0)
+    rows = lookup(table, jnp.where(counts, id_data, n))  # padding reads id n: zeros, no row, no gradient
+    expand = (...,) + (None,) * len(row_shape)
+
+    ragged = offsets is not None or lengths is not None
+    if ragged:
+        if id_data.ndim != 1:
+            raise ValueError(f"ragged bags (offsets= or lengths=) take one-dimensional ids; got shape {id_data.shape}.")
+        bag, n_bags = _ragged_segments(id_data.shape[0], offsets, lengths)
+
+        def pool(x, op=jax.ops.segment_sum):
+            return op(x, bag, num_segments=n_bags)
+    else:
+        if id_data.ndim == 0:
+            raise ValueError("padded bags take ids of shape (..., L) (the last axis holds a bag); got a scalar.")
+
+        def pool(x, op=None):
+            return jnp.max(x, axis=id_data.ndim - 1) if op is jax.ops.segment_max else jnp.sum(x, axis=id_data.ndim - 1)
+
+    count = pool(counts.astype(jnp.int32))
+    if combiner == "max":
+        low = jnp.asarray(-jnp.inf if jnp.issubdtype(table.dtype, jnp.inexact) else jnp.iinfo(table.dtype).min,
+                          table.dtype)
+        pooled = pool(jnp.where(counts[expand], rows, low), jax.ops.segment_max)
+        valid = count > 0
+    else:
+        pooled = pool(rows * w[expand])
+        if combiner == "sum":
+            valid = count > 0
+        else:
+            norm = pool(w) if combiner == "mean" else jnp.sqrt(pool(w * w))
+            valid = (count > 0) & (norm != 0)
+            pooled = pooled / jnp.where(valid, norm, 1)[expand]
+    pooled = jnp.where(valid[expand], pooled, 0)
+    return MaskedArray._from_pair(pooled, valid.reshape(valid.shape + (1,) * len(row_shape)))
+
+
+__all__ = ["embedding_bag"]

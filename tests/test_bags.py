@@ -1,0 +1,207 @@
+"""embedding_bag against a NumPy reference: every combiner, padded and ragged bags, weights,
+empty bags and padding (negative, past the table, masked), eagerly and under jit, values and
+row-sparse gradients."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import masked_jax as mj
+from masked_jax import optim
+
+N, D = 9, 3
+TABLE = jnp.cos(jnp.arange(N * D, dtype=jnp.float32) * 0.7).reshape(N, D)
+# padded bags: 4 bags of up to 5 ids; bag 2 holds only padding (empty); -1 and 9 are padding
+IDS = np.array([[1, 4, 4, -1, 8], [0, 9, 3, 3, 3], [-1, -1, 9, -5, -1], [7, 2, 6, 5, 1]])
+MASK = np.array([[1, 1, 1, 1, 0], [1, 1, 1, 0, 1], [1, 1, 1, 1, 1], [1, 1, 1, 1, 1]], bool)
+WEIGHTS = np.linspace(0.5, 2.0, IDS.size, dtype=np.float32).reshape(IDS.shape)
+
+
+def _reference(table, bags, weights, combiner):
+    """Per bag, in NumPy float64: (rows combined or None for an empty bag)."""
+    table = np.asarray(table, np.float64)
+    out = []
+    for ids, w in zip(bags, weights):
+        keep = [(i, wi) for i, wi in zip(ids, w) if 0 <= i < N]
+        if not keep:
+            out.append(None)
+            continue
+        rows = np.stack([table[i] for i, _ in keep])
+        ws = np.array([wi for _, wi in keep], np.float64)[:, None]
+        if combiner == "max":
+            out.append(rows.max(0))
+        elif combiner == "sum":
+            out.append((ws * rows).sum(0))
+        elif combiner == "mean":
+            out.append((ws * rows).sum(0) / ws.sum())
+        else:
+            out.append((ws * rows).sum(0) / np.sqrt((ws ** 2).sum()))
+    return out
+
+
+def _bags(form, weighted):
+    """(positional/keyword arguments for embedding_bag, the reference's bags and weights)."""
+    ids = np.where(MASK, IDS, -7)  # what the mask hides never counts
+    w = WEIGHTS if weighted else np.ones(IDS.shape, np.float32)
+    bags = [list(r[m]) for r, m in zip(IDS, MASK)]
+    bag_w = [list(r[m]) for r, m in zip(w, MASK)]
+    if form == "masked":
+        kw = {"ids": mj.masked_array(jnp.asarray(IDS), jnp.asarray(MASK))}
+        if weighted:
+            kw["weights"] = jnp.asarray(WEIGHTS)
+        return kw, bags, bag_w
+    if form == "padded":
+        kw = {"ids": jnp.asarray(ids)}
+        if weighted:
+            kw["weights"] = jnp.asarray(WEIGHTS)
+        return kw, [list(r) for r in ids], [list(r) for r in w]
+    flat = np.concatenate([np.asarray(b, np.int32) for b in bags] + [np.array([3, 3], np.int32)])  # 2 ids past the bags
+    flat_w = np.concatenate([np.asarray(b, np.float32) for b in bag_w] + [np.ones(2, np.float32)])
+    lengths = np.array([len(b) for b in bags])
+    kw = {"ids": jnp.asarray(flat)}
+    if form == "lengths":
+        kw["lengths"] = jnp.asarray(lengths)
+    else:  # offsets: ids after the last offset belong to the last bag
+        kw["offsets"] = jnp.asarray(np.concatenate([[0], np.cumsum(lengths)[:-1]]))
+        bags[-1], bag_w[-1] = bags[-1] + [3, 3], bag_w[-1] + [1.0, 1.0]
+    if weighted:
+        kw["weights"] = jnp.asarray(flat_w)
+    return kw, bags, bag_w
+
+
+FORMS = ["padded", "masked", "offsets", "lengths"]
+
+
+# max takes no weights (test_bad_arguments_name_the_argument)
+POOLINGS = [(c, w) for c in ("sum", "mean", "sqrtn", "max") for w in (False, True) if not (c == "max" and w)]
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("combiner, weighted", POOLINGS)
+def test_bags_equal_numpy_reference(combiner, weighted, form, jit):
+    kw, bags, bag_w = _bags(form, weighted)
+    fn = lambda table, kw: mj.embedding_bag(table, combiner=combiner, **kw)  # noqa: E731
+    out = (jax.jit(fn) if jit else fn)(TABLE, kw)
+    ref = _reference(TABLE, bags, bag_w, combiner)
+    assert out.shape == (4, D)
+    np.testing.assert_array_equal(np.asarray(out.mask[:, 0]), [r is not None for r in ref])
+    assert not np.any(np.isnan(np.asarray(out.data)))
+    for b, r in enumerate(ref):
+        if r is not None:
+            np.testing.assert_allclose(np.asarray(out.data[b]), r, rtol=2e-6, atol=1e-6)
+        else:
+            np.testing.assert_array_equal(np.asarray(out.data[b]), 0)
+
+
+def _loop_loss(table, bags, bag_w, combiner):
+    """The same pooling written bag by bag with concrete ids: the dense-gradient reference."""
+    total = 0.0
+    for b, (ids, w) in enumerate(zip(bags, bag_w)):
+        keep = [(i, wi) for i, wi in zip(ids, w) if 0 <= i < N]
+        if not keep:
+            continue
+        rows = jnp.stack([table[i] for i, _ in keep])
+        ws = jnp.array([wi for _, wi in keep], jnp.float32)[:, None]
+        pooled = {"max": lambda: rows.max(0), "sum": lambda: (ws * rows).sum(0),
+                  "mean": lambda: (ws * rows).sum(0) / ws.sum(),
+                  "sqrtn": lambda: (ws * rows).sum(0) / jnp.sqrt((ws ** 2).sum())}[combiner]()
+        total = total + jnp.sum(jnp.sin(pooled) * (b + 1))
+    return total
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn", "max"])
+def test_bag_gradients_are_row_sparse_and_touch_only_rows_read(combiner, form):
+    weighted = combiner != "max"
+    kw, bags, bag_w = _bags(form, weighted)
+
+    def loss(table, kw):
+        pooled = mj.embedding_bag(table, combiner=combiner, **kw)
+        return jnp.sum(jnp.sin(pooled.filled(0)) * jnp.arange(1.0, 5.0)[:, None])
+
+    g = jax.jit(mj.grad(loss, row_sparse=True))(TABLE, kw)
+    ref = jax.grad(_loop_loss)(TABLE, bags, bag_w, combiner)
+    assert isinstance(g, mj.RowSparseArray)
+    np.testing.assert_allclose(np.asarray(g.todense().filled(0)), np.asarray(ref), rtol=2e-5, atol=1e-6)
+    read = {int(i) for b in bags for i in b if 0 <= i < N}
+    assert set(np.asarray(g.indices).tolist()) - {N} == read  # padding and empty bags store no row
+    if weighted:  # and the weights get their gradient
+        gw = jax.grad(lambda w: loss(TABLE, {**kw, "weights": w}))(kw["weights"])
+        assert np.all(np.isfinite(np.asarray(gw)))
+
+
+def test_bags_with_leading_dims_and_wide_rows():
+    table = jnp.arange(5 * 2 * 2, dtype=jnp.float32).reshape(5, 2, 2)
+    ids = jnp.array([[[0, 1], [4, -1]], [[-1, -1], [2, 2]]])
+    out = mj.embedding_bag(table, ids, combiner="mean")
+    assert out.shape == (2, 2, 2, 2) and out.mask.shape == (2, 2, 2, 2)
+    np.testing.assert_allclose(np.asarray(out.data[0, 0]), (np.asarray(table[0]) + np.asarray(table[1])) / 2)
+    np.testing.assert_array_equal(np.asarray(out.mask[:, :, 0, 0]), [[True, True], [False, True]])
+
+
+@pytest.mark.parametrize("call, kind, match", [
+    (lambda: mj.embedding_bag(TABLE, jnp.array([[0.5]])), TypeError, "ids must be integers"),
+    (lambda: mj.embedding_bag(TABLE, jnp.array([0, 1]), offsets=jnp.array([0.0])), TypeError, "offsets must be integers"),
+    (lambda: mj.embedding_bag(TABLE, jnp.array([0, 1]), offsets=jnp.array([1, 2])), ValueError, "offsets must start at 0"),
+    (lambda: mj.embedding_bag(TABLE, jnp.array([0, 1]), offsets=jnp.array([0, 2, 1])), ValueError, "offsets"),
+    (lambda: mj.embedding_bag(TABLE, jnp.array([0, 1]), lengths=jnp.array([3])), ValueError, "lengths must be"),
+    (lambda: mj.embedding_bag(TABLE, jnp.array([0, 1]), lengths=jnp.array([-1, 2])), ValueError, "lengths"),
+    (lambda: mj.embedding_bag(TABLE, jnp.array([0, 1]), lengths=jnp.array([1]), offsets=jnp.array([0])),
+     ValueError, "exactly one of offsets"),
+    (lambda: mj.embedding_bag(TABLE, jnp.array([[0, 1]]), offsets=jnp.array([0])), ValueError, "one-dimensional ids"),
+    (lambda: mj.embedding_bag(TABLE, jnp.array([[0, 1]]), weights=jnp.ones(2)), ValueError, "weights must have"),
+    (lambda: mj.embedding_bag(TABLE, jnp.array([[0, 1]]), weights=jnp.ones((1, 2)), combiner="max"),
+     ValueError, "takes no weights"),
+    (lambda: mj.embedding_bag(TABLE, jnp.array([[0, 1]]), combiner="median"), ValueError, "combiner must be"),
+    (lambda: mj.embedding_bag(mj.as_masked(TABLE), jnp.array([[0, 1]])), TypeError, "plain table"),
+    (lambda: mj.embedding_bag(TABLE, jnp.array(3)), ValueError, "shape"),
+])
+def test_bad_arguments_name_the_argument(call, kind, match):
+    with pytest.raises(kind, match=match):
+        call()
+
+
+def test_bags_in_flax_and_equinox_models_train_row_sparse():
+    """A flax module and an equinox module pooling bags; a donated lazy-Adam step changes only the
+    rows the bags read."""
+    import equinox as eqx
+    import flax.linen as nn
+
+    class Tower(nn.Module):
+        @nn.compact
+        def __call__(self, ids, weights):
+            table = self.param("table", nn.initializers.normal(0.1), (N, D))
+            pooled = mj.embedding_bag(table, ids, weights=weights, combiner="mean")
+            return nn.Dense(1)(pooled.filled(0))[..., 0]
+
+    ids = mj.masked_array(jnp.asarray(IDS), jnp.asarray(MASK))
+    w, y = jnp.asarray(WEIGHTS), jnp.array([1.0, -1.0, 0.5, 0.0])
+    params = Tower().init(jax.random.key(0), ids, w)["params"]
+    loss = lambda p, ids, w, y: jnp.mean((Tower().apply({"params": p}, ids, w) - y) ** 2)  # noqa: E731
+    sparse = {"table": True, "Dense_0": False}
+    g = mj.grad(loss, row_sparse=sparse)(params, ids, w, y)
+    np.testing.assert_allclose(np.asarray(g["table"].todense().filled(0)),
+                               np.asarray(jax.grad(loss)(params, ids, w, y)["table"]), rtol=1e-5, atol=1e-8)
+    opt = optim.lazy(optax.adam(0.05))
+    before = np.asarray(params["table"])
+    new, _, _ = optim.make_train_step(loss, opt, row_sparse=sparse)(params, opt.init(params), ids, w, y)
+    changed = np.nonzero(np.any(np.asarray(new["table"]) != before, axis=1))[0]
+    np.testing.assert_array_equal(changed, sorted({int(i) for r, m in zip(IDS, MASK) for i in r[m] if 0 <= i < N}))
+
+    class EqxTower(eqx.Module):
+        table: jax.Array
+        head: eqx.nn.Linear
+
+        def __call__(self, flat_ids, lengths):
+            pooled = mj.embedding_bag(self.table, flat_ids, lengths=lengths, combiner="sqrtn")
+            return jax.vmap(self.head)(pooled.filled(0))
+
+    model = EqxTower(TABLE, eqx.nn.Linear(D, 1, key=jax.random.key(2)))
+    flat, lengths = jnp.array([1, 5, 5, 0, 2]), jnp.array([3, 0, 2])
+    eqx_loss = lambda m: jnp.sum(m(flat, lengths) ** 2)  # noqa: E731
+    g = mj.grad(eqx_loss, row_sparse=lambda m: EqxTower(True, jax.tree_util.tree_map(lambda _: False, m.head)))(model)
+    np.testing.assert_allclose(np.asarray(g.table.todense().filled(0)), np.asarray(jax.grad(eqx_loss)(model).table),
+                               rtol=1e-5, atol=1e-8)
