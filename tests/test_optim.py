@@ -761,3 +761,66 @@ def test_apply_if_finite_around_lazy_with_row_sparse_gradients(k):
     u, state = jax.jit(tx.update)(bad, state, params)
     assert int(state.notfinite_count) == 1
     np.testing.assert_array_equal(np.asarray(optim.apply_updates(params, u)["emb"]), np.ones((6, 3)))
+
+
+def _rowwise_reference(table, bias, steps, lr, eps, init):
+    """Row-wise Adagrad in NumPy float64: one sum per table row (the mean square of the row's
+    summed gradient), one per entry for the bias; rows and entries not touched do not move."""
+    table, bias = np.array(table, np.float64), np.array(bias, np.float64)
+    s_t, s_b = np.full(table.shape[0], init), np.full(bias.shape, init)
+    for rows, grads, gb, gb_valid in steps:
+        g = np.zeros_like(table)
+        np.add.at(g, rows, grads)
+        for r in sorted(set(rows)):
+            s_t[r] += np.mean(g[r] ** 2)
+            table[r] -= lr * g[r] / (np.sqrt(s_t[r]) + eps)
+        s_b = np.where(gb_valid, s_b + gb ** 2, s_b)
+        bias = np.where(gb_valid, bias - lr * gb / (np.sqrt(s_b) + eps), bias)
+    return table, bias, s_t
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_rowwise_adagrad_equals_reference(jit):
+    n, dim, lr, eps, init = 7, 4, 0.3, 1e-8, 0.1
+    rng = np.random.default_rng(0)
+    params = {"table": jnp.asarray(rng.normal(size=(n, dim)), jnp.float32),
+              "bias": jnp.asarray(rng.normal(size=3), jnp.float32)}
+    opt = optim.rowwise_adagrad(lr, initial_accumulator_value=init, eps=eps)
+    state = opt.init(params)
+    assert state[0].sum_of_squares["table"].shape == (n,) and state[0].sum_of_squares["bias"].shape == (3,)
+    update = jax.jit(opt.update) if jit else opt.update
+    steps, p = [], params
+    for k in range(4):
+        rows = rng.integers(0, n, size=3)
+        rows[1] = rows[0]  # a duplicate: its gradients are summed first
+        grads = rng.normal(size=(3, dim)).astype(np.float32)
+        gb, gb_valid = rng.normal(size=3).astype(np.float32), np.array([True, k % 2 == 0, True])
+        steps.append((rows, grads, gb, gb_valid))
+        g = {"table": mj.row_sparse(jnp.asarray(grads), jnp.asarray(rows), (n, dim)),
+             "bias": mj.masked_array(jnp.asarray(gb), jnp.asarray(gb_valid))}
+        u, state = update(g, state, p)
+        p = optim.apply_updates(p, u)
+    table, bias, s_t = _rowwise_reference(params["table"], params["bias"], steps, lr, eps, init)
+    np.testing.assert_allclose(np.asarray(p["table"]), table, rtol=2e-6, atol=1e-7)
+    np.testing.assert_allclose(np.asarray(p["bias"]), bias, rtol=2e-6, atol=1e-7)
+    np.testing.assert_allclose(np.asarray(state[0].sum_of_squares["table"]), s_t, rtol=2e-6)
+    untouched = sorted(set(range(n)) - {int(r) for rows, *_ in steps for r in rows})
+    np.testing.assert_array_equal(np.asarray(p["table"])[untouched], np.asarray(params["table"])[untouched])
+    # a dense gradient is the same rule applied to every row
+    dense = jnp.asarray(rng.normal(size=(n, dim)), jnp.float32)
+    t = optim.scale_by_rowwise_rss(initial_accumulator_value=init, eps=eps)
+    u, s = t.update(dense, t.init(dense))
+    expect = np.asarray(dense) / (np.sqrt(init + np.mean(np.asarray(dense, np.float64) ** 2, axis=1)) + eps)[:, None]
+    np.testing.assert_allclose(np.asarray(u), expect, rtol=2e-6)
+
+
+def test_rowwise_adagrad_rejects_bad_state_and_arguments():
+    t = optim.scale_by_rowwise_rss()
+    with pytest.raises(ValueError, match="sums have shapes"):
+        t.update(jnp.ones((4, 2)), t.init(jnp.zeros((5, 2))))
+    with pytest.raises(ValueError, match="ScaleByRowwiseRssState"):
+        t.update(jnp.ones((4, 2)), optim.scale_by_rss().init(jnp.zeros((4, 2))))
+    with pytest.raises(ValueError, match="eps_placement"):
+        optim.scale_by_rowwise_rss(eps_placement="middle")
+    with pytest.raises(ValueError, match="initial_accumulator_value"):
+        optim.rowwise_adagrad(0.1, initial_accumulator_value=-1.0)

@@ -10,6 +10,8 @@ other).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -137,5 +139,134 @@ def masked_adagrad(learning_rate: optax.ScalarOrSchedule, initial_accumulator_va
     _validate.learning_rate(learning_rate, "masked_adagrad: learning_rate")
     return optax.chain(
         scale_by_rss(initial_accumulator_value, eps, eps_placement),
+        lazy(optax.scale_by_learning_rate(learning_rate)),
+    )
+
+
+class ScaleByRowwiseRssState(NamedTuple):
+    """State of :func:`scale_by_rowwise_rss`: per leaf, one running sum per row (shape ``(N,)``)
+    for a table of shape ``(N, ...)``, one per entry for scalars and vectors."""
+
+    sum_of_squares: optax.Params
+
+
+def _row_axes(ndim: int) -> tuple:
+    return tuple(range(1, ndim)) if ndim >= 2 else ()
+
+
+def scale_by_rowwise_rss(initial_accumulator_value: float = 0.0, eps: float = 1e-8,
+                         eps_placement: str = "outside") -> optax.GradientTransformation:
+    """Scale each row of a table by the inverse root of one running sum per row.
+
+    .. math::
+        s_{t,r} = s_{t-1,r} + \\operatorname{mean}_j g_{t,rj}^2, \\qquad
+        u_{t,rj} = g_{t,rj} / (\\sqrt{s_{t,r}} + \\epsilon)
+
+    FBGEMM's ``EXACT_ROWWISE_ADAGRAD``: a leaf of shape ``(N, ...)`` keeps ``N`` sums, the mean
+    square of each row's gradient added per step, so its state is ``prod(shape[1:])`` times
+    smaller than Adagrad's. Leaves with fewer than two dimensions keep one sum per entry
+    (plain Adagrad). ``eps_placement="inside"`` takes ``1 / sqrt(s + eps)`` instead.
+
+    Gradient leaves may be ``MaskedArray`` objects (a row's sum grows by the mean over the row of
+    the valid entries' squares, counting masked entries as 0; only valid entries are updated) or
+    :class:`RowSparseArray` objects (duplicates summed first; only the stored rows' sums change,
+    by a scatter-add, O(rows touched)).
+
+    Args:
+        initial_accumulator_value: starting value of the sums, >= 0.
+        eps: small constant keeping the denominator away from 0.
+        eps_placement: ``"outside"`` (FBGEMM, torch) or ``"inside"`` the square root.
+
+    Examples:
+        >>> import jax.numpy as jnp, masked_jax as mj
+        >>> from masked_jax import optim
+        >>> t = optim.scale_by_rowwise_rss()
+        >>> state = t.init(jnp.zeros((5, 2)))
+        >>> state.sum_of_squares.shape
+        (5,)
+        >>> g = mj.row_sparse(jnp.array([[3.0, 4.0]]), jnp.array([1]), (5, 2))
+        >>> u, state = t.update(g, state)
+        >>> u.todense().filled(0)[1], state.sum_of_squares
+        (Array([0.84852815, 1.1313709 ], dtype=float32), Array([ 0. , 12.5,  0. ,  0. ,  0. ], dtype=float32))
+    """
+    _validate.nonnegative(initial_accumulator_value, "scale_by_rowwise_rss: initial_accumulator_value")
+    _validate.nonnegative(eps, "scale_by_rowwise_rss: eps")
+    if eps_placement not in _PLACEMENTS:
+        raise ValueError(f"eps_placement must be one of {_PLACEMENTS}; got {eps_placement!r}.")
+
+    def init_fn(params):
+        params = jax.tree_util.tree_map(data_of, params, is_leaf=is_container)
+        return ScaleByRowwiseRssState(sum_of_squares=jax.tree_util.tree_map(
+            lambda p: jnp.full(np.shape(p)[:1] if np.ndim(p) >= 2 else np.shape(p), initial_accumulator_value,
+                               jnp.result_type(p)), params))
+
+    def inverse_root(t):
+        if eps_placement == "inside":
+            return jnp.where(t > 0, jax.lax.rsqrt(t + eps), 0.0)
+        return jnp.where(t > 0, 1.0 / (jnp.sqrt(t) + eps), 0.0)
+
+    def update_fn(updates, state, params=None):
+        del params
+        if not isinstance(state, ScaleByRowwiseRssState):
+            raise ValueError(f"scale_by_rowwise_rss: state must be the ScaleByRowwiseRssState its init returned; "
+                             f"got {type(state).__name__}.")
+        leaves, treedef = jax.tree_util.tree_flatten(updates, is_leaf=is_container)
+        sums = jax.tree_util.tree_leaves(state.sum_of_squares)
+        shapes = [tuple(g.shape if is_container(g) else np.shape(g)) for g in leaves]
+        expected = [s[:1] if len(s) >= 2 else s for s in shapes]
+        if [tuple(np.shape(t)) for t in sums] != expected:
+            raise ValueError(f"scale_by_rowwise_rss: the state's sums have shapes {[tuple(np.shape(t)) for t in sums]} "
+                             f"but gradients of shapes {shapes} need {expected}; pass the state init returned for "
+                             "these parameters.")
+        new_updates, new_sums = [], []
+        for g, t in zip(leaves, treedef.flatten_up_to(state.sum_of_squares)):
+            v, data = view(g)  # zeros where the gradient is not valid
+            axes = _row_axes(data.ndim)
+            square = (data.conj() * data).real
+            grow = jnp.mean(square, axis=axes) if axes else square
+            if v.kind == "rows":
+                t = t.at[v.indices].add(grow.astype(t.dtype), mode="drop")
+                rows = jnp.take(t, v.indices, axis=0, mode="fill", fill_value=0)
+            else:
+                t = t + grow.astype(t.dtype) if axes or v.kind == "dense" else v.add(t, grow)
+                rows = t
+            scale = inverse_root(rows).astype(data.dtype)
+            new_sums.append(t)
+            new_updates.append(v.wrap(scale.reshape(scale.shape + (1,) * len(axes)) * data))
+        return (jax.tree_util.tree_unflatten(treedef, new_updates),
+                ScaleByRowwiseRssState(sum_of_squares=jax.tree_util.tree_unflatten(treedef, new_sums)))
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+def rowwise_adagrad(learning_rate: optax.ScalarOrSchedule, initial_accumulator_value: float = 0.0,
+                    eps: float = 1e-8, *, eps_placement: str = "outside") -> optax.GradientTransformation:
+    """Row-wise Adagrad (FBGEMM's ``EXACT_ROWWISE_ADAGRAD``): one accumulator per table row.
+
+    ``chain(scale_by_rowwise_rss(...), lazy(scale_by_learning_rate(learning_rate)))``. For a table
+    of shape ``(N, dim)`` the state is ``N`` numbers instead of Adagrad's ``N x dim``; each row
+    moves by ``lr * g / (sqrt(s) + eps)`` with ``s`` the running sum of its gradients' mean
+    squares. With masked or row-sparse gradients only the valid entries (stored rows) and their
+    rows' sums change; the rest stays bit-identical.
+
+    Args:
+        learning_rate: a float or an optax schedule.
+        initial_accumulator_value: starting value of the sums, >= 0.
+        eps: small constant in the denominator.
+        eps_placement: ``"outside"`` (FBGEMM) or ``"inside"`` the square root.
+
+    Examples:
+        >>> import jax.numpy as jnp, masked_jax as mj
+        >>> from masked_jax import optim
+        >>> table = jnp.zeros((4, 2))
+        >>> opt = optim.rowwise_adagrad(0.1)
+        >>> g = mj.row_sparse(jnp.array([[3.0, 4.0]]), jnp.array([2]), (4, 2))
+        >>> updates, state = opt.update(g, opt.init(table))
+        >>> optim.apply_updates(table, updates)[2]
+        Array([-0.08485281, -0.11313709], dtype=float32)
+    """
+    _validate.learning_rate(learning_rate, "rowwise_adagrad: learning_rate")
+    return optax.chain(
+        scale_by_rowwise_rss(initial_accumulator_value, eps, eps_placement),
         lazy(optax.scale_by_learning_rate(learning_rate)),
     )
