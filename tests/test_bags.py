@@ -205,3 +205,32 @@ def test_bags_in_flax_and_equinox_models_train_row_sparse():
     g = mj.grad(eqx_loss, row_sparse=lambda m: EqxTower(True, jax.tree_util.tree_map(lambda _: False, m.head)))(model)
     np.testing.assert_allclose(np.asarray(g.table.todense().filled(0)), np.asarray(jax.grad(eqx_loss)(model).table),
                                rtol=1e-5, atol=1e-8)
+
+
+def test_one_padding_rule_eagerly_and_under_jit():
+    """Each entry point treats ids the same eagerly and under jit: lookup counts negative ids from
+    the end and reads zeros past the table; a bag drops negative ids and ids >= N; a row-sparse
+    array takes N as its padding index; optimizers skip padding rows."""
+    ids = jnp.array([-1, N, N + 3, -N - 1, 2])
+    for f in (lambda t, i: mj.lookup(t, i), lambda t, i: mj.embedding_bag(t, i[None]).filled(0)):
+        np.testing.assert_array_equal(np.asarray(f(TABLE, ids)), np.asarray(jax.jit(f)(TABLE, ids)))
+    rows = np.asarray(mj.lookup(TABLE, ids))
+    np.testing.assert_array_equal(rows[0], np.asarray(TABLE[N - 1]))
+    np.testing.assert_array_equal(rows[1:4], 0)
+    np.testing.assert_allclose(np.asarray(mj.embedding_bag(TABLE, ids[None]).data[0]), np.asarray(TABLE[2]))
+
+    def step(rows, idx):
+        g = mj.row_sparse(rows, idx, (N, D))
+        u, _ = optim.lazy(optax.sgd(1.0)).update(g, optax.sgd(1.0).init(TABLE), TABLE)
+        return optim.apply_updates(TABLE, u), g.todense().filled(0)
+
+    idx = jnp.array([3, N, 3])  # N: the padding index, accepted eagerly as under jit
+    eager, jitted = step(jnp.ones((3, D)), idx), jax.jit(step)(jnp.ones((3, D)), idx)
+    for a, b in zip(eager, jitted):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    np.testing.assert_array_equal(np.asarray(eager[1]).sum(axis=1), [0, 0, 0, 2 * D, 0, 0, 0, 0, 0])
+    with pytest.raises(ValueError, match=r"indices must be in \[0, 9\) \(or 9, the padding index\); got \[-1\]"):
+        mj.row_sparse(jnp.ones((2, D)), jnp.array([-1, 2]), (N, D))
+    # under jit an index it cannot check is padding, as N is
+    out = jax.jit(lambda i: mj.row_sparse(jnp.ones((2, D)), i, (N, D)).todense().filled(0))(jnp.array([-1, 2]))
+    np.testing.assert_array_equal(np.asarray(out).sum(axis=1), [0, 0, D, 0, 0, 0, 0, 0, 0])

@@ -231,9 +231,11 @@ def _batched_rows(shape, data, indices):
 def row_sparse(data, indices, shape, *, unique_indices: bool = False) -> RowSparseArray:
     """Row-sparse array of ``shape`` with rows ``data[i]`` at row ``indices[i]``.
 
-    Duplicate indices are summed. ``K = len(indices)`` is static. Out-of-range
-    indices raise ``ValueError`` here when concrete; under ``jit`` they are
-    padding and are ignored everywhere.
+    Duplicate indices are summed. ``K = len(indices)`` is static. Index ``N = shape[0]`` is
+    the padding index: a padding row holds nothing, is skipped by every op, optimizer and
+    ``apply_updates``, and is what the library's own row-sparse gradients use to pad. Other
+    indices outside ``[0, N)`` raise ``ValueError`` here when concrete; under ``jit`` (where
+    they cannot be checked) they are padding too.
 
     Args:
         data: ``(K, *shape[1:])`` array of row values.
@@ -261,9 +263,12 @@ def row_sparse(data, indices, shape, *, unique_indices: bool = False) -> RowSpar
             f"shape {shape[1:]}); got {data.shape}."
         )
     if not is_tracer(indices) and indices.size:
-        lo, hi = int(jnp.min(indices)), int(jnp.max(indices))
-        if lo < 0 or hi >= shape[0]:
-            raise ValueError(f"indices must be in [0, {shape[0]}); got values in [{lo}, {hi}].")
-        if unique_indices and int(jnp.unique(indices).size) != indices.size:
+        host = np.asarray(indices)
+        bad = host[(host < 0) | (host > shape[0])]
+        if bad.size:
+            raise ValueError(f"indices must be in [0, {shape[0]}) (or {shape[0]}, the padding index); got "
+                             f"{bad[:5].tolist()}.")
+        stored = host[host < shape[0]]
+        if unique_indices and np.unique(stored).size != stored.size:
             raise ValueError("unique_indices=True but indices has duplicates.")
     return RowSparseArray._make(shape, data, indices.astype(jnp.int32), unique_indices)
