@@ -18,6 +18,8 @@ from masked_jax._ad import tangent as tangent
 from masked_jax._ad import value_and_grad as value_and_grad
 from masked_jax._bags import embedding_bag as embedding_bag
 from masked_jax._lookup import lookup as lookup
+from masked_jax._tables import TableStack as TableStack
+from masked_jax._tables import stack_tables as stack_tables
 from masked_jax._transform import MaskifyError as MaskifyError
 from masked_jax._transform import maskify as maskify
 from masked_jax.checking import JacobianError as JacobianError

@@ -115,62 +115,81 @@ def embedding_bag(table, ids, *, offsets=None, lengths=None, weights=None, combi
         MaskedArray([[2.0 3.0]
                      [6.0 7.0]], dtype=float32)
     """
-    if combiner not in COMBINERS:
-        raise ValueError(f"combiner must be one of {COMBINERS}; got {combiner!r}.")
     if is_container(table):
         raise TypeError("embedding_bag reads a plain table (an array of shape (N, ...)); got a masked array.")
     table = jnp.asarray(table)
     if table.ndim == 0:
         raise ValueError("embedding_bag needs a table with at least one dimension (the rows).")
-    n, row_shape = table.shape[0], table.shape[1:]
-    id_data, id_mask = _split_masked(ids)
-    id_data = check_integer_indices(id_data, "ids")
-    w, w_mask = _split_masked(weights)
-    if w is not None:
-        if combiner == "max":
-            raise ValueError("combiner='max' takes no weights.")
-        if w.shape != id_data.shape:
-            raise ValueError(f"weights must have the shape of ids, {id_data.shape}; got {w.shape}.")
-    counts = (id_data >= 0) & (id_data < n)
-    for m in (id_mask, w_mask):
-        if m is not None:
-            counts = counts & jnp.broadcast_to(m, id_data.shape)
-    w = jnp.ones(id_data.shape, table.dtype) if w is None else w.astype(table.dtype)
-    w = jnp.where(counts, w, 0)
-    rows = lookup(table, jnp.where(counts, id_data, n))  # padding reads id n: zeros, no row, no gradient
-    expand = (...,) + (None,) * len(row_shape)
+    bag = Bag.prepare(table.shape[0], table.dtype, ids, offsets=offsets, lengths=lengths, weights=weights,
+                      combiner=combiner)
+    return bag.combine(lookup(table, bag.read))  # padding reads id N: zeros, no row, no gradient
 
-    ragged = offsets is not None or lengths is not None
-    if ragged:
-        if id_data.ndim != 1:
-            raise ValueError(f"ragged bags (offsets= or lengths=) take one-dimensional ids; got shape {id_data.shape}.")
-        bag, n_bags = _ragged_segments(id_data.shape[0], offsets, lengths)
 
-        def pool(x, op=jax.ops.segment_sum):
-            return op(x, bag, num_segments=n_bags)
-    else:
-        if id_data.ndim == 0:
-            raise ValueError("padded bags take ids of shape (..., L) (the last axis holds a bag); got a scalar.")
+class Bag:
+    """Bags of ids checked and prepared for one table of ``n`` rows: the ids to read (``n`` for
+    padding), their weights (0 for padding) and how the rows read combine. Shared by
+    :func:`embedding_bag` and stacked tables, which read many bags' rows with one lookup."""
 
-        def pool(x, op=None):
-            return jnp.max(x, axis=id_data.ndim - 1) if op is jax.ops.segment_max else jnp.sum(x, axis=id_data.ndim - 1)
+    def __init__(self, read, weights, counts, combiner, pool):
+        self.read, self.weights, self.counts, self.combiner, self.pool = read, weights, counts, combiner, pool
 
-    count = pool(counts.astype(jnp.int32))
-    if combiner == "max":
-        low = jnp.asarray(-jnp.inf if jnp.issubdtype(table.dtype, jnp.inexact) else jnp.iinfo(table.dtype).min,
-                          table.dtype)
-        pooled = pool(jnp.where(counts[expand], rows, low), jax.ops.segment_max)
-        valid = count > 0
-    else:
-        pooled = pool(rows * w[expand])
-        if combiner == "sum":
+    @classmethod
+    def prepare(cls, n: int, dtype, ids, *, offsets=None, lengths=None, weights=None, combiner="sum"):
+        if combiner not in COMBINERS:
+            raise ValueError(f"combiner must be one of {COMBINERS}; got {combiner!r}.")
+        id_data, id_mask = _split_masked(ids)
+        id_data = check_integer_indices(id_data, "ids")
+        w, w_mask = _split_masked(weights)
+        if w is not None:
+            if combiner == "max":
+                raise ValueError("combiner='max' takes no weights.")
+            if w.shape != id_data.shape:
+                raise ValueError(f"weights must have the shape of ids, {id_data.shape}; got {w.shape}.")
+        counts = (id_data >= 0) & (id_data < n)
+        for m in (id_mask, w_mask):
+            if m is not None:
+                counts = counts & jnp.broadcast_to(m, id_data.shape)
+        w = jnp.ones(id_data.shape, dtype) if w is None else w.astype(dtype)
+        w = jnp.where(counts, w, 0)
+        if offsets is not None or lengths is not None:
+            if id_data.ndim != 1:
+                raise ValueError(f"ragged bags (offsets= or lengths=) take one-dimensional ids; got shape "
+                                 f"{id_data.shape}.")
+            bag, n_bags = _ragged_segments(id_data.shape[0], offsets, lengths)
+
+            def pool(x, op=jax.ops.segment_sum):
+                return op(x, bag, num_segments=n_bags)
+        else:
+            if id_data.ndim == 0:
+                raise ValueError("padded bags take ids of shape (..., L) (the last axis holds a bag); got a scalar.")
+            axis = id_data.ndim - 1
+
+            def pool(x, op=jax.ops.segment_sum):
+                return jnp.max(x, axis=axis) if op is jax.ops.segment_max else jnp.sum(x, axis=axis)
+
+        return cls(jnp.where(counts, id_data, n), w, counts, combiner, pool)
+
+    def combine(self, rows):
+        """The bags' pooled rows (a ``MaskedArray``, empty bags masked) from the rows read at ``read``."""
+        pool, counts, w = self.pool, self.counts, self.weights
+        row_ndim = rows.ndim - counts.ndim
+        expand = (...,) + (None,) * row_ndim
+        count = pool(counts.astype(jnp.int32))
+        if self.combiner == "max":
+            low = jnp.asarray(-jnp.inf if jnp.issubdtype(rows.dtype, jnp.inexact) else jnp.iinfo(rows.dtype).min,
+                              rows.dtype)
+            pooled = pool(jnp.where(counts[expand], rows, low), jax.ops.segment_max)
             valid = count > 0
         else:
-            norm = pool(w) if combiner == "mean" else jnp.sqrt(pool(w * w))
-            valid = (count > 0) & (norm != 0)
-            pooled = pooled / jnp.where(valid, norm, 1)[expand]
-    pooled = jnp.where(valid[expand], pooled, 0)
-    return MaskedArray._from_pair(pooled, valid.reshape(valid.shape + (1,) * len(row_shape)))
+            pooled = pool(rows * w[expand])
+            if self.combiner == "sum":
+                valid = count > 0
+            else:
+                norm = pool(w) if self.combiner == "mean" else jnp.sqrt(pool(w * w))
+                valid = (count > 0) & (norm != 0)
+                pooled = pooled / jnp.where(valid, norm, 1)[expand]
+        pooled = jnp.where(valid[expand], pooled, 0)
+        return MaskedArray._from_pair(pooled, valid.reshape(valid.shape + (1,) * row_ndim))
 
 
 __all__ = ["embedding_bag"]

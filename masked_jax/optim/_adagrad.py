@@ -145,7 +145,15 @@ def masked_adagrad(learning_rate: optax.ScalarOrSchedule, initial_accumulator_va
 
 class ScaleByRowwiseRssState(NamedTuple):
     """State of :func:`scale_by_rowwise_rss`: per leaf, one running sum per row (shape ``(N,)``)
-    for a table of shape ``(N, ...)``, one per entry for scalars and vectors."""
+    for a table of shape ``(N, ...)``, one per entry for scalars and vectors.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> from masked_jax import optim
+        >>> state = optim.scale_by_rowwise_rss().init({"table": jnp.zeros((1000, 64)), "bias": jnp.zeros(3)})
+        >>> state.sum_of_squares["table"].shape, state.sum_of_squares["bias"].shape
+        ((1000,), (3,))
+    """
 
     sum_of_squares: optax.Params
 
