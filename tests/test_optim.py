@@ -824,3 +824,69 @@ def test_rowwise_adagrad_rejects_bad_state_and_arguments():
         optim.scale_by_rowwise_rss(eps_placement="middle")
     with pytest.raises(ValueError, match="initial_accumulator_value"):
         optim.rowwise_adagrad(0.1, initial_accumulator_value=-1.0)
+
+
+CATCH_UP = {  # name: (inner, parameters exactly equal to dense optax: a closed form for the drift exists)
+    "sgd_momentum": (optax.sgd(0.1, momentum=0.9), True),
+    "nesterov": (optax.sgd(0.1, momentum=0.9, nesterov=True), True),
+    "rmsprop": (optax.rmsprop(0.05, decay=0.8), True),
+    "adagrad": (optax.adagrad(0.1), True),
+    "adamw_b1_0": (optax.adamw(0.1, b1=0.0, weight_decay=0.1), True),
+    "adam": (optax.adam(0.1), False),
+    "adamw": (optax.adamw(0.1, weight_decay=0.1), False),
+}
+
+
+@pytest.mark.parametrize("gradient", ["row_sparse", "masked_rows"])
+@pytest.mark.parametrize("name", CATCH_UP)
+def test_lazy_catch_up_equals_dense_optax(name, gradient):
+    """Rows touched now and then: with catch_up, lazy's state (and, where the drift has a closed
+    form, its parameters) equals dense optax fed zero gradients on untouched rows; without it, not."""
+    inner, exact_params = CATCH_UP[name]
+    n, dim = 8, 3
+    params = {"emb": jnp.linspace(-1.0, 1.0, n * dim).reshape(n, dim), "w": jnp.ones(3)}
+    results = {}
+    for catch_up in (False, True):
+        opt = optim.lazy(inner, catch_up=catch_up)
+        update = jax.jit(opt.update)
+        s_l, s_d, p_l, p_d = opt.init(params), inner.init(params), params, params
+        rng = np.random.default_rng(0)
+        for t in range(7):
+            rows = rng.choice(n, 2, replace=False) if t < 6 else np.arange(n)  # the last step touches every row
+            data = jnp.asarray(rng.normal(size=(len(rows), dim)), jnp.float32)
+            sparse = mj.row_sparse(data, jnp.asarray(rows), (n, dim))
+            dense = sparse.todense().filled(0)
+            g = {"emb": sparse if gradient == "row_sparse" else sparse.todense(), "w": jnp.asarray(rng.normal(size=3), jnp.float32)}
+            u, s_l = update(g, s_l, p_l)
+            p_l = optim.apply_updates(p_l, u)
+            u, s_d = inner.update({"emb": dense, "w": g["w"]}, s_d, p_d)
+            p_d = optax.apply_updates(p_d, u)
+        state = s_l.inner if catch_up else s_l
+        state_err = max(float(jnp.max(jnp.abs(a - b))) for a, b in
+                        zip(jax.tree_util.tree_leaves(state), jax.tree_util.tree_leaves(s_d)))
+        results[catch_up] = (state_err, float(jnp.max(jnp.abs(p_l["emb"] - p_d["emb"]))))
+    state_err, param_err = results[True]
+    assert state_err < 1e-6
+    if exact_params:
+        assert param_err < 1e-6
+    if name != "adagrad":  # adagrad's sums do not decay: nothing to catch up
+        assert max(results[False]) > 1e-3
+
+
+def test_lazy_catch_up_in_a_donated_train_step_and_rejections():
+    params, users, items, r = _embedding_problem(40, 20, 4, 16)
+    opt = optim.lazy(optax.adamw(0.05, weight_decay=0.01), catch_up=True)
+    step = optim.make_train_step(_embedding_loss, opt, row_sparse=SPARSE_TABLES)
+    state = opt.init(params)
+    assert state.last["user"].shape == (40,) and state.last["bias"].shape == ()
+    for _ in range(3):
+        params, state, loss = step(params, state, users, items, r)
+    assert int(state.step) == 3 and set(np.unique(np.asarray(state.last["user"]))) <= {0, 3}
+    with pytest.raises(ValueError, match="L2 weight decay"):
+        l2 = optim.lazy(optax.chain(optax.add_decayed_weights(0.1), optax.sgd(0.1, momentum=0.9)), catch_up=True)
+        l2.update(mj.row_sparse(jnp.ones((1, 2)), jnp.array([1]), (3, 2)), l2.init(jnp.zeros((3, 2))), jnp.zeros((3, 2)))
+    with pytest.raises(ValueError, match="needs params"):
+        wd = optim.lazy(optax.adamw(0.1, weight_decay=0.1), catch_up=True)
+        wd.update(mj.row_sparse(jnp.ones((1, 2)), jnp.array([1]), (3, 2)), wd.init(jnp.zeros((3, 2))))
+    with pytest.raises(ValueError, match="MultiSteps"):
+        optim.lazy(optax.MultiSteps(optax.adam(0.1), 2), catch_up=True)

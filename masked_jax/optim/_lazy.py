@@ -2,47 +2,16 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
 from masked_jax._core import is_container
+from masked_jax.optim import _catch_up
 from masked_jax.optim._accumulate import lazy_multi_steps
+from masked_jax.optim._state import _map_param_shaped, _Reference
 from masked_jax.optim._views import data_of, view
-
-
-class _Reference(NamedTuple):
-    """The parameters' tree structure and leaf shapes, read off the gradient (or the parameters)."""
-
-    treedef: object
-    shapes: tuple
-
-    @classmethod
-    def of(cls, tree):
-        leaves, treedef = jax.tree_util.tree_flatten(tree, is_leaf=is_container)
-        return cls(treedef, tuple(np.shape(x) if not is_container(x) else x.shape for x in leaves))
-
-    def matches(self, node) -> bool:
-        """Is ``node`` a parameter-shaped subtree of the optimizer state (e.g. adam's ``mu``)?"""
-        leaves, treedef = jax.tree_util.tree_flatten(node)
-        return treedef == self.treedef and tuple(np.shape(x) for x in leaves) == self.shapes
-
-
-def _map_param_shaped(ref: _Reference, fn, state, *rest):
-    """Apply ``fn(leaves_of_state_subtree, *leaves_of_rest_subtrees) -> leaves`` to every
-    parameter-shaped subtree of ``state``; global leaves (step counts, keys) come from the last tree."""
-
-    def one(node, *others):
-        if not ref.matches(node):
-            return others[-1] if others else node
-        leaves, treedef = jax.tree_util.tree_flatten(node)
-        other_leaves = [jax.tree_util.tree_leaves(o) for o in others]
-        return jax.tree_util.tree_unflatten(treedef, fn(leaves, *other_leaves))
-
-    return jax.tree_util.tree_map(one, state, *rest, is_leaf=ref.matches)
 
 
 def _check_liftable(ref: _Reference, state) -> None:
@@ -109,7 +78,7 @@ def _check_transformation(obj, argname: str) -> None:
                         f"got {type(obj).__name__}.")
 
 
-def lazy(inner: optax.GradientTransformation) -> optax.GradientTransformation:
+def lazy(inner: optax.GradientTransformation, *, catch_up: bool = False) -> optax.GradientTransformation:
     """Lift an optax transformation to lazy masked / row-sparse semantics.
 
     Gradient leaves may be plain arrays (every entry valid), ``MaskedArray`` objects
@@ -149,12 +118,29 @@ def lazy(inner: optax.GradientTransformation) -> optax.GradientTransformation:
     Stateless transformations that mix entries of one parameter (trust ratios as in
     LARS/LAMB) are accepted but then see only the touched rows.
 
+    **Catch-up** (``catch_up=True``). A lazy update leaves an untouched row's state alone, where
+    the dense optimizer would decay it every step (momentum, Adam's ``b1``/``b2``, decoupled
+    weight decay). With ``catch_up`` the state holds per-row counters, and a row touched after
+    ``k`` untouched steps is first brought to what ``inner`` would hold after ``k`` zero-gradient
+    steps, in closed form: state ``s * c**k``, parameter ``p * r**k`` plus the momentum's drift
+    where it is linear in the state (SGD with momentum or Nesterov: then the result equals dense
+    optax exactly). Adam's drift on untouched rows, ``m / (sqrt(v) + eps)`` per step, has no
+    closed form and is left out; its moments and decoupled weight decay are caught up exactly.
+    The closed forms are read off ``inner`` by a zero-gradient probe when the update is traced;
+    a transformation whose zero-gradient step is not of that form (L2 decay added to the gradient
+    before a momentum) is rejected with a ``ValueError``. Rows are the leading axis; a masked
+    gradient touches a row where any entry is valid (exact when rows are valid or masked whole).
+    Schedules are read at step 0.
+
     Args:
         inner: the optax transformation to lift.
+        catch_up: bring a row's state (and parameter) over the steps it was not touched, when it
+            is touched again.
 
     Returns:
         An ``optax.GradientTransformation`` with the same state as ``inner`` (for
-        ``optax.MultiSteps``, that state and the touched mask).
+        ``optax.MultiSteps``, that state and the touched mask; with ``catch_up``, a
+        ``LazyCatchUpState`` of that state, the update count and the per-row counters).
 
     Examples:
         >>> import jax.numpy as jnp, optax, masked_jax as mj
@@ -175,10 +161,17 @@ def lazy(inner: optax.GradientTransformation) -> optax.GradientTransformation:
 
     _check_transformation(inner, "inner")
     if isinstance(inner, optax.MultiSteps):
+        if catch_up:
+            raise ValueError("lazy(optax.MultiSteps(...), catch_up=True) is not supported: lift the inner "
+                             "transformation with catch_up inside MultiSteps' accumulation instead.")
         return lazy_multi_steps(inner, lazy)
 
     def init_fn(params):
-        return inner.init(jax.tree_util.tree_map(data_of, params, is_leaf=is_container))
+        params = jax.tree_util.tree_map(data_of, params, is_leaf=is_container)
+        if catch_up:
+            return _catch_up.LazyCatchUpState(inner.init(params), jnp.zeros((), jnp.int32),
+                                              _catch_up.init_counters(params))
+        return inner.init(params)
 
     takes_extra = isinstance(inner, optax.GradientTransformationExtraArgs)
 
@@ -190,9 +183,14 @@ def lazy(inner: optax.GradientTransformation) -> optax.GradientTransformation:
     def update_fn(updates, state, params=None, **extra_args):
         if params is not None:
             params = jax.tree_util.tree_map(data_of, params, is_leaf=is_container)
+        if catch_up:
+            if not isinstance(state, _catch_up.LazyCatchUpState):
+                raise ValueError(f"lazy(catch_up=True): state must be the LazyCatchUpState its init returned; got "
+                                 f"{type(state).__name__}.")
+            state, step, last = state
         check_update_arguments(inner, updates, state, params)
         leaves, treedef = jax.tree_util.tree_flatten(updates, is_leaf=is_container)
-        if not any(is_container(g) for g in leaves):
+        if not catch_up and not any(is_container(g) for g in leaves):
             return inner_update(updates, state, params, extra_args)
         ref = _Reference.of(updates)
         _check_liftable(ref, state)
@@ -205,15 +203,41 @@ def lazy(inner: optax.GradientTransformation) -> optax.GradientTransformation:
         def gather(xs):
             return [v.gather(x) for v, x in zip(views, xs)]
 
-        if params is not None:
-            params = jax.tree_util.tree_unflatten(treedef, gather(treedef.flatten_up_to(params)))
+        p_rows = gather(treedef.flatten_up_to(params)) if params is not None else None
         inner_state = _map_param_shaped(ref, gather, state)
-        u, new_inner_state = inner_update(jax.tree_util.tree_unflatten(treedef, gathered), inner_state, params,
+        caught = p_rows
+        if catch_up:
+            like = jax.tree_util.tree_unflatten(treedef, [jax.ShapeDtypeStruct(v.shape, d.dtype)
+                                                          for v, d in zip(views, gathered)])
+            coeffs = _catch_up.probe(inner, like)
+            if params is None and _catch_up.needs_params(coeffs):
+                raise ValueError("lazy(catch_up=True): this optimizer moves untouched parameters (weight decay or "
+                                 "momentum drift), so update needs params=.")
+            last_leaves = treedef.flatten_up_to(last)
+            ks = [_catch_up.rows_since(v, c, step) for v, c in zip(views, last_leaves)]
+            rows_ref = _Reference(treedef, tuple(np.shape(d) for d in gathered))  # the state as gathered
+            subtrees = []
+            _map_param_shaped(rows_ref, lambda ls: subtrees.append(ls) or ls, inner_state)
+            moved = [_catch_up.catch_up_rows(coeffs, i, ks[i], None if p_rows is None else p_rows[i],
+                                             [sub[i] for sub in subtrees]) for i in range(len(views))]
+            caught = None if p_rows is None else [m[0] for m in moved]
+            which = iter(range(len(subtrees)))
+            inner_state = _map_param_shaped(rows_ref, lambda ls: (lambda l: [m[1][l] for m in moved])(next(which)),
+                                            inner_state)
+        u, new_inner_state = inner_update(jax.tree_util.tree_unflatten(treedef, gathered), inner_state,
+                                          None if caught is None else jax.tree_util.tree_unflatten(treedef, caught),
                                           extra_args)
         new_state = _map_param_shaped(
             ref, lambda old, new: [v.scatter(o, n) for v, o, n in zip(views, old, new)],
             state, new_inner_state)
         u_leaves = treedef.flatten_up_to(u)
-        return jax.tree_util.tree_unflatten(treedef, [v.wrap(x) for v, x in zip(views, u_leaves)]), new_state
+        if catch_up and caught is not None:  # the update also carries each row over its skipped steps
+            u_leaves = [x + (c - p).astype(x.dtype) for x, c, p in zip(u_leaves, caught, p_rows)]
+        out = jax.tree_util.tree_unflatten(treedef, [v.wrap(x) for v, x in zip(views, u_leaves)])
+        if catch_up:
+            new_last = jax.tree_util.tree_unflatten(
+                treedef, [_catch_up.touch(v, c, step) for v, c in zip(views, last_leaves)])
+            new_state = _catch_up.LazyCatchUpState(new_state, step + 1, new_last)
+        return out, new_state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

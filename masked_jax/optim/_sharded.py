@@ -33,7 +33,8 @@ from masked_jax._core import MaskedArray, is_container, is_masked
 from masked_jax._storage import SparseMasked
 from masked_jax.layouts.rows import RowSparseArray
 from masked_jax.optim._apply import apply_updates
-from masked_jax.optim._lazy import _check_transformation, _map_param_shaped, _Reference
+from masked_jax.optim._lazy import _check_transformation
+from masked_jax.optim._state import _map_param_shaped, _Reference
 
 
 class _Spec:

@@ -1,0 +1,322 @@
+"""A DLRM-like recommender training step: 8 embedding tables, multi-hot bags, an MLP.
+
+Tables of 1M, 500k, 200k, 100k, 50k, 20k, 10k and 5k rows x 32 (float32), batch 1024, one bag
+of 1 to 20 ids per table and example (ids uniform over the table), sum pooling with per-sample
+weights on the two largest tables and mean pooling on the others, an MLP 256 -> 128 -> 64 -> 1,
+a logistic loss, Adam (lr 1e-2) on everything. One jitted training step (forward, backward,
+optimizer update, parameters and state donated) of
+
+* ``mj_stacked``: ``mj.stack_tables`` + ``TableStack.embedding_bag`` (one gather for all tables),
+  ``make_train_step(lazy(adam), row_sparse=...)``;
+* ``mj_separate``: 8 tables, 8 ``mj.embedding_bag`` calls, the same step;
+* ``mj_one_table``: the cost bound of stacking: one table of the same total rows, read by one
+  ``mj.embedding_bag`` call with the same ids (all bags of all tables in one padded id array);
+* ``mj_stacked_catch_up``: ``mj_stacked`` with ``lazy(adam, catch_up=True)``;
+* ``hand_jax``: the best plain-JAX step a user would write by hand: one stacked table, one
+  ``jnp.take``, gradients with respect to the rows read, sort-based coalescing and a lazy Adam
+  update by gather and scatter;
+* ``dense_optax``: ``jax.value_and_grad`` of the stacked table (a dense gradient) and
+  ``optax.adam``;
+* ``torch_sparse_adam``: 8 ``torch.nn.EmbeddingBag(sparse=True)`` (flat ids and offsets,
+  per-sample weights) with ``torch.optim.SparseAdam`` for the tables and ``Adam`` for the MLP;
+* Adagrad: ``mj_stacked_adagrad`` (``masked_adagrad``), ``mj_stacked_rowwise_adagrad``
+  (``rowwise_adagrad``) and ``torch_sparse_adagrad`` (``torch.optim.Adagrad`` on the sparse
+  gradients).
+
+All variants start from the same parameters and data; their first losses are printed and must
+agree. Then the optimizer step alone (lazy Adam on the stacked table's row-sparse gradient) in
+GB/s of the bytes it must touch (gradient rows read; parameter, mu and nu rows read and written),
+against the copy bandwidth measured in the same run. Prints tables of medians and ratios and
+saves ``benchmarks/results/recsys.png``.
+
+Run: ``.venv/bin/python benchmarks/recsys.py`` (``--quick``: tables 100x smaller, batch 128).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+sys.path.insert(0, os.path.dirname(__file__))
+import masked_jax as mj  # noqa: E402
+from masked_jax import optim  # noqa: E402
+from _timing import interleaved_medians, print_table, result_path, save_bar_plot, torch_device  # noqa: E402
+from optim import LR, Stepper, copy_bandwidth, hand_lazy_adam_step  # noqa: E402
+
+ROWS = (1_000_000, 500_000, 200_000, 100_000, 50_000, 20_000, 10_000, 5_000)
+DIM, MAX_BAG, HIDDEN = 32, 20, (128, 64)
+NAMES = tuple(f"t{i}" for i in range(len(ROWS)))
+WEIGHTED = {"t0", "t1"}  # sum pooling with per-sample weights; the rest: mean pooling
+
+
+def make_data(rows, batch, seed=0):
+    """Padded bags (-1 past each bag's length), weights, labels, and the initial parameters."""
+    rng = np.random.default_rng(seed)
+    feats = {}
+    for name, n in zip(NAMES, rows):
+        lengths = rng.integers(1, MAX_BAG + 1, size=batch)
+        ids = rng.integers(0, n, size=(batch, MAX_BAG)).astype(np.int32)
+        ids[np.arange(MAX_BAG)[None, :] >= lengths[:, None]] = -1
+        w = rng.uniform(0.5, 1.5, size=(batch, MAX_BAG)).astype(np.float32)
+        feats[name] = (ids, w)
+    tables = {name: (0.05 * rng.normal(size=(n, DIM))).astype(np.float32) for name, n in zip(NAMES, rows)}
+    sizes = (len(NAMES) * DIM,) + HIDDEN + (1,)
+    mlp = [((rng.normal(size=(a, b)) / np.sqrt(a)).astype(np.float32), np.zeros(b, np.float32))
+           for a, b in zip(sizes[:-1], sizes[1:])]
+    labels = (rng.random(batch) < 0.3).astype(np.float32)
+    return feats, tables, mlp, labels
+
+
+def mlp_apply(mlp, x):
+    for i, (w, b) in enumerate(mlp):
+        x = x @ w + b
+        if i < len(mlp) - 1:
+            x = jax.nn.relu(x)
+    return x[:, 0]
+
+
+def bce(logits, y):
+    return jnp.mean(optax.sigmoid_binary_cross_entropy(logits, y))
+
+
+def _requests(ids, w):
+    return {k: {"ids": ids[k], **({"weights": w[k], "combiner": "sum"} if k in WEIGHTED else {"combiner": "mean"})}
+            for k in NAMES}
+
+
+def mj_variants(feats, tables, mlp, labels):
+    """The masked_jax steps: (name -> (step, params, state, args))."""
+    ids = {k: jnp.asarray(v[0]) for k, v in feats.items()}
+    w = {k: jnp.asarray(v[1]) for k, v in feats.items()}
+    y = jnp.asarray(labels)
+    stack, _ = mj.stack_tables({k: jnp.zeros((t.shape[0], DIM)) for k, t in tables.items()})
+    mlp_j = [(jnp.asarray(a), jnp.asarray(b)) for a, b in mlp]
+
+    def stacked_loss(p, ids, w, y):
+        pooled = stack.embedding_bag(p["tables"], _requests(ids, w))
+        return bce(mlp_apply(p["mlp"], jnp.concatenate([pooled[k].filled(0) for k in NAMES], -1)), y)
+
+    def separate_loss(p, ids, w, y):
+        pooled = [mj.embedding_bag(p["tables"][k], ids[k], weights=w[k] if k in WEIGHTED else None,
+                                   combiner="sum" if k in WEIGHTED else "mean") for k in NAMES]
+        return bce(mlp_apply(p["mlp"], jnp.concatenate([x.filled(0) for x in pooled], -1)), y)
+
+    # one table, the same ids: every bag of every table in one (batch * 8, L) id array; the mean
+    # tables' bags pooled with weights 1 / count, so one sum-combined call computes the same
+    offsets = np.cumsum([0] + [t.shape[0] for t in tables.values()])[:-1]
+    all_ids = np.stack([np.where(feats[k][0] >= 0, feats[k][0] + o, -1) for k, o in zip(NAMES, offsets)], 1)
+    count = np.maximum((all_ids >= 0).sum(-1, keepdims=True), 1)
+    all_w = np.stack([feats[k][1] if k in WEIGHTED else np.ones_like(feats[k][1]) for k in NAMES], 1)
+    all_w = np.where(np.isin(np.arange(len(NAMES)), [NAMES.index(k) for k in WEIGHTED])[None, :, None],
+                     all_w, all_w / count).astype(np.float32)
+    batch = labels.shape[0]
+
+    def one_table_loss(p, all_ids, all_w, y):
+        pooled = mj.embedding_bag(p["tables"], all_ids.reshape(batch * len(NAMES), MAX_BAG),
+                                  weights=all_w.reshape(batch * len(NAMES), MAX_BAG))
+        return bce(mlp_apply(p["mlp"], pooled.filled(0).reshape(batch, len(NAMES) * DIM)), y)
+
+    stacked_np = np.concatenate([tables[k] for k in NAMES])
+    sparse = {"tables": True, "mlp": False}
+    out = {}
+
+    def add(name, loss, opt, tables_value, *args):
+        params = {"tables": tables_value, "mlp": [(jnp.array(a), jnp.array(b)) for a, b in mlp_j]}
+        out[name] = (optim.make_train_step(loss, opt, row_sparse=sparse), params, opt.init(params), args)
+
+    add("mj_stacked", stacked_loss, optim.lazy(optax.adam(LR)), jnp.asarray(stacked_np), ids, w, y)
+    add("mj_separate", separate_loss, optim.lazy(optax.adam(LR)), {k: jnp.asarray(v) for k, v in tables.items()},
+        ids, w, y)
+    add("mj_one_table", one_table_loss, optim.lazy(optax.adam(LR)), jnp.asarray(stacked_np),
+        jnp.asarray(all_ids), jnp.asarray(all_w), y)
+    add("mj_stacked_catch_up", stacked_loss, optim.lazy(optax.adam(LR), catch_up=True), jnp.asarray(stacked_np),
+        ids, w, y)
+    add("mj_stacked_adagrad", stacked_loss, optim.masked_adagrad(LR, initial_accumulator_value=0.0, eps=1e-10,
+                                                                 eps_placement="outside"),
+        jnp.asarray(stacked_np), ids, w, y)
+    add("mj_stacked_rowwise_adagrad", stacked_loss, optim.rowwise_adagrad(LR), jnp.asarray(stacked_np), ids, w, y)
+    return out, stacked_loss, stack, (ids, w, y), (jnp.asarray(all_ids), jnp.asarray(all_w))
+
+
+def hand_variant(feats, tables, mlp, labels, all_ids, all_w):
+    """One stacked table, one take, gradients of the rows read, a hand-written lazy Adam."""
+    n = sum(t.shape[0] for t in tables.values())
+    batch = labels.shape[0]
+    mlp_opt = optax.adam(LR)
+
+    def step(table, m, v, count, mlp_p, mlp_s, all_ids, all_w, y):
+        flat = jnp.where(all_ids >= 0, all_ids, n).reshape(-1)
+        weights = jnp.where(all_ids >= 0, all_w, 0.0)
+        rows = jnp.take(table, flat, axis=0, mode="fill", fill_value=0)
+
+        def loss_of(rows, mlp_p):
+            pooled = jnp.einsum("bfl,bfld->bfd", weights, rows.reshape(batch, len(NAMES), MAX_BAG, DIM))
+            return bce(mlp_apply(mlp_p, pooled.reshape(batch, len(NAMES) * DIM)), y)
+
+        loss, (g_rows, g_mlp) = jax.value_and_grad(loss_of, argnums=(0, 1))(rows, mlp_p)
+        table, m, v, count = hand_lazy_adam_step(table, m, v, count, flat, g_rows)
+        u, mlp_s = mlp_opt.update(g_mlp, mlp_s, mlp_p)
+        return table, m, v, count, optax.apply_updates(mlp_p, u), mlp_s, loss
+
+    stacked = jnp.asarray(np.concatenate([tables[k] for k in NAMES]))
+    mlp_p = [(jnp.asarray(a), jnp.asarray(b)) for a, b in mlp]
+    jitted = jax.jit(step, donate_argnums=(0, 1, 2, 3, 4, 5))
+    carry = (stacked, jnp.zeros_like(stacked), jnp.zeros_like(stacked), jnp.zeros(()), mlp_p, mlp_opt.init(mlp_p))
+    return HandTrain(jitted, carry, (all_ids, all_w, jnp.asarray(labels)))
+
+
+class HandTrain:
+    """The hand-written step with its donated carry: each call is one step."""
+
+    def __init__(self, step, carry, args):
+        self.step, self.carry, self.args, self.losses = step, carry, args, []
+
+    def __call__(self):
+        *self.carry, loss = self.step(*self.carry, *self.args)
+        self.losses.append(loss)
+        return loss
+
+
+def dense_variant(stacked_loss, tables, mlp, data):
+    opt = optax.adam(LR)
+    params = {"tables": jnp.asarray(np.concatenate([tables[k] for k in NAMES])),
+              "mlp": [(jnp.asarray(a), jnp.asarray(b)) for a, b in mlp]}
+
+    def step(p, s, *data):
+        loss, g = jax.value_and_grad(stacked_loss)(p, *data)
+        u, s = opt.update(g, s, p)
+        return optax.apply_updates(p, u), s, loss
+
+    return jax.jit(step, donate_argnums=(0, 1)), params, opt.init(params)
+
+
+def torch_variant(feats, tables, mlp, labels, adagrad=False):
+    import torch
+
+    dev = torch_device()
+    torch.manual_seed(0)
+    bags = torch.nn.ModuleList()
+    inputs = []
+    for k in NAMES:
+        ids, w = feats[k]
+        valid = ids >= 0
+        flat = torch.tensor(ids[valid], dtype=torch.int64, device=dev)
+        offsets = torch.tensor(np.concatenate([[0], np.cumsum(valid.sum(1))[:-1]]), dtype=torch.int64, device=dev)
+        psw = torch.tensor(w[valid], device=dev) if k in WEIGHTED else None
+        bag = torch.nn.EmbeddingBag(tables[k].shape[0], DIM, mode="sum" if k in WEIGHTED else "mean", sparse=True)
+        bag.weight.data = torch.tensor(tables[k], device=dev)
+        bags.append(bag.to(dev))
+        inputs.append((flat, offsets, psw))
+    layers = []
+    for i, (a, b) in enumerate(mlp):
+        lin = torch.nn.Linear(*a.shape).to(dev)
+        lin.weight.data, lin.bias.data = torch.tensor(a.T.copy(), device=dev), torch.tensor(b, device=dev)
+        layers += [lin] + ([torch.nn.ReLU()] if i < len(mlp) - 1 else [])
+    net = torch.nn.Sequential(*layers)
+    y = torch.tensor(labels, device=dev)
+    emb_opt = (torch.optim.Adagrad(bags.parameters(), lr=LR) if adagrad
+               else torch.optim.SparseAdam(list(bags.parameters()), lr=LR))
+    mlp_opt = torch.optim.Adam(net.parameters(), lr=LR)
+    losses = []
+
+    def step():
+        emb_opt.zero_grad()
+        mlp_opt.zero_grad()
+        x = torch.cat([bag(f, o, per_sample_weights=p) for bag, (f, o, p) in zip(bags, inputs)], -1)
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(net(x)[:, 0], y)
+        loss.backward()
+        emb_opt.step()
+        mlp_opt.step()
+        if dev == "cuda":
+            torch.cuda.synchronize()
+        losses.append(float(loss.detach()))
+
+    return step, losses
+
+
+class Train:
+    """A donated training step that keeps its outputs: each call is one step."""
+
+    def __init__(self, step, params, state, args):
+        self.step, self.params, self.state, self.args, self.losses = step, params, state, args, []
+
+    def __call__(self):
+        self.params, self.state, loss = self.step(self.params, self.state, *self.args)
+        self.losses.append(loss)
+        return loss
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args(argv)
+    rows = tuple(max(n // 100, 50) for n in ROWS) if args.quick else ROWS
+    batch = 128 if args.quick else 1024
+    feats, tables, mlp, labels = make_data(rows, batch)
+    bandwidth = copy_bandwidth()
+    backend = jax.default_backend()
+    where = f"{os.cpu_count()} cores" if backend == "cpu" else jax.devices()[0].device_kind
+    print(f"backend {backend} ({where}), torch on {torch_device()}, copy bandwidth {bandwidth / 1e9:.1f} GB/s; "
+          f"{len(rows)} tables, {sum(rows):,} rows x {DIM}, batch {batch}, bags of 1-{MAX_BAG} ids")
+    import torch
+
+    if torch_device() == "cpu":
+        torch.set_num_threads(os.cpu_count() or 1)
+    variants, stacked_loss, stack, data, one = mj_variants(feats, tables, mlp, labels)
+    fns = {name: Train(*v) for name, v in variants.items()}
+    fns["hand_jax"] = hand_variant(feats, tables, mlp, labels, *one)
+    dense_step, dense_params, dense_state = dense_variant(stacked_loss, tables, mlp, data)
+    fns["dense_optax"] = Train(dense_step, dense_params, dense_state, data)
+    torch_adam, torch_adam_losses = torch_variant(feats, tables, mlp, labels)
+    torch_adagrad, torch_adagrad_losses = torch_variant(feats, tables, mlp, labels, adagrad=True)
+    fns["torch_sparse_adam"] = torch_adam
+    fns["torch_sparse_adagrad"] = torch_adagrad
+    for fn in fns.values():  # the first step of each: its loss, from the same parameters and data
+        fn()
+    first = {k: float(f.losses[0]) for k, f in fns.items() if hasattr(f, "losses")}
+    first["torch_sparse_adam"], first["torch_sparse_adagrad"] = torch_adam_losses[0], torch_adagrad_losses[0]
+    print("first-step losses (same parameters and data): " + ", ".join(f"{k} {v:.6f}" for k, v in first.items()))
+    spread = max(first.values()) - min(first.values())
+    assert spread < 1e-4, f"the variants disagree on the first loss (spread {spread:.2e})"
+    t = interleaved_medians(fns, rounds=3, block=3, warmup=1, settle=1)
+    rows_table = {"train step": {"masked_jax": t["mj_stacked"], **t}}
+    print_table("median ms per training step (forward, backward, update; jit, donated)", rows_table,
+                ["mj_separate", "mj_one_table", "mj_stacked_catch_up", "hand_jax", "dense_optax", "torch_sparse_adam"])
+    print(f"\nstacked / one table of the same rows and ids: {t['mj_stacked'] / t['mj_one_table']:.2f}x; "
+          f"separate / stacked: {t['mj_separate'] / t['mj_stacked']:.2f}x; "
+          f"stacked / hand-written JAX: {t['mj_stacked'] / t['hand_jax']:.2f}x; "
+          f"dense optax / stacked: {t['dense_optax'] / t['mj_stacked']:.1f}x; "
+          f"torch SparseAdam / stacked: {t['torch_sparse_adam'] / t['mj_stacked']:.2f}x; "
+          f"torch sparse Adagrad / stacked masked_adagrad: {t['torch_sparse_adagrad'] / t['mj_stacked_adagrad']:.2f}x; "
+          f"catch-up / plain lazy: {t['mj_stacked_catch_up'] / t['mj_stacked']:.2f}x; "
+          f"rowwise_adagrad / masked_adagrad: {t['mj_stacked_rowwise_adagrad'] / t['mj_stacked_adagrad']:.2f}x")
+
+    # the optimizer step alone, on the stacked table's row-sparse gradient
+    params = {"tables": jnp.asarray(np.concatenate([tables[k] for k in NAMES])),
+              "mlp": [(jnp.asarray(a), jnp.asarray(b)) for a, b in mlp]}
+    grads = jax.jit(mj.grad(stacked_loss, row_sparse={"tables": True, "mlp": False}))(params, *data)
+    g = grads["tables"]
+    touched = int(np.unique(np.asarray(g.indices)[np.asarray(g.indices) < stack.num_rows]).size)
+    opt = optim.lazy(optax.adam(LR))
+
+    def update(p, s, g):
+        u, s = opt.update(g, s, p)
+        return optim.apply_updates(p, u), s
+
+    upd = Stepper(jax.jit(update, donate_argnums=(0, 1)), params["tables"], opt.init(params["tables"]), args=(g,))
+    tu = interleaved_medians({"update": upd}, rounds=3, block=5, warmup=2)["update"]
+    nbytes = 7 * touched * DIM * 4
+    print(f"\noptimizer step alone (lazy Adam, {g.nse:,} stored rows, {touched:,} distinct): {tu * 1e3:.2f} ms, "
+          f"{nbytes / tu / 1e9:.2f} GB/s of touched bytes = {nbytes / tu / bandwidth:.0%} of the copy bandwidth "
+          f"({bandwidth / 1e9:.1f} GB/s)")
+    save_bar_plot(rows_table, result_path("recsys"), f"DLRM-like step, {len(rows)} tables, batch {batch}")
+
+
+if __name__ == "__main__":
+    main()
