@@ -19,9 +19,9 @@ optimizer update, parameters and state donated) of
   ``optax.adam``;
 * ``torch_sparse_adam``: 8 ``torch.nn.EmbeddingBag(sparse=True)`` (flat ids and offsets,
   per-sample weights) with ``torch.optim.SparseAdam`` for the tables and ``Adam`` for the MLP;
-* Adagrad: ``mj_stacked_adagrad`` (``masked_adagrad``), ``mj_stacked_rowwise_adagrad``
-  (``rowwise_adagrad``) and ``torch_sparse_adagrad`` (``torch.optim.Adagrad`` on the sparse
-  gradients).
+* Adagrad: ``mj_stacked_adagrad`` (``masked_adagrad``), ``mj_stacked_lazy_adagrad`` (the same
+  Adagrad through the generic ``lazy``), ``mj_stacked_rowwise_adagrad`` (``rowwise_adagrad``)
+  and ``torch_sparse_adagrad`` (``torch.optim.Adagrad`` on the sparse gradients).
 
 All variants start from the same parameters and data; their first losses are printed and must
 agree. Then the optimizer step alone (lazy Adam on the stacked table's row-sparse gradient) in
@@ -139,6 +139,9 @@ def mj_variants(feats, tables, mlp, labels):
         ids, w, y)
     add("mj_stacked_adagrad", stacked_loss, optim.masked_adagrad(LR, initial_accumulator_value=0.0, eps=1e-10,
                                                                  eps_placement="outside"),
+        jnp.asarray(stacked_np), ids, w, y)
+    add("mj_stacked_lazy_adagrad", stacked_loss,
+        optim.lazy(optax.chain(optim.scale_by_rss(0.0, 1e-10, "outside"), optax.scale_by_learning_rate(LR))),
         jnp.asarray(stacked_np), ids, w, y)
     add("mj_stacked_rowwise_adagrad", stacked_loss, optim.rowwise_adagrad(LR), jnp.asarray(stacked_np), ids, w, y)
     return out, stacked_loss, stack, (ids, w, y), (jnp.asarray(all_ids), jnp.asarray(all_w))
@@ -295,6 +298,7 @@ def main(argv=None):
           f"torch SparseAdam / stacked: {t['torch_sparse_adam'] / t['mj_stacked']:.2f}x; "
           f"torch sparse Adagrad / stacked masked_adagrad: {t['torch_sparse_adagrad'] / t['mj_stacked_adagrad']:.2f}x; "
           f"catch-up / plain lazy: {t['mj_stacked_catch_up'] / t['mj_stacked']:.2f}x; "
+          f"masked_adagrad / lazy(adagrad): {t['mj_stacked_adagrad'] / t['mj_stacked_lazy_adagrad']:.2f}x; "
           f"rowwise_adagrad / masked_adagrad: {t['mj_stacked_rowwise_adagrad'] / t['mj_stacked_adagrad']:.2f}x")
 
     # the optimizer step alone, on the stacked table's row-sparse gradient

