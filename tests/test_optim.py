@@ -890,3 +890,64 @@ def test_lazy_catch_up_in_a_donated_train_step_and_rejections():
         wd.update(mj.row_sparse(jnp.ones((1, 2)), jnp.array([1]), (3, 2)), wd.init(jnp.zeros((3, 2))))
     with pytest.raises(ValueError, match="MultiSteps"):
         optim.lazy(optax.MultiSteps(optax.adam(0.1), 2), catch_up=True)
+
+
+def _micro_steps(opt, params, grads):
+    p, s = params, opt.init(params)
+    update = jax.jit(opt.update)
+    for g in grads:
+        u, s = update(g, s, p)
+        p = optim.apply_updates(p, u)
+    return p, s
+
+
+def _rows(rows, values, n=10, d=2):
+    return mj.row_sparse(jnp.asarray(values, jnp.float32), jnp.asarray(rows), (n, d))
+
+
+@pytest.mark.parametrize("inner", [optax.adam(0.1), optax.sgd(0.2, momentum=0.9)], ids=["adam", "sgd_momentum"])
+def test_multi_steps_row_accumulator_equals_dense_accumulator(inner):
+    """With room for every row of a window, the row accumulator gives the dense one's parameters,
+    with its state O(capacity x dim) instead of O(table)."""
+    rng = np.random.default_rng(3)
+    params = {"emb": jnp.linspace(-1.0, 1.0, 20).reshape(10, 2), "w": jnp.ones(3)}
+    grads = []
+    for _ in range(7):
+        rows = rng.integers(0, 10, size=3)
+        rows[1] = rows[0]  # duplicates within a micro-step
+        grads.append({"emb": _rows(rows, rng.normal(size=(3, 2))), "w": jnp.asarray(rng.normal(size=3), jnp.float32)})
+    ms = optax.MultiSteps(inner, 3)
+    dense, _ = _micro_steps(optim.lazy(ms), params, grads)
+    rows, state = _micro_steps(optim.lazy(ms, capacity={"emb": 9, "w": None}), params, grads)
+    assert state.acc["emb"].data.shape == (9, 2) and state.acc["w"].shape == (3,) and int(state.early_flushes) == 0
+    for k in params:
+        np.testing.assert_allclose(np.asarray(rows[k]), np.asarray(dense[k]), rtol=1e-6, atol=1e-7)
+
+
+def test_multi_steps_row_accumulator_ends_a_full_window_early():
+    """The documented rule: a micro-step whose rows would not fit ends the window before it (the
+    accumulated mean is applied), and starts the next window; nothing is dropped."""
+    params = jnp.zeros((10, 2))
+    g = [_rows([0, 1], [[1.0, 2.0], [3.0, 4.0]]), _rows([2, 3], [[5.0, 6.0], [7.0, 8.0]]),
+         _rows([2, 4], [[1.0, 1.0], [2.0, 2.0]]), _rows([3, 3], [[1.0, 0.0], [0.0, 1.0]])]
+    opt = optim.lazy(optax.MultiSteps(optax.adam(0.1), 3), capacity=3)
+    out, state = _micro_steps(opt, params, g)
+    assert int(state.early_flushes) == 1 and int(state.gradient_step) == 2 and int(state.mini_step) == 0
+    # reference: adam on g0 alone (the window ended early), then on the mean of g1, g2, g3
+    mean = mj.row_sparse(jnp.concatenate([x.data for x in g[1:]]) / 3,
+                         jnp.concatenate([x.indices for x in g[1:]]), (10, 2))
+    ref, _ = _micro_steps(optim.lazy(optax.adam(0.1)), params, [g[0], mean])
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-6, atol=1e-7)
+
+
+def test_multi_steps_row_accumulator_rejections():
+    with pytest.raises(ValueError, match="cannot fit an accumulator of 2 rows"):
+        opt = optim.lazy(optax.MultiSteps(optax.adam(0.1), 2), capacity=2)
+        opt.update(_rows([1, 2, 3], np.ones((3, 2))), opt.init(jnp.zeros((10, 2))), jnp.zeros((10, 2)))
+    with pytest.raises(ValueError, match="applies to optax.MultiSteps"):
+        optim.lazy(optax.adam(0.1), capacity=4)
+    with pytest.raises(ValueError, match="capacity must be an int >= 2"):
+        optim.lazy(optax.MultiSteps(optax.adam(0.1), 2), capacity={"a": 1}).init({"a": jnp.zeros((4, 2))})
+    with pytest.raises(TypeError, match="masked array"):
+        opt = optim.lazy(optax.MultiSteps(optax.adam(0.1), 2), capacity=4)
+        opt.update(mj.masked_array(jnp.ones((4, 2)), jnp.ones((4, 2), bool)), opt.init(jnp.zeros((4, 2))))

@@ -16,9 +16,12 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from masked_jax._core import MaskedArray, is_container
+from masked_jax.layouts.rows import RowSparseArray
+from masked_jax.layouts.segments import unique_ids
 from masked_jax.optim._views import data_of, view
 
 
@@ -92,5 +95,170 @@ def lazy_multi_steps(ms, lift) -> optax.GradientTransformation:
         u = jax.tree_util.tree_map(lambda x: MaskedArray._from_pair(jnp.where(skip, 0, x.data), x.mask & ~skip),
                                    u, is_leaf=is_container)
         return u, new_state
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+class RowMultiStepsState(NamedTuple):
+    """``lazy(optax.MultiSteps(inner, k), capacity=...)``'s state: per parameter leaf, an
+    accumulator of at most ``capacity`` rows (a coalesced :class:`RowSparseArray`) or, for leaves
+    without a capacity, a dense one with its touched mask; and how many windows ended early
+    because their rows did not fit."""
+
+    mini_step: jax.Array
+    gradient_step: jax.Array
+    inner_opt_state: Any
+    acc: Any
+    touched: Any
+    skip_state: Any
+    early_flushes: jax.Array
+
+
+def _capacities(capacity, params):
+    """Per parameter leaf: the accumulator's row capacity, or None (dense)."""
+    if callable(capacity):
+        capacity = capacity(params)
+    if capacity is None or isinstance(capacity, int):
+        return [capacity if np.ndim(p) >= 1 else None for p in jax.tree_util.tree_leaves(params)]
+    try:
+        per_leaf = jax.tree_util.tree_map(
+            lambda c, sub: jax.tree_util.tree_map(lambda _: c, sub), capacity, params,
+            is_leaf=lambda c: c is None or isinstance(c, int))
+    except ValueError as err:
+        raise ValueError(f"capacity must be an int, None, a callable, or a prefix of the parameters' pytree with "
+                         f"int or None leaves: {err}") from None
+    out = jax.tree_util.tree_leaves(per_leaf, is_leaf=lambda c: c is None)
+    for c in out:
+        if c is not None and (not isinstance(c, int) or c < 2):
+            raise ValueError(f"capacity must be an int >= 2 (rows) or None; got {c!r}.")
+    return out
+
+
+def _empty_rows(shape, capacity, dtype):
+    return RowSparseArray._make(shape, jnp.zeros((capacity,) + tuple(shape[1:]), dtype),
+                                jnp.full((capacity,), shape[0], jnp.int32), True)
+
+
+def _as_rows(g, shape):
+    """A gradient leaf as coalesced rows ``(indices (K,), data (K, ...))``, padding ``N``."""
+    v, data = view(g)
+    if v.kind == "rows":
+        return v.indices, data
+    if v.kind == "masked":  # rows with a valid entry, the rest zero
+        raise TypeError("lazy(MultiSteps, capacity=...): a leaf with a row capacity takes row-sparse (or dense) "
+                        "gradients; got a masked array. Give it capacity None.")
+    return jnp.arange(shape[0], dtype=jnp.int32), data
+
+
+def _merge(acc, idx, data, n, capacity, acc_update, n_acc):
+    """The accumulator after adding rows ``(idx, data)``: ``(merged rows, fits)``."""
+    both = jnp.concatenate([acc.indices, idx])
+    uniq, seg = unique_ids(both, n)
+    c = acc.indices.shape[0]
+    old = jax.ops.segment_sum(acc.data, seg[:c], num_segments=both.shape[0])
+    new = jax.ops.segment_sum(data.astype(acc.data.dtype), seg[c:], num_segments=both.shape[0])
+    merged = acc_update(new, old, n_acc=n_acc)
+    fits = uniq[capacity] >= n if both.shape[0] > capacity else jnp.asarray(True)  # no distinct row past it
+    keep = jnp.where(uniq[:capacity] < n, uniq[:capacity], n)
+    return RowSparseArray._make(acc.shape, merged[:capacity].astype(acc.data.dtype), keep, True), fits
+
+
+def lazy_multi_steps_rows(ms, lift, capacity) -> optax.GradientTransformation:
+    """``lazy(optax.MultiSteps(inner, k), capacity=...)``: accumulators of at most ``capacity``
+    rows (see :func:`~masked_jax.optim.lazy`)."""
+    inner, every_k, acc_update, should_skip, acc_dtype = _configuration(ms)
+    lazy_inner = lift(inner)
+
+    def init_fn(params):
+        params = jax.tree_util.tree_map(data_of, params, is_leaf=is_container)
+        leaves, treedef = jax.tree_util.tree_flatten(params)
+        caps = _capacities(capacity, params)
+        acc = [jnp.zeros(np.shape(p), acc_dtype or jnp.result_type(p)) if c is None else
+               _empty_rows(np.shape(p), c, acc_dtype or jnp.result_type(p)) for p, c in zip(leaves, caps)]
+        touched = [jnp.zeros(np.shape(p), bool) if c is None else jnp.zeros((0,), bool) for p, c in zip(leaves, caps)]
+        base = ms.init(params)
+        return RowMultiStepsState(base.mini_step, base.gradient_step, lazy_inner.init(params),
+                                  treedef.unflatten(acc), treedef.unflatten(touched), base.skip_state,
+                                  jnp.zeros((), jnp.int32))
+
+    def update_fn(updates, state, params=None):
+        if not isinstance(state, RowMultiStepsState):
+            raise ValueError(f"lazy(MultiSteps, capacity=...): state must be the RowMultiStepsState its init "
+                             f"returned; got {type(state).__name__}.")
+        if params is not None:
+            params = jax.tree_util.tree_map(data_of, params, is_leaf=is_container)
+        leaves, treedef = jax.tree_util.tree_flatten(updates, is_leaf=is_container)
+        accs = treedef.flatten_up_to(state.acc)
+        touched = treedef.flatten_up_to(state.touched)
+        k = every_k(state.gradient_step)
+        last = state.mini_step == k - 1
+        merged, fits, restart, plain = [], jnp.asarray(True), [], []
+        for g, a, t in zip(leaves, accs, touched):
+            shape = tuple(g.shape) if is_container(g) else np.shape(g)
+            if isinstance(a, RowSparseArray):
+                idx, data = _as_rows(g, shape)
+                if idx.shape[0] > a.nse:
+                    raise ValueError(f"lazy(MultiSteps, capacity={a.nse}): a gradient of {idx.shape[0]} rows cannot fit "
+                                     f"an accumulator of {a.nse} rows; raise the capacity to at least the rows of one "
+                                     "micro-step's gradient.")
+                m, ok = _merge(a, idx, data, shape[0], a.nse, acc_update, state.mini_step)
+                fits = fits & ok
+                merged.append(m)
+                alone, _ = _merge(_empty_rows(shape, a.nse, a.dtype), idx, data, shape[0], a.nse, acc_update, 0)
+                restart.append(alone)
+                plain.append(g)
+            else:
+                values, valid = _dense(g)
+                merged.append(acc_update(values, a, n_acc=state.mini_step).astype(a.dtype))
+                restart.append(acc_update(values, jnp.zeros_like(a), n_acc=0).astype(a.dtype))
+                plain.append((values, valid))
+        # the window ends at its k-th micro-step, or early, before a micro-step whose rows would not
+        # fit: then the accumulated gradient is applied and this micro-step starts the next window
+        early = ~fits
+        emit = last | early
+        emitted, new_acc, new_touched = [], [], []
+        for a, t, m, r, p in zip(accs, touched, merged, restart, plain):
+            if isinstance(a, RowSparseArray):
+                out = jax.tree_util.tree_map(lambda old, new: jnp.where(early, old, new), a, m)
+                emitted.append(out)
+                zero = _empty_rows(a.shape, a.nse, a.dtype)
+                new_acc.append(jax.tree_util.tree_map(
+                    lambda z, rr, mm: jnp.where(early, rr, jnp.where(last, z, mm)), zero, r, m))
+                new_touched.append(t)
+            else:
+                values, valid = p
+                now = t | valid
+                acc_rows = jnp.where(early, a, m)
+                emitted.append(MaskedArray._from_pair(acc_rows.astype(values.dtype), jnp.where(early, t, now)))
+                new_acc.append(jnp.where(early, r, jnp.where(last, jnp.zeros_like(m), m)))
+                new_touched.append(jnp.where(early, valid, jnp.where(last, jnp.zeros_like(now), now)))
+        # optax's skip rules (skip_not_finite, skip_large_updates) see this micro-step's values
+        skip, skip_state = should_skip(treedef.unflatten([view(g)[1] for g in leaves]), state.gradient_step, params)
+        u, new_inner = lazy_inner.update(treedef.unflatten(emitted), state.inner_opt_state, params)
+
+        def gate(x):
+            if isinstance(x, RowSparseArray):
+                return RowSparseArray._make(x.shape, jnp.where(emit, x.data, 0), jnp.where(emit, x.indices, x.shape[0]),
+                                            x.unique_indices)
+            return MaskedArray._from_pair(jnp.where(emit, x.data, 0), x.mask & emit)
+
+        u = jax.tree_util.tree_map(gate, u, is_leaf=is_container)
+        stepped = RowMultiStepsState(
+            mini_step=jnp.where(early, 1, (state.mini_step + 1) % k).astype(state.mini_step.dtype),
+            gradient_step=jnp.where(emit, state.gradient_step + 1, state.gradient_step),
+            inner_opt_state=jax.tree_util.tree_map(lambda new, old: jnp.where(emit, new, old),
+                                                   new_inner, state.inner_opt_state),
+            acc=treedef.unflatten(new_acc), touched=treedef.unflatten(new_touched), skip_state=skip_state,
+            early_flushes=state.early_flushes + early.astype(jnp.int32))
+        new_state = jax.tree_util.tree_map(lambda old, new: jnp.where(skip, old, new),
+                                           state._replace(skip_state=skip_state), stepped)
+
+        def unskip(x):
+            if isinstance(x, RowSparseArray):
+                return RowSparseArray._make(x.shape, jnp.where(skip, 0, x.data), jnp.where(skip, x.shape[0], x.indices),
+                                            x.unique_indices)
+            return MaskedArray._from_pair(jnp.where(skip, 0, x.data), x.mask & ~skip)
+
+        return jax.tree_util.tree_map(unskip, u, is_leaf=is_container), new_state
 
     return optax.GradientTransformation(init_fn, update_fn)

@@ -9,7 +9,7 @@ import optax
 
 from masked_jax._core import is_container
 from masked_jax.optim import _catch_up
-from masked_jax.optim._accumulate import lazy_multi_steps
+from masked_jax.optim._accumulate import lazy_multi_steps, lazy_multi_steps_rows
 from masked_jax.optim._state import _map_param_shaped, _Reference
 from masked_jax.optim._views import data_of, view
 
@@ -78,7 +78,7 @@ def _check_transformation(obj, argname: str) -> None:
                         f"got {type(obj).__name__}.")
 
 
-def lazy(inner: optax.GradientTransformation, *, catch_up: bool = False) -> optax.GradientTransformation:
+def lazy(inner: optax.GradientTransformation, *, catch_up: bool = False, capacity=None) -> optax.GradientTransformation:
     """Lift an optax transformation to lazy masked / row-sparse semantics.
 
     Gradient leaves may be plain arrays (every entry valid), ``MaskedArray`` objects
@@ -105,7 +105,15 @@ def lazy(inner: optax.GradientTransformation, *, catch_up: bool = False) -> opta
     the ``k``-th step every entry touched in the window is updated with ``lazy(inner)``;
     its updates are masked arrays (dense storage), and its state is ``MultiSteps``' state
     plus the parameter-shaped mask of the entries touched in the window. Like
-    ``optax.MultiSteps``, every micro-step costs O(parameter size). Wrap the lazy lift *around* optax's
+    ``optax.MultiSteps``, every micro-step costs O(parameter size). With ``capacity=C`` (an int,
+    or a prefix tree of ints and ``None`` over the parameters) a table's accumulator instead
+    holds at most ``C`` coalesced rows (a ``RowSparseArray``), so a micro-step costs O(C x dim);
+    leaves given ``None`` keep a dense accumulator. **When a micro-step's rows would not fit**,
+    the window ends early, before that micro-step: the rows accumulated so far are applied as
+    the window's (mean or sum) gradient, and the micro-step starts the next window; nothing is
+    dropped, and the state counts such windows in ``early_flushes``. With ``C`` at least the
+    rows one window can touch (``k`` times a micro-step's rows) no window ends early and the
+    parameters equal the dense accumulator's. Wrap the lazy lift *around* optax's
     wrappers (``lazy(optax.apply_if_finite(adam, n))`` checks finiteness over the valid
     entries only): optax's own wrappers see a masked or row-sparse gradient's leaves
     (masked-out data, row indices) as if they were parameters.
@@ -136,6 +144,8 @@ def lazy(inner: optax.GradientTransformation, *, catch_up: bool = False) -> opta
         inner: the optax transformation to lift.
         catch_up: bring a row's state (and parameter) over the steps it was not touched, when it
             is touched again.
+        capacity: for ``optax.MultiSteps`` only: the rows each table's accumulator holds
+            (``None``: a dense accumulator).
 
     Returns:
         An ``optax.GradientTransformation`` with the same state as ``inner`` (for
@@ -160,10 +170,14 @@ def lazy(inner: optax.GradientTransformation, *, catch_up: bool = False) -> opta
     """
 
     _check_transformation(inner, "inner")
+    if capacity is not None and not isinstance(inner, optax.MultiSteps):
+        raise ValueError("lazy(..., capacity=...) applies to optax.MultiSteps (the rows its accumulator holds).")
     if isinstance(inner, optax.MultiSteps):
         if catch_up:
             raise ValueError("lazy(optax.MultiSteps(...), catch_up=True) is not supported: lift the inner "
                              "transformation with catch_up inside MultiSteps' accumulation instead.")
+        if capacity is not None:
+            return lazy_multi_steps_rows(inner, lazy, capacity)
         return lazy_multi_steps(inner, lazy)
 
     def init_fn(params):
