@@ -309,3 +309,61 @@ def test_html_report_renders_labelled_heatmap_in_headless_chromium(tmp_path):
     changed = np.abs(shown - bare).max(axis=-1) > 0.2
     assert changed.sum() > 500, "axis labels and colour scale are not visible in the rendered report"
     assert (bare[changed] > 0.97).all(axis=-1).mean() > 0.9, "hidden labels should leave white background"
+
+
+_X = mj.masked_array(jnp.array([1.0, 2.0, 3.0, 0.5]), jnp.array([True, False, True, True]))
+
+LEAKY = {  # name: (function, the probe or check that must name the leak)
+    "nan_times_zero": (lambda v: mnp.sum(v) + jnp.sum(0 * v.data), "valid outputs with NaN under the masks"),
+    "where_log_trap": (lambda v: jnp.sum(jnp.where(v.mask, jnp.log(v.data), 0.0)),
+                       "VJP to masked-out inputs with NaN under the masks"),
+    "stabiliser_from_data": (lambda v: mnp.log(mnp.sum(mnp.exp(v - jnp.max(v.data)))) + jnp.max(v.data),
+                             "valid outputs with a huge value under the masks"),
+    "mean_from_data": (lambda v: jnp.mean(v.data) * mnp.sum(v), "valid outputs vs masked-out data"),
+    "gather_reads_padding": (lambda v: mnp.sum(v) * v.data[1], "valid outputs vs masked-out data"),
+}
+
+
+@pytest.mark.parametrize("fast", [False, True], ids=["tables", "projections"])
+@pytest.mark.parametrize("name", LEAKY)
+def test_leaky_functions_never_pass_masked_semantics(name, fast):
+    """NaN, +-inf and huge values under the masks: a function that reads masked-out data fails
+    the masked check, named by the probe that caught it."""
+    f, expected = LEAKY[name]
+    report = mj.check_jacobian(f, (_X,), semantics="masked", fast=fast, raise_exception=False)
+    assert "masked" not in report.satisfies
+    failing = {k for c in report.checks for k, v in c.leaks.items() if not (np.isfinite(v) and v <= 1e-6)}
+    assert expected in failing, failing
+
+
+@pytest.mark.parametrize("fast", [False, True], ids=["tables", "projections"])
+def test_correct_functions_pass_the_leak_probes(fast):
+    for f in (lambda v: mnp.sum(mnp.exp(v)), lambda v: mnp.log(mnp.sum(mnp.exp(v))),
+              lambda v: mnp.mean(mnp.log(v)), lambda v: mnn.softmax(v) * 2.0):
+        report = mj.check_jacobian(f, (_X,), semantics="masked", fast=fast, raise_exception=False)
+        assert report.satisfies == ("masked",)
+        assert all(v == 0 for c in report.checks for k, v in c.leaks.items() if "under the masks" in k)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
+@pytest.mark.parametrize("scale", [1e-3, 1.0, 1e3, 1e6])
+def test_correct_functions_pass_at_every_output_magnitude(dtype, scale):
+    """Tolerances grow with the outputs' magnitude (the finite differences' rounding), so correct
+    float32 and float64 functions with outputs from 1e-3 to 1e6 pass at default settings; a
+    derivative 5% off still fails."""
+    if dtype == jnp.float64 and not jax.config.jax_enable_x64:
+        pytest.fail("the test suite runs with x64 enabled")
+    rng = np.random.default_rng(1)
+    x = mj.masked_array(jnp.asarray(rng.normal(size=12), dtype), jnp.asarray(rng.random(12) < 0.7))
+    fns = [lambda v: scale * mnp.sum(mnp.sin(v) * v), lambda v: mnp.var(scale ** 0.5 * 30 * v),
+           lambda v: scale * mnp.linalg.norm(v) + scale]
+    for f in fns:
+        assert mj.check_jacobian(f, (x,), semantics="masked", raise_exception=False).satisfies == ("masked",)
+
+    @jax.custom_jvp
+    def off(v):
+        return scale * jnp.sin(v)
+
+    off.defjvp(lambda p, t: (off(p[0]), 1.05 * scale * jnp.cos(p[0]) * t[0]))
+    assert not mj.check_jacobian(lambda v: mnp.sum(off(v.data) * v.mask), (x,), semantics="dense",
+                                 raise_exception=False)

@@ -94,7 +94,9 @@ MANUAL = [
     ("lazy: another optimizer's state", lambda: optim.lazy(optax.adam(0.1)).update(
         X, optax.sgd(0.1).init(jnp.zeros((2, 3)))), ValueError, "state does not belong"),
     ("masked_adagrad: another parameter's state", lambda: optim.masked_adagrad(0.1).update(
-        X, optim.masked_adagrad(0.1).init(jnp.zeros((3, 3)))), ValueError, "sums of squares have shapes"),
+        X, optim.masked_adagrad(0.1).init(jnp.zeros((3, 3)))), ValueError, "state does not belong"),
+    ("scale_by_rss: another parameter's state", lambda: optim.scale_by_rss().update(
+        X, optim.scale_by_rss().init(jnp.zeros((3, 3)))), ValueError, "sums of squares have shapes"),
     ("apply_updates: a string update", lambda: optim.apply_updates(jnp.zeros(2), "x"), TypeError,
      "updates must be arrays"),
     ("apply_updates: shape mismatch", lambda: optim.apply_updates(jnp.zeros(2), jnp.zeros(3)), ValueError,

@@ -15,6 +15,11 @@ masked semantics, so that a function reading masked-out data cannot pass by acci
 
 * the data under an input's mask is replaced by random values (twice, differently): the valid
   outputs and the output mask must not change;
+* leak probes: the data under every mask is set to NaN, +inf, -inf and a huge value in turn; the
+  valid outputs, the output mask, the JVP of valid outputs along valid inputs and the VJP to
+  valid inputs must stay what they are at a finite fill, and the VJP to masked-out inputs must
+  stay 0 (``jnp.where(m, log(x), 0)``, ``0 * x``
+  and a stabiliser taken over masked-out data all fail here);
 * perturbing masked-out data must not change any valid output (numerical leak);
 * analytical Jacobian entries at masked-out inputs, and tangents of masked-out outputs, are 0.
 
@@ -158,7 +163,7 @@ def check_jacobian(f, args, *, semantics="both", modes=("fwd", "rev"), eps=None,
         raw = fn(values, consts, seed)
     notes += [f"output {s} skipped" for s in skipped]
     raw = jax.device_get(raw)
-    checks = _compare(raw, leaves, names, sems, run_modes, fast, atol, rtol)
+    checks = _compare(raw, leaves, names, sems, run_modes, fast, atol, rtol, _roundoff(dtype, eps))
     report = JacobianReport(checks=checks, semantics=sems, backend=jax.default_backend(), dtype=dtype.name,
                             eps=eps, atol=atol, rtol=rtol, fast=fast, notes=notes)
     if raise_exception and not report:
@@ -239,8 +244,12 @@ def _run(call, leaves, names, sems, modes, fast, eps, vals, consts, seed):
     base_m = outputs(fills, [None] * n)
     alt_m = outputs(alts, [None] * n)
     out["valid"] = base_m[2]
+    out["scale/masked"] = jnp.abs(base_m[0])  # output magnitudes, for the rounding tolerance
+    out["scale/dense"] = jnp.abs(outputs(vals, [None] * n)[0]) if "dense" in sems else out["scale/masked"]
     out["value_leak"] = jnp.where(base_m[2] & alt_m[2], jnp.abs(base_m[0] - alt_m[0]), 0)
     out["mask_changed"] = jnp.any(base_m[2] != alt_m[2])
+    if "masked" in sems:
+        out["probes"] = _probes(outputs, leaves, fills, base_m, modes, jax.random.fold_in(rng, n + 1))
     for i, leaf in enumerate(leaves):
         for sem in sems:
             base = vals if sem == "dense" else fills
@@ -259,6 +268,55 @@ def _run(call, leaves, names, sems, modes, fast, eps, vals, consts, seed):
             else:
                 out[f"{i}/{sem}"] = _tables(F, x0, leaf, sem, modes, eps, which)
     return out
+
+
+def _leak(a, b):
+    """``|a - b|``, infinite where either is NaN or infinite and they differ."""
+    same = (a == b) | (jnp.isnan(a) & jnp.isnan(b))
+    return jnp.where(same, 0, jnp.where(jnp.isfinite(a) & jnp.isfinite(b), jnp.abs(a - b), jnp.inf))
+
+
+def _probes(outputs, leaves, fills, base, modes, rng):
+    """Leak probes: every masked-out element set to NaN, +inf, -inf and a huge value in turn (one
+    ``vmap`` over the probes). A function with masked semantics gives the same valid outputs, the
+    same output mask, the same tangents of valid outputs along valid inputs (JVP) and the same
+    cotangents of valid inputs (VJP) as at the finite fill, and no cotangent (a NaN included) at
+    masked-out inputs. Returns, per probe, the leak of each
+    output element (values and JVP) and of each input element (VJP)."""
+    n = len(leaves)
+    valid = base[2]
+    specs = [jnp.asarray(leaf.spec) for leaf in leaves]
+    keys = jax.random.split(rng, 2 * n)
+    tangents = [jax.random.normal(keys[i], f.shape, f.dtype) * s for i, (f, s) in enumerate(zip(fills, specs))]
+    cotangent = jax.random.normal(keys[n], valid.shape, base[1].dtype) * valid
+
+    def raw(vs):
+        return outputs(vs, [None] * n)[1]
+
+    def derivatives(vs):
+        jvp = jax.jvp(raw, (vs,), (tangents,))[1] if "fwd" in modes else jnp.zeros_like(valid, base[1].dtype)
+        vjp = jax.vjp(raw, vs)[1](cotangent)[0] if "rev" in modes else [jnp.zeros_like(v) for v in vs]
+        return jvp, vjp
+
+    jvp0, vjp0 = derivatives(fills)
+
+    def one(value):
+        vs = [jnp.where(s, f, value.astype(f.dtype)) for f, s in zip(fills, specs)]
+        o = outputs(vs, [None] * n)
+        jvp, vjp = derivatives(vs)
+        return {"value": jnp.where(valid, _leak(o[0], base[0]), 0),
+                "mask": jnp.any(o[2] != valid),
+                "jvp": jnp.where(valid, _leak(jvp, jvp0), 0),
+                "vjp": [jnp.where(s, _leak(a, b), 0) for a, b, s in zip(vjp, vjp0, specs)],
+                # and no cotangent, not even a NaN, reaches the masked-out elements
+                "vjp_off": [jnp.where(s, 0, _leak(a, jnp.zeros_like(a))) for a, s in zip(vjp, specs)]}
+
+    dtype = min((np.dtype(leaf.dtype) for leaf in leaves), key=lambda d: d.itemsize)
+    values = jnp.array([np.nan, np.inf, -np.inf, float(np.sqrt(np.finfo(dtype).max))], dtype)
+    return jax.vmap(one)(values)
+
+
+PROBE_NAMES = ("NaN", "+inf", "-inf", "a huge value")
 
 
 def analytic_pattern(leaf, sem):
@@ -329,7 +387,15 @@ def _projections(F, x0, leaf, sem, modes, eps, valid, rng):
     return res
 
 
-def _compare(raw, leaves, names, sems, modes, fast, atol, rtol):
+def _roundoff(dtype, eps) -> float:
+    """Per unit of output magnitude, the rounding error a central difference with step ``eps``
+    can carry in ``dtype`` (each evaluation is off by about one ulp of the output; the difference
+    of two divided by ``2 eps``), with a safety factor of 4: an output of magnitude ``F`` gets
+    ``F * roundoff`` more tolerance, so ``var(30 * x)`` in float32 is not failed for rounding."""
+    return 4.0 * float(np.finfo(dtype).eps) / float(eps)
+
+
+def _compare(raw, leaves, names, sems, modes, fast, atol, rtol, roundoff=0.0):
     offsets = np.cumsum([0] + [int(np.prod(s, dtype=np.int64)) for _, s in names])
     valid = np.asarray(raw["valid"], bool)
     value_leak = np.asarray(raw["value_leak"])
@@ -346,11 +412,28 @@ def _compare(raw, leaves, names, sems, modes, fast, atol, rtol):
                     leaks["valid outputs vs masked-out data"] = float(np.max(value_leak[rows], initial=0))
                     if raw["mask_changed"]:
                         leaks["output mask depends on masked-out data"] = float("inf")
+                    probes = raw["probes"]
+                    for p, pname in enumerate(PROBE_NAMES):
+                        under = f"{pname} under the masks"
+                        leaks[f"valid outputs with {under}"] = float(np.max(np.asarray(probes["value"][p])[rows],
+                                                                          initial=0))
+                        if bool(probes["mask"][p]):
+                            leaks[f"output mask with {under}"] = float("inf")
+                        if "fwd" in modes:
+                            leaks[f"JVP of valid outputs with {under}"] = float(
+                                np.max(np.asarray(probes["jvp"][p])[rows], initial=0))
+                        if "rev" in modes:
+                            leaks[f"VJP to valid inputs with {under}"] = float(
+                                np.max(np.asarray(probes["vjp"][i][p]), initial=0))
+                            leaks[f"VJP to masked-out inputs with {under}"] = float(
+                                np.max(np.asarray(probes["vjp_off"][i][p]), initial=0))
                 for mode in modes:
                     if fast:
                         c = _fast_check(res, mode, sem, leaks, atol, rtol)
                     else:
-                        c = _full_check(res, mode, sem, rows, ok_rows, spec, leaks, oshape, leaf.shape, atol, rtol)
+                        scale = np.asarray(raw[f"scale/{sem}"])[rows] * roundoff
+                        c = _full_check(res, mode, sem, rows, ok_rows, spec, leaks, oshape, leaf.shape, atol, rtol,
+                                        scale)
                     checks.append(Check(input=leaf.name, output=oname, mode=mode, semantics=sem, **c))
     return checks
 
@@ -359,7 +442,7 @@ def _leak_passed(leaks, atol):
     return all(np.isfinite(v) and v <= atol for v in leaks.values())
 
 
-def _full_check(res, mode, sem, rows, ok_rows, spec, leaks, oshape, ishape, atol, rtol):
+def _full_check(res, mode, sem, rows, ok_rows, spec, leaks, oshape, ishape, atol, rtol, scale=None):
     num = np.asarray(res["num"])[rows]
     an = np.asarray(res[mode])[rows]
     cols = spec if sem == "masked" else np.ones(num.shape[1], bool)
@@ -378,6 +461,8 @@ def _full_check(res, mode, sem, rows, ok_rows, spec, leaks, oshape, ishape, atol
     abs_num = np.abs(n_blk)
     excess = np.multiply(abs_num, rtol)
     excess += atol
+    if scale is not None:  # the finite differences' rounding, per output row
+        excess += (scale if everything else scale[ok_rows])[:, None]
     np.subtract(err, excess, out=excess)  # > 0 or NaN: a failure
     top = float(np.max(err, initial=0))  # NaN if any error is NaN
     has_nan = bool(np.isnan(top))
