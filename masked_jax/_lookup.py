@@ -188,6 +188,16 @@ def _row_read(eqn, shape, invals):
     return None
 
 
+def _bind(eqn, invals):
+    """Evaluate one equation on ``invals``, as ``jax.core.eval_jaxpr`` does (older jax versions
+    return the call's sub-functions with its parameters)."""
+    params = eqn.primitive.get_bind_params(eqn.params)
+    if isinstance(params, tuple):
+        subfuns, params = params
+        return eqn.primitive.bind(*subfuns, *invals, **params)
+    return eqn.primitive.bind(*invals, **params)
+
+
 class _Run:
     """One evaluation of the traced program. ``collect``: reads the tables and records the ids of
     every row read (``items``: arrays, and lists for scan and checkpoint bodies; ``ks``: which
@@ -216,7 +226,7 @@ class _Run:
                 outs = self.table_use(eqn, invals)
             else:
                 with eqn.ctx.manager:
-                    outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
+                    outs = _bind(eqn, invals)
             env.update(zip(eqn.outvars, outs if eqn.primitive.multiple_results else [outs]))
         return [read(v) for v in jaxpr.outvars]
 
