@@ -381,3 +381,16 @@ def test_leak_probes_can_be_turned_off_and_are_what_catches_the_where_log_trap()
     assert without.satisfies == ("masked",)  # finite fills alone cannot see the trap
     assert not any("under the masks" in k for c in without.checks for k in c.leaks)
     assert not mj.check_jacobian(f, (_X,), semantics="masked", raise_exception=False)
+
+
+def test_forward_only_checks_probe_the_jvp():
+    @jax.custom_jvp
+    def zero(d):  # value 0 whatever the data, but a tangent that multiplies masked-out data
+        return jnp.zeros(())
+
+    zero.defjvp(lambda p, t: (zero(p[0]), jnp.sum(p[0] * t[0])))
+    report = mj.check_jacobian(lambda v: mnp.sum(v) + zero(v.data), (_X,), semantics="masked", modes=("fwd",),
+                               raise_exception=False)
+    assert "masked" not in report.satisfies
+    assert any(k.startswith("JVP of valid outputs with NaN") and not v <= 1e-6 for c in report.checks
+               for k, v in c.leaks.items())

@@ -16,9 +16,9 @@ masked semantics, so that a function reading masked-out data cannot pass by acci
 * the data under an input's mask is replaced by random values (twice, differently): the valid
   outputs and the output mask must not change;
 * leak probes: the data under every mask is set to NaN, +inf, -inf and a huge value in turn; the
-  valid outputs, the output mask, the JVP of valid outputs along valid inputs and the VJP to
-  valid inputs must stay what they are at a finite fill, and the VJP to masked-out inputs must
-  stay 0 (``jnp.where(m, log(x), 0)``, ``0 * x``
+  valid outputs, the output mask and the VJP to valid inputs must stay what they are at a
+  finite fill, and the VJP to masked-out inputs must stay 0 (with ``modes=("fwd",)``, the JVP of
+  valid outputs along valid inputs instead) (``jnp.where(m, log(x), 0)``, ``0 * x``
   and a stabiliser taken over masked-out data all fail here);
 * perturbing masked-out data must not change any valid output (numerical leak);
 * analytical Jacobian entries at masked-out inputs, and tangents of masked-out outputs, are 0.
@@ -298,8 +298,12 @@ def _probes(outputs, leaves, fills, base, modes, rng):
     def raw(vs):
         return outputs(vs, [None] * n)[1]
 
+    # With reverse mode the VJP probes see every leak a JVP probe would (J^T v at valid and at
+    # masked-out inputs covers every entry of J a NaN could sit in); the JVP probe runs alone.
+    forward = "fwd" in modes and "rev" not in modes
+
     def derivatives(vs):
-        jvp = jax.jvp(raw, (vs,), (tangents,))[1] if "fwd" in modes else jnp.zeros_like(valid, base[1].dtype)
+        jvp = jax.jvp(raw, (vs,), (tangents,))[1] if forward else jnp.zeros_like(valid, base[1].dtype)
         vjp = jax.vjp(raw, vs)[1](cotangent)[0] if "rev" in modes else [jnp.zeros_like(v) for v in vs]
         return jvp, vjp
 
@@ -424,7 +428,7 @@ def _compare(raw, leaves, names, sems, modes, fast, atol, rtol, roundoff=0.0):
                                                                           initial=0))
                         if bool(probes["mask"][p]):
                             leaks[f"output mask with {under}"] = float("inf")
-                        if "fwd" in modes:
+                        if "fwd" in modes and "rev" not in modes:
                             leaks[f"JVP of valid outputs with {under}"] = float(
                                 np.max(np.asarray(probes["jvp"][p])[rows], initial=0))
                         if "rev" in modes:
