@@ -65,9 +65,10 @@ VMAP_SAMPLE = ("exp", "gelu", "add", "where", "clip", "sort", "take", "concatena
 
 def in_sample(name, check):
     """Whether ``make test`` runs ``check`` on ``name``: every check of every op, except ``layouts``
-    of the elementwise and binary ops, whose stored values all go through one rule per family:
-    every third of them (and those of VMAP_SAMPLE) in ``make test``, all in ``make test-full``."""
-    if oracle.FULL or check != "layouts" or REGISTRY[name].family not in ("elementwise", "binary"):
+    and ``compact`` of the elementwise and binary ops, whose stored values and compact masks all go
+    through one rule per family: every third of them (and those of VMAP_SAMPLE) in ``make test``,
+    all in ``make test-full``."""
+    if oracle.FULL or check not in ("layouts", "compact") or REGISTRY[name].family not in ("elementwise", "binary"):
         return True
     return name in VMAP_SAMPLE or sorted(REGISTRY).index(name) % 3 == 0
 
