@@ -26,6 +26,22 @@ from masked_jax.optim._views import data_of, view
 _PLACEMENTS = ("inside", "outside")
 
 
+def _inverse_root(name, initial_accumulator_value, eps, eps_placement):
+    """Check the arguments shared by the sums-of-squares transforms; ``t -> 1 / root(t)`` with eps
+    inside or outside the root, 0 where the sum is 0."""
+    _validate.nonnegative(initial_accumulator_value, f"{name}: initial_accumulator_value")
+    _validate.nonnegative(eps, f"{name}: eps")
+    if eps_placement not in _PLACEMENTS:
+        raise ValueError(f"eps_placement must be one of {_PLACEMENTS}; got {eps_placement!r}.")
+
+    def inverse_root(t):
+        if eps_placement == "inside":
+            return jnp.where(t > 0, jax.lax.rsqrt(t + eps), 0.0)
+        return jnp.where(t > 0, 1.0 / (jnp.sqrt(t) + eps), 0.0)
+
+    return inverse_root
+
+
 def scale_by_rss(initial_accumulator_value: float = 0.1, eps: float = 1e-7,
                  eps_placement: str = "inside") -> optax.GradientTransformation:
     """Scale updates by the inverse root of the running sum of squared gradients.
@@ -61,21 +77,13 @@ def scale_by_rss(initial_accumulator_value: float = 0.1, eps: float = 1e-7,
         >>> u.todense().filled(0)[:, 0], state.sum_of_squares[:, 0]
         (Array([0., 0., 1., 0.], dtype=float32), Array([ 0.,  0., 49.,  0.], dtype=float32))
     """
-    _validate.nonnegative(initial_accumulator_value, "scale_by_rss: initial_accumulator_value")
-    _validate.nonnegative(eps, "scale_by_rss: eps")
-    if eps_placement not in _PLACEMENTS:
-        raise ValueError(f"eps_placement must be one of {_PLACEMENTS}; got {eps_placement!r}.")
+    inverse_root = _inverse_root("scale_by_rss", initial_accumulator_value, eps, eps_placement)
 
     def init_fn(params):
         params = jax.tree_util.tree_map(data_of, params, is_leaf=is_container)
         return optax.ScaleByRssState(
             sum_of_squares=jax.tree_util.tree_map(
                 lambda p: jnp.full_like(p, initial_accumulator_value), params))
-
-    def inverse_root(t):
-        if eps_placement == "inside":
-            return jnp.where(t > 0, jax.lax.rsqrt(t + eps), 0.0)
-        return jnp.where(t > 0, 1.0 / (jnp.sqrt(t) + eps), 0.0)
 
     def update_fn(updates, state, params=None):
         del params
@@ -199,21 +207,13 @@ def scale_by_rowwise_rss(initial_accumulator_value: float = 0.0, eps: float = 1e
         >>> u.todense().filled(0)[1], state.sum_of_squares
         (Array([0.84852815, 1.1313709 ], dtype=float32), Array([ 0. , 12.5,  0. ,  0. ,  0. ], dtype=float32))
     """
-    _validate.nonnegative(initial_accumulator_value, "scale_by_rowwise_rss: initial_accumulator_value")
-    _validate.nonnegative(eps, "scale_by_rowwise_rss: eps")
-    if eps_placement not in _PLACEMENTS:
-        raise ValueError(f"eps_placement must be one of {_PLACEMENTS}; got {eps_placement!r}.")
+    inverse_root = _inverse_root("scale_by_rowwise_rss", initial_accumulator_value, eps, eps_placement)
 
     def init_fn(params):
         params = jax.tree_util.tree_map(data_of, params, is_leaf=is_container)
         return ScaleByRowwiseRssState(sum_of_squares=jax.tree_util.tree_map(
             lambda p: jnp.full(np.shape(p)[:1] if np.ndim(p) >= 2 else np.shape(p), initial_accumulator_value,
                                jnp.result_type(p)), params))
-
-    def inverse_root(t):
-        if eps_placement == "inside":
-            return jnp.where(t > 0, jax.lax.rsqrt(t + eps), 0.0)
-        return jnp.where(t > 0, 1.0 / (jnp.sqrt(t) + eps), 0.0)
 
     def update_fn(updates, state, params=None):
         del params
