@@ -17,6 +17,21 @@ block after one untimed call (torch's OpenMP threads spin after its calls, and a
 idle for a while wakes slowly). Prints medians and the ratios torch / masked_jax,
 and saves a plot to ``benchmarks/results/jacobian.png``.
 
+A second table, **latency**, times what a notebook user waits for, with ``check_jacobian``'s
+defaults (``semantics="both"``, forward and reverse mode, leak probes), side by side with
+torch ``gradcheck`` (and ``fast_mode``) and ``check_grads`` on the same functions: a dense
+``sum(tanh(A @ x))`` (scalar output), a dense ``sin(c x) exp(-x^2) + log1p(x^2)`` (n outputs) and
+the same as a masked op (70% valid; torch checks the dense function times the mask):
+
+* cold: the first function of these shapes in the process (the whole check compiles);
+* new function: a function never checked before (new captured values), once a function of the
+  same shapes has been checked: it runs eagerly at once (the median over fresh functions; the
+  background compile of the previous one is waited for first, as a user reads a report);
+* re-run cell: a new lambda with the same code and captured values as one checked before;
+* repeat: the same function again (the compiled check, one XLA call).
+
+``MJ_CHECK_BACKGROUND=1`` (the default in notebooks) is set for this table.
+
 Run: ``.venv/bin/python benchmarks/jacobian.py`` (``--quick`` for a small smoke run). On a GPU
 (``JAX_PLATFORMS=cuda``) torch checks CUDA tensors when it sees CUDA (gradcheck synchronizes
 when it compares), and the plot is ``jacobian_gpu.png``.
@@ -26,9 +41,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 
+os.environ.setdefault("MJ_CHECK_BACKGROUND", "1")  # as in a notebook (see the latency table)
 import jax
 
 jax.config.update("jax_enable_x64", True)
@@ -38,6 +55,7 @@ from jax.test_util import check_grads  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 import masked_jax as mj  # noqa: E402
+import masked_jax.numpy as mnp  # noqa: E402
 from masked_jax.checking import _check  # noqa: E402
 from _timing import interleaved_medians, progress, result_path, save_bar_plot, torch_device  # noqa: E402
 
@@ -102,7 +120,77 @@ def main(argv=None):
             compile_rows[f"{name} n={n}"] = (t_compile_full, t_compile_fast)
     _print(rows, compile_rows)
     save_bar_plot(rows, result_path("jacobian"), f"Jacobian checks, cached (float64, {jax.default_backend().upper()})")
+    lat = latency(sizes, trials=3 if args.quick else 7)
+    save_bar_plot(lat, result_path("jacobian_latency"),
+                  f"Jacobian checks, first call on a new function (float64, {jax.default_backend().upper()})")
+    return rows, lat
+
+
+KINDS = ("dense, scalar", "dense, n outputs", "masked, n outputs")
+
+
+def latency(sizes, trials):
+    """The latency table (see the module docstring): medians in seconds per (function, n)."""
+    import torch
+
+    rows = {}
+    for n in progress(sizes, "latency, input size"):
+        for kind in KINDS:
+            def make(seed, kind=kind, n=n):
+                """(masked_jax function, args, torch function, torch input) for a new function."""
+                r = np.random.default_rng(seed)
+                x = r.uniform(-1.0, 1.0, n)
+                c = float(r.uniform(1.0, 2.0))
+                if kind == KINDS[0]:
+                    a = r.normal(size=(n, n)) / np.sqrt(n)
+                    aj, at = jnp.asarray(a), torch.from_numpy(a).to(torch_device())
+                    return ((lambda v: jnp.sum(jnp.tanh(aj @ v))), (jnp.asarray(x),),
+                            (lambda v: torch.tanh(at @ v).sum()), x)
+                if kind == KINDS[1]:
+                    return ((lambda v: jnp.sin(c * v) * jnp.exp(-v**2) + jnp.log1p(v**2)), (jnp.asarray(x),),
+                            (lambda v: torch.sin(c * v) * torch.exp(-v**2) + torch.log1p(v**2)), x)
+                m = r.uniform(size=n) < 0.7
+                mt = torch.from_numpy(m).to(torch_device())
+                return ((lambda v: mnp.sin(c * v) * mnp.exp(-v**2) + mnp.log1p(v**2)),
+                        (mj.masked_array(jnp.asarray(x), jnp.asarray(m)),),
+                        (lambda v: (torch.sin(c * v) * torch.exp(-v**2) + torch.log1p(v**2)) * mt), x)
+
+            def first_call(seed):
+                f, a, _, _ = make(seed)
+                _check.wait_for_compiles()  # the previous check's background work: done while the user read
+                t0 = time.perf_counter()
+                assert mj.check_jacobian(f, a)
+                return time.perf_counter() - t0
+
+            cold = first_call(10_000 * n)
+            new = statistics.median(first_call(10_000 * n + k) for k in range(1, trials + 1))
+            rerun = statistics.median(first_call(10_000 * n + k) for k in range(1, trials + 1))  # same code+values
+            f, a, ft, x = make(10_000 * n + 1)
+            _check.wait_for_compiles()
+            xt = torch.tensor(x, requires_grad=True, device=torch_device())
+            fj_dense = f if kind != KINDS[2] else (lambda v, m=a[0].mask, f=f: f(mj.masked_array(v, m)).data)
+            timed = interleaved_medians({
+                "masked_jax repeat": lambda: mj.check_jacobian(f, a) and None,
+                "torch gradcheck": lambda: torch.autograd.gradcheck(ft, (xt,)) and None,
+                "torch fast_mode": lambda: torch.autograd.gradcheck(ft, (xt,), fast_mode=True) and None,
+                "jax check_grads": lambda: check_grads(fj_dense, (a[0].data if hasattr(a[0], "data") else a[0],),
+                                                       order=1, modes=["rev"]),
+            }, rounds=3, block=3, warmup=1, settle=1)
+            rows[f"{kind} n={n}"] = {"masked_jax cold": cold, "masked_jax new function": new,
+                                               "masked_jax re-run cell": rerun, **timed}
+    _print_latency(rows)
     return rows
+
+
+def _print_latency(rows):
+    print(f"\nlatency on {jax.default_backend()}, float64, check_jacobian defaults; medians in ms")
+    impls = list(next(iter(rows.values())))
+    print("| function | " + " | ".join(impls) + " | gradcheck / new function | gradcheck / repeat |")
+    print("|---|" + "---|" * (len(impls) + 2))
+    for key, res in rows.items():
+        cells = " | ".join(f"{res[i] * 1e3:.1f}" for i in impls)
+        print(f"| {key} | {cells} | {res['torch gradcheck'] / res['masked_jax new function']:.1f}x | "
+              f"{res['torch gradcheck'] / res['masked_jax repeat']:.0f}x |")
 
 
 def _returns_none(fn):

@@ -24,6 +24,9 @@ from masked_jax._transform import MaskifyError as MaskifyError
 from masked_jax._transform import maskify as maskify
 from masked_jax.checking import JacobianError as JacobianError
 from masked_jax.checking import JacobianReport as JacobianReport
+from masked_jax.checking import InvarianceError as InvarianceError
+from masked_jax.checking import InvarianceReport as InvarianceReport
+from masked_jax.checking import check_invariance as check_invariance
 from masked_jax.checking import check_jacobian as check_jacobian
 from masked_jax.layouts import BCOOMaskedArray as BCOOMaskedArray
 from masked_jax.layouts import RowSparseArray as RowSparseArray

@@ -394,3 +394,96 @@ def test_forward_only_checks_probe_the_jvp():
     assert "masked" not in report.satisfies
     assert any(k.startswith("JVP of valid outputs with NaN") and not v <= 1e-6 for c in report.checks
                for k, v in c.leaks.items())
+
+
+# -- latency: the structure cache, the eager first call, the background compile -------------------
+def _entry_of(f, args, **kw):
+    """The cached check entry ``check_jacobian(f, args, **kw)`` used."""
+    from masked_jax.checking import _check
+
+    mj.check_jacobian(f, args, **kw)
+    return next(reversed(_check._CACHE.values()))
+
+
+def test_a_rerun_cell_finds_the_compiled_check():
+    x = mj.masked_array(jnp.array([0.5, 1.0, 2.0, 3.0]), jnp.array([True, False, True, True]))
+
+    def cell(scale):  # a notebook cell: a new lambda every run, capturing an array
+        a = jnp.arange(4.0) * scale
+        return lambda v: mnp.sum(mnp.sin(v) * a)
+
+    first = _entry_of(cell(1.0), (x,), compile=True)
+    assert first.ready.is_set()
+    assert _entry_of(cell(1.0), (x,), compile=True) is first  # same code, same captured values
+    assert _entry_of(cell(2.0), (x,), compile=True) is not first  # other captured values: another function
+
+
+def test_a_different_custom_rule_is_a_different_function():
+    """Same primal code, different derivative rules: the cache must not serve one for the other."""
+
+    def make(factor):
+        @jax.custom_jvp
+        def f(x):
+            return jnp.sin(x)
+
+        f.defjvp(lambda p, t: (jnp.sin(p[0]), factor * jnp.cos(p[0]) * t[0]))
+        return f
+
+    def make_vjp(factor):
+        @jax.custom_vjp
+        def f(x):
+            return jnp.sin(x)
+
+        f.defvjp(lambda x: (jnp.sin(x), x), lambda x, g: (factor * g * jnp.cos(x),))
+        return f
+
+    x = jnp.array([0.3, 0.7, 1.1])
+    assert mj.check_jacobian(make(1.0), (x,), semantics="dense")
+    assert not mj.check_jacobian(make(2.0), (x,), semantics="dense", raise_exception=False)
+    assert mj.check_jacobian(make_vjp(1.0), (x,), semantics="dense", modes=("rev",))
+    assert not mj.check_jacobian(make_vjp(3.0), (x,), semantics="dense", modes=("rev",), raise_exception=False)
+
+
+def test_eager_compiled_and_background_checks_agree(monkeypatch):
+    from masked_jax.checking import _check
+
+    x = mj.masked_array(jnp.array([[0.5, 1.0, 2.0], [3.0, -1.0, 0.2]]), jnp.array([[1, 0, 1], [1, 1, 0]], bool))
+    make = lambda c: (lambda v: mnn.softmax(v * c, axis=1))  # noqa: E731
+    eager = mj.check_jacobian(make(1.5), (x,), compile=False)
+    compiled = mj.check_jacobian(make(1.5), (x,), compile=True)
+    assert eager.satisfies == compiled.satisfies == ("masked",)
+    for a, b in zip(eager.checks, compiled.checks):
+        np.testing.assert_allclose(a.numerical, b.numerical, rtol=1e-7, atol=1e-8)  # XLA fuses differently
+        np.testing.assert_allclose(a.analytical, b.analytical, rtol=1e-9, atol=1e-12)
+    # these shapes have run eagerly: a new function runs eagerly at once, then compiles in the background
+    monkeypatch.setenv("MJ_CHECK_BACKGROUND", "1")
+    entry = _entry_of(make(2.5), (x,))
+    assert entry.thread is not None  # the eager check ran; the compile started after it
+    _check.wait_for_compiles()
+    assert entry.ready.is_set() and entry.compilable
+    assert mj.check_jacobian(make(2.5), (x,)).satisfies == ("masked",)  # the compiled check
+    # cold shapes compile in the foreground; the background run warms them for the next function
+    y = mj.masked_array(jnp.ones((2, 5)), jnp.ones((2, 5), bool).at[0, 1].set(False))
+    cold = _entry_of(make(0.5), (y,))
+    assert cold.ready.is_set()
+    _check.wait_for_compiles()
+    assert cold.shapes in _check._WARM
+    monkeypatch.setenv("MJ_CHECK_BACKGROUND", "0")
+    warm = _entry_of(make(0.7), (y,))
+    assert warm.thread is None and not warm.ready.is_set()  # ran eagerly, nothing in the background
+
+
+def test_all_valid_inputs_still_check_masked_outputs():
+    """With every input valid the masked tables are the dense ones, except when an output is masked:
+    a tangent leaking at a masked-out output is still caught."""
+    m = jnp.array([True, False, True])
+
+    def leaky(v):  # built without the tangent masking every op applies
+        return mj.MaskedArray.tree_unflatten(None, (v * 2.0, m))
+
+    r = mj.check_jacobian(leaky, (jnp.array([0.5, 1.0, 2.0]),), raise_exception=False)
+    assert "masked" not in r.satisfies
+    failing = [c for c in r.failures() if c.semantics == "masked"]
+    assert failing and failing[0].leaks["analytical, masked-out outputs"] == 2.0
+    assert mj.check_jacobian(lambda v: mnp.sin(mj.masked_array(v, m)), (jnp.array([0.5, 1.0, 2.0]),),
+                             semantics="masked")

@@ -57,6 +57,7 @@ def test_docs_page_blocks_run(page):
         np.testing.assert_array_equal(ours, [0.5, 0.0])
     if page.name == "jacobians.md":
         assert ns["softmax_report"].satisfies == ("masked",) and ns["leak_report"].satisfies == ("dense",)
+        assert not ns["report"] and ns["report"].first_failure.first[0] == "out"  # the mean-pool bug, caught
     if page.name == "sharding.md":
         table = ns["sharded_params"]["table"]
         assert table.sharding.spec == jax.sharding.PartitionSpec("rows") and np.isfinite(float(ns["sharded_loss"]))

@@ -30,7 +30,12 @@ pattern, so a repeated check costs one XLA call on CPU, GPU or TPU.
 
 from __future__ import annotations
 
+import atexit
 import collections
+import hashlib
+import os
+import sys
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -58,7 +63,7 @@ def default_tolerances(dtype):
 
 
 def check_jacobian(f, args, *, semantics="both", modes=("fwd", "rev"), eps=None, atol=None, rtol=None,
-                   fast=None, raise_exception=True, seed=0, leak_probes=True) -> JacobianReport:
+                   fast=None, raise_exception=True, seed=0, leak_probes=True, compile=None) -> JacobianReport:
     """Compare finite-difference Jacobians of ``f`` with ``jax.jacfwd``/``jax.jacrev``.
 
     Inputs (the array leaves of ``args``) and outputs may be pytrees of float arrays,
@@ -89,6 +94,13 @@ def check_jacobian(f, args, *, semantics="both", modes=("fwd", "rev"), eps=None,
         leak_probes: under masked semantics, also set the data under the masks to NaN, +-inf
             and a huge value and check that nothing valid changes (the default). ``False``
             skips them (a faster first call); the finite-fill checks remain.
+        compile: ``None`` (default) compiles the whole check with ``jit`` (one XLA call per
+            later check of the same function), except that a new function whose input and
+            output shapes have been checked eagerly before runs eagerly, op by op, at once (jax's
+            compiled primitives serve it); in interactive sessions the check then compiles in a
+            background thread (``MJ_CHECK_BACKGROUND=1`` or ``0`` decides elsewhere). ``True``
+            always compiles, ``False`` always runs eagerly. A function with the same code and
+            captured values as one checked before (a re-run notebook cell) finds that one's check.
 
     Returns:
         A :class:`JacobianReport`, truthy when the check passed.
@@ -109,6 +121,8 @@ def check_jacobian(f, args, *, semantics="both", modes=("fwd", "rev"), eps=None,
     modes = (modes,) if isinstance(modes, str) else tuple(modes)
     if not modes or any(m not in MODES for m in modes):
         raise ValueError(f"modes must be a non-empty sequence of 'fwd' and 'rev'; got {modes!r}.")
+    if compile not in (None, True, False):
+        raise ValueError(f"check_jacobian: compile must be None, True or False; got {compile!r}.")
     sems = SEMANTICS if semantics == "both" else (semantics,)
     args = tuple(args) if isinstance(args, (tuple, list)) else (args,)
 
@@ -152,9 +166,8 @@ def check_jacobian(f, args, *, semantics="both", modes=("fwd", "rev"), eps=None,
     notes = []
     run_modes = modes
     try:
-        fn, names, skipped = _compiled(f, call, treedef, leaves, static, sems, run_modes, fast, eps, values, consts,
-                                       leak_probes)
-        raw = fn(values, consts, seed)
+        entry = _compiled(f, call, treedef, leaves, static, sems, run_modes, fast, eps, values, consts, leak_probes)
+        raw = entry(values, consts, seed, compile)
     except TypeError as err:
         if "fwd" not in modes or "custom_vjp" not in str(err):
             raise
@@ -163,14 +176,15 @@ def check_jacobian(f, args, *, semantics="both", modes=("fwd", "rev"), eps=None,
         if not run_modes:
             raise TypeError("check_jacobian: f uses a jax.custom_vjp function, so forward mode cannot be "
                             "checked; ask for modes=('rev',).") from None
-        fn, names, skipped = _compiled(f, call, treedef, leaves, static, sems, run_modes, fast, eps, values, consts,
-                                       leak_probes)
-        raw = fn(values, consts, seed)
-    notes += [f"output {s} skipped" for s in skipped]
+        entry = _compiled(f, call, treedef, leaves, static, sems, run_modes, fast, eps, values, consts, leak_probes)
+        raw = entry(values, consts, seed, compile)
+    names = entry.names
+    notes += [f"output {s} skipped" for s in entry.skipped]
     raw = jax.device_get(raw)
     checks = _compare(raw, leaves, names, sems, run_modes, fast, atol, rtol, _roundoff(dtype, eps))
     report = JacobianReport(checks=checks, semantics=sems, backend=jax.default_backend(), dtype=dtype.name,
                             eps=eps, atol=atol, rtol=rtol, fast=fast, notes=notes)
+    entry.background(values, consts, seed, compile)
     if raise_exception and not report:
         raise JacobianError(report)
     return report
@@ -199,27 +213,150 @@ def _output_names(call, values, consts, n):
     return found[0]
 
 
+class _Entry:
+    """One check, traced for one function structure and input pattern (``compile=None``).
+
+    Compiling the whole check takes 0.2-0.7 s on a CPU; running it eagerly, op by op, takes
+    10-100 ms once jax has compiled its primitives for these shapes (by an eager check of the
+    same input and output shapes before), and seconds before that. So the first call of a check
+    runs eagerly when its shapes are warm and compiles the check in a background thread for the
+    calls that follow; with cold shapes it compiles in the foreground and runs the check eagerly
+    in the background, which warms the shapes for the next new function. Later calls run the
+    compiled check (one XLA call) once it is ready, eagerly until then. A check that does not
+    compile (``f`` branches on values in Python) stays eager.
+    """
+
+    def __init__(self, run, names, skipped, shapes):
+        self.run, self.names, self.skipped, self.shapes = run, names, skipped, shapes
+        self.jitted = jax.jit(run)
+        self.ready = threading.Event()
+        self.thread = None
+        self.compilable = True
+
+    def __call__(self, values, consts, seed, compile):
+        if compile is False or not self.compilable:
+            return self.run(values, consts, seed)
+        if compile or self.ready.is_set() or self.shapes not in _WARM:
+            raw = self.jitted(values, consts, seed)
+            self.ready.set()
+            return raw
+        return self.run(values, consts, seed)
+
+    def background(self, values, consts, seed, compile):
+        """Start what the foreground did not do: the compile, or the eager run that warms the shapes.
+        Called once the check has been reported (both need the GIL)."""
+        if compile is not None or not self.compilable or self.thread is not None or not background_enabled():
+            return
+        if self.ready.is_set() and self.shapes in _WARM:
+            return
+        self.thread = threading.Thread(target=self._work, args=(values, consts, seed), daemon=True,
+                                       name="masked_jax check_jacobian")
+        _PENDING.add(self.thread)
+        self.thread.start()
+
+    def _work(self, values, consts, seed):
+        try:
+            if self.ready.is_set():
+                jax.block_until_ready(self.run(values, consts, seed))
+                _WARM.add(self.shapes)
+            else:
+                jax.block_until_ready(self.jitted(values, consts, seed))  # fills jit's own cache
+        except Exception:  # noqa: BLE001 - the foreground reports f's errors; this check stays eager
+            self.compilable = self.ready.is_set()
+        finally:
+            self.ready.set()
+            _PENDING.discard(threading.current_thread())
+
+
+_WARM: set = set()  # shapes of the checks that have run eagerly in this process
+
+
+def background_enabled() -> bool:
+    """Whether checks work in a background thread: set by ``MJ_CHECK_BACKGROUND`` (``1`` or ``0``);
+    by default in interactive sessions (Jupyter, IPython, ``python -i``), where the thread works
+    while the user reads the report, and not in scripts and test suites, where it would compete
+    with what runs next."""
+    flag = os.environ.get("MJ_CHECK_BACKGROUND", "")
+    if flag in ("0", "1"):
+        return flag == "1"
+    return "ipykernel" in sys.modules or hasattr(sys, "ps1") or bool(sys.flags.interactive)
+_PENDING: set = set()
+
+
+@atexit.register
+def wait_for_compiles():
+    """Wait until the checks compiling in the background are compiled (also at exit, so that no
+    thread is cut off inside XLA while the interpreter shuts down)."""
+    for thread in list(_PENDING):
+        thread.join()
+
+
 def _compiled(f, call, treedef, leaves, static, sems, modes, fast, eps, values, consts, probes=True):
-    """``(jitted check, output names, skipped outputs)``, cached per function and input pattern."""
+    """The cached :class:`_Entry` of this check.
+
+    Two keys find it: the function object with the input pattern (no tracing: a repeated check),
+    and the function's *structure*: the jaxprs of its value, JVP and VJP at the given input pattern
+    and the values of their constants. A new function with the same code and the same captured
+    values (a re-run notebook cell, a new lambda) reuses the traced and compiled check; a different
+    custom derivative rule shows in the JVP or VJP jaxpr, so it does not.
+    """
+    config = (treedef, tuple(leaves), sems, modes, fast, eps, probes)
     try:
-        key = (f, treedef, tuple(leaves), tuple(static), sems, modes, fast, eps, probes)
+        key = (f, tuple(static)) + config
         hash(key)
     except TypeError:  # an unhashable static argument: compile without caching
         key = None
     if key is not None and key in _CACHE:
         _CACHE.move_to_end(key)
         return _CACHE[key]
-    names, skipped = _output_names(call, values, consts, len(leaves))
-    if not names:
-        raise TypeError("check_jacobian: f returned no float output to differentiate"
-                        + (f" (only {', '.join(skipped)})." if skipped else "."))
-    fn = jax.jit(lambda vals, cs, seed: _run(call, leaves, names, sems, modes, fast, eps, vals, cs, seed, probes))
-    entry = (fn, names, skipped)
-    if key is not None:
-        _CACHE[key] = entry
-        if len(_CACHE) > _CACHE_SIZE:
-            _CACHE.popitem(last=False)
+    skey, found = _structure_key(call, values, consts, len(leaves))
+    skey = None if skey is None else (skey,) + config
+    if skey is not None and skey in _CACHE:
+        entry = _CACHE[skey]
+        _CACHE.move_to_end(skey)
+    else:
+        names, skipped = found if found else _output_names(call, values, consts, len(leaves))
+        if not names:
+            raise TypeError("check_jacobian: f returned no float output to differentiate"
+                            + (f" (only {', '.join(skipped)})." if skipped else "."))
+        shapes = (tuple((leaf.kind, leaf.shape, leaf.dtype) for leaf in leaves), tuple(names)) + config[2:]
+        entry = _Entry(lambda vals, cs, seed: _run(call, leaves, names, sems, modes, fast, eps, vals, cs, seed, probes),
+                       names, skipped, shapes)
+    for k in (key, skey):
+        if k is not None:
+            _CACHE[k] = entry
+    while len(_CACHE) > _CACHE_SIZE:
+        _CACHE.popitem(last=False)
     return entry
+
+
+def _structure_key(call, values, consts, n):
+    """``(key, (output names, skipped outputs))``: the key, a hashable summary of everything the
+    check computes from ``f``: the printed jaxpr of its outputs and their VJP at the given input
+    pattern (custom JVP and VJP rules show in it, linearised and transposed) and a digest of the
+    constants it captures. The key is ``None`` when tracing fails (the check reports why)."""
+
+    found = []
+
+    def traced(vals, cs):
+        def g(vs):
+            out = call(vs, [None] * n, cs)
+            found.append(output_vectors(out, names_only=True))
+            return output_vectors(out)[1]
+
+        out, pull = jax.vjp(g, vals)  # holds the linearised JVP rules too, transposed
+        return out, pull(jnp.ones_like(out))
+
+    try:
+        closed = jax.make_jaxpr(traced)([jnp.asarray(v).ravel() for v in values], consts)
+    except Exception:  # noqa: BLE001 - a function the check will reject with its own message
+        return None, found[0] if found else None
+    digest = hashlib.blake2b(digest_size=16)
+    for c in closed.consts:
+        a = np.asarray(c)
+        digest.update(f"{a.dtype}{a.shape}".encode())
+        digest.update(np.ascontiguousarray(a).tobytes())
+    return (str(closed.jaxpr), digest.hexdigest()), found[0]
 
 
 def _random_fills(leaves, values, key, lo, hi):
@@ -237,8 +374,15 @@ def _run(call, leaves, names, sems, modes, fast, eps, vals, consts, seed, probes
     fills = _random_fills(leaves, vals, k_fill, 0.5, 1.5)  # masked semantics: data under masks is random
     alts = _random_fills(leaves, vals, k_alt, -2.0, -1.0)  # ... and different: valid outputs must not move
     out = {}
+    # Nothing unspecified in the inputs: masked semantics perturbs what dense semantics perturbs
+    # at the same point, no fill or probe can move anything, and with plain array outputs the
+    # masked tables are the dense ones.
+    specified = all(leaf.spec.all() for leaf in leaves)
+    plain = []
+
     def outputs(vs, extras):
         out = call(vs, extras, consts)
+        plain.append(not any(is_leaf(o) for o in jax.tree_util.tree_leaves(out, is_leaf=is_leaf)))
         got = output_vectors(out, names_only=True)[0]
         if got != names:
             raise TypeError(f"check_jacobian: f's outputs changed structure between evaluations ({names} at the "
@@ -246,14 +390,15 @@ def _run(call, leaves, names, sems, modes, fast, eps, vals, consts, seed, probes
                             "return the same pytree of the same shapes.")
         return output_vectors(out)
 
-    base_m = outputs(fills, [None] * n)
-    alt_m = outputs(alts, [None] * n)
+    points = [fills] if specified else [fills, alts] + ([vals] if "dense" in sems else [])
+    evals = jax.vmap(lambda vs: outputs(vs, [None] * n))([jnp.stack(p) for p in zip(*points)])  # one batch
+    base_m, alt_m = ([e[min(j, len(points) - 1)] for e in evals] for j in (0, 1))
     out["valid"] = base_m[2]
     out["scale/masked"] = jnp.abs(base_m[0])  # output magnitudes, for the rounding tolerance
-    out["scale/dense"] = jnp.abs(outputs(vals, [None] * n)[0]) if "dense" in sems else out["scale/masked"]
+    out["scale/dense"] = jnp.abs(evals[0][-1]) if "dense" in sems else out["scale/masked"]
     out["value_leak"] = jnp.where(base_m[2] & alt_m[2], jnp.abs(base_m[0] - alt_m[0]), 0)
     out["mask_changed"] = jnp.any(base_m[2] != alt_m[2])
-    if "masked" in sems and probes:
+    if "masked" in sems and probes and not specified:
         out["probes"] = _probes(outputs, leaves, fills, base_m, modes, jax.random.fold_in(rng, n + 1))
     for i, leaf in enumerate(leaves):
         for sem in sems:
@@ -268,7 +413,9 @@ def _run(call, leaves, names, sems, modes, fast, eps, vals, consts, seed, probes
                 return outputs(vs, extras)[which]
 
             x0 = base[i]
-            if fast:
+            if sem == "masked" and specified and plain[0] and not fast and f"{i}/dense" in out:
+                out[f"{i}/masked"] = out[f"{i}/dense"]
+            elif fast:
                 out[f"{i}/{sem}"] = _projections(F, x0, leaf, sem, modes, eps, out["valid"], jax.random.fold_in(rng, i))
             else:
                 out[f"{i}/{sem}"] = _tables(F, x0, leaf, sem, modes, eps, which)

@@ -1,0 +1,178 @@
+"""``mj.check_invariance``: re-padded inputs (other lengths, positions, NaN/inf/huge content), eager,
+under jit and under vmap; masked_jax functions pass, padding bugs in real flax and equinox models are
+caught with the first changed output named, and their fixes pass."""
+
+import equinox as eqx
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import masked_jax as mj
+import masked_jax.nn as mnn
+import masked_jax.numpy as mnp
+
+
+def tokens(dtype=np.float32, shape=(3, 5, 4), seed=0):
+    """(B, L, D) token features with a (B, L, 1) token mask, rows of different lengths."""
+    rng = np.random.default_rng(seed)
+    mask = np.zeros(shape[:2] + (1,), bool)
+    for b, n in enumerate([2, shape[1] - 1, 3][: shape[0]]):
+        mask[b, rng.choice(shape[1], n, replace=False)] = True  # valid positions anywhere, padding between
+    return mj.masked_array(jnp.asarray(rng.normal(size=shape), dtype), jnp.asarray(mask))
+
+
+MASKED_FUNCTIONS = {
+    "mean over tokens": lambda w, v: mnp.mean(v @ w, axis=1),
+    "softmax over tokens": lambda w, v: mnn.softmax(mnp.sum(v @ w, axis=2), axis=1),
+    "elementwise": lambda w, v: mnp.tanh(v @ w),
+    "max over tokens": lambda w, v: mnp.max(v @ w, axis=1),
+}
+
+
+@pytest.mark.parametrize("name,dtype", [("mean over tokens", np.float32), ("softmax over tokens", np.float64),
+                                        ("elementwise", np.float32), ("max over tokens", np.float64)])
+def test_masked_functions_are_padding_invariant(name, dtype):
+    x = tokens(dtype)
+    w = jnp.asarray(np.random.default_rng(1).normal(size=(4, 3)), dtype)
+    f = MASKED_FUNCTIONS[name]
+    every = ("end", "start", "scattered")
+    positions = every if name == "mean over tokens" else ("end", "start")
+    report = mj.check_invariance(f, (w, x), axis=1, params=(0,), positions=positions)  # the suite runs with x64
+    assert report, name
+    # every length x position x content under eager, jit and vmap
+    assert {c.transform for c in report.cases} == {"eager", "jit", "vmap"}
+    assert len(report.cases) == 3 * len(positions) * 3 * 5, name
+
+
+def test_padding_bugs_are_caught_and_named():
+    x = tokens()
+    w = jnp.ones((4,), jnp.float32)
+    # a mean over the padded length counts the padding: caught by the pad length, at the first output
+    r = mj.check_invariance(lambda v: jnp.mean(v.filled(0), axis=1), (x,), axis=1, raise_exception=False)
+    assert not r and r.first_failure.first[0] == "out"
+    assert "zero content" in str(r)  # no NaN needed: a longer pad of zeros moves it
+    # reading the data under the mask: NaN content reaches the output
+    r = mj.check_invariance(lambda v: jnp.sum(v.data * v.mask.astype(v.dtype), axis=1), (x,), axis=1, raise_exception=False)
+    bad = r.failures()
+    assert bad and all(c.padding.endswith(("nan content", "inf content")) for c in bad)
+    assert np.isnan(bad[0].first[3])
+    # the jnp.where trap: the value is right, the parameter gradient is NaN
+    trap = lambda w, v: jnp.sum(jnp.where(v.mask, jnp.log(jnp.abs(v.data @ w[:, None]) + 1), 0))  # noqa: E731
+    r = mj.check_invariance(trap, (w, x), axis=1, params=(0,), raise_exception=False)
+    assert not r
+    assert r.first_failure.first[0].startswith("grad args[0]")
+    assert all(c.first[0].startswith("grad") for c in r.failures())  # the outputs never moved
+    with pytest.raises(mj.InvarianceError, match=r"grad args\[0\]"):
+        mj.check_invariance(trap, (w, x), axis=1, params=(0,))
+
+
+def test_positions_matter_for_lengths_based_code():
+    """Code that takes lengths assumes right padding: left padding is a bug it has, and the check says so."""
+
+    def last_token(v, lengths):  # hand-masked: the last valid token by length
+        return jnp.take_along_axis(v, (lengths - 1)[:, None, None], axis=1)[:, 0]
+
+    f = lambda v: last_token(v.data, v.mask[..., 0].sum(1))  # noqa: E731
+    right = tokens(shape=(2, 6, 3))
+    keep = np.asarray(right.mask[..., 0])
+    order = np.argsort(~keep, axis=1, kind="stable")  # the same tokens, right-padded
+    data = np.take_along_axis(np.asarray(right.data), order[..., None], 1)
+    right = mj.masked_array(jnp.asarray(data), jnp.asarray(np.take_along_axis(keep, order, 1))[..., None])
+    assert mj.check_invariance(f, (right,), axis=1, positions=("end",))
+    r = mj.check_invariance(f, (right,), axis=1, positions=("end", "start"), raise_exception=False)
+    assert not r and all(" at start" in c.padding for c in r.failures())
+
+
+def test_plain_array_outputs_are_compacted_along_out_axis():
+    x = tokens()
+    hand = lambda v: jnp.where(v.mask, v.data * 2.0, 0.0)  # noqa: E731 - a hand-masked (B, L, D) output
+    assert mj.check_invariance(hand, (x,), axis=1, out_axis=1)
+    r = mj.check_invariance(hand, (x,), axis=1, raise_exception=False)  # compared whole: the length changes
+    assert not r and r.first_failure.first[1] == "shape"
+
+
+class Pool(nn.Module):
+    """A flax encoder over padded tokens, pooling by mean: ``bug="mean"`` divides by the padded
+    length, ``bug="nan"`` masks the mean but not the input (NaN padding reaches the gradient),
+    ``bug=None`` is the fixed model."""
+
+    bug: str | None
+
+    @nn.compact
+    def __call__(self, x, mask):
+        if self.bug != "nan":
+            x = jnp.where(mask[..., None], x, 0)
+        h = nn.relu(nn.Dense(8)(x))
+        if self.bug == "mean":
+            pooled = jnp.mean(h * mask[..., None], axis=1)
+        else:
+            pooled = jnp.sum(jnp.where(mask[..., None], h, 0), 1) / jnp.maximum(mask.sum(1, keepdims=True), 1)
+        return nn.Dense(2)(pooled)
+
+
+@pytest.mark.parametrize("bug", ["mean", "nan", None])
+def test_a_flax_model_with_a_padding_bug_is_caught_and_its_fix_passes(bug):
+    x = tokens()
+    model = Pool(bug)
+    params = model.init(jax.random.PRNGKey(0), x.data, x.mask[..., 0])
+    report = mj.check_invariance(lambda p, t: model.apply(p, t.data, t.mask[..., 0]), (params, x), axis=1,
+                                 params=(0,), raise_exception=False)
+    if bug is None:
+        assert report, report
+        return
+    assert not report
+    what = report.first_failure.first[0]
+    if bug == "mean":
+        assert what == "out" and report.first_failure.padding.endswith("zero content")
+    else:  # the outputs are right; NaN reaches the Dense kernel's gradient through 0 * NaN
+        assert all(c.first[0].startswith("grad args[0]") for c in report.failures())
+        assert "kernel" in what
+
+
+class EqxPool(eqx.Module):
+    dense: eqx.nn.Linear
+    head: eqx.nn.Linear
+    masked_mean: bool
+
+    def __init__(self, key, masked_mean):
+        k1, k2 = jax.random.split(key)
+        self.dense = eqx.nn.Linear(4, 8, key=k1)
+        self.head = eqx.nn.Linear(8, 2, key=k2)
+        self.masked_mean = masked_mean
+
+    def __call__(self, x, mask):  # one sequence: (L, D), (L,)
+        h = jax.nn.relu(jax.vmap(self.dense)(jnp.where(mask[:, None], x, 0)))
+        if self.masked_mean:
+            pooled = jnp.sum(jnp.where(mask[:, None], h, 0), 0) / jnp.maximum(mask.sum(), 1)
+        else:
+            pooled = jnp.mean(h, 0)  # the padding's relu(bias) counts
+        return self.head(pooled)
+
+
+@pytest.mark.parametrize("masked_mean", [False, True])
+def test_equinox_model(masked_mean):
+    x = tokens()
+    model = EqxPool(jax.random.PRNGKey(1), masked_mean)
+    f = lambda m, t: jax.vmap(m)(t.data, t.mask[..., 0])  # noqa: E731
+    report = mj.check_invariance(f, (model, x), axis=1, params=(0,), raise_exception=False)
+    assert bool(report) == masked_mean, report
+    if not masked_mean:
+        assert report.first_failure.first[0] == "out"
+
+
+def test_bad_arguments():
+    x = tokens()
+    with pytest.raises(TypeError, match="no MaskedArray"):
+        mj.check_invariance(jnp.sum, (jnp.ones(3),))
+    with pytest.raises(ValueError, match="axis 5 is out of range"):
+        mj.check_invariance(lambda v: v, (x,), axis=5)
+    with pytest.raises(ValueError, match="positions must be"):
+        mj.check_invariance(lambda v: v, (x,), axis=1, positions=("middle",))
+    with pytest.raises(ValueError, match="params must hold positions"):
+        mj.check_invariance(lambda v: v, (x,), axis=1, params=(3,))
+    with pytest.raises(ValueError, match="disagree on the length"):
+        mj.check_invariance(lambda a, b: a, (x, tokens(shape=(3, 6, 4))), axis=1)
+    with pytest.raises(TypeError, match="must be callable"):
+        mj.check_invariance(3, (x,))
