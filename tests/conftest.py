@@ -8,6 +8,9 @@ import pytest
 from hypothesis import HealthCheck, settings
 
 jax.config.update("jax_enable_x64", True)
+# check_jacobian's background work is for interactive sessions; notebooks executed by the tests
+# inherit this, so that no kernel compiles in the background while the suite runs on.
+os.environ.setdefault("MJ_CHECK_BACKGROUND", "0")
 jax.config.update("jax_numpy_rank_promotion", "allow")
 
 settings.register_profile(

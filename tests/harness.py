@@ -63,14 +63,21 @@ VMAP_FAMILIES = ("reductions", "normalization", "linalg")
 VMAP_SAMPLE = ("exp", "gelu", "add", "where", "clip", "sort", "take", "concatenate", "reshape")
 
 
+LAYOUT_CORE = ("sum", "mean", "var", "max", "argmax", "softmax", "logsumexp", "quantile", "cumsum", "matmul")
+
+
 def in_sample(name, check):
     """Whether ``make test`` runs ``check`` on ``name``: every check of every op, except ``layouts``
     and ``compact`` of the elementwise and binary ops, whose stored values and compact masks all go
-    through one rule per family: every third of them (and those of VMAP_SAMPLE) in ``make test``,
-    all in ``make test-full``."""
-    if oracle.FULL or check not in ("layouts", "compact") or REGISTRY[name].family not in ("elementwise", "binary"):
+    through one rule per family (every third of them, and those of VMAP_SAMPLE), and ``layouts`` of
+    the other families, whose ops share their family's segment kernels and batched rules (every
+    second of them, and those of VMAP_SAMPLE and LAYOUT_CORE); ``make test-full`` runs all."""
+    if oracle.FULL or check not in ("layouts", "compact") or name in VMAP_SAMPLE:
         return True
-    return name in VMAP_SAMPLE or sorted(REGISTRY).index(name) % 3 == 0
+    index = sorted(REGISTRY).index(name)
+    if REGISTRY[name].family in ("elementwise", "binary"):
+        return index % 3 == 0
+    return check == "compact" or name in LAYOUT_CORE or index % 2 == 0
 
 
 def vmaps_layouts(name):
