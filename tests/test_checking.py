@@ -338,6 +338,30 @@ def test_leaky_functions_never_pass_masked_semantics(name, fast):
     assert expected in failing, failing
 
 
+LEAK_KINDS = {"nan_times_zero": "value", "where_log_trap": "gradient", "stabiliser_from_data": "value",
+              "mean_from_data": "numerical", "gather_reads_padding": "gradient"}
+
+
+def test_the_leak_map_locates_every_leak_in_text_html_and_plot():
+    """Full tables: each leaky function's masked check names the masked-out element (args[0][1],
+    the only one of _X) and the valid output it reaches, and how; the report shows it."""
+    for name, kind in LEAK_KINDS.items():
+        report = mj.check_jacobian(LEAKY[name][0], (_X,), semantics="masked", fast=False, raise_exception=False)
+        check = report.failures()[0]
+        assert check.leak_map, name
+        assert {entry[0] for entry in check.leak_map} == {(1,)}, (name, check.leak_map)
+        assert any(kind in entry[2] for entry in check.leak_map), (name, check.leak_map)
+        assert check.leak_cells[:, 1].any() and not check.leak_cells[:, [0, 2, 3]].any(), name
+        assert f"args[0][1] -> out[]: " in repr(report), name
+    html = report.to_html()
+    assert "leak map" in html and "class='mj-leak'" in html
+    fig = report.plot()
+    assert fig.axes[0].get_legend().get_texts()[0].get_text() == "leak"
+    # a correct function has an empty map
+    ok = mj.check_jacobian(lambda v: mnp.sum(mnp.exp(v)), (_X,), semantics="masked", fast=False)
+    assert all(not c.leak_map and not c.leak_cells.any() for c in ok.checks)
+
+
 @pytest.mark.parametrize("fast", [False, True], ids=["tables", "projections"])
 def test_correct_functions_pass_the_leak_probes(fast):
     for f in (lambda v: mnp.sum(mnp.exp(v)), lambda v: mnp.log(mnp.sum(mnp.exp(v))),
@@ -487,3 +511,42 @@ def test_all_valid_inputs_still_check_masked_outputs():
     assert failing and failing[0].leaks["analytical, masked-out outputs"] == 2.0
     assert mj.check_jacobian(lambda v: mnp.sin(mj.masked_array(v, m)), (jnp.array([0.5, 1.0, 2.0]),),
                              semantics="masked")
+
+
+# -- second order (gradgradcheck) -----------------------------------------------------------------
+def test_second_order_checks_agree_with_jax_hessian():
+    x = jnp.array([0.3, -0.8, 1.2, 0.5])
+    f = lambda v: jnp.sum(jnp.sin(v) * v**2) + jnp.prod(v)  # noqa: E731
+    report = mj.check_jacobian(f, (x,), semantics="dense", order=2)
+    assert report.notes[0].startswith("second order")
+    hess = np.asarray(jax.hessian(f)(x))
+    for c in report.checks:  # d(grad . w)/dx = w * H for the scalar cotangent w: a multiple of the Hessian
+        ratio = np.asarray(c.analytical) / hess
+        np.testing.assert_allclose(ratio, ratio[0, 0], rtol=1e-6)
+        np.testing.assert_allclose(np.asarray(c.numerical), np.asarray(c.analytical), rtol=1e-4, atol=1e-6)
+    # masked semantics: the Hessian of the valid entries alone; masked-out entries are no one's
+    xm = mj.masked_array(x, jnp.array([True, False, True, True]))
+    g = lambda v: mnp.sum(mnp.exp(v) * v) + mnp.logsumexp(v)  # noqa: E731
+    masked = mj.check_jacobian(g, (xm,), order=2)
+    assert masked.satisfies == ("masked",)
+    valid = np.array([0, 2, 3])
+    h_valid = np.asarray(jax.hessian(lambda u: jnp.sum(jnp.exp(u) * u) + jax.nn.logsumexp(u))(x[valid]))
+    an = np.asarray(masked.checks[-1].analytical)[np.ix_(valid, valid)]
+    np.testing.assert_allclose(an / h_valid, an[0, 0] / h_valid[0, 0], rtol=1e-6)
+
+
+def test_a_rule_right_at_first_order_but_not_second_fails_only_the_second_order_check():
+    @jax.custom_jvp
+    def f(x):
+        return jnp.sin(x)
+
+    # the tangent is right, but it does not differentiate further: cos(x) is held constant
+    f.defjvp(lambda p, t: (jnp.sin(p[0]), jax.lax.stop_gradient(jnp.cos(p[0])) * t[0]))
+    x = jnp.array([0.3, 0.9, 1.4])
+    assert mj.check_jacobian(lambda v: jnp.sum(f(v) ** 2), (x,), semantics="dense")
+    bad = mj.check_jacobian(lambda v: jnp.sum(f(v) ** 2), (x,), semantics="dense", order=2, raise_exception=False)
+    assert not bad and {c.mode for c in bad.failures()} == {"fwd", "rev"}
+    with pytest.raises(ValueError, match="order must be 1 or 2"):
+        mj.check_jacobian(jnp.sin, (x,), order=3)
+    with pytest.raises(TypeError, match="second-order checks take"):
+        mj.check_jacobian(lambda s: s.todense().sum(), (sparse.BCOO.fromdense(x),), order=2)

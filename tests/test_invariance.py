@@ -31,19 +31,26 @@ MASKED_FUNCTIONS = {
 }
 
 
-@pytest.mark.parametrize("name,dtype", [("mean over tokens", np.float32), ("softmax over tokens", np.float64),
-                                        ("elementwise", np.float32), ("max over tokens", np.float64)])
-def test_masked_functions_are_padding_invariant(name, dtype):
+EVERY_FILL = ("zero", "nan", "inf", "-inf", "huge")
+# (name, dtype, lengths, positions, fills): every option for one function, a share for the others
+INVARIANT_CASES = [
+    ("mean over tokens", np.float32, ("tight", "same", "longer"), ("end", "start", "scattered"), EVERY_FILL),
+    ("softmax over tokens", np.float64, ("tight", "longer"), ("end", "start"), ("zero", "nan", "inf")),
+    ("elementwise", np.float32, ("same", "longer"), ("start", "scattered"), ("nan", "-inf", "huge")),
+    ("max over tokens", np.float64, ("tight", "longer"), ("scattered",), EVERY_FILL),
+]
+
+
+@pytest.mark.parametrize("name,dtype,lengths,positions,fills", INVARIANT_CASES, ids=[c[0] for c in INVARIANT_CASES])
+def test_masked_functions_are_padding_invariant(name, dtype, lengths, positions, fills):
     x = tokens(dtype)
     w = jnp.asarray(np.random.default_rng(1).normal(size=(4, 3)), dtype)
-    f = MASKED_FUNCTIONS[name]
-    every = ("end", "start", "scattered")
-    positions = every if name == "mean over tokens" else ("end", "start")
-    report = mj.check_invariance(f, (w, x), axis=1, params=(0,), positions=positions)  # the suite runs with x64
+    report = mj.check_invariance(MASKED_FUNCTIONS[name], (w, x), axis=1, params=(0,), lengths=lengths,
+                                 positions=positions, fills=fills)  # the suite runs with x64 enabled
     assert report, name
     # every length x position x content under eager, jit and vmap
     assert {c.transform for c in report.cases} == {"eager", "jit", "vmap"}
-    assert len(report.cases) == 3 * len(positions) * 3 * 5, name
+    assert len(report.cases) == len(lengths) * len(positions) * 3 * len(fills), name
 
 
 def test_padding_bugs_are_caught_and_named():

@@ -41,6 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from masked_jax._core import MaskedArray
 from masked_jax.checking._inputs import ALL, describe, is_leaf, output_vectors
 from masked_jax.checking._report import Check, JacobianError, JacobianReport
 
@@ -63,7 +64,8 @@ def default_tolerances(dtype):
 
 
 def check_jacobian(f, args, *, semantics="both", modes=("fwd", "rev"), eps=None, atol=None, rtol=None,
-                   fast=None, raise_exception=True, seed=0, leak_probes=True, compile=None) -> JacobianReport:
+                   fast=None, raise_exception=True, seed=0, leak_probes=True, compile=None,
+                   order=1) -> JacobianReport:
     """Compare finite-difference Jacobians of ``f`` with ``jax.jacfwd``/``jax.jacrev``.
 
     Inputs (the array leaves of ``args``) and outputs may be pytrees of float arrays,
@@ -94,6 +96,11 @@ def check_jacobian(f, args, *, semantics="both", modes=("fwd", "rev"), eps=None,
         leak_probes: under masked semantics, also set the data under the masks to NaN, +-inf
             and a huge value and check that nothing valid changes (the default). ``False``
             skips them (a faster first call); the finite-fill checks remain.
+        order: ``2`` checks second derivatives, as torch's ``gradgradcheck``: the Jacobian of
+            the gradient of ``f`` (its VJP with a fixed random cotangent on the valid outputs;
+            a ``MaskedArray`` input's gradient keeps its mask), by ``jacfwd`` of it
+            (forward-over-reverse) and ``jacrev`` (reverse-over-reverse), against finite
+            differences of the gradient. Inputs: arrays and ``MaskedArray`` objects.
         compile: ``None`` (default) compiles the whole check with ``jit`` (one XLA call per
             later check of the same function), except that a new function whose input and
             output shapes have been checked eagerly before runs eagerly, op by op, at once (jax's
@@ -116,6 +123,17 @@ def check_jacobian(f, args, *, semantics="both", modes=("fwd", "rev"), eps=None,
     """
     if not callable(f):
         raise TypeError(f"check_jacobian: f must be callable; got {type(f).__name__}.")
+    if order not in (1, 2):
+        raise ValueError(f"check_jacobian: order must be 1 or 2; got {order!r}.")
+    if order == 2:
+        report = check_jacobian(_gradient_of(f, seed), args, semantics=semantics, modes=modes, eps=eps, atol=atol,
+                                rtol=rtol, fast=fast, raise_exception=False, seed=seed, leak_probes=leak_probes,
+                                compile=compile)
+        report.notes.insert(0, "second order: the Jacobian of f's gradient (its VJP with a fixed random cotangent "
+                               "on the valid outputs): forward-over-reverse (fwd), reverse-over-reverse (rev)")
+        if raise_exception and not report:
+            raise JacobianError(report)
+        return report
     if semantics not in ("dense", "masked", "both"):
         raise ValueError(f"semantics must be 'dense', 'masked' or 'both'; got {semantics!r}.")
     modes = (modes,) if isinstance(modes, str) else tuple(modes)
@@ -188,6 +206,40 @@ def check_jacobian(f, args, *, semantics="both", modes=("fwd", "rev"), eps=None,
     if raise_exception and not report:
         raise JacobianError(report)
     return report
+
+
+def _gradient_of(f, seed):
+    """``f``'s gradient as a function of the same arguments: the VJP of its raw outputs with a fixed
+    random cotangent on the valid ones, per float array (a plain array) or ``MaskedArray`` input
+    (a ``MaskedArray`` with the input's mask); other leaves are constants."""
+
+    def grad(*args):
+        leaves, treedef = jax.tree_util.tree_flatten(args, is_leaf=is_leaf)
+        idx = []
+        for i, x in enumerate(leaves):
+            if is_leaf(x) and not isinstance(x, MaskedArray):
+                raise TypeError(f"check_jacobian(order=2): input {type(x).__name__} is not supported; second-order "
+                                "checks take float arrays and MaskedArrays.")
+            data = x.data if isinstance(x, MaskedArray) else x
+            if hasattr(data, "dtype") and jnp.issubdtype(data.dtype, jnp.floating):
+                idx.append(i)
+
+        def inner(*datas):
+            ls = list(leaves)
+            for i, d in zip(idx, datas):
+                ls[i] = MaskedArray.tree_unflatten(None, (d, leaves[i].mask)) if isinstance(leaves[i], MaskedArray) \
+                    else d
+            _, raw, mask = output_vectors(f(*jax.tree_util.tree_unflatten(treedef, ls)))
+            return raw, mask
+
+        datas = [leaves[i].data if isinstance(leaves[i], MaskedArray) else leaves[i] for i in idx]
+        raw, pull, mask = jax.vjp(inner, *datas, has_aux=True)
+        cotangent = jax.random.normal(jax.random.PRNGKey(seed + 1), raw.shape, raw.dtype) * mask
+        grads = pull(cotangent)
+        return tuple(MaskedArray.tree_unflatten(None, (g, leaves[i].mask)) if isinstance(leaves[i], MaskedArray)
+                     else g for i, g in zip(idx, grads))
+
+    return grad
 
 
 def _positive(value, name, strict=False):
@@ -400,6 +452,8 @@ def _run(call, leaves, names, sems, modes, fast, eps, vals, consts, seed, probes
     out["mask_changed"] = jnp.any(base_m[2] != alt_m[2])
     if "masked" in sems and probes and not specified:
         out["probes"] = _probes(outputs, leaves, fills, base_m, modes, jax.random.fold_in(rng, n + 1))
+        if not fast:
+            out["leak_map"] = [_leak_map(outputs, leaves, fills, base_m, modes, i) for i in range(n)]
     for i, leaf in enumerate(leaves):
         for sem in sems:
             base = vals if sem == "dense" else fills
@@ -473,6 +527,35 @@ def _probes(outputs, leaves, fills, base, modes, rng):
 
 
 PROBE_NAMES = ("NaN", "+inf", "-inf", "a huge value")
+
+
+def _leak_map(outputs, leaves, fills, base, modes, i):
+    """Which masked-out elements of input ``i`` reach which valid outputs (full mode): ``value``
+    (outputs x elements): the output moves when that element alone holds NaN; ``gradient``: the
+    Jacobian entry, taken with NaN under every mask, is not 0 (a NaN or a value flows between
+    them). Valid elements' columns are False."""
+    n = len(leaves)
+    leaf, valid = leaves[i], base[2]
+    spec = jnp.asarray(leaf.spec)
+    nan = jnp.asarray(np.nan, fills[i].dtype)
+    at = jnp.arange(leaf.size)
+
+    def one(k):
+        vs = list(fills)
+        vs[i] = jnp.where(at == k, nan, fills[i])
+        return jnp.where(valid, _leak(outputs(vs, [None] * n)[0], base[0]) > 0, False)
+
+    value = jax.vmap(one)(at).T & ~spec
+    poisoned = [jnp.where(jnp.asarray(lf.spec), f, nan) for lf, f in zip(leaves, fills)]
+
+    def raw(v):
+        vs = list(poisoned)
+        vs[i] = v
+        return outputs(vs, [None] * n)[1]
+
+    jac = (jax.jacrev if "rev" in modes else jax.jacfwd)(raw)(poisoned[i])
+    gradient = valid[:, None] & ~spec & ((jac != 0) | jnp.isnan(jac))
+    return {"value": value, "gradient": gradient}
 
 
 def analytic_pattern(leaf, sem):
@@ -583,6 +666,12 @@ def _compare(raw, leaves, names, sems, modes, fast, atol, rtol, roundoff=0.0):
                                 np.max(np.asarray(probes["vjp"][i][p]), initial=0))
                             leaks[f"VJP to masked-out inputs with {under}"] = float(
                                 np.max(np.asarray(probes["vjp_off"][i][p]), initial=0))
+                cells = None
+                if sem == "masked" and raw.get("leak_map") is not None:
+                    lm = raw["leak_map"][i]
+                    cells = np.asarray(lm["value"])[rows].astype(np.uint8) | (
+                        np.asarray(lm["gradient"])[rows].astype(np.uint8) << 1)
+                    leaks["masked-out inputs reaching valid outputs (leak map cells)"] = float(np.count_nonzero(cells))
                 for mode in modes:
                     if fast:
                         c = _fast_check(res, mode, sem, leaks, atol, rtol)
@@ -590,8 +679,38 @@ def _compare(raw, leaves, names, sems, modes, fast, atol, rtol, roundoff=0.0):
                         scale = np.asarray(raw[f"scale/{sem}"])[rows] * roundoff
                         c = _full_check(res, mode, sem, rows, ok_rows, spec, leaks, oshape, leaf.shape, atol, rtol,
                                         scale)
+                        c["leak_map"] = _leak_entries(cells, c["numerical"], ok_rows, spec, oshape, leaf.shape,
+                                                      atol) if sem == "masked" else []
+                        c["leak_cells"] = _leak_cells(cells, c["numerical"], ok_rows, spec, atol) if sem == "masked" \
+                            else None
                     checks.append(Check(input=leaf.name, output=oname, mode=mode, semantics=sem, **c))
     return checks
+
+
+LEAK_KINDS = ((1, "value"), (2, "gradient"), (4, "numerical"))
+
+
+def _leak_cells(cells, num, ok_rows, spec, atol):
+    """(outputs x input elements) bit set: 1 value, 2 gradient (the NaN probes of the leak map), 4
+    numerical (perturbing the masked-out element moves the valid output by more than ``atol``)."""
+    out = np.zeros(num.shape, np.uint8) if cells is None else cells.copy()
+    off = ~spec
+    moved = np.zeros(num.shape, bool)
+    moved[np.ix_(ok_rows, off)] = ~(np.abs(num[np.ix_(ok_rows, off)]) <= atol)
+    out |= moved.astype(np.uint8) << 2
+    return out
+
+
+def _leak_entries(cells, num, ok_rows, spec, oshape, ishape, atol, limit=12):
+    """The leak map as ``[(input index, output index, kinds)]``, at most ``limit`` entries."""
+    full = _leak_cells(cells, num, ok_rows, spec, atol)
+    entries = []
+    for r, k in zip(*np.nonzero(full)):
+        kinds = tuple(name for bit, name in LEAK_KINDS if full[r, k] & bit)
+        entries.append((_unravel(int(k), ishape), _unravel(int(r), oshape), kinds))
+        if len(entries) == limit:
+            break
+    return entries
 
 
 def _leak_passed(leaks, atol):

@@ -16,7 +16,12 @@ class Check:
     ``worst`` lists up to five entries ``(output index, input index, numerical, analytical,
     failed)``, worst first (in fast mode: one row per random direction). ``leaks`` (masked
     semantics only) maps what was measured off the masks to its largest absolute value: each
-    must stay within ``atol``. ``diff`` is ``|numerical - analytical|`` (outputs x inputs, NaN
+    must stay within ``atol``. ``leak_map`` (masked semantics, full mode) locates the leaks: up to
+    twelve ``(input index, output index, kinds)``, a masked-out input element and the valid output
+    it reaches, by its value (the output moves when that element alone is NaN), its gradient (a
+    Jacobian entry with NaN under the masks is not 0) or numerically (perturbing it moves the
+    output); ``leak_cells`` is the whole map as an (outputs x inputs) array of those kinds as bits
+    1, 2 and 4. ``diff`` is ``|numerical - analytical|`` (outputs x inputs, NaN
     where not compared), full mode only.
     """
 
@@ -32,6 +37,8 @@ class Check:
     diff: Any = None
     numerical: Any = None
     analytical: Any = None
+    leak_map: list = dataclasses.field(default_factory=list)
+    leak_cells: Any = None
 
 
 @dataclasses.dataclass
@@ -92,6 +99,10 @@ class JacobianReport:
             for name, value in c.leaks.items():
                 flag = "" if np.isfinite(value) and value <= self.atol else "  <-- leak"
                 lines.append(f"      off-mask {name}: {value:.3g}{flag}")
+            if c.leak_map:
+                lines.append("      leak map (masked-out input element -> valid output it reaches):")
+                for in_idx, out_idx, kinds in c.leak_map:
+                    lines.append(f"        {c.input}{list(in_idx)} -> {c.output}{list(out_idx)}: {', '.join(kinds)}")
             if any(w[4] for w in c.worst):
                 for out_idx, in_idx, num, an, bad in c.worst:
                     where = out_idx if self.fast else f"out{list(out_idx)} in{list(in_idx)}"
@@ -130,8 +141,16 @@ class JacobianReport:
                 out.append(f"<tr{style}><td>{e(str(out_idx))}</td><td>{e(str(in_idx))}</td>"
                            f"<td>{num:.6g}</td><td>{an:.6g}</td></tr>")
             out.append("</table>")
+            if c.leak_map:
+                out.append(f"<p><b>leak map</b>: masked-out elements of {e(c.input)} reaching valid elements of "
+                           f"{e(c.output)}</p><table style='{_TABLE}'><tr><th>masked-out input</th><th>valid output"
+                           "</th><th>through</th></tr>")
+                for in_idx, out_idx, kinds in c.leak_map:
+                    out.append(f"<tr style='background:{_LEAK}33'><td>{e(str(in_idx))}</td><td>{e(str(out_idx))}</td>"
+                               f"<td>{e(', '.join(kinds))}</td></tr>")
+                out.append("</table>")
             if heatmap and c.diff is not None:
-                out.append(_heatmap(c.diff, max_heatmap))
+                out.append(_heatmap(c.diff, max_heatmap, c.leak_cells))
         out.append("</div>")
         return "".join(out).replace("<td>", f"<td style='{_TD}'>").replace("<th>", f"<th style='{_TD}'>")
 
@@ -187,6 +206,10 @@ class JacobianReport:
             cmap = plt.get_cmap("Reds").with_extremes(bad="#dddddd")
             im = ax.imshow(d, cmap=cmap, vmin=0.0, vmax=max(float(d.max()) if d.count() else 0.0, self.atol),
                            interpolation="nearest", aspect="auto")
+            if c.leak_cells is not None and np.any(c.leak_cells):  # the leak map, over the greyed-out columns
+                rows, cols = np.nonzero(np.asarray(c.leak_cells)[:max_cells, :max_cells])
+                ax.scatter(cols, rows, marker="s", s=60, color=_LEAK, label="leak")
+                ax.legend(loc="upper right", fontsize=7)
             ax.set_title(f"{c.semantics} {c.mode} d{c.output}/d{c.input}: {'pass' if c.passed else 'FAIL'}",
                          fontsize=9)
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -200,13 +223,16 @@ class JacobianReport:
 
 _TABLE = "border-collapse:collapse;margin:6px 0;font:12px sans-serif"
 _TD = "border:1px solid #cccccc;padding:2px 6px;text-align:left"
+_LEAK = "#7b1fa2"  # leak-map cells: purple, apart from the error scale's reds and the greys
 _CELL = 18  # heatmap cell size in pixels, set inline so the report needs no style sheet
 
 
-def _heatmap(diff, limit):
+def _heatmap(diff, limit, leak_cells=None):
     """``|numerical - analytical|`` as a grid of sized, coloured cells with axis labels and a
-    colour scale (rows: output elements, columns: input elements; grey: not compared)."""
+    colour scale (rows: output elements, columns: input elements; grey: not compared; purple: a
+    masked-out input element reaching a valid output, from the leak map)."""
     d = np.asarray(diff)[:limit, :limit]
+    leaks = None if leak_cells is None else np.asarray(leak_cells)[:limit, :limit]
     top = float(np.nanmax(d)) if np.isfinite(d).any() else 0.0
     cell = f"width:{_CELL}px;height:{_CELL}px;min-width:{_CELL}px;padding:0;border:1px solid #ffffff"
     label = "font:10px sans-serif;color:#333333;padding:0 3px;text-align:right"
@@ -214,8 +240,12 @@ def _heatmap(diff, limit):
                                       for j in range(d.shape[1])) + "</tr>"]
     for i, row in enumerate(d):
         tds = [f"<td class='mj-axis' style='{label}'>{i}</td>"]
-        for v in row:
-            if np.isnan(v):
+        for j, v in enumerate(row):
+            if leaks is not None and leaks[i, j]:
+                kinds = ", ".join(name for bit, name in ((1, "value"), (2, "gradient"), (4, "numerical"))
+                                  if leaks[i, j] & bit)
+                tds.append(f"<td class='mj-leak' style='{cell};background:{_LEAK}' title='leak: {kinds}'></td>")
+            elif np.isnan(v):
                 tds.append(f"<td style='{cell};background:#dddddd' title='not compared'></td>")
             else:
                 tds.append(f"<td style='{cell};background:{_red(v, top)}' title='{v:.3g}'></td>")
@@ -228,7 +258,10 @@ def _heatmap(diff, limit):
                        f"<span style='margin-left:4px'>{s * top:.2g}</span></div>" for s in steps[::-1])
              + f"<div style='display:flex;align-items:center;margin-top:4px'><span style='{cell};"
                "display:inline-block;background:#dddddd'></span><span style='margin-left:4px'>not compared"
-               "</span></div></div>")
+               "</span></div>"
+             + (f"<div style='display:flex;align-items:center;margin-top:4px'><span style='{cell};"
+                f"display:inline-block;background:{_LEAK}'></span><span style='margin-left:4px'>leak</span></div>"
+                if leaks is not None and leaks.any() else "") + "</div>")
     clipped = "" if d.shape == np.shape(diff) else f" (first {limit} x {limit} shown)"
     return ("<div class='mj-heatmap-block' style='margin:8px 0'>"
             f"<div class='mj-axis' style='font:12px sans-serif;color:#333333;margin-left:24px'>"
