@@ -550,3 +550,28 @@ def test_a_rule_right_at_first_order_but_not_second_fails_only_the_second_order_
         mj.check_jacobian(jnp.sin, (x,), order=3)
     with pytest.raises(TypeError, match="second-order checks take"):
         mj.check_jacobian(lambda s: s.todense().sum(), (sparse.BCOO.fromdense(x),), order=2)
+
+
+# -- finite-difference error estimates (Richardson) and reasons ----------------------------------
+def test_richardson_error_estimate_decides_what_counts_as_a_mismatch():
+    """With a coarse step the central difference of sin(10 x) is off by ~(10 eps)^2 / 6 relative,
+    past rtol: the estimated error (from eps and 2 eps) keeps the right derivative passing while a
+    derivative 5% off still fails, and the failure says why."""
+    x = jnp.array([0.1, 0.4, 0.7])
+    f = lambda v: jnp.sin(10.0 * v)  # noqa: E731
+    coarse = mj.check_jacobian(f, (x,), semantics="dense", eps=1e-2)
+    c = coarse.checks[0]
+    truncation = np.max(np.abs(np.asarray(c.numerical) - np.diag(10 * np.cos(10 * np.asarray(x)))))
+    assert truncation > 1e-3 * 10 * 0.5  # past atol + rtol |num| alone
+    assert c.fd_error == pytest.approx(truncation, rel=0.05)  # Richardson's estimate finds it
+
+    @jax.custom_jvp
+    def off(v):
+        return jnp.sin(10.0 * v)
+
+    off.defjvp(lambda p, t: (off(p[0]), 1.05 * 10.0 * jnp.cos(10.0 * p[0]) * t[0]))
+    bad = mj.check_jacobian(off, (x,), semantics="dense", eps=1e-2, raise_exception=False)
+    assert not bad
+    assert "beyond their estimated error" in bad.failures()[0].reason and "why:" in repr(bad)
+    trap = mj.check_jacobian(LEAKY["where_log_trap"][0], (_X,), semantics="masked", raise_exception=False)
+    assert "breaks masked semantics" in trap.failures()[0].reason

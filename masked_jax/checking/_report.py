@@ -21,7 +21,11 @@ class Check:
     it reaches, by its value (the output moves when that element alone is NaN), its gradient (a
     Jacobian entry with NaN under the masks is not 0) or numerically (perturbing it moves the
     output); ``leak_cells`` is the whole map as an (outputs x inputs) array of those kinds as bits
-    1, 2 and 4. ``diff`` is ``|numerical - analytical|`` (outputs x inputs, NaN
+    1, 2 and 4. ``fd_error`` is the largest Richardson estimate of the finite differences' own
+    error (from steps eps and 2 eps; twice it is added to each entry's tolerance), taken when a
+    derivative would fail without it by at most 100 tolerances (``None`` otherwise; ``near_miss``
+    says such a failure); ``mismatch`` says a derivative failed (not only a leak), and ``reason``
+    says in words why a failing check failed. ``diff`` is ``|numerical - analytical|`` (outputs x inputs, NaN
     where not compared), full mode only.
     """
 
@@ -39,6 +43,10 @@ class Check:
     analytical: Any = None
     leak_map: list = dataclasses.field(default_factory=list)
     leak_cells: Any = None
+    fd_error: Any = None
+    reason: str = ""
+    mismatch: bool = False
+    near_miss: bool = False
 
 
 @dataclasses.dataclass
@@ -95,7 +103,10 @@ class JacobianReport:
             lines.append(f"  note: {note}")
         for c in self.checks:
             lines.append(f"  [{'pass' if c.passed else 'FAIL'}] {c.semantics:6s} {c.mode} d{c.output}/d{c.input}: "
-                         f"max abs err {c.max_abs:.3g}, max rel err {c.max_rel:.3g}")
+                         f"max abs err {c.max_abs:.3g}, max rel err {c.max_rel:.3g}"
+                         + ("" if c.fd_error is None else f", finite-difference error estimate {c.fd_error:.2g}"))
+            if c.reason:
+                lines.append(f"      why: {c.reason}")
             for name, value in c.leaks.items():
                 flag = "" if np.isfinite(value) and value <= self.atol else "  <-- leak"
                 lines.append(f"      off-mask {name}: {value:.3g}{flag}")
@@ -134,7 +145,7 @@ class JacobianReport:
                        f"<td>{'' if leak is None else f'{leak:.3g}'}</td></tr>")
         out.append("</table>")
         for c in self.failures():
-            out.append(f"<p><b>{c.semantics} {c.mode} d{e(c.output)}/d{e(c.input)}</b>: worst entries</p>"
+            out.append(f"<p><b>{c.semantics} {c.mode} d{e(c.output)}/d{e(c.input)}</b>: {e(c.reason)}. Worst entries</p>"
                        f"<table style='{_TABLE}'><tr><th>output</th><th>input</th><th>numerical</th><th>analytical</th></tr>")
             for out_idx, in_idx, num, an, bad in c.worst:
                 style = " style='background:#ffcdd2'" if bad else ""
