@@ -183,3 +183,13 @@ def test_bad_arguments():
         mj.check_invariance(lambda a, b: a, (x, tokens(shape=(3, 6, 4))), axis=1)
     with pytest.raises(TypeError, match="must be callable"):
         mj.check_invariance(3, (x,))
+    with pytest.raises(ValueError, match="rtol must be a finite number"):
+        mj.check_invariance(lambda v: v, (x,), axis=1, rtol=-1.0)
+    with pytest.raises(TypeError, match="axis must be an int"):
+        mj.check_invariance(lambda v: v, (x,), axis="1")
+    with pytest.raises(TypeError, match="out_axis must be None or an int"):
+        mj.check_invariance(lambda v: v, (x,), axis=1, out_axis=1.5)
+    # one name instead of a sequence is one option, not its letters
+    r = mj.check_invariance(lambda v: mnp.sum(v, axis=1), (x,), axis=1, lengths="longer", positions="start",
+                            fills="nan", transforms="jit")
+    assert [c.padding for c in r.cases] == ["pad to 8 (longer) at start, nan content"]

@@ -548,14 +548,16 @@ def _leak_map(outputs, leaves, fills, base, modes, i):
     leaf, valid = leaves[i], base[2]
     spec = jnp.asarray(leaf.spec)
     nan = jnp.asarray(np.nan, fills[i].dtype)
-    at = jnp.arange(leaf.size)
+    off = np.flatnonzero(~leaf.spec)  # static: only the masked-out elements are probed
 
     def one(k):
         vs = list(fills)
-        vs[i] = jnp.where(at == k, nan, fills[i])
+        vs[i] = fills[i].at[k].set(nan)
         return jnp.where(valid, _leak(outputs(vs, [None] * n)[0], base[0]), 0)
 
-    value = jnp.where(spec, 0, jax.vmap(one)(at).T)
+    value = jnp.zeros((valid.shape[0], leaf.size), fills[i].dtype)
+    if off.size:
+        value = value.at[:, off].set(jax.vmap(one)(jnp.asarray(off)).T)
     poisoned = [jnp.where(jnp.asarray(lf.spec), f, nan) for lf, f in zip(leaves, fills)]
 
     def raw(v):
@@ -697,6 +699,8 @@ def _compare(raw, leaves, names, sems, modes, fast, atol, rtol, roundoff=0.0):
                     over = lambda a: ~(np.asarray(a)[rows] <= atol)  # noqa: E731 - past atol, or NaN
                     cells = over(lm["value"]).astype(np.uint8) | (over(lm["gradient"]).astype(np.uint8) << 1)
                     leaks["masked-out inputs reaching valid outputs (leak map cells)"] = float(np.count_nonzero(cells))
+                if sem == "masked" and not fast:  # the whole map, the same for every mode
+                    cells = _leak_cells(cells, np.asarray(res["num"])[rows], ok_rows, spec, atol)
                 for mode in modes:
                     if fast:
                         c = _fast_check(res, mode, sem, leaks, atol, rtol)
@@ -704,10 +708,8 @@ def _compare(raw, leaves, names, sems, modes, fast, atol, rtol, roundoff=0.0):
                         scale = np.asarray(raw[f"scale/{sem}"])[rows] * roundoff
                         c = _full_check(res, mode, sem, rows, ok_rows, spec, leaks, oshape, leaf.shape, atol, rtol,
                                         scale)
-                        c["leak_map"] = _leak_entries(cells, c["numerical"], ok_rows, spec, oshape, leaf.shape,
-                                                      atol) if sem == "masked" else []
-                        c["leak_cells"] = _leak_cells(cells, c["numerical"], ok_rows, spec, atol) if sem == "masked" \
-                            else None
+                        c["leak_cells"] = cells
+                        c["leak_map"] = [] if cells is None else _leak_entries(cells, oshape, leaf.shape)
                     checks.append(Check(input=leaf.name, output=oname, mode=mode, semantics=sem, **c))
     return checks
 
@@ -726,9 +728,9 @@ def _leak_cells(cells, num, ok_rows, spec, atol):
     return out
 
 
-def _leak_entries(cells, num, ok_rows, spec, oshape, ishape, atol, limit=12):
-    """The leak map as ``[(input index, output index, kinds)]``, at most ``limit`` entries."""
-    full = _leak_cells(cells, num, ok_rows, spec, atol)
+def _leak_entries(full, oshape, ishape, limit=12):
+    """The leak map ``full`` (see :func:`_leak_cells`) as ``[(input index, output index, kinds)]``,
+    at most ``limit`` entries."""
     entries = []
     for r, k in zip(*np.nonzero(full)):
         kinds = tuple(name for bit, name in LEAK_KINDS if full[r, k] & bit)

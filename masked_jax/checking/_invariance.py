@@ -170,10 +170,21 @@ def check_invariance(f, args, *, axis=-1, params=(), out_axis=None, lengths=("ti
         if not isinstance(p, int) or not -len(args) <= p < len(args):
             raise ValueError(f"check_invariance: params must hold positions of args (0..{len(args) - 1}); got {p!r}.")
     params = tuple(sorted({p % len(args) for p in params}))
-    _choose("lengths", lengths, ("tight", "same", "longer"))
-    _choose("positions", positions, POSITIONS)
-    _choose("fills", fills, tuple(FILLS))
-    _choose("transforms", transforms, TRANSFORMS)
+    lengths = _choose("lengths", lengths, ("tight", "same", "longer"))
+    positions = _choose("positions", positions, POSITIONS)
+    fills = _choose("fills", fills, tuple(FILLS))
+    transforms = _choose("transforms", transforms, TRANSFORMS)
+    if not isinstance(axis, (int, np.integer)) or isinstance(axis, bool):
+        raise TypeError(f"check_invariance: axis must be an int; got {type(axis).__name__}.")
+    if out_axis is not None and (not isinstance(out_axis, (int, np.integer)) or isinstance(out_axis, bool)):
+        raise TypeError(f"check_invariance: out_axis must be None or an int; got {type(out_axis).__name__}.")
+    if rtol is not None:
+        try:
+            rtol = float(rtol)
+        except (TypeError, ValueError):
+            raise TypeError(f"check_invariance: rtol must be a number; got {type(rtol).__name__}.") from None
+        if not np.isfinite(rtol) or rtol < 0:
+            raise ValueError(f"check_invariance: rtol must be a finite number >= 0; got {rtol!r}.")
 
     flat, treedef = jax.tree_util.tree_flatten(args, is_leaf=lambda x: isinstance(x, MaskedArray))
     padded = [i for i, x in enumerate(flat) if isinstance(x, MaskedArray)]
@@ -195,7 +206,7 @@ def check_invariance(f, args, *, axis=-1, params=(), out_axis=None, lengths=("ti
     longest = max(int(k.sum(-1).max(initial=0)) for k in keeps.values())
     dtypes = [np.dtype(flat[i].dtype) for i in padded if jnp.issubdtype(flat[i].dtype, jnp.floating)]
     dtype = min(dtypes, key=lambda d: d.itemsize) if dtypes else np.dtype(np.float32)
-    rtol = _default_rtol(dtype) if rtol is None else float(rtol)
+    rtol = _default_rtol(dtype) if rtol is None else rtol
 
     rng = np.random.default_rng(seed)
     ref_keeps = keeps[padded[0]]
@@ -211,8 +222,8 @@ def check_invariance(f, args, *, axis=-1, params=(), out_axis=None, lengths=("ti
     eager_grad = next((k for k, fill in enumerate(fills) if fill not in ("zero", "huge")), 0)
     sizes = {"tight": longest, "same": length, "longer": length + 3}
     seen = set()
-    for name in dict.fromkeys(lengths):
-        for pos in dict.fromkeys(positions):
+    for name in lengths:
+        for pos in positions:
             new_len = sizes[name]
             if (new_len, pos) in seen:  # "tight" is "same" when the longest row fills the padded length
                 continue
@@ -241,10 +252,12 @@ def check_invariance(f, args, *, axis=-1, params=(), out_axis=None, lengths=("ti
 
 
 def _choose(name, given, allowed):
+    """``given`` (one name or a sequence of them) as a tuple without repeats, each in ``allowed``."""
     given = (given,) if isinstance(given, str) else tuple(given)
     bad = [g for g in given if g not in allowed]
     if not given or bad:
         raise ValueError(f"check_invariance: {name} must be a non-empty sequence of {allowed}; got {given!r}.")
+    return tuple(dict.fromkeys(given))
 
 
 def _default_rtol(dtype):
@@ -301,6 +314,8 @@ def _repad(flat, padded, ax, slots, new_len, fill):
         if jnp.issubdtype(data.dtype, jnp.floating):
             if value is None:
                 value = float(np.sqrt(float(jnp.finfo(data.dtype).max)))
+        elif data.dtype == np.bool_:  # bool data: pads hold False or True
+            value = fill != "zero"
         else:  # integer data: pads hold the dtype's extreme instead
             value = 0 if fill == "zero" else int(np.iinfo(data.dtype).max)
         d = np.moveaxis(data, a, -1)
