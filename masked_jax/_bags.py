@@ -130,8 +130,48 @@ class Bag:
     padding), their weights (0 for padding) and how the rows read combine. Shared by
     :func:`embedding_bag` and stacked tables, which read many bags' rows with one lookup."""
 
-    def __init__(self, read, weights, counts, combiner, pool):
+    def __init__(self, read, weights, counts, combiner, pool, ragged=False):
         self.read, self.weights, self.counts, self.combiner, self.pool = read, weights, counts, combiner, pool
+        self.ragged = ragged
+
+    def group_key(self):
+        """Padded bags of one id shape and dtype combined by sum, mean or sqrtn pool together
+        (:meth:`combine_group`); ``None`` for bags that pool alone (ragged, or ``max``)."""
+        if self.ragged or self.combiner == "max":
+            return None
+        return (self.read.shape, self.weights.dtype)
+
+    @staticmethod
+    def combine_group(bags, rows):
+        """The pooled rows of several padded bags sharing a :meth:`group_key`, from ``rows`` of
+        shape ``(len(bags), *ids shape, *row shape)``: one weighted sum for all of them, each
+        bag's own normalisation after it. The same arithmetic as :meth:`combine` bag by bag."""
+        w = jnp.stack([b.weights for b in bags])
+        counts = jnp.stack([b.counts for b in bags])
+        axis = w.ndim - 1
+        row_ndim = rows.ndim - w.ndim
+        expand = (...,) + (None,) * row_ndim
+        valid = jnp.sum(counts.astype(jnp.int32), axis=axis) > 0
+        if row_ndim == 1 and jnp.issubdtype(rows.dtype, jnp.inexact):
+            # a batched vector-matrix product: each weight is read (and, with its id's validity,
+            # computed) once per id, where a broadcast product recomputes it for every element
+            # of the row (3x the gradient's time for 8 stacked tables of 32 columns on CPU)
+            pooled = jnp.einsum("...l,...ld->...d", w, rows, precision=jax.lax.Precision.HIGHEST)
+        else:
+            pooled = jnp.sum(rows * w[expand], axis=axis)
+        kinds = [b.combiner for b in bags]
+        if any(k != "sum" for k in kinds):
+            norms = {"mean": lambda: jnp.sum(w, axis=axis), "sqrtn": lambda: jnp.sqrt(jnp.sum(w * w, axis=axis))}
+            norms = {k: f() for k, f in norms.items() if k in kinds}
+            norm = jnp.stack([norms[k][t] if k in norms else jnp.ones(w.shape[1:-1], w.dtype)
+                              for t, k in enumerate(kinds)])
+            needs = np.array([k != "sum" for k in kinds]).reshape((-1,) + (1,) * (norm.ndim - 1))
+            valid = valid & ((norm != 0) | ~needs)
+            pooled = pooled / jnp.where(valid, norm, 1)[expand]
+        pooled = jnp.where(valid[expand], pooled, 0)
+        mask = valid.reshape(valid.shape + (1,) * row_ndim)
+        return [MaskedArray._from_pair(p[0], m[0]) for p, m in
+                zip(jnp.split(pooled, len(bags)), jnp.split(mask, len(bags)))]
 
     @classmethod
     def prepare(cls, n: int, dtype, ids, *, offsets=None, lengths=None, weights=None, combiner="sum"):
@@ -159,6 +199,8 @@ class Bag:
 
             def pool(x, op=jax.ops.segment_sum):
                 return op(x, bag, num_segments=n_bags)
+
+            return cls(jnp.where(counts, id_data, n), w, counts, combiner, pool, ragged=True)
         else:
             if id_data.ndim == 0:
                 raise ValueError("padded bags take ids of shape (..., L) (the last axis holds a bag); got a scalar.")
@@ -171,6 +213,8 @@ class Bag:
 
     def combine(self, rows):
         """The bags' pooled rows (a ``MaskedArray``, empty bags masked) from the rows read at ``read``."""
+        if self.group_key() is not None:
+            return Bag.combine_group([self], rows[None])[0]
         pool, counts, w = self.pool, self.counts, self.weights
         row_ndim = rows.ndim - counts.ndim
         expand = (...,) + (None,) * row_ndim

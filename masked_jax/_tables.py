@@ -114,6 +114,14 @@ class TableStack:
             valid = valid & mask
         return jnp.where(valid, local + self.offsets[name], self.num_rows), mask
 
+    def _read(self, table, flat_ids):
+        """The rows of each flat id array, read by one gather and cut apart by one ``split``
+        (whose transpose is one concatenate, where slices would each pad a full-size cotangent)."""
+        if not flat_ids:
+            return []
+        rows = lookup(table, jnp.concatenate(flat_ids))
+        return jnp.split(rows, np.cumsum([f.shape[0] for f in flat_ids])[:-1].tolist(), axis=0)
+
     def lookup(self, table, requests):
         """Rows of several tables with one gather.
 
@@ -127,11 +135,9 @@ class TableStack:
         pairs, rebuild = _pairs(requests)
         shifted = [self.global_ids(name, ids) for name, ids in pairs]
         flat = [g.reshape(-1) for g, _ in shifted]
-        rows = lookup(table, jnp.concatenate(flat)) if flat else None
-        outs, start = [], 0
-        for (g, mask) in shifted:
-            part = rows[start:start + g.size].reshape(g.shape + self.row_shape)
-            start += g.size
+        outs = []
+        for (g, mask), part in zip(shifted, self._read(table, flat)):
+            part = part.reshape(g.shape + self.row_shape)
             outs.append(part if mask is None else
                         MaskedArray._from_pair(part, jnp.reshape(mask, g.shape + (1,) * len(self.row_shape))))
         return rebuild(outs)
@@ -154,11 +160,22 @@ class TableStack:
             ids = spec.pop("ids")
             bag = Bag.prepare(self.rows[name], table.dtype, ids, **spec)
             bags.append((bag, jnp.where(bag.read < self.rows[name], bag.read + self.offsets[name], self.num_rows)))
-        rows = lookup(table, jnp.concatenate([g.reshape(-1) for _, g in bags])) if bags else None
-        outs, start = [], 0
-        for bag, g in bags:
-            outs.append(bag.combine(rows[start:start + g.size].reshape(g.shape + self.row_shape)))
-            start += g.size
+        # bags that pool alike are read next to each other and pooled by one weighted sum
+        groups = {}
+        for i, (bag, _) in enumerate(bags):
+            key = bag.group_key()
+            groups.setdefault(("group", key) if key is not None else ("alone", i), []).append(i)
+        order = list(groups.values())
+        parts = self._read(table, [jnp.concatenate([bags[i][1].reshape(-1) for i in members]) for members in order])
+        outs = [None] * len(bags)
+        for members, part in zip(order, parts):
+            shape = bags[members[0]][1].shape + self.row_shape
+            if len(members) == 1:
+                outs[members[0]] = bags[members[0]][0].combine(part.reshape(shape))
+                continue
+            pooled = Bag.combine_group([bags[i][0] for i in members], part.reshape((len(members),) + shape))
+            for i, out in zip(members, pooled):
+                outs[i] = out
         return rebuild(outs)
 
 

@@ -240,6 +240,38 @@ def test_unique_indices_flag_skips_coalescing_and_is_checked():
         mj.row_sparse(jnp.ones((2, 1)), jnp.array([1, 1]), (4, 1), unique_indices=True)
 
 
+def test_promised_unique_indices_in_any_order_meet_in_binary_ops():
+    # indices promised unique are not sorted: a row-sparse product must still find the common rows
+    a = mj.row_sparse(jnp.array([[1.0], [5.0], [3.0]]), jnp.array([0, 3, 2]), (5, 1))
+    b = mj.row_sparse(jnp.array([[10.0], [20.0], [30.0]]), jnp.array([3, 0, 4]), (5, 1), unique_indices=True)
+    for fn in (lambda a, b: a * b, jax.jit(lambda a, b: a * b)):
+        out = fn(a, b).todense()
+        np.testing.assert_array_equal(np.asarray(out.mask[:, 0]), [True, False, False, True, False])
+        np.testing.assert_array_equal(np.asarray(out.data[[0, 3], 0]), [20.0, 50.0])
+
+
+@pytest.mark.parametrize("rows,k", [(40, 64), (5000, 64), (7, 3)])  # without and with a sort (rows > 64 k)
+def test_distinct_ids_number_every_distinct_row_once(rows, k):
+    from masked_jax.layouts.segments import distinct_ids
+
+    rng = np.random.default_rng(rows + k)
+    for trial in range(4):
+        ids = rng.integers(0, rows + 1, size=k).astype(np.int32)  # rows = padding
+        ids[: trial] = rows
+        for fn in (distinct_ids, jax.jit(distinct_ids, static_argnums=1)):
+            uniq, seg = (np.asarray(a) for a in fn(jnp.asarray(ids), rows))
+            present = np.unique(ids[ids < rows])
+            d = present.size
+            assert sorted(uniq[:d].tolist()) == present.tolist()  # distinct rows first, each once
+            assert (uniq[d:] == rows).all()
+            np.testing.assert_array_equal(uniq[seg[ids < rows]], ids[ids < rows])
+            assert (seg[ids == rows] == k).all()  # padding: past the end, dropped by segment sums
+    data = jnp.asarray(rng.normal(size=(k, 2)).astype(np.float32))
+    g = mj.row_sparse(data, jnp.asarray(ids), (rows, 2))
+    fast, ref = g._sum_duplicates(), g.coalesce()
+    _same(fast.todense(), ref.todense())
+
+
 @pytest.mark.parametrize("storage", ["bcoo", "row_sparse"])
 def test_binary_ops_of_sparse_operands_with_different_index_sets(storage):
     rng = np.random.default_rng(3)

@@ -75,13 +75,33 @@ def test_stacked_gradient_and_step_equal_separate_tables(jit):
         np.testing.assert_allclose(np.asarray(stacked[k]), np.asarray(separate[k]), rtol=1e-6, atol=1e-7)
 
 
-def test_stacked_bags_equal_separate_bags():
+_W = jnp.array([[1.0, 0.5, 2.0], [0.0, 1.5, 1.0], [0.25, 0.25, 3.0]])
+BAG_REQUESTS = {
+    "mixed": {"user": {"ids": jnp.array([[0, 3, -1], [-1, -1, -1]]), "combiner": "mean"},
+              "item": {"ids": jnp.array([1, 6, 6, 2]), "lengths": jnp.array([1, 0, 3]),
+                       "weights": jnp.array([1.0, 0.5, 0.5, 2.0]), "combiner": "sqrtn"},
+              "genre": jnp.array([[3, 2], [0, 9]])},
+    # padded bags of one shape pool together, each with its own combiner (max pools alone)
+    "one shape": {"user": {"ids": jnp.array([[0, 12, 12], [-1, -1, -1], [4, 4, 5]]), "weights": _W,
+                           "combiner": "sqrtn"},
+                  "item": {"ids": jnp.array([[6, 1, -1], [2, 0, 0], [3, 9, 1]]), "weights": _W, "combiner": "mean"},
+                  "genre": mj.masked_array(jnp.array([[1, 3, 2], [0, 0, 1], [2, 2, 2]]),
+                                           jnp.array([[True, False, True], [False, False, False], [True] * 3])),
+                  "max": ("user", {"ids": jnp.array([[1, 2, -1], [0, 0, 0], [-1, -1, -1]]), "combiner": "max"})},
+}
+
+
+@pytest.mark.parametrize("case", list(BAG_REQUESTS))
+def test_stacked_bags_equal_separate_bags(case):
     tables = _tables(2)
     stack, table = mj.stack_tables(tables)
-    requests = {"user": {"ids": jnp.array([[0, 3, -1], [-1, -1, -1]]), "combiner": "mean"},
-                "item": {"ids": jnp.array([1, 6, 6, 2]), "lengths": jnp.array([1, 0, 3]),
-                         "weights": jnp.array([1.0, 0.5, 0.5, 2.0]), "combiner": "sqrtn"},
-                "genre": jnp.array([[3, 2], [0, 9]])}
+    requests = dict(BAG_REQUESTS[case])
+    if "max" in requests:  # a second bag of one table: a sequence of (table, spec) pairs
+        pairs = [(k, v) for k, v in requests.items() if k != "max"] + [requests.pop("max")]
+        out_pairs = stack.embedding_bag(table, pairs)
+        ref = mj.embedding_bag(tables[pairs[-1][0]], **pairs[-1][1])
+        np.testing.assert_array_equal(np.asarray(out_pairs[-1].data), np.asarray(ref.data))
+        np.testing.assert_array_equal(np.asarray(out_pairs[-1].mask), np.asarray(ref.mask))
     out = stack.embedding_bag(table, requests)
     for k, spec in requests.items():
         spec = spec if isinstance(spec, dict) else {"ids": spec}

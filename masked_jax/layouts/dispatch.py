@@ -127,9 +127,12 @@ def _rows_intersect(rule, a, b, kwargs):
     """Row-sparse ∘ row-sparse: valid on rows both store; K of ``a``, rows only in ``a`` become padding."""
     a, b = a.coalesce(), b.coalesce()
     n = a.shape[0]
-    pos = jnp.clip(segments.sorted_search(b.indices, a.indices), 0, max(b.nse - 1, 0))
     if b.nse == 0:
         return RowSparseArray._make(a.shape, a.data, jnp.full_like(a.indices, n), True)
+    # b's indices are unique, but sorted only if b was coalesced here: indices promised unique to
+    # row_sparse come in any order
+    order = jnp.argsort(b.indices)
+    pos = order[jnp.clip(segments.sorted_search(b.indices[order], a.indices), 0, b.nse - 1)]
     hit = (b.indices[pos] == a.indices) & (a.indices < n)
     hit_rows = hit.reshape((-1,) + (1,) * (a.ndim - 1))
     # Rows a stores and b does not are padding of the result: masked in both operands' blocks, so

@@ -17,7 +17,7 @@ from jax.experimental import sparse as jsparse
 from masked_jax import _validate
 from masked_jax._core import MaskedArray, _check_data
 from masked_jax._storage import SparseMasked, is_tracer
-from masked_jax.layouts.segments import unique_ids
+from masked_jax.layouts.segments import distinct_ids, unique_ids
 from masked_jax.layouts.bcoo import DATA_KEY, INDICES_KEY, BCOOMaskedArray
 from masked_jax.ops._base import Pair
 
@@ -113,13 +113,19 @@ class RowSparseArray(SparseMasked, storage="row_sparse"):
             >>> x.indices, x.data[:, 0]
             (Array([0, 3, 4], dtype=int32), Array([2., 6., 0.], dtype=float32))
         """
+        return self._sum_duplicates(unique_ids)
+
+    def _sum_duplicates(self, method=distinct_ids) -> "RowSparseArray":
+        """Duplicate rows summed; by default the distinct rows in whatever order
+        :func:`~masked_jax.layouts.segments.distinct_ids` finds fastest (the optimizers' path:
+        they gather and scatter by index, in any order)."""
         if self.unique_indices:
             return self
         n, k = self.shape[0], self.nse
         idx = jnp.where(self.row_valid(), self.indices, n).astype(jnp.int32)
         if k == 0:
             return RowSparseArray._make(self.shape, self.data, idx, True)
-        uniq, seg = unique_ids(idx, n)
+        uniq, seg = method(idx, n)
         if self.dtype == jnp.bool_:  # duplicates of a bool are or-ed
             data = jax.ops.segment_max(self.data, seg, num_segments=k)
         else:

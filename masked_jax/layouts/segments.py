@@ -61,6 +61,32 @@ def unique_ids(ids, sentinel: int):
     return uniq, sorted_search(uniq, ids)
 
 
+def distinct_ids(ids, sentinel: int):
+    """``(uniq, seg)`` as :func:`unique_ids`, in whatever order is fastest: the distinct values of
+    ``ids`` first (sorted or in order of first appearance), then ``sentinel`` padding up to
+    ``len(ids)``; ``seg`` is each id's position in ``uniq``, and ``len(ids)`` (past the end:
+    segment sums drop it) for ids equal to ``sentinel``.
+
+    Without a sort when ``sentinel`` (the number of rows) is at most 64x ``len(ids)``: each id
+    scatter-mins its position into a row-sized array, so the first occurrence of each id is
+    found, and a cumulative sum numbers those. On CPU at 164k ids of 1.9M rows that takes
+    1.4 ms against 8.6 ms for sort and search; past 64x, clearing the row-sized array costs more
+    than the sort (10M rows, 1k ids: 9.8 against 0.07 ms).
+    """
+    k = ids.shape[0]
+    if k == 0:
+        return ids, ids
+    if sentinel > 64 * k:
+        uniq, seg = unique_ids(ids, sentinel)
+        return uniq, jnp.where(ids < sentinel, seg, k).astype(seg.dtype)
+    position = jnp.arange(k, dtype=jnp.int32)
+    first = jnp.full(sentinel + 1, k, jnp.int32).at[ids].min(position, mode="drop")[ids]
+    is_first = (first == position) & (ids < sentinel)
+    rank = jnp.cumsum(is_first, dtype=jnp.int32) - 1
+    uniq = jnp.full(k, sentinel, ids.dtype).at[jnp.where(is_first, rank, k)].set(ids, mode="drop")
+    return uniq, jnp.where(ids < sentinel, rank[first], k)
+
+
 class Segments:
     """Stored entries of a flat, coalesced BCOO-backed masked array grouped by ``keep`` axes."""
 

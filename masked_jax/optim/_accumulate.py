@@ -21,7 +21,7 @@ import optax
 
 from masked_jax._core import MaskedArray, is_container
 from masked_jax.layouts.rows import RowSparseArray
-from masked_jax.layouts.segments import unique_ids
+from masked_jax.layouts.segments import distinct_ids
 from masked_jax.optim._views import data_of, view
 
 
@@ -153,7 +153,7 @@ def _as_rows(g, shape):
 def _merge(acc, idx, data, n, capacity, acc_update, n_acc):
     """The accumulator after adding rows ``(idx, data)``: ``(merged rows, fits)``."""
     both = jnp.concatenate([acc.indices, idx])
-    uniq, seg = unique_ids(both, n)
+    uniq, seg = distinct_ids(both, n)
     c = acc.indices.shape[0]
     old = jax.ops.segment_sum(acc.data, seg[:c], num_segments=both.shape[0])
     new = jax.ops.segment_sum(data.astype(acc.data.dtype), seg[c:], num_segments=both.shape[0])

@@ -85,7 +85,7 @@ def view(g, *, coalesce: bool = True):
     if isinstance(g, RowSparseArray):
         stored = (g.nse, g.unique_indices)
         if coalesce:
-            g = g.coalesce()
+            g = g._sum_duplicates()
         g = at_least_two_rows(g)
         v = _View("rows", g.shape, indices=jnp.where(g.row_valid(), g.indices, g.shape[0]), stored=stored)
         return v, jnp.where(v._row_mask(g.ndim), g.data, jnp.zeros((), g.dtype))
