@@ -338,6 +338,27 @@ def test_leaky_functions_never_pass_masked_semantics(name, fast):
     assert expected in failing, failing
 
 
+_SPARSE = {"bcoo": _X.tostype("bcoo"), "row_sparse": mj.masked_array(
+    jnp.array([[1.0, 2.0], [3.0, 4.0], [0.5, 1.5]]), jnp.array([[True, True], [False, False], [True, True]]),
+).tostype("row_sparse")}
+
+
+@pytest.mark.parametrize("fast", [False, True], ids=["tables", "projections"])
+@pytest.mark.parametrize("layout", list(_SPARSE))
+def test_sparse_ops_reading_padding_slots_never_pass(layout, fast):
+    """A sparse input's padding slots (stored slots past its entries) hold NaN and inf in the
+    probes too: a function summing the stored data, padding included, fails; a correct one passes."""
+    x = _SPARSE[layout]
+    leaky = mj.check_jacobian(lambda s: mnp.sum(s) + jnp.sum(0 * s.data), (x,), semantics="masked", fast=fast,
+                              raise_exception=False)
+    assert "masked" not in leaky.satisfies
+    failing = {k for c in leaky.checks for k, v in c.leaks.items() if not (np.isfinite(v) and v <= 1e-6)}
+    assert "valid outputs with NaN under the masks and in sparse padding slots" in failing, failing
+    ok = mj.check_jacobian(lambda s: mnp.sum(mnp.exp(s)), (x,), semantics="masked", fast=fast)
+    assert ok.satisfies == ("masked",)
+    assert all(v == 0 for c in ok.checks for k, v in c.leaks.items() if "padding" in k)
+
+
 LEAK_KINDS = {"nan_times_zero": "value", "where_log_trap": "gradient", "stabiliser_from_data": "value",
               "mean_from_data": "numerical", "gather_reads_padding": "gradient"}
 

@@ -19,7 +19,8 @@ masked semantics, so that a function reading masked-out data cannot pass by acci
   valid outputs, the output mask and the VJP to valid inputs must stay what they are at a
   finite fill, and the VJP to masked-out inputs must stay 0 (with ``modes=("fwd",)``, the JVP of
   valid outputs along valid inputs instead) (``jnp.where(m, log(x), 0)``, ``0 * x``
-  and a stabiliser taken over masked-out data all fail here);
+  and a stabiliser taken over masked-out data all fail here); a sparse input gets one padding
+  slot holding the probe value too, so reading a sparse array's padding data fails as well;
 * perturbing masked-out data must not change any valid output (numerical leak);
 * analytical Jacobian entries at masked-out inputs, and tangents of masked-out outputs, are 0.
 
@@ -42,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from masked_jax._core import MaskedArray
-from masked_jax.checking._inputs import ALL, describe, is_leaf, output_vectors
+from masked_jax.checking._inputs import ALL, PADDED, SPARSE_KINDS, describe, is_leaf, output_vectors
 from masked_jax.checking._report import Check, JacobianError, JacobianReport
 
 SEMANTICS = ("dense", "masked")
@@ -506,8 +507,12 @@ def _probes(outputs, leaves, fills, base, modes, rng):
     tangents = [jax.random.normal(keys[i], f.shape, f.dtype) * s for i, (f, s) in enumerate(zip(fills, specs))]
     cotangent = jax.random.normal(keys[n], valid.shape, base[1].dtype) * valid
 
+    # sparse inputs get one padding slot holding the probe value too (its data: a masked-out
+    # element's), so that a function reading padding data is caught as one reading masked data
+    padded = [PADDED] * n
+
     def raw(vs):
-        return outputs(vs, [None] * n)[1]
+        return outputs(vs, padded)[1]
 
     # With reverse mode the VJP probes see every leak a JVP probe would (J^T v at valid and at
     # masked-out inputs covers every entry of J a NaN could sit in); the JVP probe runs alone.
@@ -522,7 +527,7 @@ def _probes(outputs, leaves, fills, base, modes, rng):
 
     def one(value):
         vs = [jnp.where(s, f, value.astype(f.dtype)) for f, s in zip(fills, specs)]
-        o = outputs(vs, [None] * n)
+        o = outputs(vs, padded)
         jvp, vjp = derivatives(vs)
         return {"value": jnp.where(valid, _leak(o[0], base[0]), 0),
                 "mask": jnp.any(o[2] != valid),
@@ -681,6 +686,8 @@ def _compare(raw, leaves, names, sems, modes, fast, atol, rtol, roundoff=0.0):
                     probes = raw.get("probes")
                     for p, pname in enumerate(PROBE_NAMES if probes is not None else ()):
                         under = f"{pname} under the masks"
+                        if any(lf.kind in SPARSE_KINDS and not lf.spec.all() for lf in leaves):
+                            under += " and in sparse padding slots"
                         leaks[f"valid outputs with {under}"] = float(np.max(np.asarray(probes["value"][p])[rows],
                                                                           initial=0))
                         if bool(probes["mask"][p]):

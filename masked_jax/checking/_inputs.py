@@ -24,6 +24,8 @@ from masked_jax.layouts.bcoo import BCOOMaskedArray
 from masked_jax.layouts.rows import RowSparseArray
 
 ALL = "all"  # ``extra`` value: every element specified
+PADDED = "padded"  # ``extra`` value: the pattern plus one padding slot (sparse kinds; see ``Leaf.build``)
+SPARSE_KINDS = ("bcoo", "bcoo_masked", "row_sparse")
 
 
 def is_leaf(x) -> bool:
@@ -52,8 +54,14 @@ class Leaf:
         """An object of this leaf's kind holding ``values`` (flat, all elements).
 
         ``extra``: ``None`` (the original pattern), an int element index that becomes specified
-        too (out of range: none), or :data:`ALL` (every element specified).
+        too (out of range: none), :data:`ALL` (every element specified), or :data:`PADDED`: the
+        original pattern plus one padding slot (a BCOO entry at the out-of-range index, a row
+        ``N`` of a row-sparse array) whose data is the first unspecified element's value, so that
+        a leak probe puts its NaN or inf into the padding as well as under the masks. For dense
+        kinds, and when every element is specified, ``PADDED`` is the original pattern.
         """
+        if extra is PADDED and (self.kind not in SPARSE_KINDS or self.spec.all()):
+            extra = None
         values = values.astype(self.dtype)
         if self.kind == "array":
             return values.reshape(self.shape)
@@ -72,15 +80,19 @@ class Leaf:
         return self._bcoo(values, extra)
 
     def _bcoo(self, values, extra):
+        filler = 0  # the element whose value padding slots hold
         if extra is ALL:
             lin = jnp.arange(self.size)
+        elif extra is PADDED:
+            lin = jnp.asarray(np.append(np.flatnonzero(self.spec), self.size))
+            filler = int(np.flatnonzero(~self.spec)[0])
         else:
             lin = jnp.asarray(np.flatnonzero(self.spec))
             if extra is not None:  # one more entry, or padding if the element is already stored
                 new = (extra < self.size) & ~jnp.asarray(self.spec)[jnp.clip(extra, 0, self.size - 1)]
                 lin = jnp.concatenate([lin, jnp.where(new, extra, self.size)[None]])
         inside = lin < self.size
-        safe = jnp.where(inside, lin, 0)
+        safe = jnp.where(inside, lin, filler)
         coords = jnp.stack(jnp.unravel_index(safe, self.shape), -1) if self.shape else jnp.zeros((lin.size, 0), int)
         indices = jnp.where(inside[:, None], coords, jnp.array(self.shape, int)).astype(jnp.int32)
         b = jsparse.BCOO((values[safe], indices), shape=self.shape)
@@ -91,15 +103,19 @@ class Leaf:
         row_size = self.size // max(n, 1)
         block = values.reshape((n, -1))
         stored = self.spec.reshape(n, -1).any(1) if n else np.zeros(0, bool)
+        filler = 0  # the row whose values padding rows hold
         if extra is ALL:
             rows = jnp.arange(n)
+        elif extra is PADDED:
+            rows = jnp.asarray(np.append(np.flatnonzero(stored), n))
+            filler = int(np.flatnonzero(~stored)[0])
         else:
             rows = jnp.asarray(np.flatnonzero(stored))
             if extra is not None:
                 r = jnp.asarray(extra) // max(row_size, 1)
                 new = (r < n) & ~jnp.asarray(stored)[jnp.clip(r, 0, max(n - 1, 0))]
                 rows = jnp.concatenate([rows, jnp.where(new, r, n)[None]])
-        data = block[jnp.clip(rows, 0, max(n - 1, 0))].reshape((rows.shape[0],) + self.shape[1:])
+        data = block[jnp.where(rows < n, rows, filler)].reshape((rows.shape[0],) + self.shape[1:])
         return RowSparseArray._make(self.shape, data, rows.astype(jnp.int32))
 
 
