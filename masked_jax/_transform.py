@@ -17,7 +17,9 @@ meaning; a sum divided by a number that is not its element count is left alone.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -101,8 +103,9 @@ def maskify(fun):
                 leaves[i] = d
             return fun(*jax.tree_util.tree_unflatten(tree, leaves), **kwargs)
 
-        closed, out_shape = jax.make_jaxpr(on_data, return_shape=True)(*(p.data for p in pairs))
-        outs = _Interpreter(name).run(closed.jaxpr, closed.consts, pairs)
+        with _recording_scans() as scans:
+            closed, out_shape = jax.make_jaxpr(on_data, return_shape=True)(*(p.data for p in pairs))
+        outs = _Interpreter(name, scans).run(closed.jaxpr, closed.consts, pairs)
         out_tree = jax.tree_util.tree_structure(out_shape)
         return jax.tree_util.tree_unflatten(out_tree, [_wrap(o) for o in outs])
 
@@ -125,9 +128,55 @@ class _Sized:
         self.n, self.count = n, count
 
 
+# -- lax.associative_scan, recognised as a whole call -------------------------------------------------
+# Its body (slices, pads, the combine function) read primitive by primitive would combine valid and
+# masked elements into masked ones, masking everything after a hole or left padding. While maskify
+# traces, lax.associative_scan is therefore wrapped in a jit named _SCAN_NAME + its index in this
+# trace's record of (fn, elems structure, reverse, axis), and the interpreter runs the scan over
+# valid elements only (``_Interpreter._associative_scan``).
+_ASSOCIATIVE_SCAN = lax.associative_scan
+_SCAN_NAME = "masked_jax_associative_scan_"
+_SCAN_RECORDS = threading.local()  # per thread: a stack of the records of the traces in progress
+_SCAN_PATCH = {"users": 0, "lock": threading.Lock()}
+
+
+@functools.wraps(_ASSOCIATIVE_SCAN)
+def _recorded_associative_scan(fn, elems, reverse=False, axis=0):
+    stack = getattr(_SCAN_RECORDS, "stack", None)
+    if not stack:  # another thread's trace patched it: jax's own scan
+        return _ASSOCIATIVE_SCAN(fn, elems, reverse=reverse, axis=axis)
+    record = stack[-1]
+    leaves, tree = jax.tree_util.tree_flatten(elems)
+
+    def scan(*leaves):
+        return _ASSOCIATIVE_SCAN(fn, jax.tree_util.tree_unflatten(tree, leaves), reverse=reverse, axis=axis)
+
+    scan.__name__ = scan.__qualname__ = f"{_SCAN_NAME}{len(record)}"
+    record.append((fn, tree, reverse, axis))
+    return jax.jit(scan)(*leaves)
+
+
+@contextlib.contextmanager
+def _recording_scans():
+    stack = _SCAN_RECORDS.__dict__.setdefault("stack", [])
+    stack.append([])
+    with _SCAN_PATCH["lock"]:
+        _SCAN_PATCH["users"] += 1
+        lax.associative_scan = _recorded_associative_scan
+    try:
+        yield stack[-1]
+    finally:
+        stack.pop()
+        with _SCAN_PATCH["lock"]:
+            _SCAN_PATCH["users"] -= 1
+            if not _SCAN_PATCH["users"]:
+                lax.associative_scan = _ASSOCIATIVE_SCAN
+
+
 class _Interpreter:
-    def __init__(self, fun_name):
+    def __init__(self, fun_name, scans=()):
         self.fun_name = fun_name
+        self.scans = scans  # lax.associative_scan calls recorded while tracing (see _recorded_associative_scan)
         # the jaxpr being run: its values, the equation that produced each variable, read counts
         self.env, self.producer, self.uses = {}, {}, {}
 
@@ -173,6 +222,8 @@ class _Interpreter:
         prim, params = eqn.primitive, dict(eqn.params)
         name = prim.name
         unmasked = all(p.mask is None for p in invals)
+        if prim is P.jit_p and not unmasked and str(params.get("name")).startswith(_SCAN_NAME):
+            return self._associative_scan(params, invals)
         if prim is P.jit_p and not unmasked and (params.get("name") in primitives.NAMED
                                                  or params.get("name") in primitives.UNSUPPORTED_CALLS):
             return self.named_call(eqn, params, invals)
@@ -306,6 +357,29 @@ class _Interpreter:
                                "(such as q) is masked; it must be a plain array.")
         out = spec.rule(*operands, *(p.data for p in rest), **kw)
         return [out if isinstance(out, Pair) else Pair(out, None)]
+
+    def _associative_scan(self, params, invals):
+        """``lax.associative_scan(fn, elems)`` over the valid elements only: an element is valid
+        where every leaf of ``elems`` is, masked-out elements are skipped (the combination of
+        ``a`` and a masked ``b`` is ``a``), and the result keeps that mask. Masked-out data are
+        replaced by zeros before ``fn`` sees them, which only ever combines valid values."""
+        fn, tree, reverse, axis = self.scans[int(params["name"][len(_SCAN_NAME):])]
+        shapes = {jnp.shape(p.data) for p in invals}
+        if len(shapes) != 1:
+            raise MaskifyError(f"maskify({self.fun_name}): lax.associative_scan of masked elements needs every "
+                               f"leaf of elems to have one shape (got {sorted(shapes)}): an element is valid where "
+                               "all its leaves are.")
+        shape = shapes.pop()
+        valid = functools.reduce(jnp.logical_and, [materialize(p.mask, shape) for p in invals if p.mask is not None])
+        data = [jnp.where(valid, p.data, jnp.zeros((), p.data.dtype)) for p in invals]
+
+        def combine(a, b):
+            (xa, va), (xb, vb) = a, b
+            both = tree.flatten_up_to(fn(jax.tree_util.tree_unflatten(tree, xa), jax.tree_util.tree_unflatten(tree, xb)))
+            return [jnp.where(va & vb, ab, jnp.where(vb, b_, a_)) for ab, a_, b_ in zip(both, xa, xb)], va | vb
+
+        out, _ = _ASSOCIATIVE_SCAN(combine, (data, valid), reverse=reverse, axis=axis)
+        return [Pair(jnp.where(valid, o, jnp.zeros((), o.dtype)), valid) for o in out]
 
     # -- control flow ------------------------------------------------------------------------------
     def control(self, prim, params, invals, is_literal=None):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import jax
+from jax import lax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -493,10 +494,61 @@ def test_outputs_valid_by_construction_come_back_as_plain_arrays(jit):
     assert all(isinstance(o, jax.Array) and not isinstance(o, mj.MaskedArray) for o in (zeros, gram, length))
 
 
+def _affine(a, b):  # composition of x -> m x + c maps: associative, not commutative
+    (m1, c1), (m2, c2) = a, b
+    return m1 * m2, c1 * m2 + c2
+
+
+@pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reverse"])
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_associative_scan_runs_over_valid_elements_only(jit, reverse):
+    """lax.associative_scan under maskify is recognised as one call: it combines the valid
+    elements of each row (holes, left and right padding, NaN under the masks), in order, with a
+    non-commutative combine of a pair of arrays, along axis 1; the mask is kept. Values and
+    gradients equal the scan of each row's valid elements alone."""
+    rng = np.random.default_rng(4)
+    mask = np.array([[True, False, True, True, False, True], [False, False, True, True, True, True],
+                     [True, True, True, False, False, False], [False] * 6])
+    m = rng.uniform(0.5, 1.5, mask.shape).astype(np.float32)
+    c = rng.normal(size=mask.shape).astype(np.float32)
+    poison = lambda a: mj.masked_array(jnp.asarray(np.where(mask, a, np.nan)), jnp.asarray(mask))  # noqa: E731
+
+    def scan(mv, cv):
+        return lax.associative_scan(_affine, (mv, cv), reverse=reverse, axis=1)
+
+    f = mj.maskify(scan)
+    f = jax.jit(f) if jit else f
+    out_m, out_c = f(poison(m), poison(c))
+    loss = lambda mv, cv: jnp.sum(f(mv, cv)[1].filled(0) ** 2)  # noqa: E731
+    g_m, g_c = mj.grad(loss, argnums=(0, 1))(poison(m), poison(c))
+    for r in range(mask.shape[0]):
+        idx = np.flatnonzero(mask[r])
+        np.testing.assert_array_equal(np.asarray(out_c.mask[r]), mask[r])
+        if not idx.size:
+            continue
+        ref = lambda mv, cv: lax.associative_scan(_affine, (mv, cv), reverse=reverse)  # noqa: E731
+        want_m, want_c = ref(jnp.asarray(m[r, idx]), jnp.asarray(c[r, idx]))
+        np.testing.assert_allclose(np.asarray(out_m.data[r, idx]), np.asarray(want_m), rtol=1e-6)
+        np.testing.assert_allclose(np.asarray(out_c.data[r, idx]), np.asarray(want_c), rtol=1e-6)
+        want_g = jax.grad(lambda mv, cv: jnp.sum(ref(mv, cv)[1] ** 2), argnums=(0, 1))(
+            jnp.asarray(m[r, idx]), jnp.asarray(c[r, idx]))
+        np.testing.assert_allclose(np.asarray(g_m.data[r, idx]), np.asarray(want_g[0]), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(g_c.data[r, idx]), np.asarray(want_g[1]), rtol=1e-5, atol=1e-6)
+    assert np.isfinite(np.asarray(g_m.filled(0))).all() and np.isfinite(np.asarray(g_c.filled(0))).all()
+    # outside maskify, lax.associative_scan is jax's own again
+    assert lax.associative_scan is mj._transform._ASSOCIATIVE_SCAN
+
+
+def test_associative_scan_of_leaves_of_different_shapes_is_refused_by_name():
+    x = mj.masked_array(jnp.ones((2, 3)), jnp.array([[True, False, True], [True, True, True]]))
+    with pytest.raises(mj.MaskifyError, match="lax.associative_scan"):
+        mj.maskify(lambda v, w: lax.associative_scan(lambda a, b: (a[0] + b[0], a[1] + b[1]), (v, w)))(x, jnp.ones((2, 1)))
+
+
 @pytest.mark.parametrize("mask", [[True, False, True, True], [False, False, True, True]], ids=["hole", "left-padding"])
 def test_running_reductions_skip_holes_and_left_padding(mask):
-    """What the docs recommend instead of lax.associative_scan: running sums and maxima over valid
-    entries only, the mask kept (holes and left padding included), eagerly and under jit."""
+    """Running sums and maxima over valid entries only, the mask kept (holes and left padding
+    included), eagerly and under jit."""
     x = mj.masked_array(jnp.array([1.0, 2.0, 3.0, 4.0]), jnp.array(mask))
     valid = np.asarray(mask)
     for fun, ref in ((jnp.cumsum, np.cumsum), (lambda v: jax.lax.cummax(v, axis=0), np.maximum.accumulate)):
