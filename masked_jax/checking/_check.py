@@ -671,6 +671,7 @@ def _roundoff(dtype, eps) -> float:
 
 
 def _compare(raw, leaves, names, sems, modes, fast, atol, rtol, roundoff=0.0):
+    padded_inputs = ", ".join(lf.name for lf in leaves if lf.kind in SPARSE_KINDS and not lf.spec.all())
     offsets = np.cumsum([0] + [int(np.prod(s, dtype=np.int64)) for _, s in names])
     valid = np.asarray(raw["valid"], bool)
     value_leak = np.asarray(raw["value_leak"])
@@ -690,8 +691,8 @@ def _compare(raw, leaves, names, sems, modes, fast, atol, rtol, roundoff=0.0):
                     probes = raw.get("probes")
                     for p, pname in enumerate(PROBE_NAMES if probes is not None else ()):
                         under = f"{pname} under the masks"
-                        if any(lf.kind in SPARSE_KINDS and not lf.spec.all() for lf in leaves):
-                            under += " and in sparse padding slots"
+                        if padded_inputs:  # a leak here may come from a padding slot as well
+                            under += f" and in the padding slots of {padded_inputs}"
                         leaks[f"valid outputs with {under}"] = float(np.max(np.asarray(probes["value"][p])[rows],
                                                                           initial=0))
                         if bool(probes["mask"][p]):
