@@ -30,7 +30,7 @@ from jax.extend import core as jcore
 from masked_jax._core import MaskedArray
 from masked_jax._storage import SparseMasked
 from masked_jax.ops import primitives
-from masked_jax.ops._base import Pair, and_masks, materialize
+from masked_jax.ops._base import Pair, and_masks, fill, materialize
 
 import jax.extend.core.primitives as P
 
@@ -370,8 +370,8 @@ class _Interpreter:
                                f"leaf of elems to have one shape (got {sorted(shapes)}): an element is valid where "
                                "all its leaves are.")
         shape = shapes.pop()
-        valid = functools.reduce(jnp.logical_and, [materialize(p.mask, shape) for p in invals if p.mask is not None])
-        data = [jnp.where(valid, p.data, jnp.zeros((), p.data.dtype)) for p in invals]
+        valid = materialize(and_masks(*(p.mask for p in invals)), shape)
+        data = [fill(p.data, valid, 0) for p in invals]
 
         def combine(a, b):
             (xa, va), (xb, vb) = a, b
@@ -379,7 +379,7 @@ class _Interpreter:
             return [jnp.where(va & vb, ab, jnp.where(vb, b_, a_)) for ab, a_, b_ in zip(both, xa, xb)], va | vb
 
         out, _ = _ASSOCIATIVE_SCAN(combine, (data, valid), reverse=reverse, axis=axis)
-        return [Pair(jnp.where(valid, o, jnp.zeros((), o.dtype)), valid) for o in out]
+        return [Pair(fill(o, valid, 0), valid) for o in out]
 
     # -- control flow ------------------------------------------------------------------------------
     def control(self, prim, params, invals, is_literal=None):

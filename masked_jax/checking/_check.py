@@ -763,10 +763,8 @@ def _full_check(res, mode, sem, rows, ok_rows, spec, leaks, oshape, ishape, atol
     leaks = dict(leaks)
     if sem == "masked":
         off = ~spec
-        moved = num[np.ix_(ok_rows, off)]  # less what the outputs' rounding can explain
-        allowed = 0.0 if scale is None else scale[ok_rows][:, None]
-        leaks["numerical, masked-out inputs"] = _max_of(np.maximum(np.abs(moved) - allowed, 0),
-                                                        bool(np.isnan(moved).any()))
+        leaks["numerical, masked-out inputs"] = _beyond(num[np.ix_(ok_rows, off)],
+                                                        0.0 if scale is None else scale[ok_rows][:, None])
         leaks["analytical, masked-out inputs"] = _max_abs(an[:, off])
         leaks["analytical, masked-out outputs"] = _max_abs(an[~ok_rows])
     everything = bool(ok_rows.all() and cols.all())  # always so under dense semantics: views, no copies
@@ -842,8 +840,7 @@ def _fast_check(res, mode, sem, leaks, atol, rtol, roundoff=0.0):
     # output can differ by an ulp even where nothing depends on the perturbed elements
     rounding = roundoff * np.asarray(res["scale"]) if "scale" in res else np.zeros(num.shape)
     if sem == "masked":
-        off = np.abs(np.asarray(res["num_off"])) - rounding
-        leaks["numerical, masked-out inputs"] = float(np.max(np.where(np.isnan(off), np.inf, off), initial=0))
+        leaks["numerical, masked-out inputs"] = _beyond(np.asarray(res["num_off"]), rounding)
         leaks["analytical, masked-out inputs"] = float(res[f"{mode}_leak_in"])
         leaks["analytical, masked-out outputs"] = float(res[f"{mode}_leak_out"])
     err = np.abs(num - an)
@@ -891,6 +888,12 @@ def _relative(err, abs_num, atol, out=None):
 
 def _max_abs(a):
     return _max_of(np.abs(a), bool(np.isnan(a).any()))
+
+
+def _beyond(moved, allowed):
+    """How far ``|moved|`` goes past ``allowed`` (what the outputs' rounding can explain) at most;
+    infinity if it holds a NaN."""
+    return _max_of(np.abs(moved) - allowed, bool(np.isnan(moved).any()))
 
 
 def _max_of(a, has_nan):

@@ -125,13 +125,12 @@ def _rows_with_dense(spec, a, b, params):
 
 def _rows_intersect(rule, a, b, kwargs):
     """Row-sparse ∘ row-sparse: valid on rows both store; K of ``a``, rows only in ``a`` become padding."""
-    a, b = a.coalesce(), b.coalesce()
+    promised = b.unique_indices  # indices promised unique to row_sparse come in any order;
+    a, b = a.coalesce(), b.coalesce()  # coalescing sorts the others
     n = a.shape[0]
     if b.nse == 0:
         return RowSparseArray._make(a.shape, a.data, jnp.full_like(a.indices, n), True)
-    # b's indices are unique, but sorted only if b was coalesced here: indices promised unique to
-    # row_sparse come in any order
-    order = jnp.argsort(b.indices)
+    order = jnp.argsort(b.indices) if promised else jnp.arange(b.nse)
     pos = order[jnp.clip(segments.sorted_search(b.indices[order], a.indices), 0, b.nse - 1)]
     hit = (b.indices[pos] == a.indices) & (a.indices < n)
     hit_rows = hit.reshape((-1,) + (1,) * (a.ndim - 1))
