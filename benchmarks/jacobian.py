@@ -24,9 +24,13 @@ torch ``gradcheck`` (and ``fast_mode``) and ``check_grads`` on the same function
 the same as a masked op (70% valid; torch checks the dense function times the mask):
 
 * cold: the first function of these shapes in the process (the whole check compiles);
-* new function: a function never checked before (new captured values), once a function of the
-  same shapes has been checked: it runs eagerly at once (the median over fresh functions; the
-  background compile of the previous one is waited for first, as a user reads a report);
+* new function: a function never checked before with the code of one checked before (new
+  captured arrays and numbers, and for the masked op a new mask): the compiled check of that
+  code runs on its constants (the median over fresh functions; the background work of the
+  previous check is waited for first, as a user reads a report);
+* new code: a function whose code (here: a composition of two elementwise functions drawn from
+  a list) was never checked, once a function of the same shapes has been: it runs eagerly, op
+  by op, at once;
 * re-run cell: a new lambda with the same code and captured values as one checked before;
 * repeat: the same function again (the compiled check, one XLA call).
 
@@ -127,6 +131,15 @@ def main(argv=None):
 
 
 KINDS = ("dense, scalar", "dense, n outputs", "masked, n outputs")
+CODE = ("sin", "cos", "tanh", "exp", "expm1", "arctan", "sinh")  # new code: g(u) = b(a(u)), a != b
+
+
+def _composition(ns, k):
+    """The ``k``-th composition ``b(a(u))`` of two different functions of :data:`CODE` from the
+    namespace ``ns`` (``jax.numpy`` or ``masked_jax.numpy``): new code for every ``k``."""
+    pairs = [(a, b) for a in CODE for b in CODE if a != b]
+    a, b = pairs[k % len(pairs)]
+    return lambda u: getattr(ns, b)(getattr(ns, a)(u))
 
 
 def latency(sizes, trials):
@@ -136,27 +149,30 @@ def latency(sizes, trials):
     rows = {}
     for n in progress(sizes, "latency, input size"):
         for kind in KINDS:
-            def make(seed, kind=kind, n=n):
-                """(masked_jax function, args, torch function, torch input) for a new function."""
+            def make(seed, kind=kind, n=n, code=None):
+                """(masked_jax function, args, torch function, torch input) for a new function; ``code``:
+                an index into the compositions of :data:`CODE` for new code instead."""
                 r = np.random.default_rng(seed)
                 x = r.uniform(-1.0, 1.0, n)
                 c = float(r.uniform(1.0, 2.0))
+                ns = mnp if kind == KINDS[2] else jnp
+                g = (lambda u: u) if code is None else _composition(ns, code)
                 if kind == KINDS[0]:
                     a = r.normal(size=(n, n)) / np.sqrt(n)
                     aj, at = jnp.asarray(a), torch.from_numpy(a).to(torch_device())
-                    return ((lambda v: jnp.sum(jnp.tanh(aj @ v))), (jnp.asarray(x),),
+                    return ((lambda v: jnp.sum(jnp.tanh(g(aj @ v)))), (jnp.asarray(x),),
                             (lambda v: torch.tanh(at @ v).sum()), x)
                 if kind == KINDS[1]:
-                    return ((lambda v: jnp.sin(c * v) * jnp.exp(-v**2) + jnp.log1p(v**2)), (jnp.asarray(x),),
+                    return ((lambda v: jnp.sin(c * v) * jnp.exp(-v**2) + jnp.log1p(g(v)**2)), (jnp.asarray(x),),
                             (lambda v: torch.sin(c * v) * torch.exp(-v**2) + torch.log1p(v**2)), x)
                 m = r.uniform(size=n) < 0.7
                 mt = torch.from_numpy(m).to(torch_device())
-                return ((lambda v: mnp.sin(c * v) * mnp.exp(-v**2) + mnp.log1p(v**2)),
+                return ((lambda v: mnp.sin(c * v) * mnp.exp(-v**2) + mnp.log1p(g(v)**2)),
                         (mj.masked_array(jnp.asarray(x), jnp.asarray(m)),),
                         (lambda v: (torch.sin(c * v) * torch.exp(-v**2) + torch.log1p(v**2)) * mt), x)
 
-            def first_call(seed):
-                f, a, _, _ = make(seed)
+            def first_call(seed, code=None):
+                f, a, _, _ = make(seed, code=code)
                 _check.wait_for_compiles()  # the previous check's background work: done while the user read
                 t0 = time.perf_counter()
                 assert mj.check_jacobian(f, a)
@@ -164,6 +180,7 @@ def latency(sizes, trials):
 
             cold = first_call(10_000 * n)
             new = statistics.median(first_call(10_000 * n + k) for k in range(1, trials + 1))
+            new_code = statistics.median(first_call(10_000 * n + k, code=k) for k in range(1, trials + 1))
             rerun = statistics.median(first_call(10_000 * n + k) for k in range(1, trials + 1))  # same code+values
             f, a, ft, x = make(10_000 * n + 1)
             _check.wait_for_compiles()
@@ -177,7 +194,7 @@ def latency(sizes, trials):
                                                        order=1, modes=["rev"]),
             }, rounds=3, block=3, warmup=1, settle=1)
             rows[f"{kind} n={n}"] = {"masked_jax cold": cold, "masked_jax new function": new,
-                                               "masked_jax re-run cell": rerun, **timed}
+                                     "masked_jax new code": new_code, "masked_jax re-run cell": rerun, **timed}
     _print_latency(rows)
     return rows
 
@@ -185,11 +202,13 @@ def latency(sizes, trials):
 def _print_latency(rows):
     print(f"\nlatency on {jax.default_backend()}, float64, check_jacobian defaults; medians in ms")
     impls = list(next(iter(rows.values())))
-    print("| function | " + " | ".join(impls) + " | gradcheck / new function | gradcheck / repeat |")
-    print("|---|" + "---|" * (len(impls) + 2))
+    print("| function | " + " | ".join(impls) + " | gradcheck / new function | gradcheck / new code | "
+          "gradcheck / repeat |")
+    print("|---|" + "---|" * (len(impls) + 3))
     for key, res in rows.items():
         cells = " | ".join(f"{res[i] * 1e3:.1f}" for i in impls)
         print(f"| {key} | {cells} | {res['torch gradcheck'] / res['masked_jax new function']:.1f}x | "
+              f"{res['torch gradcheck'] / res['masked_jax new code']:.2f}x | "
               f"{res['torch gradcheck'] / res['masked_jax repeat']:.0f}x |")
 
 

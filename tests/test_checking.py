@@ -450,20 +450,35 @@ def _entry_of(f, args, **kw):
     from masked_jax.checking import _check
 
     mj.check_jacobian(f, args, **kw)
-    return next(reversed(_check._CACHE.values()))
+    return next(reversed(_check._CACHE.values()))[0]
 
 
-def test_a_rerun_cell_finds_the_compiled_check():
+def test_a_new_function_with_the_same_code_finds_the_compiled_check():
+    """A re-run cell, other captured arrays and numbers, another mask of the same shapes: one compiled
+    check, run on each function's own constants and mask (its tables are that function's)."""
     x = mj.masked_array(jnp.array([0.5, 1.0, 2.0, 3.0]), jnp.array([True, False, True, True]))
+    y = mj.masked_array(jnp.array([1.5, -1.0, 0.25, 3.0]), jnp.array([False, True, True, False]))
 
-    def cell(scale):  # a notebook cell: a new lambda every run, capturing an array
+    def cell(scale, c):  # a notebook cell: a new lambda every run, capturing an array and a number
         a = jnp.arange(4.0) * scale
-        return lambda v: mnp.sum(mnp.sin(v) * a)
+        return lambda v: mnp.sin(v * c) * a
 
-    first = _entry_of(cell(1.0), (x,), compile=True)
+    first = _entry_of(cell(1.0, 2.0), (x,), compile=True)
     assert first.ready.is_set()
-    assert _entry_of(cell(1.0), (x,), compile=True) is first  # same code, same captured values
-    assert _entry_of(cell(2.0), (x,), compile=True) is not first  # other captured values: another function
+    assert _entry_of(cell(1.0, 2.0), (x,)) is first  # same code, same captured values
+    for scale, c, arg in [(2.0, 3.0, x), (-1.0, 0.5, y)]:  # other captured values, another mask
+        assert _entry_of(cell(scale, c), (arg,)) is first
+        report = mj.check_jacobian(cell(scale, c), (arg,), semantics="masked", modes=("rev",))
+        expected = np.diag(np.arange(4.0) * scale * c * np.cos(np.asarray(arg.data) * c))
+        keep = np.asarray(arg.mask)
+        np.testing.assert_allclose(np.asarray(report.checks[0].analytical)[np.ix_(keep, keep)],
+                                   expected[np.ix_(keep, keep)], rtol=1e-12)
+    # a leak that only the other captured value exposes: the shared check still finds it
+    leaky = lambda k: (lambda v: mnp.sin(v) + jnp.sum(jnp.where(jnp.arange(4) < k, v.data, 0)))  # noqa: E731
+    assert mj.check_jacobian(leaky(0), (x,), raise_exception=False).satisfies == ("masked",)
+    assert _entry_of(leaky(4), (x,), raise_exception=False) is _entry_of(leaky(0), (x,))
+    assert "masked" not in mj.check_jacobian(leaky(4), (x,), raise_exception=False).satisfies
+    assert _entry_of(lambda v: mnp.cos(v * 2.0) * jnp.arange(4.0), (x,)) is not first  # other code
 
 
 def test_a_different_custom_rule_is_a_different_function():
@@ -490,34 +505,38 @@ def test_a_different_custom_rule_is_a_different_function():
     assert not mj.check_jacobian(make(2.0), (x,), semantics="dense", raise_exception=False)
     assert mj.check_jacobian(make_vjp(1.0), (x,), semantics="dense", modes=("rev",))
     assert not mj.check_jacobian(make_vjp(3.0), (x,), semantics="dense", modes=("rev",), raise_exception=False)
+    # a rule capturing an array (its values are not in any printed jaxpr), under a lambda of the same code
+    right, wrong = make(jnp.ones(3)), make(jnp.array([1.0, 1.0, 2.0]))
+    assert mj.check_jacobian(lambda v: jnp.exp(v) + right(v), (x,), semantics="dense")
+    assert not mj.check_jacobian(lambda v: jnp.exp(v) + wrong(v), (x,), semantics="dense", raise_exception=False)
 
 
 def test_eager_compiled_and_background_checks_agree(monkeypatch):
     from masked_jax.checking import _check
 
     x = mj.masked_array(jnp.array([[0.5, 1.0, 2.0], [3.0, -1.0, 0.2]]), jnp.array([[1, 0, 1], [1, 1, 0]], bool))
-    make = lambda c: (lambda v: mnn.softmax(v * c, axis=1))  # noqa: E731
-    eager = mj.check_jacobian(make(1.5), (x,), compile=False)
-    compiled = mj.check_jacobian(make(1.5), (x,), compile=True)
+    make = lambda op: (lambda v: mnn.softmax(op(v) * 1.5, axis=1))  # noqa: E731  (each op: new code)
+    eager = mj.check_jacobian(make(mnp.negative), (x,), compile=False)
+    compiled = mj.check_jacobian(make(mnp.negative), (x,), compile=True)
     assert eager.satisfies == compiled.satisfies == ("masked",)
     for a, b in zip(eager.checks, compiled.checks):
         np.testing.assert_allclose(a.numerical, b.numerical, rtol=1e-7, atol=1e-8)  # XLA fuses differently
         np.testing.assert_allclose(a.analytical, b.analytical, rtol=1e-9, atol=1e-12)
-    # these shapes have run eagerly: a new function runs eagerly at once, then compiles in the background
+    # these shapes have run eagerly: new code runs eagerly at once, then compiles in the background
     monkeypatch.setenv("MJ_CHECK_BACKGROUND", "1")
-    entry = _entry_of(make(2.5), (x,))
+    entry = _entry_of(make(mnp.sin), (x,))
     assert entry.thread is not None  # the eager check ran; the compile started after it
     _check.wait_for_compiles()
     assert entry.ready.is_set() and entry.compilable
-    assert mj.check_jacobian(make(2.5), (x,)).satisfies == ("masked",)  # the compiled check
+    assert mj.check_jacobian(make(mnp.sin), (x,)).satisfies == ("masked",)  # the compiled check
     # cold shapes compile in the foreground; the background run warms them for the next function
     y = mj.masked_array(jnp.ones((2, 5)), jnp.ones((2, 5), bool).at[0, 1].set(False))
-    cold = _entry_of(make(0.5), (y,))
+    cold = _entry_of(make(mnp.cos), (y,))
     assert cold.ready.is_set()
     _check.wait_for_compiles()
     assert cold.shapes in _check._WARM
     monkeypatch.setenv("MJ_CHECK_BACKGROUND", "0")
-    warm = _entry_of(make(0.7), (y,))
+    warm = _entry_of(make(mnp.tanh), (y,))
     assert warm.thread is None and not warm.ready.is_set()  # ran eagerly, nothing in the background
 
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import dataclasses
 import hashlib
 import os
 import sys
@@ -41,6 +42,7 @@ import threading
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.extend import core as jcore
 
 from masked_jax._core import MaskedArray
 from masked_jax.checking._inputs import ALL, PADDED, SPARSE_KINDS, describe, is_leaf, output_vectors
@@ -173,10 +175,10 @@ def check_jacobian(f, args, *, semantics="both", modes=("fwd", "rev"), eps=None,
     total = sum(leaf.size for leaf in leaves)
     fast = total > FULL_MAX_ELEMENTS if fast is None else bool(fast)
 
-    def call(vals, extras, const_vals):
+    def call(vals, extras, const_vals, patterns=None):
         objs = [None] * len(flat)
-        for leaf, pos, v, e in zip(leaves, positions, vals, extras):
-            objs[pos] = leaf.build(v, e)
+        for k, (leaf, pos, v, e) in enumerate(zip(leaves, positions, vals, extras)):
+            objs[pos] = leaf.build(v, e, None if patterns is None else patterns[k])
         for pos, c in zip(const_pos, const_vals):
             objs[pos] = c
         for pos, s in static:
@@ -186,8 +188,9 @@ def check_jacobian(f, args, *, semantics="both", modes=("fwd", "rev"), eps=None,
     notes = []
     run_modes = modes
     try:
-        entry = _compiled(f, call, treedef, leaves, static, sems, run_modes, fast, eps, values, consts, leak_probes)
-        raw = entry(values, consts, seed, compile)
+        entry, operands = _compiled(f, call, treedef, leaves, static, sems, run_modes, fast, eps, values, consts,
+                                    leak_probes)
+        raw = entry(operands, seed, compile)
     except TypeError as err:
         if "fwd" not in modes or "custom_vjp" not in str(err):
             raise
@@ -196,8 +199,9 @@ def check_jacobian(f, args, *, semantics="both", modes=("fwd", "rev"), eps=None,
         if not run_modes:
             raise TypeError("check_jacobian: f uses a jax.custom_vjp function, so forward mode cannot be "
                             "checked; ask for modes=('rev',).") from None
-        entry = _compiled(f, call, treedef, leaves, static, sems, run_modes, fast, eps, values, consts, leak_probes)
-        raw = entry(values, consts, seed, compile)
+        entry, operands = _compiled(f, call, treedef, leaves, static, sems, run_modes, fast, eps, values, consts,
+                                    leak_probes)
+        raw = entry(operands, seed, compile)
     names = entry.names
     notes += [f"output {s} skipped" for s in entry.skipped]
     raw = jax.device_get(raw)
@@ -205,13 +209,13 @@ def check_jacobian(f, args, *, semantics="both", modes=("fwd", "rev"), eps=None,
     if any(c.near_miss for c in checks):  # a derivative just off the finite differences: estimate their
         # error (steps eps and 2 eps: twice the work, so only where a check would fail without it, by at
         # most NEAR_MISS times its tolerance; no step error of a smooth function is larger)
-        estimated = _compiled(f, call, treedef, leaves, static, sems, run_modes, fast, eps, values, consts,
-                              leak_probes, richardson=True)
-        raw = jax.device_get(estimated(values, consts, seed, compile))
+        estimated, est_operands = _compiled(f, call, treedef, leaves, static, sems, run_modes, fast, eps, values,
+                                            consts, leak_probes, richardson=True)
+        raw = jax.device_get(estimated(est_operands, seed, compile))
         checks = _compare(raw, leaves, names, sems, run_modes, fast, atol, rtol, _roundoff(dtype, eps))
     report = JacobianReport(checks=checks, semantics=sems, backend=jax.default_backend(), dtype=dtype.name,
                             eps=eps, atol=atol, rtol=rtol, fast=fast, notes=notes)
-    entry.background(values, consts, seed, compile)
+    entry.background(operands, seed, compile)
     if raise_exception and not report:
         raise JacobianError(report)
     return report
@@ -294,34 +298,34 @@ class _Entry:
         self.thread = None
         self.compilable = True
 
-    def __call__(self, values, consts, seed, compile):
+    def __call__(self, operands, seed, compile):
         if compile or (compile is None and self.compilable and (self.ready.is_set() or self.shapes not in _WARM)):
-            raw = self.jitted(values, consts, seed)
+            raw = self.jitted(operands, seed)
             self.ready.set()
             return raw
-        raw = self.run(values, consts, seed)
+        raw = self.run(operands, seed)
         _WARM.add(self.shapes)  # jax has compiled the primitives of these shapes
         return raw
 
-    def background(self, values, consts, seed, compile):
+    def background(self, operands, seed, compile):
         """Start what the foreground did not do: the compile, or the eager run that warms the shapes.
         Called once the check has been reported (both need the GIL)."""
         if compile is not None or not self.compilable or self.thread is not None or not background_enabled():
             return
         if self.ready.is_set() and self.shapes in _WARM:
             return
-        self.thread = threading.Thread(target=self._work, args=(values, consts, seed), daemon=True,
+        self.thread = threading.Thread(target=self._work, args=(operands, seed), daemon=True,
                                        name="masked_jax check_jacobian")
         _PENDING.add(self.thread)
         self.thread.start()
 
-    def _work(self, values, consts, seed):
+    def _work(self, operands, seed):
         try:
             if self.ready.is_set():
-                jax.block_until_ready(self.run(values, consts, seed))
+                jax.block_until_ready(self.run(operands, seed))
                 _WARM.add(self.shapes)
             else:
-                jax.block_until_ready(self.jitted(values, consts, seed))  # fills jit's own cache
+                jax.block_until_ready(self.jitted(operands, seed))  # fills jit's own cache
         except Exception:  # noqa: BLE001 - the foreground reports f's errors; this check stays eager
             self.compilable = self.ready.is_set()
         finally:
@@ -354,13 +358,17 @@ def wait_for_compiles():
 
 def _compiled(f, call, treedef, leaves, static, sems, modes, fast, eps, values, consts, probes=True,
               richardson=False):
-    """The cached :class:`_Entry` of this check.
+    """The cached :class:`_Entry` of this check and the operands to call it with.
 
     Two keys find it: the function object with the input pattern (no tracing: a repeated check),
-    and the function's *structure*: the jaxprs of its value, JVP and VJP at the given input pattern
-    and the values of their constants. A new function with the same code and the same captured
-    values (a re-run notebook cell, a new lambda) reuses the traced and compiled check; a different
-    custom derivative rule shows in the JVP or VJP jaxpr, so it does not.
+    and the function's *structure*. For inputs that are arrays and ``MaskedArray`` objects the
+    structure is the jaxpr of ``f`` with the masks as inputs and every captured constant, array
+    or Python number, lifted out as an input too (:func:`_lifted`): a new function with the same
+    code (a re-run notebook cell, a new lambda, other captured values, another mask pattern of the
+    same shapes) reuses the traced and compiled check, run on its own constants and masks. For
+    sparse inputs it is the jaxpr of the function's value and VJP with the values of its constants
+    (:func:`_structure_key`). Either way a different custom derivative rule shows in the VJP's
+    jaxpr, so it does not share a check.
     """
     config = (treedef, tuple(leaves), sems, modes, fast, eps, probes, richardson)
     try:
@@ -370,26 +378,219 @@ def _compiled(f, call, treedef, leaves, static, sems, modes, fast, eps, values, 
         key = None
     if key is not None and key in _CACHE:
         _CACHE.move_to_end(key)
-        return _CACHE[key]
-    skey, found = _structure_key(call, values, consts, len(leaves))
-    skey = None if skey is None else (skey,) + config
+        entry, lifted = _CACHE[key]
+        return entry, _operands(leaves, values, consts, lifted)
+    lifted = None
+    if all(leaf.kind in ("array", "masked") for leaf in leaves):
+        lifted = _lifted(call, leaves, values, consts)
+    if lifted is not None:
+        jaxpr, lifted_values, skey, (names, skipped, plain) = lifted
+        lifted = lifted_values
+        pattern = tuple((lf.name, lf.kind, lf.shape, lf.dtype, bool(lf.spec.all())) for lf in leaves)
+        skey = (skey, pattern) + config[:1] + config[2:]
+    else:
+        skey, found = _structure_key(call, values, consts, len(leaves))
+        skey = None if skey is None else (skey,) + config
     if skey is not None and skey in _CACHE:
-        entry = _CACHE[skey]
+        entry = _CACHE[skey][0]
         _CACHE.move_to_end(skey)
+    elif lifted is not None:
+        # the check's leaves keep no pattern: the pattern is an operand (``_run`` reads ``specs``)
+        generic = [dataclasses.replace(lf, spec_bytes=None) for lf in leaves]
+        specified = all(lf.spec.all() for lf in leaves)
+        shapes = (tuple((lf.kind, lf.shape, lf.dtype) for lf in leaves), tuple(names)) + config[2:]
+
+        def run(ops, seed, jaxpr=jaxpr, plain=plain):
+            vals, cs, lv, specs = ops
+            evaluate = _jaxpr_evaluator(jaxpr, lv, specs, cs, plain)
+            return _run(evaluate, generic, names, sems, modes, fast, eps, vals, specs, specified, seed, probes,
+                        richardson)
+
+        entry = _Entry(run, names, skipped, shapes)
     else:
         names, skipped = found if found else _output_names(call, values, consts, len(leaves))
         if not names:
             raise TypeError("check_jacobian: f returned no float output to differentiate"
                             + (f" (only {', '.join(skipped)})." if skipped else "."))
         shapes = (tuple((leaf.kind, leaf.shape, leaf.dtype) for leaf in leaves), tuple(names)) + config[2:]
-        entry = _Entry(lambda vals, cs, seed: _run(call, leaves, names, sems, modes, fast, eps, vals, cs, seed, probes,
-                                                   richardson), names, skipped, shapes)
+        specified = all(lf.spec.all() for lf in leaves)
+
+        def run(ops, seed):
+            vals, cs = ops
+            return _run(_evaluator(call, names, cs), leaves, names, sems, modes, fast, eps, vals, None, specified,
+                        seed, probes, richardson)
+
+        entry = _Entry(run, names, skipped, shapes)
     for k in (key, skey):
         if k is not None:
-            _CACHE[k] = entry
+            _CACHE[k] = (entry, lifted)
     while len(_CACHE) > _CACHE_SIZE:
         _CACHE.popitem(last=False)
-    return entry
+    return entry, _operands(leaves, values, consts, lifted)
+
+
+def _operands(leaves, values, consts, lifted):
+    """What an entry is called with: the values and constant inputs, and for a lifted check the
+    lifted constants and the input patterns."""
+    if lifted is None:
+        return values, consts
+    return values, consts, lifted, [jnp.asarray(leaf.spec) for leaf in leaves]
+
+
+def _evaluator(call, names, consts):
+    """``evaluate(values, extras) -> ((filled, raw, mask), plain)``: ``f`` at the built inputs, its
+    outputs flattened; ``plain``: no output is a masked or sparse array."""
+
+    def evaluate(vs, extras):
+        out = call(vs, extras, consts)
+        got = output_vectors(out, names_only=True)[0]
+        if got != names:
+            raise TypeError(f"check_jacobian: f's outputs changed structure between evaluations ({names} at the "
+                            f"given inputs, {got} at a perturbed or re-specified input); every evaluation must "
+                            "return the same pytree of the same shapes.")
+        return output_vectors(out), not any(is_leaf(o) for o in jax.tree_util.tree_leaves(out, is_leaf=is_leaf))
+
+    return evaluate
+
+
+def _jaxpr_evaluator(jaxpr, lifted, specs, consts, plain):
+    """:func:`_evaluator` for a lifted check: the jaxpr of ``f`` (see :func:`_lifted`) evaluated at
+    its lifted constants, with each ``MaskedArray`` input's mask made from its pattern and
+    ``extra`` as :meth:`Leaf.build` makes it."""
+
+    def evaluate(vs, extras):
+        patterns = [_with_extra(jnp.asarray(s), e) for s, e in zip(specs, extras)]
+        args = jax.tree_util.tree_leaves((list(lifted), list(vs), patterns, list(consts)))
+        return tuple(jcore.jaxpr_as_fun(jaxpr)(*args)), plain
+
+    return evaluate
+
+
+def _with_extra(spec, extra):
+    """The mask :meth:`Leaf.build` gives a ``MaskedArray`` input with pattern ``spec`` and ``extra``."""
+    if extra is ALL:
+        return jnp.ones_like(spec)
+    if extra is None or extra is PADDED:
+        return spec
+    return spec.at[extra].set(True, mode="drop")
+
+
+def _lifted(call, leaves, values, consts):
+    """``(jaxpr, lifted, key, (names, skipped, plain))`` for a check of array and ``MaskedArray``
+    inputs, or ``None`` when ``f`` does not trace with its masks as inputs (it reads them in
+    Python; the check then keys on its values).
+
+    ``jaxpr`` (closed, no constants) maps ``(lifted, values, patterns, consts)`` to the flat
+    ``(filled, raw, mask)`` outputs: ``f`` traced once with every ``MaskedArray``'s mask an input,
+    and with every constant it captured (arrays, and the Python numbers that appear as literals)
+    lifted out into the inputs ``lifted``. ``key``: its printed text and the shapes and dtypes of
+    ``lifted``; when ``f`` has custom derivative rules of its own (not this library's, which the
+    primal jaxpr determines), also the printed VJP (where the rules show, linearised and
+    transposed) with a digest of the VJP's own constants.
+    """
+    n = len(leaves)
+    found = []
+
+    def h(vals, patterns, cs):
+        out = call(vals, [None] * n, cs, patterns)
+        names, skipped = output_vectors(out, names_only=True)
+        plain = not any(is_leaf(o) for o in jax.tree_util.tree_leaves(out, is_leaf=is_leaf))
+        found.append((names, skipped, plain))
+        return output_vectors(out)
+
+    vals = [jnp.asarray(v).astype(leaf.dtype).ravel() for leaf, v in zip(leaves, values)]
+    patterns = [jnp.asarray(leaf.spec) for leaf in leaves]
+    try:
+        closed = jax.make_jaxpr(h)(vals, patterns, list(consts))
+    except Exception:  # noqa: BLE001 - f reads its masks' values (or fails; the other path reports why)
+        return None
+    if not found[0][0]:
+        return None  # no float output: the other path raises its error
+    jaxpr, lifted = _lift_constants(closed)
+    avals = tuple((np.shape(v), str(v.dtype)) for v in lifted)
+    if not _has_own_rules(jaxpr.jaxpr):
+        return jaxpr, lifted, (str(jaxpr.jaxpr), avals), found[0]
+
+    def gradient(lv, vs, ps, cs):
+        def g(v):
+            return jcore.jaxpr_as_fun(jaxpr)(*jax.tree_util.tree_leaves((lv, v, ps, cs)))[1]
+
+        out, pull = jax.vjp(g, vs)
+        return pull(jnp.ones_like(out))
+
+    try:
+        vjp = jax.make_jaxpr(gradient)(lifted, vals, patterns, list(consts))
+    except Exception:  # noqa: BLE001 - e.g. no reverse mode: key on values instead
+        return None
+    return jaxpr, lifted, (str(jaxpr.jaxpr), avals, str(vjp.jaxpr), _digest(vjp.consts)), found[0]
+
+
+_TRUSTED = tuple(" at " + os.path.dirname(os.path.abspath(m.__file__)) + os.sep
+                 for m in (sys.modules["masked_jax"], jax))  # rules the primal jaxpr determines
+
+
+def _has_own_rules(jaxpr) -> bool:
+    """Whether ``jaxpr`` (or one nested in it) calls a custom JVP or VJP rule that is not this
+    library's or jax's: its printed text shows such a rule only by name."""
+    for eqn in jaxpr.eqns:
+        if not eqn.primitive.name.startswith("custom_"):
+            continue
+        for v in eqn.params.values():
+            info = getattr(v, "debug_info", None)
+            if isinstance(v, jcore.ClosedJaxpr) or (info is None and not callable(v)):
+                continue
+            if info is None:  # a plain function: jax's own bookkeeping, or a rule we cannot place
+                if getattr(v, "__module__", "").split(".")[0] != "jax":
+                    return True
+            elif not (info.func_src_info or "").count(" at ") or not any(t in info.func_src_info for t in _TRUSTED):
+                return True
+    return any(_has_own_rules(sub) for eqn in jaxpr.eqns for sub in _subjaxprs(eqn.params.values()))
+
+
+def _subjaxprs(values):
+    """The jaxprs among equation parameters ``values`` (a ``cond``'s branches are a tuple)."""
+    for v in values:
+        if isinstance(v, jcore.ClosedJaxpr):
+            yield v.jaxpr
+        elif isinstance(v, jcore.Jaxpr):
+            yield v
+        elif isinstance(v, (tuple, list)):
+            yield from _subjaxprs(v)
+
+
+def _lift_constants(closed):
+    """``closed`` with its constants and the literals of its top-level equations made leading inputs:
+    ``(jaxpr, values)``. Two functions that differ only in the values they captured then have the
+    same jaxpr."""
+    jaxpr = closed.jaxpr
+    lifted_vars, values = list(jaxpr.constvars), list(closed.consts)
+
+    def lift(v):
+        if not isinstance(v, jcore.Literal):
+            return v
+        var = jcore.Var(v.aval)
+        lifted_vars.append(var)
+        values.append(np.asarray(v.val, v.aval.dtype))
+        return var
+
+    eqns = [eqn.replace(invars=[lift(v) for v in eqn.invars]) for eqn in jaxpr.eqns]
+    outvars = [lift(v) for v in jaxpr.outvars]
+    info = jaxpr.debug_info
+    if info.arg_names is not None:
+        info = info._replace(arg_names=("lifted",) * len(lifted_vars) + tuple(info.arg_names))
+    new = jaxpr.replace(constvars=[], invars=lifted_vars + list(jaxpr.invars), eqns=eqns, outvars=outvars,
+                        debug_info=info)
+    return jcore.ClosedJaxpr(new, []), values
+
+
+def _digest(arrays):
+    """A digest of the values of ``arrays``."""
+    digest = hashlib.blake2b(digest_size=16)
+    for c in arrays:
+        a = np.asarray(c)
+        digest.update(f"{a.dtype}{a.shape}".encode())
+        digest.update(np.ascontiguousarray(a).tobytes())
+    return digest.hexdigest()
 
 
 def _structure_key(call, values, consts, n):
@@ -413,44 +614,40 @@ def _structure_key(call, values, consts, n):
         closed = jax.make_jaxpr(traced)([jnp.asarray(v).ravel() for v in values], consts)
     except Exception:  # noqa: BLE001 - a function the check will reject with its own message
         return None, found[0] if found else None
-    digest = hashlib.blake2b(digest_size=16)
-    for c in closed.consts:
-        a = np.asarray(c)
-        digest.update(f"{a.dtype}{a.shape}".encode())
-        digest.update(np.ascontiguousarray(a).tobytes())
-    return (str(closed.jaxpr), digest.hexdigest()), found[0]
+    return (str(closed.jaxpr), _digest(closed.consts)), found[0]
 
 
-def _random_fills(leaves, values, key, lo, hi):
+def _random_fills(specs, values, key, lo, hi):
     """``values`` with the unspecified elements replaced by uniform random values in [lo, hi)."""
-    keys = jax.random.split(key, len(leaves))
-    return [jnp.where(jnp.asarray(leaf.spec), v, jax.random.uniform(k, v.shape, v.dtype, lo, hi))
-            for leaf, v, k in zip(leaves, values, keys)]
+    keys = jax.random.split(key, len(specs))
+    return [jnp.where(s, v, jax.random.uniform(k, v.shape, v.dtype, lo, hi)) for s, v, k in zip(specs, values, keys)]
 
 
-def _run(call, leaves, names, sems, modes, fast, eps, vals, consts, seed, probes=True, richardson=False):
-    """Everything numerical and analytical, as arrays (traced once under jit)."""
+def _run(evaluate, leaves, names, sems, modes, fast, eps, vals, specs, specified, seed, probes=True,
+         richardson=False):
+    """Everything numerical and analytical, as arrays (traced once under jit).
+
+    ``evaluate(values, extras)``: ``f``'s flat outputs and whether they are plain arrays (see
+    :func:`_evaluator`). ``specs``: the inputs' patterns of specified elements (operands of a lifted
+    check, whose ``leaves`` hold none), or ``None`` for the leaves' own. ``specified``: every
+    element of every input is specified.
+    """
     n = len(leaves)
     vals = [v.astype(leaf.dtype).ravel() for leaf, v in zip(leaves, vals)]
+    specs = [jnp.asarray(leaf.spec) for leaf in leaves] if specs is None else [jnp.asarray(s) for s in specs]
     k_fill, k_alt, rng = jax.random.split(jax.random.PRNGKey(seed), 3)
-    fills = _random_fills(leaves, vals, k_fill, 0.5, 1.5)  # masked semantics: data under masks is random
-    alts = _random_fills(leaves, vals, k_alt, -2.0, -1.0)  # ... and different: valid outputs must not move
+    fills = _random_fills(specs, vals, k_fill, 0.5, 1.5)  # masked semantics: data under masks is random
+    alts = _random_fills(specs, vals, k_alt, -2.0, -1.0)  # ... and different: valid outputs must not move
     out = {}
-    # Nothing unspecified in the inputs: masked semantics perturbs what dense semantics perturbs
-    # at the same point, no fill or probe can move anything, and with plain array outputs the
-    # masked tables are the dense ones.
-    specified = all(leaf.spec.all() for leaf in leaves)
+    # Nothing unspecified in the inputs (``specified``): masked semantics perturbs what dense
+    # semantics perturbs at the same point, no fill or probe can move anything, and with plain
+    # array outputs the masked tables are the dense ones.
     plain = []
 
     def outputs(vs, extras):
-        out = call(vs, extras, consts)
-        plain.append(not any(is_leaf(o) for o in jax.tree_util.tree_leaves(out, is_leaf=is_leaf)))
-        got = output_vectors(out, names_only=True)[0]
-        if got != names:
-            raise TypeError(f"check_jacobian: f's outputs changed structure between evaluations ({names} at the "
-                            f"given inputs, {got} at a perturbed or re-specified input); every evaluation must "
-                            "return the same pytree of the same shapes.")
-        return output_vectors(out)
+        vectors, is_plain = evaluate(vs, extras)
+        plain.append(is_plain)
+        return vectors
 
     points = [fills] if specified else [fills, alts] + ([vals] if "dense" in sems else [])
     evals = jax.vmap(lambda vs: outputs(vs, [None] * n))([jnp.stack(p) for p in zip(*points)])  # one batch
@@ -461,9 +658,9 @@ def _run(call, leaves, names, sems, modes, fast, eps, vals, consts, seed, probes
     out["value_leak"] = jnp.where(base_m[2] & alt_m[2], jnp.abs(base_m[0] - alt_m[0]), 0)
     out["mask_changed"] = jnp.any(base_m[2] != alt_m[2])
     if "masked" in sems and probes and not specified:
-        out["probes"] = _probes(outputs, leaves, fills, base_m, modes, jax.random.fold_in(rng, n + 1))
+        out["probes"] = _probes(outputs, leaves, specs, fills, base_m, modes, jax.random.fold_in(rng, n + 1))
         if not fast:
-            out["leak_map"] = [_leak_map(outputs, leaves, fills, base_m, modes, i) for i in range(n)]
+            out["leak_map"] = [_leak_map(outputs, specs, fills, base_m, modes, i) for i in range(n)]
     for i, leaf in enumerate(leaves):
         for sem in sems:
             base = vals if sem == "dense" else fills
@@ -480,8 +677,8 @@ def _run(call, leaves, names, sems, modes, fast, eps, vals, consts, seed, probes
             if sem == "masked" and specified and plain[0] and not fast and f"{i}/dense" in out:
                 out[f"{i}/masked"] = out[f"{i}/dense"]
             elif fast:
-                out[f"{i}/{sem}"] = _projections(F, x0, leaf, sem, modes, eps, out["valid"], jax.random.fold_in(rng, i),
-                                                 richardson, out[f"scale/{sem}"])
+                out[f"{i}/{sem}"] = _projections(F, x0, leaf, specs[i], sem, modes, eps, out["valid"],
+                                                 jax.random.fold_in(rng, i), richardson, out[f"scale/{sem}"])
             else:
                 out[f"{i}/{sem}"] = _tables(F, x0, leaf, sem, modes, eps, which, richardson)
     return out
@@ -493,7 +690,7 @@ def _leak(a, b):
     return jnp.where(same, 0, jnp.where(jnp.isfinite(a) & jnp.isfinite(b), jnp.abs(a - b), jnp.inf))
 
 
-def _probes(outputs, leaves, fills, base, modes, rng):
+def _probes(outputs, leaves, specs, fills, base, modes, rng):
     """Leak probes: every masked-out element set to NaN, +inf, -inf and a huge value in turn (one
     ``vmap`` over the probes). A function with masked semantics gives the same valid outputs, the
     same output mask, the same tangents of valid outputs along valid inputs (JVP) and the same
@@ -502,7 +699,6 @@ def _probes(outputs, leaves, fills, base, modes, rng):
     output element (values and JVP) and of each input element (VJP)."""
     n = len(leaves)
     valid = base[2]
-    specs = [jnp.asarray(leaf.spec) for leaf in leaves]
     keys = jax.random.split(rng, 2 * n)
     tangents = [jax.random.normal(keys[i], f.shape, f.dtype) * s for i, (f, s) in enumerate(zip(fills, specs))]
     cotangent = jax.random.normal(keys[n], valid.shape, base[1].dtype) * valid
@@ -544,26 +740,22 @@ def _probes(outputs, leaves, fills, base, modes, rng):
 PROBE_NAMES = ("NaN", "+inf", "-inf", "a huge value")
 
 
-def _leak_map(outputs, leaves, fills, base, modes, i):
+def _leak_map(outputs, specs, fills, base, modes, i):
     """How much the masked-out elements of input ``i`` reach the valid outputs (full mode; past
     ``atol`` it is a leak): ``value`` (outputs x elements): how far the output moves when that
     element alone holds NaN (infinite when it turns NaN); ``gradient``: the Jacobian entry, taken
     with NaN under every mask (infinite when NaN). Valid elements' columns are 0."""
-    n = len(leaves)
-    leaf, valid = leaves[i], base[2]
-    spec = jnp.asarray(leaf.spec)
+    n = len(specs)
+    spec, valid = specs[i], base[2]
     nan = jnp.asarray(np.nan, fills[i].dtype)
-    off = np.flatnonzero(~leaf.spec)  # static: only the masked-out elements are probed
 
-    def one(k):
+    def one(k):  # every element in turn (the pattern may be an operand); valid ones keep their fill
         vs = list(fills)
-        vs[i] = fills[i].at[k].set(nan)
-        return jnp.where(valid, _leak(outputs(vs, [None] * n)[0], base[0]), 0)
+        vs[i] = fills[i].at[k].set(jnp.where(spec[k], fills[i][k], nan))
+        return jnp.where(valid & ~spec[k], _leak(outputs(vs, [None] * n)[0], base[0]), 0)
 
-    value = jnp.zeros((valid.shape[0], leaf.size), fills[i].dtype)
-    if off.size:
-        value = value.at[:, off].set(jax.vmap(one)(jnp.asarray(off)).T)
-    poisoned = [jnp.where(jnp.asarray(lf.spec), f, nan) for lf, f in zip(leaves, fills)]
+    value = jax.vmap(one)(jnp.arange(spec.shape[0])).T
+    poisoned = [jnp.where(s, f, nan) for s, f in zip(specs, fills)]
 
     def raw(v):
         vs = list(poisoned)
@@ -613,11 +805,11 @@ def _richardson(d1, d2):
     return jnp.abs(d1 - d2) / 3
 
 
-def _projections(F, x0, leaf, sem, modes, eps, valid, rng, richardson=False, scale=None):
+def _projections(F, x0, leaf, spec, sem, modes, eps, valid, rng, richardson=False, scale=None):
     """Random-direction checks ``v^T J u`` (and, under masked semantics, the leaks). ``scale``: the
     outputs' magnitudes; ``res["scale"]`` is ``|v| . scale`` per direction, what the rounding of the
     outputs can move a projected central difference by (times :func:`_roundoff`)."""
-    spec = jnp.asarray(leaf.spec).astype(x0.dtype)
+    spec = spec.astype(x0.dtype)
     ku, kv = jax.random.split(rng)
     size = leaf.size
     out_size = valid.shape[0]

@@ -50,7 +50,7 @@ class Leaf:
     def spec(self) -> np.ndarray:
         return np.unpackbits(np.frombuffer(self.spec_bytes, np.uint8), count=self.size).astype(bool)
 
-    def build(self, values, extra=None):
+    def build(self, values, extra=None, pattern=None):
         """An object of this leaf's kind holding ``values`` (flat, all elements).
 
         ``extra``: ``None`` (the original pattern), an int element index that becomes specified
@@ -65,7 +65,7 @@ class Leaf:
         values = values.astype(self.dtype)
         if self.kind == "array":
             return values.reshape(self.shape)
-        spec = jnp.asarray(self.spec)
+        spec = jnp.asarray(self.spec) if pattern is None or self.kind != "masked" else pattern
         if self.kind == "masked":
             if extra is ALL:
                 mask = jnp.ones(self.size, bool)
