@@ -69,16 +69,16 @@ LAYOUT_CORE = ("sum", "mean", "var", "max", "argmax", "softmax", "logsumexp", "q
 def in_sample(name, check):
     """Whether ``make test`` runs ``check`` on ``name``: every check of every op, except ``layouts``
     and ``compact`` of the elementwise and binary ops, whose stored values and compact masks all go
-    through one rule per family (every third of them, and those of VMAP_SAMPLE), and ``layouts`` of
+    through one rule per family (every fourth of them, and those of VMAP_SAMPLE), and ``layouts`` of
     the other families, whose ops share their family's segment kernels and batched rules (every
-    third of them, another third than the elementwise ops', and those of VMAP_SAMPLE and
+    fourth of them, another fourth than the elementwise ops', and those of VMAP_SAMPLE and
     LAYOUT_CORE); ``make test-full`` runs all."""
     if oracle.FULL or check not in ("layouts", "compact") or name in VMAP_SAMPLE:
         return True
     index = sorted(REGISTRY).index(name)
     if REGISTRY[name].family in ("elementwise", "binary"):
-        return index % 3 == 0
-    return check == "compact" or name in LAYOUT_CORE or index % 3 == 1
+        return index % 4 == 0
+    return check == "compact" or name in LAYOUT_CORE or index % 4 == 1
 
 
 def vmaps_layouts(name):
