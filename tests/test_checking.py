@@ -511,6 +511,22 @@ def test_a_different_custom_rule_is_a_different_function():
     assert not mj.check_jacobian(lambda v: jnp.exp(v) + wrong(v), (x,), semantics="dense", raise_exception=False)
 
 
+def test_host_callbacks_of_the_same_name_are_different_functions():
+    """A jaxpr prints a callback by name only: the closure it runs is part of the function."""
+    def make(k):
+        def callback():
+            return np.asarray(k)
+
+        return lambda v: v * jax.pure_callback(callback, jax.ShapeDtypeStruct((), v.dtype),
+                                               vmap_method="broadcast_all") + jnp.sin(v)
+
+    x = jnp.array([0.3, 0.7, 1.1])
+    for k in (1.0, 3.0):
+        report = mj.check_jacobian(make(k), (x,), semantics="dense", modes=("fwd",))
+        np.testing.assert_allclose(np.diag(np.asarray(report.checks[0].numerical)), k + np.cos(np.asarray(x)),
+                                   rtol=1e-5)
+
+
 def test_eager_compiled_and_background_checks_agree(monkeypatch):
     from masked_jax.checking import _check
 

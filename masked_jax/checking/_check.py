@@ -509,7 +509,8 @@ def _lifted(call, leaves, values, consts):
     if not found[0][0]:
         return None  # no float output: the other path raises its error
     jaxpr, lifted = _lift_constants(closed)
-    avals = tuple((np.shape(v), str(v.dtype)) for v in lifted)
+    # host callbacks print by name only (their closures are invisible): the function itself keys them
+    avals = (tuple((np.shape(v), str(v.dtype)) for v in lifted), tuple(_callbacks(jaxpr.jaxpr)))
     if not _has_own_rules(jaxpr.jaxpr):
         return jaxpr, lifted, (str(jaxpr.jaxpr), avals), found[0]
 
@@ -547,6 +548,20 @@ def _has_own_rules(jaxpr) -> bool:
             elif not (info.func_src_info or "").count(" at ") or not any(t in info.func_src_info for t in _TRUSTED):
                 return True
     return any(_has_own_rules(sub) for eqn in jaxpr.eqns for sub in _subjaxprs(eqn.params.values()))
+
+
+def _callbacks(jaxpr):
+    """The host functions that ``jaxpr`` (or one nested in it) calls back (``pure_callback``,
+    ``io_callback``, ``jax.debug.callback``), not custom derivative rules."""
+    for eqn in jaxpr.eqns:
+        if not eqn.primitive.name.startswith("custom_"):
+            for v in eqn.params.values():
+                fn = getattr(v, "callback_func", v)
+                if callable(fn) and not isinstance(v, (jcore.ClosedJaxpr, jcore.Jaxpr)) and \
+                        getattr(fn, "__module__", "").split(".")[0] not in ("jax", "jaxlib"):
+                    yield fn
+        for sub in _subjaxprs(eqn.params.values()):
+            yield from _callbacks(sub)
 
 
 def _subjaxprs(values):
@@ -616,7 +631,7 @@ def _structure_key(call, values, consts, n):
         closed = jax.make_jaxpr(traced)([jnp.asarray(v).ravel() for v in values], consts)
     except Exception:  # noqa: BLE001 - a function the check will reject with its own message
         return None, found[0] if found else None
-    return (str(closed.jaxpr), _digest(closed.consts)), found[0]
+    return (str(closed.jaxpr), _digest(closed.consts), tuple(_callbacks(closed.jaxpr))), found[0]
 
 
 def _random_fills(specs, values, key, lo, hi):
