@@ -450,9 +450,14 @@ def _evaluator(call, names, consts):
             raise TypeError(f"check_jacobian: f's outputs changed structure between evaluations ({names} at the "
                             f"given inputs, {got} at a perturbed or re-specified input); every evaluation must "
                             "return the same pytree of the same shapes.")
-        return output_vectors(out), not any(is_leaf(o) for o in jax.tree_util.tree_leaves(out, is_leaf=is_leaf))
+        return output_vectors(out), _plain(out)
 
     return evaluate
+
+
+def _plain(out) -> bool:
+    """No leaf of ``f``'s output ``out`` is a masked or sparse array."""
+    return not any(is_leaf(o) for o in jax.tree_util.tree_leaves(out, is_leaf=is_leaf))
 
 
 def _jaxpr_evaluator(jaxpr, lifted, specs, consts, plain):
@@ -495,9 +500,7 @@ def _lifted(call, leaves, values, consts):
 
     def h(vals, patterns, cs):
         out = call(vals, [None] * n, cs, patterns)
-        names, skipped = output_vectors(out, names_only=True)
-        plain = not any(is_leaf(o) for o in jax.tree_util.tree_leaves(out, is_leaf=is_leaf))
-        found.append((names, skipped, plain))
+        found.append(output_vectors(out, names_only=True) + (_plain(out),))
         return output_vectors(out)
 
     vals = [jnp.asarray(v).astype(leaf.dtype).ravel() for leaf, v in zip(leaves, values)]
