@@ -382,12 +382,10 @@ def _compiled(f, call, treedef, leaves, static, sems, modes, fast, eps, values, 
         _CACHE.move_to_end(key)
         entry, lifted = _CACHE[key]
         return entry, _operands(leaves, values, consts, lifted)
-    lifted = None
-    if all(leaf.kind in ("array", "masked") for leaf in leaves):
-        lifted = _lifted(call, leaves, values, consts)
-    if lifted is not None:
-        jaxpr, lifted_values, skey, (names, skipped, plain) = lifted
-        lifted = lifted_values
+    traced = _lifted(call, leaves, values, consts) if all(lf.kind in ("array", "masked") for lf in leaves) else None
+    lifted = None  # the lifted constants' values, for a lifted check
+    if traced is not None:
+        jaxpr, lifted, skey, (names, skipped, plain) = traced
         pattern = tuple((lf.name, lf.kind, lf.shape, lf.dtype, bool(lf.spec.all())) for lf in leaves)
         skey = (skey, pattern) + config[:1] + config[2:]
     else:
@@ -396,31 +394,27 @@ def _compiled(f, call, treedef, leaves, static, sems, modes, fast, eps, values, 
     if skey is not None and skey in _CACHE:
         entry = _CACHE[skey][0]
         _CACHE.move_to_end(skey)
-    elif lifted is not None:
-        # the check's leaves keep no pattern: the pattern is an operand (``_run`` reads ``specs``)
-        generic = [dataclasses.replace(lf, spec_bytes=None) for lf in leaves]
+    else:
+        if traced is None:
+            names, skipped = found if found else _output_names(call, values, consts, len(leaves))
+            if not names:
+                raise TypeError("check_jacobian: f returned no float output to differentiate"
+                                + (f" (only {', '.join(skipped)})." if skipped else "."))
         specified = all(lf.spec.all() for lf in leaves)
         shapes = (tuple((lf.kind, lf.shape, lf.dtype) for lf in leaves), tuple(names)) + config[2:]
+        if traced is not None:
+            # the check's leaves keep no pattern: the pattern is an operand (``_run`` reads ``specs``)
+            generic = [dataclasses.replace(lf, spec_bytes=None) for lf in leaves]
 
-        def run(ops, seed, jaxpr=jaxpr, plain=plain):
-            vals, cs, lv, specs = ops
-            evaluate = _jaxpr_evaluator(jaxpr, lv, specs, cs, plain)
-            return _run(evaluate, generic, names, sems, modes, fast, eps, vals, specs, specified, seed, probes,
-                        richardson)
-
-        entry = _Entry(run, names, skipped, shapes)
-    else:
-        names, skipped = found if found else _output_names(call, values, consts, len(leaves))
-        if not names:
-            raise TypeError("check_jacobian: f returned no float output to differentiate"
-                            + (f" (only {', '.join(skipped)})." if skipped else "."))
-        shapes = (tuple((leaf.kind, leaf.shape, leaf.dtype) for leaf in leaves), tuple(names)) + config[2:]
-        specified = all(lf.spec.all() for lf in leaves)
-
-        def run(ops, seed):
-            vals, cs = ops
-            return _run(_evaluator(call, names, cs), leaves, names, sems, modes, fast, eps, vals, None, specified,
-                        seed, probes, richardson)
+            def run(ops, seed, jaxpr=jaxpr, plain=plain):
+                vals, cs, lv, specs = ops
+                return _run(_jaxpr_evaluator(jaxpr, lv, specs, cs, plain), generic, names, sems, modes, fast, eps,
+                            vals, specs, specified, seed, probes, richardson)
+        else:
+            def run(ops, seed):
+                vals, cs = ops
+                return _run(_evaluator(call, names, cs), leaves, names, sems, modes, fast, eps, vals, None,
+                            specified, seed, probes, richardson)
 
         entry = _Entry(run, names, skipped, shapes)
     for k in (key, skey):
@@ -518,10 +512,8 @@ def _lifted(call, leaves, values, consts):
         return jaxpr, lifted, (str(jaxpr.jaxpr), avals), found[0]
 
     def gradient(lv, vs, ps, cs):
-        def g(v):
-            return jcore.jaxpr_as_fun(jaxpr)(*jax.tree_util.tree_leaves((lv, v, ps, cs)))[1]
-
-        out, pull = jax.vjp(g, vs)
+        evaluate = _jaxpr_evaluator(jaxpr, lv, ps, cs, found[0][2])
+        out, pull = jax.vjp(lambda v: evaluate(v, [None] * n)[0][1], vs)
         return pull(jnp.ones_like(out))
 
     try:
@@ -538,7 +530,7 @@ _TRUSTED = tuple(" at " + os.path.dirname(os.path.abspath(m.__file__)) + os.sep
 def _has_own_rules(jaxpr) -> bool:
     """Whether ``jaxpr`` (or one nested in it) calls a custom JVP or VJP rule that is not this
     library's or jax's: its printed text shows such a rule only by name."""
-    for eqn in jaxpr.eqns:
+    for eqn in _equations(jaxpr):
         if not eqn.primitive.name.startswith("custom_"):
             continue
         for v in eqn.params.values():
@@ -550,32 +542,37 @@ def _has_own_rules(jaxpr) -> bool:
                     return True
             elif not (info.func_src_info or "").count(" at ") or not any(t in info.func_src_info for t in _TRUSTED):
                 return True
-    return any(_has_own_rules(sub) for eqn in jaxpr.eqns for sub in _subjaxprs(eqn.params.values()))
+    return False
 
 
 def _callbacks(jaxpr):
     """The host functions that ``jaxpr`` (or one nested in it) calls back (``pure_callback``,
     ``io_callback``, ``jax.debug.callback``), not custom derivative rules."""
-    for eqn in jaxpr.eqns:
+    for eqn in _equations(jaxpr):
         if not eqn.primitive.name.startswith("custom_"):
             for v in eqn.params.values():
                 fn = getattr(v, "callback_func", v)
                 if callable(fn) and not isinstance(v, (jcore.ClosedJaxpr, jcore.Jaxpr)) and \
                         getattr(fn, "__module__", "").split(".")[0] not in ("jax", "jaxlib"):
                     yield fn
-        for sub in _subjaxprs(eqn.params.values()):
-            yield from _callbacks(sub)
 
 
-def _subjaxprs(values):
-    """The jaxprs among equation parameters ``values`` (a ``cond``'s branches are a tuple)."""
-    for v in values:
-        if isinstance(v, jcore.ClosedJaxpr):
-            yield v.jaxpr
-        elif isinstance(v, jcore.Jaxpr):
-            yield v
-        elif isinstance(v, (tuple, list)):
-            yield from _subjaxprs(v)
+def _equations(jaxpr):
+    """Every equation of ``jaxpr`` and of the jaxprs in its equations' parameters (a ``cond``'s
+    branches are a tuple of them)."""
+    def nested(values):
+        for v in values:
+            if isinstance(v, jcore.ClosedJaxpr):
+                yield v.jaxpr
+            elif isinstance(v, jcore.Jaxpr):
+                yield v
+            elif isinstance(v, (tuple, list)):
+                yield from nested(v)
+
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for sub in nested(eqn.params.values()):
+            yield from _equations(sub)
 
 
 def _lift_constants(closed):
