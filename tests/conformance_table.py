@@ -17,6 +17,7 @@ Adding an op to the registry needs one row here (the harness fails for an op wit
 from __future__ import annotations
 
 import dataclasses
+import functools
 import warnings
 from typing import Any, Callable
 
@@ -485,6 +486,21 @@ def _oracle_refs():
         **{n: Oracle(complex_specials=False, why=_COMPLEX_NAN) for n in ("max", "min", "ptp", "logsumexp", "logmeanexp")},
         **{n: Oracle(skip_dtypes=("uint8", "uint16", "uint32", "uint64"), why=_UNSIGNED_SHIFT)
            for n in ("softmax", "log_softmax")},
+        # operands as the row makes them: two of different shapes, a bool condition, one operand
+        **{n: Oracle(make=functools.partial(oracle.row_shaped, n))
+           for n in ("matmul", "dot", "vdot", "inner", "outer", "tensordot", "einsum", "where", "clip")},
+        **{n: Oracle(make=functools.partial(oracle.row_shaped, n), partial=oracle.joined) for n in ("concatenate", "stack")},
+        "average": Oracle(make=functools.partial(oracle.row_shaped, "average"), partial=oracle.weighted,
+                          undefined="a slice whose valid weights sum to zero (jnp: 0 / 0) is masked"),
+        # masked_jax's own functions, against the jax.nn / jnp expression they stand for
+        "softmin": Oracle(jax=lambda x, axis=-1: jax.nn.softmax(-x, axis=axis),
+                          skip_dtypes=("uint8", "uint16", "uint32", "uint64"), why=_UNSIGNED_SHIFT),
+        "normalize": Oracle(jax=lambda x, ord=2, axis=-1, eps=1e-12: x / jnp.maximum(
+            jnp.linalg.norm(x, ord=ord, axis=axis, keepdims=True), eps)),
+        "count": Oracle(jax=lambda x, axis=None, keepdims=False: jnp.count_nonzero(jnp.ones(jnp.shape(x), bool),
+                                                                                  axis=axis, keepdims=keepdims)),
+        # 32-bit as well as 64-bit: a bitcast to another width reshapes, which jnp refuses at (4, 3)
+        "bitcast_convert_type": Oracle(cases=({"new_dtype": jnp.int32}, {"new_dtype": jnp.int64})),
         "take": Oracle(cases=in_range, why="an out-of-range index gives a masked element, where jnp.take "
                                            "returns a fill value (NaN, or the integer minimum)"),
     }

@@ -46,7 +46,8 @@ def toy_ops():
     register(elementwise.unary_spec("toy_cube", CUBE_P.bind, safe=0, primitives=(CUBE_P,), methods=("toy_cube",)))
     register(OpSpec(name="toy_sumsq", family="reductions", rule=sumsq, signature=rule_signature(sumsq),
                     operands=("x",), methods=("toy_sumsq",), segment=lambda g, v: g.sum(v * v),
-                    excluded={"maskify": "a toy with no jax function"}))
+                    excluded={"maskify": "a toy with no jax function",
+                              "oracle": "a toy with no jax function to compare with"}))
     ROWS["toy_cube"] = Row(ew_ref(lambda x: x ** 3))
     ROWS["toy_sumsq"] = Row(over_valid(lambda d, axis=None, keepdims=False: np.nansum(d * d, axis=axis,
                                                                                         keepdims=keepdims)),

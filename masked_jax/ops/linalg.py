@@ -8,12 +8,14 @@ applied to the masks as 0/1 numbers, compared with 0.
 
 A masked term never contributes, whatever it holds, and a *valid* ``inf`` or NaN is a value as
 in ``jax.numpy``. Zero-filling alone breaks the second rule: a valid ``inf`` meeting a masked
-entry would form ``inf * 0 = NaN``. So when a valid operand entry is not finite (checked at run
-time: ``lax.cond`` under a transform, a Python branch eagerly), the finite terms are contracted
-as above and the non-finite ones are counted by sign (a loop of contractions of indicator
-arrays; it costs about 0.2 s more compile time per program on CPU, paid under ``jit``): an output
-with a NaN term (a valid NaN, or a valid ``inf`` times a valid 0) or with both ``+inf`` and
-``-inf`` terms is NaN, else one with an infinite term is that infinity, as IEEE sums are.
+entry would form ``inf * 0 = NaN``. The zero-filled contraction is exact wherever it is finite,
+so when an entry of it is not (checked at run time: ``lax.cond`` under a transform, a Python
+branch eagerly), the finite terms are contracted as above and the non-finite ones are counted by
+sign (a loop of contractions of indicator arrays; it costs about 0.2 s more compile time per
+program on CPU, paid under ``jit``): an output with a NaN term (a valid NaN, or a valid ``inf``
+times a valid 0) or with both ``+inf`` and ``-inf`` terms is NaN, else one with an infinite term
+is that infinity, as IEEE sums are. Complex operands take this rule by their real and imaginary
+parts.
 """
 
 from __future__ import annotations
@@ -51,19 +53,23 @@ def _contract_data(fn, operands, **kwargs):
     """The data of a contraction over jointly valid terms: masked entries zero-filled, and, for two
     float operands, the exact rule for valid non-finite entries (see the module docstring)."""
     filled = [fill(o.data, o.mask, 0) for o in operands]
-    if len(operands) != 2 or not all(jnp.issubdtype(jnp.result_type(o.data), jnp.floating) for o in operands):
+    if len(operands) != 2 or not all(jnp.issubdtype(jnp.result_type(o.data), jnp.inexact) for o in operands):
         return fn(*filled, **kwargs)
     a, b = [jnp.asarray(o.data) for o in operands]
     va, vb = [jnp.broadcast_to(True if o.mask is None else o.mask, jnp.shape(o.data)) for o in operands]
-    nonfinite = jnp.any(va & ~jnp.isfinite(a)) | jnp.any(vb & ~jnp.isfinite(b))
+    # The zero-filled contraction is exact wherever it is finite: a term it adds that is not jointly
+    # valid is a filled 0 times an entry, 0 when the entry is finite and NaN when it is not. So only
+    # a non-finite entry of it (a valid inf or NaN met, or a finite sum that overflowed) calls for
+    # the exact rule; the test reads the output, not the two operands.
+    fast = fn(*filled, **kwargs)
+    nonfinite = ~jnp.all(jnp.isfinite(fast))
     if not any(isinstance(v, jax.core.Tracer) for v in (a, b, va, vb)):
         # eagerly the branch is known: only the program that runs is built (no compile of the other)
-        return _with_nonfinite(fn, kwargs, a, b, va, vb) if bool(nonfinite) else fn(*filled, **kwargs)
+        return _with_nonfinite(fn, kwargs, a, b, va, vb) if bool(nonfinite) else fast
     # The zero-filled contraction outside the conditional: XLA fuses the fills into it, and the
     # result's derivative is its derivative (the conditional is never differentiated). Where the
     # exact value differs it is not finite, or it replaces a NaN formed by a masked entry times a
     # valid inf, whose terms' derivatives the zero-filled contraction has right.
-    fast = fn(*filled, **kwargs)
     return _exact_value(functools.partial(fn, **kwargs), fast, nonfinite, a, b, va, vb)
 
 
@@ -161,6 +167,18 @@ def _codes(x, valid):
 
 
 def _with_nonfinite(fn, kwargs, a, b, va, vb):
+    """:func:`_real_nonfinite`, for complex operands by their real and imaginary parts: each
+    term's real part is ``ar br - ai bi`` and its imaginary part ``ar bi + ai br``, so the four real
+    contractions sum the same products (IEEE sums of infinities do not depend on the order)."""
+    if not any(jnp.issubdtype(jnp.result_type(x), jnp.complexfloating) for x in (a, b)):
+        return _real_nonfinite(fn, kwargs, a, b, va, vb)
+    dtype = jnp.result_type(a, b)
+    (ar, ai), (br, bi) = [(jnp.real(x), jnp.imag(x)) for x in (a, b)]
+    part = lambda x, y: _real_nonfinite(fn, kwargs, x, y, va, vb)  # noqa: E731
+    return jax.lax.complex(part(ar, br) - part(ai, bi), part(ar, bi) + part(ai, br)).astype(dtype)
+
+
+def _real_nonfinite(fn, kwargs, a, b, va, vb):
     """``fn(a, b)`` over jointly valid terms when valid entries may be ``inf`` or NaN: the finite
     terms contracted, the non-finite ones counted by sign (see the module docstring). One term
     kind at a time (a loop over the 12 kinds, each indicator read off one int8 code per entry by a

@@ -121,10 +121,12 @@ def _keep(x, axes, keepdims):
 
 
 def count(x: Pair, axis=None, keepdims=False):
-    """Number of valid elements (a plain array: a count is always defined)."""
+    """Number of valid elements (a plain array: a count is always defined), in jax's default integer
+    dtype, as ``jnp.count_nonzero`` counts (int64 with ``jax_enable_x64``, else int32)."""
     shape = jnp.shape(x.data)
     axes = normalize_axis(axis, len(shape))
     n = count_valid(_compact(x), shape, axes, keepdims=True)  # a plain array: at the output's shape
+    n = n.astype(jax.dtypes.canonicalize_dtype(jnp.int64))
     n = jnp.broadcast_to(n, [1 if a in axes else d for a, d in enumerate(shape)])
     return n if keepdims else jnp.squeeze(n, axis=axes)
 
