@@ -235,7 +235,7 @@ def call(name, fn, ops, case):
 
 
 def accepts(name, dtype, case) -> bool:
-    """Whether the op's own jnp function accepts operands of ``dtype`` (run on ordinary values: some
+    """Whether the op's own jnp function (else its oracle expression) accepts operands of ``dtype`` (run on ordinary values: some
     refusals come only when jax lowers the call, as ``jnp.argmax`` of complex values)."""
     key = (name, str(dtype), repr(case))
     if key not in _ACCEPTS:
@@ -253,7 +253,7 @@ def _accepts(name, dtype, case):
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            jax.block_until_ready(call(name, jnp_fn(name), plain, case))
+            jax.block_until_ready(call(name, ROWS[name].jax or REGISTRY[name].fn or jnp_fn(name), plain, case))
     except Exception:  # noqa: BLE001 (jnp refuses: any error)
         return False
     return True
