@@ -490,7 +490,7 @@ def _oracle_refs():
         **{n: Oracle(make=functools.partial(oracle.row_shaped, n))
            for n in ("matmul", "dot", "vdot", "inner", "outer", "tensordot", "einsum", "where", "clip")},
         **{n: Oracle(make=functools.partial(oracle.row_shaped, n), partial=oracle.joined) for n in ("concatenate", "stack")},
-        "average": Oracle(make=functools.partial(oracle.row_shaped, "average"), partial=oracle.weighted,
+        "average": Oracle(make=functools.partial(oracle.row_shaped, "average"),
                           undefined="a slice whose valid weights sum to zero (jnp: 0 / 0) is masked"),
         # masked_jax's own functions, against the jax.nn / jnp expression they stand for
         "softmin": Oracle(jax=lambda x, axis=-1: jax.nn.softmax(-x, axis=axis),

@@ -235,8 +235,9 @@ def call(name, fn, ops, case):
 
 
 def accepts(name, dtype, case) -> bool:
-    """Whether the op's own jnp function (else its oracle expression) accepts operands of ``dtype`` (run on ordinary values: some
-    refusals come only when jax lowers the call, as ``jnp.argmax`` of complex values)."""
+    """Whether the op's own jnp function (else its oracle expression) accepts operands of ``dtype``
+    (run on ordinary values: some refusals come only when jax lowers the call, as ``jnp.argmax`` of
+    complex values)."""
     key = (name, str(dtype), repr(case))
     if key not in _ACCEPTS:
         _ACCEPTS[key] = _accepts(name, dtype, case)
@@ -391,6 +392,12 @@ def compacted(name, ops, case, *, keeps_shape, to_front=False, positions=False):
     """
     x = ops[0]
     data, mask = np.asarray(x.data), np.asarray(x.mask)
+    # masked operands of x's shape (average's weights) share its slices: an entry counts where all
+    # are valid, and each is compacted with x
+    co = [k for k, o in enumerate(ops[1:]) if isinstance(o, mj.MaskedArray) and np.shape(o.data) == data.shape]
+    for k in co:
+        mask = mask & np.asarray(ops[1 + k].mask)
+    extras = _plain(ops[1:])
     fn = jnp_fn(name)
     if case.get("axis") is None and keeps_shape and not to_front:  # cumsum(axis=None) flattens
         data, mask, case = data.ravel(), mask.ravel(), {**case, "axis": 0}
@@ -401,7 +408,8 @@ def compacted(name, ops, case, *, keeps_shape, to_front=False, positions=False):
     lead = tuple(data.shape[a] for a in kept)
     d = data.transpose(perm).reshape(lead + (-1,))
     m = mask.transpose(perm).reshape(lead + (-1,))
-    template = call(name, fn, [jnp.asarray(data)] + list(ops[1:]), case)
+    co_d = {k: np.asarray(extras[k]).reshape(data.shape).transpose(perm).reshape(lead + (-1,)) for k in co}
+    template = call(name, fn, [jnp.asarray(data)] + extras, case)
     out = np.array(template)
     valid = np.zeros(out.shape, bool)
     per_element = keeps_shape or to_front
@@ -414,7 +422,8 @@ def compacted(name, ops, case, *, keeps_shape, to_front=False, positions=False):
         where = np.flatnonzero(m[idx])
         if where.size == 0:
             continue
-        r = np.asarray(call(name, fn, [jnp.asarray(d[idx][where])] + list(ops[1:]),
+        args = [jnp.asarray(co_d[k][idx][where]) if k in co_d else e for k, e in enumerate(extras)]
+        r = np.asarray(call(name, fn, [jnp.asarray(d[idx][where])] + args,
                             {**inner, "axis": 0} if per_element or "axis" in case else inner))
         if positions:
             r = where[r]
@@ -475,27 +484,6 @@ def joined(name, ops, case):
     """Joins (concatenate, stack): jnp's join of the data, valid where the join of the masks is."""
     fn = jnp_fn(name)
     return call(name, fn, _plain(ops), case), [np.asarray(call(name, fn, [np.asarray(o.mask) for o in ops], case))]
-
-
-def weighted(name, ops, case):
-    """``average(a, weights=w)``: jnp's weighted average of each slice's entries where both ``a`` and
-    ``w`` are valid (the slice compacted); a slice with none is masked."""
-    a, w = ops
-    both = np.asarray(a.mask) & np.asarray(w.mask)
-    axis = case.get("axis")
-    data, weights = np.asarray(a.data), np.asarray(w.data)
-    if axis is None:
-        data, weights, both, axis = data.reshape(1, -1), weights.reshape(1, -1), both.reshape(1, -1), 1
-    data, weights, both = (np.moveaxis(v, axis, -1) for v in (data, weights, both))
-    template = call(name, jnp_fn(name), [jnp.asarray(a.data), jnp.asarray(w.data)], case)
-    out, valid = np.array(template).reshape(data.shape[:-1]), np.zeros(data.shape[:-1], bool)
-    for idx in np.ndindex(*data.shape[:-1]):
-        k = np.flatnonzero(both[idx])
-        if k.size:
-            out[idx] = np.asarray(call(name, jnp_fn(name), [jnp.asarray(data[idx][k]), jnp.asarray(weights[idx][k])], {}))
-            valid[idx] = True
-    shape = np.shape(template)
-    return Weak(jnp.asarray(out.reshape(shape), template.dtype), _weak(template)), valid.reshape(shape)
 
 
 def passthrough(name, ops, case):
