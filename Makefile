@@ -50,7 +50,8 @@ test-full: $(STAMP) browser
 
 # The public Array API test suite against jax.numpy and masked_jax.numpy in one run: every test that
 # jax.numpy passes must pass for masked_jax.numpy (about 20 minutes per module on 2 cores). The
-# suite's checkout: ARRAY_API_TESTS_DIR, by default ../shared/array-api-tests.
+# suite's checkout: ARRAY_API_TESTS_DIR, by default ../shared/array-api-tests beside this checkout (or
+# beside the local checkout it was cloned from).
 array-api-suite: $(STAMP)
 	$(PY) tests/array_api_suite.py --workers $${MJ_TEST_WORKERS:-2} $${ARRAY_API_TESTS_DIR:+--suite "$$ARRAY_API_TESTS_DIR"}
 

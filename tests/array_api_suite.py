@@ -7,7 +7,7 @@ Usage (``make array-api-suite`` runs the whole suite; ``tests/test_array_api_sui
     python tests/array_api_suite.py [--suite DIR] [--max-examples 5] [--workers N] [FILE_OR_NODE ...]
 
 The suite's location comes from ``--suite``, else ``ARRAY_API_TESTS_DIR``, else
-``../shared/array-api-tests`` beside the checkout. Each module runs with
+``../shared/array-api-tests`` beside the checkout (or beside the local checkout it was cloned from). Each module runs with
 ``ARRAY_API_TESTS_VERSION=2023.12`` and ``JAX_ENABLE_X64=1``. Prints both pass counts and every test
 ``jax.numpy`` passes and ``masked_jax.numpy`` does not; exits 1 if there is one.
 """
@@ -27,8 +27,26 @@ SEED = 0
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def _beside(checkout: Path) -> Path:
+    return checkout.parent / "shared" / "array-api-tests"
+
+
+def _origin() -> Path | None:
+    """The local checkout this one was cloned from, if any (a clone in a temporary directory finds
+    the suite beside its origin)."""
+    try:
+        url = subprocess.run(["git", "-C", str(ROOT), "config", "--get", "remote.origin.url"], capture_output=True,
+                             text=True, check=False).stdout.strip()
+    except OSError:
+        return None
+    return Path(url) if url and Path(url).is_dir() else None
+
+
 def suite_dir(given: str | None) -> Path:
-    path = Path(given or os.environ.get("ARRAY_API_TESTS_DIR") or ROOT.parent / "shared" / "array-api-tests")
+    given = given or os.environ.get("ARRAY_API_TESTS_DIR")
+    path = Path(given) if given else _beside(ROOT)
+    if not given and not (path / "array_api_tests").is_dir() and _origin() is not None:
+        path = _beside(_origin().resolve())
     if not (path / "array_api_tests").is_dir():
         raise SystemExit(f"no Array API test suite at {path}: clone data-apis/array-api-tests (see "
                          "docs/semantics.md for the commit) and pass --suite or set ARRAY_API_TESTS_DIR.")
