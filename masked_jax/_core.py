@@ -66,8 +66,8 @@ def fully_valid_data(x, what: str, why: str):
     ``why`` a masked entry has no meaning there."""
     if isinstance(x, _layouts.SparseMasked):
         x = x.todense()
-    if not isinstance(x, MaskedArray):
-        return x
+    if not isinstance(x, MaskedArray) or x.compact_mask is None:
+        return x.data if isinstance(x, MaskedArray) else x
     try:
         all_valid = bool(np.asarray(x.mask).all())
     except jax.errors.TracerArrayConversionError:
@@ -169,7 +169,7 @@ class MaskedArray(ArrayMethods):
 
     def __init__(self, data: ArrayLike, mask: ArrayLike | None = None):
         data = _check_data(data)
-        mask = jnp.ones(data.shape, bool) if mask is None else _check_mask(mask, data.shape)
+        mask = None if mask is None else _check_mask(mask, data.shape)
         self._data = data
         self._mask = mask
 
@@ -178,10 +178,8 @@ class MaskedArray(ArrayMethods):
         """Trusted constructor for rule outputs: no dtype checks, mask broadcast to data."""
         obj = object.__new__(cls)
         data = jnp.asarray(data)
-        if mask is None:
-            obj._mask = jnp.ones(data.shape, bool)
-        else:
-            obj._mask = compact(mask, data.shape)  # a compact mask stays compact
+        # None (statically all valid) stays None; a compact mask stays compact
+        obj._mask = None if mask is None else compact(mask, data.shape)
         obj._data = with_mask_tangent(data, mask)  # None (all valid): nothing to mask
         return obj
 
@@ -209,7 +207,10 @@ class MaskedArray(ArrayMethods):
     @property
     def mask(self) -> jax.Array:
         """The bool validity mask at the data's shape, ``True`` where the element is valid (a
-        compact mask broadcast; see :attr:`compact_mask`)."""
+        compact mask broadcast, and all ``True`` for a statically valid array; see
+        :attr:`compact_mask`)."""
+        if self._mask is None:
+            return jnp.ones(self._data.shape, bool)
         if self._mask.shape == self._data.shape:
             return self._mask
         return jnp.broadcast_to(self._mask, self._data.shape)
@@ -217,15 +218,23 @@ class MaskedArray(ArrayMethods):
     @property
     def compact_mask(self) -> jax.Array:
         """The mask as stored: any shape of the data's rank that broadcasts to the data's shape,
-        such as (B, L, 1) for (B, L, D) data. Rules propagate it without broadcasting it (an
-        elementwise op of two compact masks gives their broadcast), so a token mask costs (B, L)
-        bools, not (B, L, D).
+        such as (B, L, 1) for (B, L, D) data, or ``None`` when the array is statically all valid
+        (built without a mask, or computed from such arrays by elementwise and shape ops). Rules propagate it without
+        broadcasting it (an elementwise op of two compact masks gives their broadcast), so a token
+        mask costs (B, L) bools, not (B, L, D), and a statically valid array carries no mask at all.
+
+        ``None`` is part of the pytree structure (a ``MaskedArray`` without a mask has one leaf,
+        its data), as ``None`` fields are in flax and equinox. A ``lax.scan`` carry or the branches
+        of a ``lax.cond`` that may gain a mask need a mask from the start: build it with
+        ``mj.masked_array(x, jnp.ones(x.shape, bool))``.
 
         Examples:
             >>> import jax.numpy as jnp, masked_jax as mj
             >>> x = mj.masked_array(jnp.ones((2, 3, 4)), jnp.array([[True, True, False], [True, False, False]])[..., None])
             >>> x.compact_mask.shape, x.mask.shape, (2 * x).compact_mask.shape
             ((2, 3, 1), (2, 3, 4), (2, 3, 1))
+            >>> print(mj.as_masked(jnp.ones(3)).compact_mask)
+            None
         """
         return self._mask
 
@@ -247,6 +256,8 @@ class MaskedArray(ArrayMethods):
             >>> mj.masked_array(jnp.array([1, 2]), jnp.array([True, False])).filled(-1)
             Array([ 1, -1], dtype=int32)
         """
+        if self._mask is None:
+            return self._data
         return jnp.where(self._mask, self._data, jnp.asarray(fill_value, dtype=self.dtype))  # broadcasts
 
     def to_numpy_ma(self) -> np.ma.MaskedArray:
@@ -296,7 +307,7 @@ class MaskedArray(ArrayMethods):
                 f"{kind}() of a traced MaskedArray: inside jit/vmap/grad its value and validity are not "
                 "known yet. Use jnp.where(x.mask, ...) or lax.cond on x.filled(value) instead."
             )
-        if self.size == 1 and not bool(np.asarray(self._mask).reshape(())):
+        if self.size == 1 and self._mask is not None and not bool(np.asarray(self._mask).reshape(())):
             raise ValueError(
                 f"{kind}() of a masked element: it has no value. Use x.filled(fill_value) to choose one, "
                 "or test x.mask first."
@@ -335,7 +346,7 @@ class MaskedArray(ArrayMethods):
             dt = getattr(self._data, "dtype", "?")
             shape = ", ".join(str(d) for d in getattr(self._data, "shape", ()))
             return f"MaskedArray({dt}[{shape}])"
-        if self._mask.dtype == jax.dtypes.float0:  # a tangent or cotangent
+        if self._mask is not None and self._mask.dtype == jax.dtypes.float0:  # a tangent or cotangent
             return f"MaskedArray(tangent={np.asarray(self._data)!r})"
         body = format_values(np.asarray(self._data), np.asarray(self.mask))
         body = body.replace("\n", "\n" + " " * len("MaskedArray("))
@@ -345,7 +356,7 @@ class MaskedArray(ArrayMethods):
 
     def _repr_html_(self):
         """The notebook view: a table of the values, masked entries shown as ``--`` on grey."""
-        if _is_tracer(self._data) or _is_tracer(self._mask) or self._mask.dtype != jnp.bool_:
+        if _is_tracer(self._data) or _is_tracer(self._mask) or self.mask.dtype != jnp.bool_:
             return f"<pre>{html.escape(repr(self))}</pre>"
         return html_table(np.asarray(self._data), np.asarray(self.mask), f"MaskedArray {self.dtype}"
                           f"[{', '.join(map(str, self.shape))}], {int(np.asarray(self.mask).sum())} valid")
@@ -394,7 +405,8 @@ class MaskedArray(ArrayMethods):
         """
         if stream is not None:
             raise ValueError("to_device: streams are not supported; pass stream=None.")
-        return MaskedArray._from_pair(jax.device_put(self._data, device), jax.device_put(self._mask, device))
+        mask = None if self._mask is None else jax.device_put(self._mask, device)
+        return MaskedArray._from_pair(jax.device_put(self._data, device), mask)
 
     def __array_namespace__(self, *, api_version: str | None = None):
         """``masked_jax.numpy``: the Array API namespace with masked semantics.
@@ -504,7 +516,7 @@ def _check_index(index, shape=None):
 def _unwrap(x, argname: str = "argument") -> Pair:
     """A MaskedArray or array-like as a rule operand (plain arrays are fully valid)."""
     if isinstance(x, MaskedArray):
-        if x._mask.dtype != jnp.bool_:
+        if x._mask is not None and x._mask.dtype != jnp.bool_:
             raise TypeError(
                 f"{argname} has a mask of dtype {x._mask.dtype}; a mask must be bool (True = valid). "
                 "A jax.tree.map over a MaskedArray maps its mask too: map over x.data, or pass "
@@ -549,8 +561,8 @@ def masked_array(data: ArrayLike, mask: ArrayLike | None = None, *, dtype: DType
 
     Args:
         data: numeric or bool array-like.
-        mask: bool array of ``data``'s shape, or broadcastable to it (then
-            materialised). ``None`` means every element is valid.
+        mask: bool array of ``data``'s shape, or broadcastable to it (stored at its own
+            shape). ``None`` means every element is valid, and no mask is stored.
         dtype: optional dtype to cast ``data`` to.
 
     Returns:
@@ -601,8 +613,9 @@ def from_numpy_ma(a: np.ndarray) -> MaskedArray:
     if not isinstance(a, np.ndarray):
         raise TypeError(f"a must be a numpy.ma.MaskedArray or ndarray; got {type(a).__name__}.")
     data = np.ma.getdata(a)
-    valid = ~np.ma.getmaskarray(a)
-    return MaskedArray(_check_data(data, "a"), jnp.asarray(valid))
+    if np.ma.getmask(a) is np.ma.nomask:  # numpy.ma's "no mask": statically valid
+        return MaskedArray(_check_data(data, "a"))
+    return MaskedArray(_check_data(data, "a"), jnp.asarray(~np.ma.getmaskarray(a)))
 
 
 def is_container(x: Any) -> bool:
@@ -639,7 +652,7 @@ def tree_map_data(f, tree: Any, *rest: Any) -> Any:
     def one(x, *others):
         datas = [o.data if is_container(o) else o for o in others]
         if isinstance(x, MaskedArray):
-            return MaskedArray._from_pair(f(x.data, *datas), x.mask)
+            return MaskedArray._from_pair(f(x.data, *datas), x.compact_mask)
         if is_container(x):
             return x.with_data(f(x.data, *datas))
         return f(x, *datas)

@@ -36,7 +36,8 @@ def _from_state(target, state):
     missing = [key.name for key, _ in children if key.name not in state]
     if missing:
         raise ValueError(f"restoring a {type(target).__name__}: the state has no {missing}; got keys {sorted(state)}.")
-    return type(target).tree_unflatten(aux, tuple(jnp.asarray(state[key.name]) for key, _ in children))
+    values = (state[key.name] for key, _ in children)  # a statically valid array's mask is None
+    return type(target).tree_unflatten(aux, tuple(None if v is None else jnp.asarray(v) for v in values))
 
 
 def register(serialization) -> None:

@@ -21,7 +21,8 @@ Built the way ``jax.experimental.sparse``'s ``test_util`` is: one args-maker per
   layouts per op (the two with duplicates and poisoned padding, and one more in turn), under
   ``jit`` every layout for the first case and those two for the others; ``make test-full`` runs all;
 * ``compact``: masks stored compact ((n, 1) for whole rows, (1, m) for whole columns) give the
-  full-mask results and gradients, eager and under ``jit``;
+  full-mask results and gradients, eager and under ``jit``; operands without a mask (statically
+  valid) give the results of all-True masks;
 * ``maskify``: ``mj.maskify`` of the plain jax function equals the op, eager and under ``jit``.
 
 An op is left out of a check only by its registry entry (``OpSpec.excluded``, with the reason).
@@ -455,7 +456,9 @@ def compact_form(mask):
 def check_compact(name):
     """Compact masks as one more layout: the operands with whole rows valid (a (n, 1) mask) and with
     whole columns valid (a (1, m) mask) give the results and the gradients of the same operands with
-    full masks, NaN under the mask; every case eagerly, the first case under ``jit`` too."""
+    full masks, NaN under the mask; every case eagerly, the first case under ``jit`` too. Operands
+    with no mask at all (statically valid) give the results of all-True full masks, every case
+    eagerly and under ``jit``."""
     spec, row = REGISTRY[name], ROWS[name]
     dtype = row.dtypes[0]
     compact_seen = False
@@ -479,6 +482,16 @@ def check_compact(name):
             np.testing.assert_allclose(np.asarray(g.filled(0)), np.asarray(g_want.filled(0)), rtol=1e-9, atol=1e-12,
                                        err_msg=f"{name} with compact masks: gradient")
     assert compact_seen, f"{name}: no operand of its row took a compact mask"
+    # statically valid operands (no mask stored, compact_mask None) are the all-True full masks
+    full = np.ones_like(MASK_A)
+    ops = operands(name, dtype, masks=(full, full))
+    bare = [mj.masked_array(o.data) if isinstance(o, mj.MaskedArray) else o for o in ops]
+    assert any(isinstance(o, mj.MaskedArray) and o.compact_mask is None for o in bare), name
+    for case in row.cases:
+        want = call(name, public(name), ops, case)
+        assert_same(call(name, public(name), bare, case), want, row.rtol, f"{name} with statically valid operands ({case})")
+        assert_same(jax.jit(lambda o: call(name, public(name), o, case))(bare), want, row.rtol,
+                    f"{name} with statically valid operands under jit ({case})")
 
 
 def check_maskify(name):

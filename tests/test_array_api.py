@@ -305,7 +305,9 @@ def test_functions_without_a_masked_meaning_raise_and_accept_fully_valid_input()
         with pytest.raises(TypeError, match="has no masked meaning.*filled"):
             fn(masked)
     with pytest.raises(TypeError, match="no masked meaning"):  # a traced mask is not known to be all valid
-        jax.jit(mnp.linalg.det)(mnp.asarray(a))
+        jax.jit(mnp.linalg.det)(mj.masked_array(a, jnp.ones(a.shape, bool)))
+    # a mask-less array is statically valid, under jit too
+    np.testing.assert_allclose(jax.jit(mnp.linalg.det)(mnp.asarray(a)).data, jnp.linalg.det(a), rtol=1e-6)
     with pytest.raises(ValueError, match="3 components"):
         mnp.linalg.cross(mnp.zeros((2, 2)), mnp.zeros((2, 2)))
     with pytest.raises(ValueError, match="x1 must be 1-d"):

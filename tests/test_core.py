@@ -203,6 +203,41 @@ def test_pytree_round_trip():
     assert isinstance(z["b"][0], mj.MaskedArray)
 
 
+def test_statically_valid_arrays_store_no_mask():
+    a = jnp.array([[1.0, 4.0], [9.0, 16.0]])
+    for x in (mj.masked_array(a), mj.as_masked(a), mnp.asarray(a), mj.from_numpy_ma(np.ma.masked_array(np.asarray(a)))):
+        assert x.compact_mask is None and x.mask.shape == (2, 2) and bool(x.mask.all())
+        leaves, tree = jax.tree_util.tree_flatten(x)
+        assert len(leaves) == 1 and tree.num_leaves == 1  # one leaf: the data
+    x = mj.masked_array(a)
+    # elementwise and shape ops keep it mask-less, eagerly and inside jit (where None is static)
+    assert (mnp.sqrt(x) * 2 + x).T.compact_mask is None
+    seen = []
+
+    @jax.jit
+    def f(x):
+        y = mnp.sqrt(x) + 1.0
+        seen.append(y.compact_mask)
+        return y
+
+    assert f(x).compact_mask is None and seen == [None]
+    # jax.grad takes it directly: there is no bool leaf
+    g = jax.grad(lambda x: mnp.sum(mnp.sqrt(x)).data)(x)
+    assert g.compact_mask is None
+    np.testing.assert_allclose(g.data, 0.5 / np.sqrt(np.asarray(a)))
+    np.testing.assert_allclose(jax.vmap(lambda r: mnp.sum(r).data)(x), a.sum(1))
+    # meeting a masked array gives that array's mask; a reduction gives its result a mask
+    m = mj.masked_array(a, jnp.array([True, False]))
+    np.testing.assert_array_equal((x + m).mask, [[True, False], [True, False]])
+    np.testing.assert_allclose(mnp.sum(x, axis=0).filled(), [10.0, 20.0])
+    assert x.filled(-1) is x.data
+    # a carry that gains a mask needs one from the start: jax names the mask-less carry
+    with pytest.raises(TypeError, match="mask"):
+        jax.lax.scan(lambda c, r: (c + r, None), mj.as_masked(jnp.zeros(2)), m[:1])
+    final, _ = jax.lax.scan(lambda c, r: (c + r, None), mj.masked_array(jnp.zeros(2), jnp.ones(2, bool)), m[:1])
+    np.testing.assert_array_equal(final.mask, [True, False])
+
+
 def test_jit_equals_eager_and_no_retrace_on_mask_change():
     traces = []
 

@@ -240,7 +240,7 @@ def test_scan_rnn_and_cond_inside_the_function():
         def step(h, xt):
             h = mnp.tanh(xt @ u + h)
             return h, mnp.sum(h, axis=-1)
-        return jax.lax.scan(step, mj.as_masked(h0), xs)
+        return jax.lax.scan(step, mj.masked_array(h0, jnp.ones(h0.shape, bool)), xs)
 
     h_ref, ys_ref = by_hand(xm, jnp.zeros((B, 2)))
     _same(ys, ys_ref)

@@ -26,11 +26,13 @@ def _state():
                                    jnp.array([[True, False, True], [False, True, True]])),
             "grad": mj.row_sparse(jnp.array([[1.0, 2.0], [3.0, 4.0]], F32), jnp.array([3, 0]), (5, 2)),
             "pattern": mj.masked_array(jnp.ones((2, 2), F32), jnp.eye(2, dtype=bool)).tostype("bcoo"),
-            "bias": jnp.ones(2, F32)}
+            "bias": jnp.ones(2, F32),
+            "scale": mj.as_masked(jnp.full(3, 0.5, F32))}  # statically valid: no mask stored
 
 
 def _same(a, b):
     assert type(a) is type(b)
+    assert jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b)
     la, lb = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
     assert len(la) == len(lb)
     for x, y in zip(la, lb):
@@ -91,7 +93,7 @@ def test_every_array_class_has_an_html_view_that_renders(tmp_path):
 def test_pytree_paths_name_the_children():
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(_state())[0]]
     assert paths == ["['bias']", "['emb'].data", "['emb'].mask", "['grad'].data", "['grad'].indices",
-                     "['pattern'].data", "['pattern'].indices"]
+                     "['pattern'].data", "['pattern'].indices", "['scale'].data"]  # no mask: statically valid
 
 
 def test_pickle_round_trip():
@@ -142,14 +144,15 @@ def test_a_non_bool_mask_from_generic_code_is_refused_at_once(f):
 def test_tree_map_data_maps_the_data_of_every_layout():
     state = _state()
     out = mj.tree_map_data(lambda p: p * 2, state)
-    for key in ("emb", "grad", "pattern"):
+    for key in ("emb", "grad", "pattern", "scale"):
         assert type(out[key]) is type(state[key])
         np.testing.assert_array_equal(out[key].todense().filled(0) if hasattr(out[key], "todense")
                                       else out[key].filled(0), 2 * (state[key].todense().filled(0)
                                                                     if hasattr(state[key], "todense") else state[key].filled(0)))
     np.testing.assert_array_equal(out["grad"].indices, state["grad"].indices)
     np.testing.assert_array_equal(out["bias"], 2 * state["bias"])
-    assert len(jax.tree.leaves(state, is_leaf=mj.is_masked_leaf)) == 4
+    assert len(jax.tree.leaves(state, is_leaf=mj.is_masked_leaf)) == 5
+    assert out["scale"].compact_mask is None  # a statically valid array stays so
 
 
 def test_ema_of_parameters_keeps_masks():
