@@ -24,21 +24,36 @@ from masked_jax._core import is_container as _is_container
 from masked_jax._storage import SparseMasked
 
 
-def _split(tree):
+class _NoMask:
+    """The meta of a statically valid MaskedArray (no mask stored): its gradient stores none either."""
+
+
+_NO_MASK = _NoMask()
+
+
+def _split(tree, static: bool = False):
     """Leaves of ``tree`` as differentiable data + what holds them fixed.
 
-    For a MaskedArray that is its mask; for a sparse layout, the layout itself
-    (its indices and shape); ``None`` for a plain array.
+    For a MaskedArray that is its mask (``_NO_MASK`` for a statically valid one when ``static``,
+    so that its gradient keeps its pytree structure; Jacobians take the all-True mask); for a
+    sparse layout, the layout itself (its indices and shape); ``None`` for a plain array.
     """
     leaves, treedef = jax.tree_util.tree_flatten(tree, is_leaf=_is_container)
     datas = [leaf.data if _is_container(leaf) else leaf for leaf in leaves]
-    metas = [leaf.mask if is_masked(leaf) else (leaf if _is_container(leaf) else None) for leaf in leaves]
-    return datas, metas, treedef
+
+    def meta(leaf):
+        if is_masked(leaf):
+            return _NO_MASK if static and leaf.compact_mask is None else leaf.mask
+        return leaf if _is_container(leaf) else None
+
+    return datas, [meta(leaf) for leaf in leaves], treedef
 
 
 def _rebuild(data, meta):
     if meta is None:
         return data
+    if meta is _NO_MASK:
+        return MaskedArray.tree_unflatten(None, (data, None))
     if isinstance(meta, _lookup._LookupRows):  # a row_sparse table: the rows it read
         return meta.with_data(data)
     if isinstance(meta, SparseMasked):
@@ -54,6 +69,8 @@ def _as_gradient(g, meta):
     """A gradient leaf carrying the primal's mask (or sparse indices), exactly 0 where masked."""
     if meta is None:
         return g
+    if meta is _NO_MASK:
+        return MaskedArray.tree_unflatten(None, (g, None))
     zero = jnp.zeros((), g.dtype)
     if isinstance(meta, SparseMasked):
         return meta.with_data(jnp.where(meta.block().mask, g, zero))
@@ -68,10 +85,10 @@ def _argnums_tuple(argnums, nargs):
     return tuple(a % nargs for a in nums)
 
 
-def _reader(fun, args, kwargs, argnums):
+def _reader(fun, args, kwargs, argnums, static: bool = False):
     """Data-only view of ``fun``: returns (g, diff_datas, masks, treedefs)."""
     nums = _argnums_tuple(argnums, len(args))
-    split = [_split(args[i]) for i in nums]
+    split = [_split(args[i], static) for i in nums]
 
     def g(diff_datas):
         new_args = list(args)
@@ -128,7 +145,7 @@ def value_and_grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: boo
             read, args = _lookup.substitute(fun, args, kwargs, _argnums_tuple(argnums, len(args)), row_sparse)
         else:
             read = fun
-        g, diff, masks, treedefs = _reader(read, args, kwargs, argnums)
+        g, diff, masks, treedefs = _reader(read, args, kwargs, argnums, static=True)
         (_, (value, aux)), grads = jax.value_and_grad(
             lambda d: _loss(_with_aux(g(d), has_aux)), has_aux=True, holomorphic=holomorphic)(diff)
         grads = _lookup.as_row_sparse(_grad_tree(grads, masks, treedefs, argnums))

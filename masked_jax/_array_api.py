@@ -156,7 +156,7 @@ def _triangle(keep, example_mask):
         x = as_masked(x)
         if x.ndim < 2:
             raise ValueError(f"{keep.__name__} needs at least 2 dimensions; got shape {x.shape}.")
-        return MaskedArray._from_pair(keep(x.data, k=k), x.mask)
+        return MaskedArray._from_pair(keep(x.data, k=k), x.compact_mask)
 
     return _document(tri, keep.__name__, f"``jax.numpy.{keep.__name__}``: zeros outside the kept triangle; the "
                      "mask is unchanged (a written zero is valid where the entry was: a constant never makes a "
@@ -411,7 +411,7 @@ def unique_of_valid(x, *, equal_nan: builtins.bool, index=True, inverse=True, co
     if inv is not None:
         full_inverse = np.zeros(x.size, np.asarray(inv).dtype)
         full_inverse[flat] = np.asarray(inv).ravel()
-        inv = MaskedArray._from_pair(jnp.asarray(full_inverse.reshape(x.shape)), x.mask)
+        inv = MaskedArray._from_pair(jnp.asarray(full_inverse.reshape(x.shape)), x.compact_mask)
     if first is not None:
         first = jnp.asarray(flat[np.asarray(first)], first.dtype)
     return UniqueAllResult(as_masked(values), first, inv, count)
@@ -494,7 +494,7 @@ def searchsorted(x1, x2, /, *, side: str = "left", sorter=None) -> MaskedArray:
         below = (below | (~jnp.isnan(v) & jnp.isnan(w))) if side == "left" else (below | jnp.isnan(w))
     out_dtype = jax.eval_shape(jnp.searchsorted, a.data, q.data).dtype
     pos = jnp.sum(below & a.mask[None, :], axis=1, dtype=out_dtype).reshape(q.shape)
-    return MaskedArray._from_pair(pos, q.mask)
+    return MaskedArray._from_pair(pos, q.compact_mask)
 
 
 # -- the inspection namespace -------------------------------------------------------------------

@@ -30,7 +30,7 @@ def _nan_reduction(name):
         if name in ("cumsum", "cumprod"):  # as jnp: a NaN adds (multiplies) nothing, its position stays
             x = as_masked(a)
             if jnp.issubdtype(x.dtype, jnp.inexact):
-                x = MaskedArray._from_pair(jnp.where(jnp.isnan(x.data), 0 if name == "cumsum" else 1, x.data), x.mask)
+                x = MaskedArray._from_pair(jnp.where(jnp.isnan(x.data), 0 if name == "cumsum" else 1, x.data), x.compact_mask)
             return _op(name)(x, *args, **kwargs)
         return _op(name)(_nan_masked(a), *args, **kwargs)
 
@@ -213,7 +213,7 @@ def isin(element, test_elements, invert: bool = False) -> MaskedArray:
     """
     e, t = as_masked(element), as_masked(test_elements)
     hit = jnp.any((e.data[..., None] == t.data.ravel()) & t.mask.ravel(), axis=-1)
-    return MaskedArray._from_pair(~hit if invert else hit, e.mask)
+    return MaskedArray._from_pair(~hit if invert else hit, e.compact_mask)
 
 
 def digitize(x, bins, right: bool = False) -> MaskedArray:
@@ -227,7 +227,7 @@ def digitize(x, bins, right: bool = False) -> MaskedArray:
         MaskedArray([0 2 --], dtype=int32)
     """
     x = as_masked(x)
-    return MaskedArray._from_pair(jnp.digitize(x.data, _fully_valid(bins, "digitize's bins"), right=right), x.mask)
+    return MaskedArray._from_pair(jnp.digitize(x.data, _fully_valid(bins, "digitize's bins"), right=right), x.compact_mask)
 
 
 def bincount(x, weights=None, minlength: int = 0, *, length: int | None = None) -> jax.Array:

@@ -333,6 +333,42 @@ def test_apply_updates_keeps_dtype_and_storage(dtype):
     np.testing.assert_array_equal(np.asarray(out["d"]), np.asarray(p))
 
 
+@pytest.mark.parametrize("make", [lambda: optim.lazy(optax.adam(0.1)), lambda: optim.masked_adagrad(0.1),
+                                  lambda: optax.sgd(0.1)], ids=["lazy_adam", "masked_adagrad", "optax_sgd"])
+def test_statically_valid_parameters_stay_mask_less_through_steps(make):
+    """A parameter built without a mask keeps none: its gradient, update and new value have the
+    parameter's pytree structure, so a jitted step neither retraces nor changes structure, and
+    a lax.scan over steps carries it."""
+    params = {"w": mj.as_masked(jnp.array([1.0, -2.0, 3.0])), "b": jnp.zeros(())}
+    opt = make()
+    loss = lambda p: mj.numpy.sum(p["w"] ** 2).data + p["b"] ** 2  # noqa: E731
+    traces = []
+
+    @jax.jit
+    def step(p, s):
+        traces.append(1)
+        g = mj.grad(loss)(p)
+        u, s = opt.update(g, s, p)
+        return optim.apply_updates(p, u), s
+
+    state = opt.init(params)
+    p = params
+    for _ in range(3):
+        p, state = step(p, state)
+    assert p["w"].compact_mask is None and len(traces) == 1
+    assert jax.tree_util.tree_structure(p) == jax.tree_util.tree_structure(params)
+    (p_scan, _), _ = jax.lax.scan(lambda c, _: (step(*c), None), (params, opt.init(params)), None, length=3)
+    np.testing.assert_allclose(p_scan["w"].data, p["w"].data, rtol=1e-6)
+    # the same values as the plain-array parameters (plain optax takes a mask-less one as data)
+    q = {"w": params["w"].data, "b": params["b"]}
+    qs = opt.init(q)
+    for _ in range(3):
+        q, qs = step(q, qs)
+    np.testing.assert_allclose(q["w"], p["w"].data, rtol=1e-6)
+    np.testing.assert_allclose(q["b"], p["b"], rtol=1e-6)
+    assert not np.allclose(p["w"].data, params["w"].data)  # the steps moved it
+
+
 def test_apply_updates_shape_mismatch():
     with pytest.raises(ValueError, match=r"update of shape \(3,\) for a parameter of shape \(4,\)"):
         optim.apply_updates(jnp.zeros(4), jnp.zeros(3))

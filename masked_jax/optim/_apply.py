@@ -39,6 +39,6 @@ def apply_updates(params, updates):
                              f"shape {tuple(data.shape)}; they must match.")
         v, values = view(u, coalesce=False)
         new = v.add(data, values)
-        return MaskedArray._from_pair(new, p.mask) if is_masked(p) else new
+        return MaskedArray._from_pair(new, p.compact_mask) if is_masked(p) else new
 
     return jax.tree_util.tree_map(one, params, updates, is_leaf=lambda x: x is None or is_container(x))
