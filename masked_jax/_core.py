@@ -219,7 +219,8 @@ class MaskedArray(ArrayMethods):
     def compact_mask(self) -> jax.Array:
         """The mask as stored: any shape of the data's rank that broadcasts to the data's shape,
         such as (B, L, 1) for (B, L, D) data, or ``None`` when the array is statically all valid
-        (built without a mask, or computed from such arrays by elementwise and shape ops). Rules propagate it without
+        (built without a mask, or computed from such arrays by elementwise, shape and most reduction
+        ops). Rules propagate it without
         broadcasting it (an elementwise op of two compact masks gives their broadcast), so a token
         mask costs (B, L) bools, not (B, L, D), and a statically valid array carries no mask at all.
 

@@ -230,6 +230,10 @@ def test_statically_valid_arrays_store_no_mask():
     m = mj.masked_array(a, jnp.array([True, False]))
     np.testing.assert_array_equal((x + m).mask, [[True, False], [True, False]])
     np.testing.assert_allclose(mnp.sum(x, axis=0).filled(), [10.0, 20.0])
+    for out in (mnp.sum(x, axis=0), mnp.mean(x), mnp.max(x, 1), mnp.cumsum(x, 0), mj.nn.softmax(x)):
+        assert out.compact_mask is None  # no slice is empty
+    empty = mnp.max(mj.as_masked(jnp.zeros((0, 3))), axis=0)  # empty slices have no maximum: masked
+    assert empty.compact_mask is not None and not bool(empty.mask.any())
     assert x.filled(-1) is x.data
     # a carry that gains a mask needs one from the start: jax names the mask-less carry
     with pytest.raises(TypeError, match="mask"):

@@ -34,14 +34,14 @@ def softmax(x: Pair, axis=-1) -> Pair:
     z, m, has = _shifted(x, axis)
     e = jnp.where(m, jnp.exp(z), 0)
     total = jnp.sum(e, axis=axis, keepdims=True)
-    return Pair(e / jnp.where(has, total, 1), m)
+    return Pair(e / jnp.where(has, total, 1), x.mask)  # the input's mask, compact (or None)
 
 
 def log_softmax(x: Pair, axis=-1) -> Pair:
     z, m, has = _shifted(x, axis)
     total = jnp.sum(jnp.where(m, jnp.exp(z), 0), axis=axis, keepdims=True)
     out = z - jnp.log(jnp.where(has, total, 1))
-    return Pair(jnp.where(m, out, 0), m)
+    return Pair(jnp.where(m, out, 0), x.mask)
 
 
 def softmin(x: Pair, axis=-1) -> Pair:
@@ -53,7 +53,7 @@ def normalize(x: Pair, ord=2, axis=-1, eps=1e-12) -> Pair:
     m = materialize(x.mask, jnp.shape(x.data))
     n = norm(Pair(x.data, m), ord=ord, axis=axis, keepdims=True)
     data = fill(x.data, m, 0)
-    return Pair(data / jnp.maximum(n.data, eps), m)
+    return Pair(data / jnp.maximum(n.data, eps), x.mask)
 
 
 # -- segment kernels (BCOO-backed arrays, along an axis) -------------------------------------------

@@ -370,13 +370,28 @@ def _seg_mean(g, v, dtype=None):
 
 
 # -- registry -----------------------------------------------------------------------------------
+def _static_valid(rule):
+    """``rule`` for an op whose output is valid iff its slice has a valid entry: a statically valid
+    operand (no mask) with no zero-size axis (so no empty slice) gives a statically valid output."""
+    @functools.wraps(rule)
+    def wrapped(x: Pair, *args, **kwargs) -> Pair:
+        out = rule(x, *args, **kwargs)
+        return Pair(out.data, None) if x.mask is None and jnp.size(x.data) > 0 else out
+
+    return wrapped
+
+
 def _fn(name, jax_fn, rule, *, methods=(), primitives=(), segment=None, signature=None, **kw):
     sig = signature or signature_of(jax_fn, drop=("out_sharding",))
+    if name in _SLICE_VALID:
+        rule = _static_valid(rule)
     return register(OpSpec(name=name, family="reductions", rule=rule, signature=sig,
                            operands=(next(iter(sig.parameters)),), methods=methods, primitives=primitives,
                            segment=segment, fn=jax_fn, jax_name=kw.pop("jax_name", f"jnp.{name}"), **kw))
 
 
+_SLICE_VALID = {"sum", "prod", "mean", "max", "min", "ptp", "argmax", "argmin", "any", "all", "logsumexp",
+                "logmeanexp", "cumsum", "cumprod"}
 _fn("count", None, count, returns="array", signature=rule_signature(count), methods=("count",),
     jax_name="numpy.ma.count", summary="Number of valid elements (a plain integer array).",
     example=("x = mj.masked_array(jnp.ones((2, 2)), jnp.array([[True, False], [True, True]]))",
