@@ -151,7 +151,8 @@ class MaskedArray(ArrayMethods):
     Masked-out data is unspecified: no result and no gradient depends on it.
     Build one with :func:`masked_array` or :func:`as_masked`. It is a pytree
     with children ``(data, mask)``, so it flows through ``jit``, ``vmap``,
-    ``scan`` and ``grad(..., allow_int=True)``.
+    ``scan`` and ``grad(..., allow_int=True)``; built without a mask it is
+    statically valid and its mask child is ``None`` (see :attr:`compact_mask`).
 
     Examples:
         >>> import jax.numpy as jnp, masked_jax as mj
