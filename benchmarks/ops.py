@@ -1,4 +1,6 @@
-"""Masked softmax / sum / mean on a (4096, 1024) float32 array with a ~50% random mask.
+"""Masked softmax / sum / mean on a (4096, 1024) float32 array with a ~50% random mask, and a
+vmapped masked matmul (attention weights times values: (B, L, L) @ (B, L, 32) per example, masks
+varying along the contracted keys, B = 32, L = 128) against the zero-filled ``jnp.matmul``.
 
 Compared with hand-written ``jnp.where`` code under jit, ``numpy.ma``, and torch's
 ``torch.masked`` (MaskedTensor and the functional ``torch.masked.*``). Prints medians
@@ -55,6 +57,9 @@ mj_softmax = jax.jit(lambda x: mnn.softmax(x, axis=-1))
 mj_sum = jax.jit(lambda x: mnp.sum(x, axis=-1))
 mj_mean = jax.jit(lambda x: mnp.mean(x, axis=-1))
 mj_grad = jax.jit(jax.grad(lambda d, m, w: mnp.sum(mnn.softmax(mj.masked_array(d, m), axis=-1) * w).data))
+# per-example attention weights @ values under vmap (the masks vary along the contracted keys)
+mj_vmatmul = jax.jit(jax.vmap(mnp.matmul))
+where_vmatmul = jax.jit(jax.vmap(lambda p, pm, v, vm: jnp.matmul(jnp.where(pm, p, 0.0), jnp.where(vm, v, 0.0))))
 
 
 def numpy_ma_impls(a):
@@ -119,6 +124,16 @@ def main(argv=None):
         if t_grad:
             impls["MaskedTensor"] = t_grad
         rows["grad softmax-sum"] = interleaved_medians(impls, rounds=repeats)
+        batch, length = (4, 32) if args.quick else (32, 128)
+        keys = rng.random((batch, 1, length)) > 0.3
+        p = mj.masked_array(jnp.asarray(rng.random((batch, length, length)), jnp.float32), jnp.asarray(keys))
+        v = mj.masked_array(jnp.asarray(rng.normal(size=(batch, length, 32)), jnp.float32),
+                            jnp.asarray(np.swapaxes(keys, 1, 2)))
+        np.testing.assert_allclose(np.asarray(mj_vmatmul(p, v).filled(0)),
+                                   np.asarray(where_vmatmul(p.data, p.mask, v.data, v.mask)), rtol=1e-5, atol=1e-5)
+        rows["vmapped matmul"] = interleaved_medians(
+            {"masked_jax": lambda: mj_vmatmul(p, v), "jnp.where": lambda: where_vmatmul(p.data, p.mask, v.data, v.mask)},
+            rounds=repeats)
     for res in rows.values():
         for name in ("masked_jax", "jnp.where", "numpy.ma", "MaskedTensor", "torch.masked.*"):
             res.setdefault(name, None)

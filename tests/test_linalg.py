@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -90,3 +91,42 @@ def test_matrix_norms(ord):
         ref = (sums.max(axis=1) if ord in (1, np.inf) else sums.min(axis=1)).filled()
     np.testing.assert_allclose(np.asarray(got.data), ref, rtol=1e-10)
     assert bool(jnp.all(got.mask))
+
+
+def test_the_exact_value_conditional_stays_a_conditional_under_vmap():
+    """jax.vmap turns a conditional with a batched predicate into a select of both branches; the
+    contraction's exact-value branch (valid inf or NaN meeting masked entries) must not run on every
+    call of a vmapped function, and must still give the exact result when it is needed: nested
+    vmaps, unbatched operands, jit, gradients and scan included."""
+    rng = np.random.default_rng(3)
+    a_data, b_data = rng.normal(size=(4, 6, 5)), rng.normal(size=(4, 5, 3))
+    a_mask, b_mask = rng.random((4, 6, 5)) > 0.3, rng.random((4, 5, 3)) > 0.3
+    a_data[0, 1, 2], a_mask[0, 1, 2] = np.inf, True  # a valid inf meets masked entries of b
+    b_mask[0, 2, :] = [True, False, False]
+    a = mj.masked_array(jnp.asarray(a_data), jnp.asarray(a_mask))
+    b = mj.masked_array(jnp.asarray(b_data), jnp.asarray(b_mask))
+    mm = jax.vmap(mnp.matmul)
+    want = mnp.matmul(a, b)  # batched matmul, no vmap: a plain conditional
+    row = np.asarray(want.filled(0))[0, 1]
+    assert np.isinf(row[0]) and np.isfinite(row[1:]).all()  # zero-filling alone gives NaN at row[1:]
+    assert np.isnan(np.asarray(jnp.matmul(a.filled(0), b.filled(0)))[0, 1, 1:]).all()
+
+    def same(got, ref):
+        np.testing.assert_array_equal(np.asarray(got.mask), np.asarray(ref.mask))
+        np.testing.assert_array_equal(np.asarray(got.filled(0)), np.asarray(ref.filled(0)))
+
+    assert "cond" in str(jax.make_jaxpr(mm)(a, b))
+    same(mm(a, b), want)
+    same(jax.jit(mm)(a, b), want)
+    split = lambda x: mj.masked_array(x.data.reshape((2, 2) + x.shape[1:]), x.mask.reshape((2, 2) + x.shape[1:]))  # noqa: E731
+    nested = jax.vmap(jax.vmap(mnp.matmul))
+    assert "cond" in str(jax.make_jaxpr(nested)(split(a), split(b)))
+    out = jax.jit(nested)(split(a), split(b))
+    same(mj.masked_array(out.data.reshape(want.shape), out.mask.reshape(want.shape)), want)
+    same(jax.jit(jax.vmap(lambda x: mnp.matmul(x, b[0])))(a), mnp.matmul(a, b[0]))  # unbatched right
+    same(jax.jit(jax.vmap(lambda y: mnp.matmul(a[0], y)))(b), mnp.matmul(a[0], b))  # unbatched left
+    same(jax.jit(lambda x, y: jax.lax.scan(lambda c, xy: (c, mnp.matmul(*xy)), 0.0, (x, y))[1])(a, b), want)
+    finite = mj.masked_array(jnp.where(jnp.isinf(a.data), 1.0, a.data), a.mask)
+    loss = lambda f: lambda x: mnp.sum(f(x, b) ** 2).data  # noqa: E731
+    np.testing.assert_allclose(jax.jit(mj.grad(loss(mm)))(finite).filled(0),
+                               mj.grad(loss(mnp.matmul))(finite).filled(0), rtol=1e-12)

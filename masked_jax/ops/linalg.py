@@ -10,7 +10,7 @@ A masked term never contributes, whatever it holds, and a *valid* ``inf`` or NaN
 in ``jax.numpy``. Zero-filling alone breaks the second rule: a valid ``inf`` meeting a masked
 entry would form ``inf * 0 = NaN``. The zero-filled contraction is exact wherever it is finite,
 so when an entry of it is not (checked at run time: ``lax.cond`` under a transform, a Python
-branch eagerly), the finite terms are contracted as above and the non-finite ones are counted by
+branch eagerly; under ``vmap`` one test for the whole batch, so the conditional stays one), the finite terms are contracted as above and the non-finite ones are counted by
 sign (a loop of contractions of indicator arrays; it costs about 0.2 s more compile time per
 program on CPU, paid under ``jit``): an output with a NaN term (a valid NaN, or a valid ``inf``
 times a valid 0) or with both ``+inf`` and ``-inf`` terms is NaN, else one with an infinite term
@@ -77,7 +77,31 @@ def _contract_data(fn, operands, **kwargs):
 def _exact_value(fn, fast, nonfinite, a, b, va, vb):
     """``fast`` (the zero-filled contraction), or the exact contraction when a valid entry is not
     finite; its tangent is ``fast``'s."""
-    return jax.lax.cond(nonfinite, lambda: _with_nonfinite(fn, {}, a, b, va, vb), lambda: fast)
+    return guarded(lambda *ops: _with_nonfinite(fn, {}, *ops), nonfinite, fast, a, b, va, vb)
+
+
+def guarded(exact, pred, fast, *operands):
+    """``lax.cond(pred, lambda: exact(*operands), lambda: fast)`` that stays a conditional under
+    ``vmap``. ``jax.vmap`` turns a conditional with a batched predicate into a ``select`` of both
+    branches, so the exact branch would run on every call of a vmapped model (equinox's usual
+    form); here a batched predicate is or-ed over the batch instead, and ``exact`` runs, vmapped,
+    for the whole batch or not at all. That is exact because ``exact`` equals ``fast`` wherever
+    ``fast`` is finite. Nested ``vmap``s recurse."""
+    @jax.custom_batching.custom_vmap
+    def pick(pred, fast, *ops):
+        return jax.lax.cond(pred, lambda: exact(*ops), lambda: fast)
+
+    @pick.def_vmap
+    def _batched(axis_size, in_batched, pred, fast, *ops):
+        pred_batched, fast_batched, *ops_batched = in_batched
+        if pred_batched:
+            pred = jnp.any(pred)
+        if not fast_batched:
+            fast = jnp.broadcast_to(fast, (axis_size,) + jnp.shape(fast))
+        exact_batched = jax.vmap(exact, in_axes=tuple(0 if x else None for x in ops_batched), axis_size=axis_size)
+        return guarded(exact_batched, pred, fast, *ops), True
+
+    return pick(pred, fast, *operands)
 
 
 @_exact_value.defjvp
