@@ -66,8 +66,10 @@ def fully_valid_data(x, what: str, why: str):
     ``why`` a masked entry has no meaning there."""
     if isinstance(x, _layouts.SparseMasked):
         x = x.todense()
-    if not isinstance(x, MaskedArray) or x.compact_mask is None:
-        return x.data if isinstance(x, MaskedArray) else x
+    if not isinstance(x, MaskedArray):
+        return x
+    if x.compact_mask is None:  # statically valid
+        return x.data
     try:
         all_valid = bool(np.asarray(x.mask).all())
     except jax.errors.TracerArrayConversionError:
@@ -220,10 +222,10 @@ class MaskedArray(ArrayMethods):
     def compact_mask(self) -> jax.Array:
         """The mask as stored: any shape of the data's rank that broadcasts to the data's shape,
         such as (B, L, 1) for (B, L, D) data, or ``None`` when the array is statically all valid
-        (built without a mask, or computed from such arrays by elementwise, shape and most reduction
-        ops). Rules propagate it without
-        broadcasting it (an elementwise op of two compact masks gives their broadcast), so a token
-        mask costs (B, L) bools, not (B, L, D), and a statically valid array carries no mask at all.
+        (built without a mask, or computed from such arrays by elementwise, shape and most
+        reduction ops). Rules propagate it without broadcasting it (an elementwise op of two
+        compact masks gives their broadcast), so a token mask costs (B, L) bools, not (B, L, D),
+        and a statically valid array carries no mask at all.
 
         ``None`` is part of the pytree structure (a ``MaskedArray`` without a mask has one leaf,
         its data), as ``None`` fields are in flax and equinox. A ``lax.scan`` carry or the branches
@@ -358,7 +360,7 @@ class MaskedArray(ArrayMethods):
 
     def _repr_html_(self):
         """The notebook view: a table of the values, masked entries shown as ``--`` on grey."""
-        if _is_tracer(self._data) or _is_tracer(self._mask) or self.mask.dtype != jnp.bool_:
+        if _is_tracer(self._data) or _is_tracer(self._mask) or (self._mask is not None and self._mask.dtype != jnp.bool_):
             return f"<pre>{html.escape(repr(self))}</pre>"
         return html_table(np.asarray(self._data), np.asarray(self.mask), f"MaskedArray {self.dtype}"
                           f"[{', '.join(map(str, self.shape))}], {int(np.asarray(self.mask).sum())} valid")

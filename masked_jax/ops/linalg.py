@@ -10,12 +10,12 @@ A masked term never contributes, whatever it holds, and a *valid* ``inf`` or NaN
 in ``jax.numpy``. Zero-filling alone breaks the second rule: a valid ``inf`` meeting a masked
 entry would form ``inf * 0 = NaN``. The zero-filled contraction is exact wherever it is finite,
 so when an entry of it is not (checked at run time: ``lax.cond`` under a transform, a Python
-branch eagerly; under ``vmap`` one test for the whole batch, so the conditional stays one), the finite terms are contracted as above and the non-finite ones are counted by
-sign (a loop of contractions of indicator arrays; it costs about 0.2 s more compile time per
-program on CPU, paid under ``jit``): an output with a NaN term (a valid NaN, or a valid ``inf``
-times a valid 0) or with both ``+inf`` and ``-inf`` terms is NaN, else one with an infinite term
-is that infinity, as IEEE sums are. Complex operands take this rule by their real and imaginary
-parts.
+branch eagerly; under ``vmap`` one test for the whole batch, so the conditional stays one), the
+finite terms are contracted as above and the non-finite ones are counted by sign (a loop of
+contractions of indicator arrays; it costs about 0.2 s more compile time per program on CPU, paid
+under ``jit``): an output with a NaN term (a valid NaN, or a valid ``inf`` times a valid 0) or
+with both ``+inf`` and ``-inf`` terms is NaN, else one with an infinite term is that infinity, as
+IEEE sums are. Complex operands take this rule by their real and imaginary parts.
 """
 
 from __future__ import annotations
@@ -77,10 +77,10 @@ def _contract_data(fn, operands, **kwargs):
 def _exact_value(fn, fast, nonfinite, a, b, va, vb):
     """``fast`` (the zero-filled contraction), or the exact contraction when a valid entry is not
     finite; its tangent is ``fast``'s."""
-    return guarded(lambda *ops: _with_nonfinite(fn, {}, *ops), nonfinite, fast, a, b, va, vb)
+    return _guarded(lambda *ops: _with_nonfinite(fn, {}, *ops), nonfinite, fast, a, b, va, vb)
 
 
-def guarded(exact, pred, fast, *operands):
+def _guarded(exact, pred, fast, *operands):
     """``lax.cond(pred, lambda: exact(*operands), lambda: fast)`` that stays a conditional under
     ``vmap``. ``jax.vmap`` turns a conditional with a batched predicate into a ``select`` of both
     branches, so the exact branch would run on every call of a vmapped model (equinox's usual
@@ -99,7 +99,7 @@ def guarded(exact, pred, fast, *operands):
         if not fast_batched:
             fast = jnp.broadcast_to(fast, (axis_size,) + jnp.shape(fast))
         exact_batched = jax.vmap(exact, in_axes=tuple(0 if x else None for x in ops_batched), axis_size=axis_size)
-        return guarded(exact_batched, pred, fast, *ops), True
+        return _guarded(exact_batched, pred, fast, *ops), True
 
     return pick(pred, fast, *operands)
 
