@@ -30,8 +30,24 @@ EXPECTED = {  # text each notebook must print, and how many figures it must draw
 
 
 @pytest.fixture(scope="module")
-def site(tmp_path_factory):
-    out = tmp_path_factory.mktemp("site")
+def site(tmp_path_factory, worker_id):
+    """The built site. Under pytest-xdist the workers share one build (the session's temporary
+    directory, under a lock): the build executes every notebook, a minute of the machine's time."""
+    if worker_id == "master":
+        return _build(tmp_path_factory.mktemp("site"))
+    import fcntl
+
+    shared = tmp_path_factory.getbasetemp().parent  # this session's, above each worker's own
+    out = shared / "docs_site"
+    with open(shared / "docs_site.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (out / "built").exists():
+            _build(out)
+            (out / "built").touch()
+    return out
+
+
+def _build(out):
     env = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))
     env.pop("MPLBACKEND", None)  # the notebooks' kernels draw with Jupyter's inline backend
     run = subprocess.run([sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-b", "html",

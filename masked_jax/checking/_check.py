@@ -208,12 +208,20 @@ def check_jacobian(f, args, *, semantics="both", modes=("fwd", "rev"), eps=None,
     notes += [f"output {s} skipped" for s in entry.skipped]
     raw = jax.device_get(raw)
     checks = _compare(raw, leaves, names, sems, run_modes, fast, atol, rtol, _roundoff(dtype, eps))
-    if any(c.near_miss for c in checks):  # a derivative just off the finite differences: estimate their
-        # error (steps eps and 2 eps: twice the work, so only where a check would fail without it, by at
-        # most NEAR_MISS times its tolerance; no step error of a smooth function is larger)
-        estimated, est_operands = _compiled(f, call, treedef, leaves, static, sems, run_modes, fast, eps, values,
-                                            consts, leak_probes, richardson=True)
-        raw = jax.device_get(estimated(est_operands, seed, compile))
+    # A second run where the first one calls for it: for a derivative just off the finite differences,
+    # their error estimate (steps eps and 2 eps: twice the work, so only where a check would fail
+    # without it, by at most NEAR_MISS times its tolerance; no step error of a smooth function is
+    # larger); for a failed masked check in full mode, the leak map that locates the leak (an
+    # evaluation and a Jacobian per input element, paid by failing checks only: the probes, the
+    # random fills and the perturbed masked-out elements have already found the leak).
+    near = any(c.near_miss for c in checks)
+    locate = (not fast and leak_probes and "masked" in sems and not all(lf.spec.all() for lf in leaves)
+              and any(c.semantics == "masked" and not c.passed for c in checks))
+    if near or locate:  # the map alone is a small program; with the estimate, the whole check again
+        second, second_operands = _compiled(f, call, treedef, leaves, static, sems, run_modes, fast, eps, values,
+                                            consts, leak_probes, richardson=near,
+                                            leak_map=locate if near or not locate else "only")
+        raw = {**raw, **jax.device_get(second(second_operands, seed, compile))}
         checks = _compare(raw, leaves, names, sems, run_modes, fast, atol, rtol, _roundoff(dtype, eps))
     report = JacobianReport(checks=checks, semantics=sems, backend=jax.default_backend(), dtype=dtype.name,
                             eps=eps, atol=atol, rtol=rtol, fast=fast, notes=notes)
@@ -359,7 +367,7 @@ def wait_for_compiles():
 
 
 def _compiled(f, call, treedef, leaves, static, sems, modes, fast, eps, values, consts, probes=True,
-              richardson=False):
+              richardson=False, leak_map=False):
     """The cached :class:`_Entry` of this check and the operands to call it with.
 
     Two keys find it: the function object with the input pattern (no tracing: a repeated check),
@@ -372,7 +380,7 @@ def _compiled(f, call, treedef, leaves, static, sems, modes, fast, eps, values, 
     (:func:`_structure_key`). Either way a different custom derivative rule shows in the VJP's
     jaxpr, so it does not share a check.
     """
-    config = (treedef, tuple(leaves), sems, modes, fast, eps, probes, richardson)
+    config = (treedef, tuple(leaves), sems, modes, fast, eps, probes, richardson, leak_map)
     try:
         key = (f, tuple(static)) + config
         hash(key)
@@ -409,12 +417,12 @@ def _compiled(f, call, treedef, leaves, static, sems, modes, fast, eps, values, 
             def run(ops, seed, jaxpr=jaxpr, plain=plain):
                 vals, cs, lv, specs = ops
                 return _run(_jaxpr_evaluator(jaxpr, lv, specs, cs, plain), generic, names, sems, modes, fast, eps,
-                            vals, specs, specified, seed, probes, richardson)
+                            vals, specs, specified, seed, probes, richardson, leak_map)
         else:
             def run(ops, seed):
                 vals, cs = ops
                 return _run(_evaluator(call, names, cs), leaves, names, sems, modes, fast, eps, vals, None,
-                            specified, seed, probes, richardson)
+                            specified, seed, probes, richardson, leak_map)
 
         entry = _Entry(run, names, skipped, shapes)
     for k in (key, skey):
@@ -641,13 +649,15 @@ def _random_fills(specs, values, key, lo, hi):
 
 
 def _run(evaluate, leaves, names, sems, modes, fast, eps, vals, specs, specified, seed, probes=True,
-         richardson=False):
+         richardson=False, leak_map=False):
     """Everything numerical and analytical, as arrays (traced once under jit).
 
     ``evaluate(values, extras)``: ``f``'s flat outputs and whether they are plain arrays (see
     :func:`_evaluator`). ``specs``: the inputs' patterns of specified elements (operands of a lifted
     check, whose ``leaves`` hold none), or ``None`` for the leaves' own. ``specified``: every
-    element of every input is specified.
+    element of every input is specified. ``richardson``: the finite differences' error estimate;
+    ``leak_map``: the leak map (full mode, masked semantics with probes), ``"only"``: nothing else;
+    both for a second run.
     """
     n = len(leaves)
     vals = [v.astype(leaf.dtype).ravel() for leaf, v in zip(leaves, vals)]
@@ -666,6 +676,9 @@ def _run(evaluate, leaves, names, sems, modes, fast, eps, vals, specs, specified
         plain.append(is_plain)
         return vectors
 
+    if leak_map == "only":  # at the fills, as in the whole check (the same seed)
+        base = [e[0] for e in jax.vmap(lambda vs: outputs(vs, [None] * n))([f[None] for f in fills])]
+        return {"leak_map": [_leak_map(outputs, specs, fills, base, modes, i) for i in range(n)]}
     points = [fills] if specified else [fills, alts] + ([vals] if "dense" in sems else [])
     evals = jax.vmap(lambda vs: outputs(vs, [None] * n))([jnp.stack(p) for p in zip(*points)])  # one batch
     base_m, alt_m = ([e[min(j, len(points) - 1)] for e in evals] for j in (0, 1))
@@ -676,7 +689,7 @@ def _run(evaluate, leaves, names, sems, modes, fast, eps, vals, specs, specified
     out["mask_changed"] = jnp.any(base_m[2] != alt_m[2])
     if "masked" in sems and probes and not specified:
         out["probes"] = _probes(outputs, leaves, specs, fills, base_m, modes, jax.random.fold_in(rng, n + 1))
-        if not fast:
+        if leak_map and not fast:
             out["leak_map"] = [_leak_map(outputs, specs, fills, base_m, modes, i) for i in range(n)]
     for i, leaf in enumerate(leaves):
         for sem in sems:
