@@ -25,11 +25,13 @@ settings.load_profile("default")
 
 
 # The compile-bound suites (the conformance harness, the property tests, the model and autodiff
-# tests) check semantics, not speed: they compile with XLA's optimization passes off, which made the
-# layouts checks about a sixth faster. MJ_XLA_OPTIMIZE=1 compiles them as users do, with every pass on.
+# tests, the Jacobian checker's and the embeddings' tests) check semantics, not speed: they compile
+# with XLA's optimization passes off, which made the layouts checks about a sixth faster and the
+# checker's a quarter. MJ_XLA_OPTIMIZE=1 compiles them as users do, with every pass on.
 _FAST_COMPILE = {"test_conformance.py", "test_differential.py", "test_layouts.py", "test_real_models.py", "test_ad.py",
                  "test_registry.py", "test_linalg.py", "test_transform.py", "test_maskify_coverage.py",
-                 "test_regressions.py", "test_array_api.py", "test_tree.py", "test_nn.py", "test_numpy_ma.py"}
+                 "test_regressions.py", "test_array_api.py", "test_tree.py", "test_nn.py", "test_numpy_ma.py",
+                 "test_checking.py", "test_invariance.py", "test_bags.py", "test_tables.py", "test_lookup.py"}
 
 
 @pytest.fixture(autouse=True)
