@@ -378,9 +378,18 @@ def test_the_leak_map_locates_every_leak_in_text_html_and_plot():
     assert "leak map" in html and "class='mj-leak'" in html
     fig = report.plot()
     assert fig.axes[0].get_legend().get_texts()[0].get_text() == "leak"
-    # a correct function has an empty map
+    # a correct function has an empty map, and no program that takes one ran for it: the map (an
+    # evaluation and a Jacobian per input element) is a second run, for failed masked checks only
+    from masked_jax.checking import _check
+
+    _check._CACHE.clear()
     ok = mj.check_jacobian(lambda v: mnp.sum(mnp.exp(v)), (_X,), semantics="masked", fast=False)
     assert all(not c.leak_map and not c.leak_cells.any() for c in ok.checks)
+    assert _check._CACHE and not any(key[-1] for key in _check._CACHE)
+    leaky = mj.check_jacobian(LEAKY["nan_times_zero"][0], (_X,), semantics="masked", fast=False,
+                              raise_exception=False)
+    assert leaky.failures()[0].leak_map
+    assert any(key[-1] == "only" for key in _check._CACHE)
 
 
 @pytest.mark.parametrize("fast", [False, True], ids=["tables", "projections"])
