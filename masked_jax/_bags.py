@@ -161,11 +161,14 @@ class Bag:
             pooled = jnp.sum(rows * w[expand], axis=axis)
         kinds = [b.combiner for b in bags]
         if any(k != "sum" for k in kinds):
-            norms = {"mean": lambda: jnp.sum(w, axis=axis), "sqrtn": lambda: jnp.sqrt(jnp.sum(w * w, axis=axis))}
-            norms = {k: f() for k, f in norms.items() if k in kinds}
-            norm = jnp.stack([norms[k][t] if k in norms else jnp.ones(w.shape[1:-1], w.dtype)
-                              for t, k in enumerate(kinds)])
-            needs = np.array([k != "sum" for k in kinds]).reshape((-1,) + (1,) * (norm.ndim - 1))
+            shape = (-1,) + (1,) * (w.ndim - 2)  # per bag of the group, over its ids' batch dims
+            norm = jnp.ones(w.shape[:-1], w.dtype)
+            if "mean" in kinds:
+                norm = jnp.where(np.array([k == "mean" for k in kinds]).reshape(shape), jnp.sum(w, axis=axis), norm)
+            if "sqrtn" in kinds:
+                norm = jnp.where(np.array([k == "sqrtn" for k in kinds]).reshape(shape),
+                                 jnp.sqrt(jnp.sum(w * w, axis=axis)), norm)
+            needs = np.array([k != "sum" for k in kinds]).reshape(shape)
             valid = valid & ((norm != 0) | ~needs)
             pooled = pooled / jnp.where(valid, norm, 1)[expand]
         pooled = jnp.where(valid[expand], pooled, 0)
