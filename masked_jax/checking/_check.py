@@ -220,7 +220,7 @@ def check_jacobian(f, args, *, semantics="both", modes=("fwd", "rev"), eps=None,
     if near or locate:  # the map alone is a small program; with the estimate, the whole check again
         second, second_operands = _compiled(f, call, treedef, leaves, static, sems, run_modes, fast, eps, values,
                                             consts, leak_probes, richardson=near,
-                                            leak_map=locate if near or not locate else "only")
+                                            leak_map="only" if locate and not near else locate)
         raw = {**raw, **jax.device_get(second(second_operands, seed, compile))}
         checks = _compare(raw, leaves, names, sems, run_modes, fast, atol, rtol, _roundoff(dtype, eps))
     report = JacobianReport(checks=checks, semantics=sems, backend=jax.default_backend(), dtype=dtype.name,
