@@ -162,12 +162,10 @@ class Bag:
         kinds = [b.combiner for b in bags]
         if any(k != "sum" for k in kinds):
             shape = (-1,) + (1,) * (w.ndim - 2)  # per bag of the group, over its ids' batch dims
-            norm = jnp.ones(w.shape[:-1], w.dtype)
-            if "mean" in kinds:
-                norm = jnp.where(np.array([k == "mean" for k in kinds]).reshape(shape), jnp.sum(w, axis=axis), norm)
-            if "sqrtn" in kinds:
-                norm = jnp.where(np.array([k == "sqrtn" for k in kinds]).reshape(shape),
-                                 jnp.sqrt(jnp.sum(w * w, axis=axis)), norm)
+            norms = {"mean": lambda: jnp.sum(w, axis=axis), "sqrtn": lambda: jnp.sqrt(jnp.sum(w * w, axis=axis))}
+            norm = jnp.ones(w.shape[:-1], w.dtype)  # picked per bag by one where (a stack of slices is slow)
+            for kind in (k for k in norms if k in kinds):
+                norm = jnp.where(np.array([k == kind for k in kinds]).reshape(shape), norms[kind](), norm)
             needs = np.array([k != "sum" for k in kinds]).reshape(shape)
             valid = valid & ((norm != 0) | ~needs)
             pooled = pooled / jnp.where(valid, norm, 1)[expand]

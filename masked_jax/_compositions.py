@@ -30,7 +30,8 @@ def _nan_reduction(name):
         if name in ("cumsum", "cumprod"):  # as jnp: a NaN adds (multiplies) nothing, its position stays
             x = as_masked(a)
             if jnp.issubdtype(x.dtype, jnp.inexact):
-                x = MaskedArray._from_pair(jnp.where(jnp.isnan(x.data), 0 if name == "cumsum" else 1, x.data), x.compact_mask)
+                x = MaskedArray._from_pair(jnp.where(jnp.isnan(x.data), 0 if name == "cumsum" else 1, x.data),
+                                           x.compact_mask)
             return _op(name)(x, *args, **kwargs)
         return _op(name)(_nan_masked(a), *args, **kwargs)
 
@@ -227,7 +228,8 @@ def digitize(x, bins, right: bool = False) -> MaskedArray:
         MaskedArray([0 2 --], dtype=int32)
     """
     x = as_masked(x)
-    return MaskedArray._from_pair(jnp.digitize(x.data, _fully_valid(bins, "digitize's bins"), right=right), x.compact_mask)
+    out = jnp.digitize(x.data, _fully_valid(bins, "digitize's bins"), right=right)
+    return MaskedArray._from_pair(out, x.compact_mask)
 
 
 def bincount(x, weights=None, minlength: int = 0, *, length: int | None = None) -> jax.Array:

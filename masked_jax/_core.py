@@ -360,7 +360,8 @@ class MaskedArray(ArrayMethods):
 
     def _repr_html_(self):
         """The notebook view: a table of the values, masked entries shown as ``--`` on grey."""
-        if _is_tracer(self._data) or _is_tracer(self._mask) or (self._mask is not None and self._mask.dtype != jnp.bool_):
+        odd_mask = self._mask is not None and self._mask.dtype != jnp.bool_  # a tangent's float0, a mapped mask
+        if _is_tracer(self._data) or _is_tracer(self._mask) or odd_mask:
             return f"<pre>{html.escape(repr(self))}</pre>"
         return html_table(np.asarray(self._data), np.asarray(self.mask), f"MaskedArray {self.dtype}"
                           f"[{', '.join(map(str, self.shape))}], {int(np.asarray(self.mask).sum())} valid")

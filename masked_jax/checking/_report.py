@@ -20,13 +20,14 @@ class Check:
     twelve ``(input index, output index, kinds)``, a masked-out input element and the valid output
     it reaches, by its value (the output moves when that element alone is NaN), its gradient (a
     Jacobian entry with NaN under the masks is not 0) or numerically (perturbing it moves the
-    output); ``leak_cells`` is the whole map as an (outputs x inputs) array of those kinds as bits
-    1, 2 and 4 (the value and gradient kinds are taken when a masked check failed). ``fd_error`` is the largest Richardson estimate of the finite differences' own
-    error (from steps eps and 2 eps; twice it is added to each entry's tolerance), taken when a
-    derivative would fail without it by at most 100 tolerances (``None`` otherwise; ``near_miss``
-    says such a failure); ``mismatch`` says a derivative failed (not only a leak), and ``reason``
-    says in words why a failing check failed. ``diff`` is ``|numerical - analytical|`` (outputs x inputs, NaN
-    where not compared), full mode only.
+    output); ``leak_cells`` is the whole map as an (outputs x inputs) array of those kinds as
+    bits 1, 2 and 4 (the value and gradient kinds are taken when a masked check failed).
+    ``fd_error`` is the largest Richardson estimate of the finite differences' own error (from
+    steps eps and 2 eps; twice it is added to each entry's tolerance), taken when a derivative
+    would fail without it by at most 100 tolerances (``None`` otherwise; ``near_miss`` says such
+    a failure); ``mismatch`` says a derivative failed (not only a leak), and ``reason`` says in
+    words why a failing check failed. ``diff`` is ``|numerical - analytical|`` (outputs x
+    inputs, NaN where not compared), full mode only.
     """
 
     input: str
