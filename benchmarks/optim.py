@@ -54,6 +54,16 @@ LR = 1e-2
 REUSE_MEMORY_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(4 * 2**30)}
 
 
+def reusing_memory(requested: bool, script: str, argv) -> bool:
+    """Is glibc's malloc keeping freed memory (``REUSE_MEMORY_ENV``)? When ``requested`` and it is
+    not, re-execute ``script`` with it (malloc reads its tunables at process start)."""
+    reuse = all(os.environ.get(k) == v for k, v in REUSE_MEMORY_ENV.items())
+    if requested and not reuse:
+        os.execve(sys.executable, [sys.executable, os.path.abspath(script), *(argv or sys.argv[1:])],
+                  {**os.environ, **REUSE_MEMORY_ENV})
+    return reuse
+
+
 def copy_bandwidth(nbytes=None, repeats=7):
     """Bytes per second of a large array copy (one read plus one write per byte copied).
 
@@ -208,10 +218,7 @@ def main(argv=None):
     parser.add_argument("--reuse-memory", action="store_true",
                         help="rerun under a glibc malloc that keeps freed memory (see the module notes)")
     args = parser.parse_args(argv)
-    reuse = all(os.environ.get(k) == v for k, v in REUSE_MEMORY_ENV.items())
-    if args.reuse_memory and not reuse:  # malloc reads its tunables at process start: re-execute
-        os.execve(sys.executable, [sys.executable, os.path.abspath(__file__), *(argv or sys.argv[1:])],
-                  {**os.environ, **REUSE_MEMORY_ENV})
+    reuse = reusing_memory(args.reuse_memory, __file__, argv)
     sizes = (20_000, 200_000) if args.quick else (200_000, 2_000_000)
     ks = (1_000, 10_000) if args.quick else (1_000, 10_000, 100_000)
     check_hand_steps()

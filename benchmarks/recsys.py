@@ -7,7 +7,9 @@ a logistic loss, Adam (lr 1e-2) on everything. One jitted training step (forward
 optimizer update, parameters and state donated) of
 
 * ``mj_stacked``: ``mj.stack_tables`` + ``TableStack.embedding_bag`` (one gather for all tables),
-  ``make_train_step(lazy(adam), row_sparse=...)``;
+  ``make_train_step(lazy(adam), row_sparse=...)`` (the table updated in chunks of 8192 rows);
+* ``mj_stacked_one_call``: the same with ``chunk_rows=None`` (one update of every slot the
+  gradient stores);
 * ``mj_separate``: 8 tables, 8 ``mj.embedding_bag`` calls, the same step;
 * ``mj_one_table``: the cost bound of stacking: one table of the same total rows, read by one
   ``mj.embedding_bag`` call with the same ids (all bags of all tables in one padded id array);
@@ -29,7 +31,10 @@ GB/s of the bytes it must touch (gradient rows read; parameter, mu and nu rows r
 against the copy bandwidth measured in the same run. Prints tables of medians and ratios and
 saves ``benchmarks/results/recsys.png``.
 
-Run: ``.venv/bin/python benchmarks/recsys.py`` (``--quick``: tables 100x smaller, batch 128).
+Run: ``.venv/bin/python benchmarks/recsys.py`` (``--quick``: tables 100x smaller, batch 128;
+``--reuse-memory``: rerun under a glibc malloc that keeps freed memory, as in ``optim.py``: XLA:CPU
+takes every step's temporaries as one fresh block, whose pages fault on first touch, where torch
+reuses its heap).
 """
 
 from __future__ import annotations
@@ -46,8 +51,9 @@ import optax
 sys.path.insert(0, os.path.dirname(__file__))
 import masked_jax as mj  # noqa: E402
 from masked_jax import optim  # noqa: E402
+from masked_jax.optim._chunked import chunked_update  # noqa: E402
 from _timing import interleaved_medians, print_table, result_path, save_bar_plot, torch_device  # noqa: E402
-from optim import LR, Stepper, copy_bandwidth, hand_lazy_adam_step  # noqa: E402
+from optim import LR, Stepper, copy_bandwidth, hand_lazy_adam_step, reusing_memory  # noqa: E402
 
 ROWS = (1_000_000, 500_000, 200_000, 100_000, 50_000, 20_000, 10_000, 5_000)
 DIM, MAX_BAG, HIDDEN = 32, 20, (128, 64)
@@ -126,11 +132,14 @@ def mj_variants(feats, tables, mlp, labels):
     sparse = {"tables": True, "mlp": False}
     out = {}
 
-    def add(name, loss, opt, tables_value, *args):
+    def add(name, loss, opt, tables_value, *args, chunk_rows=8192):
         params = {"tables": tables_value, "mlp": [(jnp.array(a), jnp.array(b)) for a, b in mlp_j]}
-        out[name] = (optim.make_train_step(loss, opt, row_sparse=sparse), params, opt.init(params), args)
+        out[name] = (optim.make_train_step(loss, opt, row_sparse=sparse, chunk_rows=chunk_rows), params,
+                     opt.init(params), args)
 
     add("mj_stacked", stacked_loss, optim.lazy(optax.adam(LR)), jnp.asarray(stacked_np), ids, w, y)
+    add("mj_stacked_one_call", stacked_loss, optim.lazy(optax.adam(LR)), jnp.asarray(stacked_np), ids, w, y,
+        chunk_rows=None)
     add("mj_separate", separate_loss, optim.lazy(optax.adam(LR)), {k: jnp.asarray(v) for k, v in tables.items()},
         ids, w, y)
     add("mj_one_table", one_table_loss, optim.lazy(optax.adam(LR)), jnp.asarray(stacked_np),
@@ -258,14 +267,18 @@ class Train:
 def main(argv=None):
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--reuse-memory", action="store_true",
+                        help="rerun under a glibc malloc that keeps freed memory (see benchmarks/optim.py)")
     args = parser.parse_args(argv)
+    reuse = reusing_memory(args.reuse_memory, __file__, argv)
     rows = tuple(max(n // 100, 50) for n in ROWS) if args.quick else ROWS
     batch = 128 if args.quick else 1024
     feats, tables, mlp, labels = make_data(rows, batch)
     bandwidth = copy_bandwidth()
     backend = jax.default_backend()
     where = f"{os.cpu_count()} cores" if backend == "cpu" else jax.devices()[0].device_kind
-    print(f"backend {backend} ({where}), torch on {torch_device()}, copy bandwidth {bandwidth / 1e9:.1f} GB/s; "
+    print(f"backend {backend} ({where}), torch on {torch_device()}, "
+          f"malloc {'reusing freed memory' if reuse else 'glibc default'}, copy bandwidth {bandwidth / 1e9:.1f} GB/s; "
           f"{len(rows)} tables, {sum(rows):,} rows x {DIM}, batch {batch}, bags of 1-{MAX_BAG} ids")
     import torch
 
@@ -290,9 +303,11 @@ def main(argv=None):
     t = interleaved_medians(fns, rounds=3, block=3, warmup=1, settle=1)
     rows_table = {"train step": {"masked_jax": t["mj_stacked"], **t}}
     print_table("median ms per training step (forward, backward, update; jit, donated)", rows_table,
-                ["mj_separate", "mj_one_table", "mj_stacked_catch_up", "hand_jax", "dense_optax", "torch_sparse_adam"])
+                ["mj_stacked_one_call", "mj_separate", "mj_one_table", "mj_stacked_catch_up", "hand_jax", "dense_optax",
+                 "torch_sparse_adam"])
     print(f"\nstacked / one table of the same rows and ids: {t['mj_stacked'] / t['mj_one_table']:.2f}x; "
           f"separate / stacked: {t['mj_separate'] / t['mj_stacked']:.2f}x; "
+          f"one-call update / chunked (stacked): {t['mj_stacked_one_call'] / t['mj_stacked']:.2f}x; "
           f"stacked / hand-written JAX: {t['mj_stacked'] / t['hand_jax']:.2f}x; "
           f"dense optax / stacked: {t['dense_optax'] / t['mj_stacked']:.1f}x; "
           f"torch SparseAdam / stacked: {t['torch_sparse_adam'] / t['mj_stacked']:.2f}x; "
@@ -313,13 +328,20 @@ def main(argv=None):
         u, s = opt.update(g, s, p)
         return optim.apply_updates(p, u), s
 
-    upd = Stepper(jax.jit(update, donate_argnums=(0, 1)), params["tables"], opt.init(params["tables"]), args=(g,))
-    tu = interleaved_medians({"update": upd}, rounds=3, block=5, warmup=2)["update"]
+    def chunked(p, s, g):  # what make_train_step runs on the CPU
+        return chunked_update(opt, g, s, p, optim.apply_updates, 8192)
+
+    table = np.asarray(params["tables"])
+    steppers = {name: Stepper(jax.jit(fn, donate_argnums=(0, 1)), jnp.asarray(table), opt.init(jnp.asarray(table)),
+                              args=(g,)) for name, fn in (("one call", update), ("chunks of 8192 rows", chunked))}
+    times = interleaved_medians(steppers, rounds=3, block=5, warmup=2)
     nbytes = 7 * touched * DIM * 4
-    print(f"\noptimizer step alone (lazy Adam, {g.nse:,} stored rows, {touched:,} distinct): {tu * 1e3:.2f} ms, "
-          f"{nbytes / tu / 1e9:.2f} GB/s of touched bytes = {nbytes / tu / bandwidth:.0%} of the copy bandwidth "
-          f"({bandwidth / 1e9:.1f} GB/s)")
-    save_bar_plot(rows_table, result_path("recsys"), f"DLRM-like step, {len(rows)} tables, batch {batch}")
+    for name, tu in times.items():
+        print(f"optimizer step alone, {name} (lazy Adam, {g.nse:,} stored rows, {touched:,} distinct): "
+              f"{tu * 1e3:.2f} ms, {nbytes / tu / 1e9:.2f} GB/s of touched bytes = {nbytes / tu / bandwidth:.0%} of the "
+              f"copy bandwidth ({bandwidth / 1e9:.1f} GB/s)")
+    save_bar_plot(rows_table, result_path("recsys_reuse_memory" if reuse else "recsys"),
+                  f"DLRM-like step, {len(rows)} tables, batch {batch}")
 
 
 if __name__ == "__main__":

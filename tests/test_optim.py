@@ -469,16 +469,19 @@ def _table_sized(hlo, n, d, dtype="f32"):
             if f"{dtype}[{n},{d}]" in line and re.search(r"\b(copy|broadcast)\(", line)]
 
 
-@pytest.mark.parametrize("batch", [1, 64])
+@pytest.mark.parametrize("batch, chunk_rows", [(1, 8192), (64, 8192), (64, 16)])  # 16: the tables in chunks
 @pytest.mark.parametrize("make", [lambda: optim.lazy(optax.adam(0.01)), lambda: optim.masked_adagrad(0.1)],
                          ids=["lazy_adam", "masked_adagrad"])
-def test_donated_row_sparse_step_is_in_place(make, batch):
+def test_donated_row_sparse_step_is_in_place(make, batch, chunk_rows):
     n, dim = 5003, 64
     params, users, items, r = _embedding_problem(n, n, dim, batch)
     params = jax.tree_util.tree_map(lambda x: x.astype(jnp.float32), params)
     opt = make()
-    step = optim.make_train_step(_embedding_loss, opt, row_sparse=SPARSE_TABLES)
+    step = optim.make_train_step(_embedding_loss, opt, row_sparse=SPARSE_TABLES, chunk_rows=chunk_rows)
     hlo = _hlo(step, params, opt.init(params), users, items, r)
+    if chunk_rows < batch:  # a loop over the chunks of each table, besides the one-call step's loops
+        one_call = optim.make_train_step(_embedding_loss, opt, row_sparse=SPARSE_TABLES, chunk_rows=None)
+        assert hlo.count("while(") == _hlo(one_call, params, opt.init(params), users, items, r).count("while(") + 2
     header = hlo.splitlines()[0]
     aliased = {int(i) for i in re.findall(r"\{\d*\}: \((\d+), \{\}, (?:may|must)-alias\)", header)}
     inputs = re.search(r"entry_computation_layout=\{\((.*?)\)->", header).group(1)
@@ -994,3 +997,98 @@ def test_multi_steps_row_accumulator_rejections():
     with pytest.raises(TypeError, match="masked array"):
         opt = optim.lazy(optax.MultiSteps(optax.adam(0.1), 2), capacity=4)
         opt.update(mj.masked_array(jnp.ones((4, 2)), jnp.ones((4, 2), bool)), opt.init(jnp.zeros((4, 2))))
+
+
+ENTRYWISE = {"clip_adam": False}  # every other optimizer of the table works entry by entry
+
+
+def _two_table_loss(p, a_ids, b_ids):
+    rows = mj.lookup(p["a"], a_ids) * p["w"] + p["s"]
+    return jnp.sum(jnp.tanh(rows) ** 2) + jnp.sum(jnp.cos(mj.lookup(p["b"], b_ids)) * p["w"])
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_chunked_table_updates_equal_the_one_call_update(name):
+    """``make_train_step`` updates row-sparse tables in chunks of rows (on the CPU) when the inner
+    transformation works entry by entry, read off its jaxpr; the result is the one-call update's
+    (up to rounding), for chunks that leave a partial last chunk, with one table in chunks and one
+    in the single call, and with none in chunks; other transformations keep the one-call update,
+    exactly."""
+    from masked_jax.optim._chunked import entrywise
+
+    rng = np.random.default_rng(3)
+    params = {"a": jnp.asarray(rng.normal(size=(40, 4)), jnp.float32),
+              "b": jnp.asarray(rng.normal(size=(9, 4)), jnp.float32),
+              "w": jnp.asarray(rng.normal(size=(4,)), jnp.float32), "s": jnp.asarray(0.3, jnp.float32)}
+    batches = [(jnp.asarray(rng.integers(0, 30, size=(6, 5))), jnp.asarray(rng.integers(0, 9, size=(7,))))
+               for _ in range(3)]  # duplicates in every batch; rows 30.. of "a" never read
+    opt = optim.lazy(OPTIMIZERS[name]())
+    sparse = {"a": True, "b": True, "w": False, "s": False}
+    grads = mj.grad(_two_table_loss, row_sparse=sparse)(params, *batches[0])
+    expect = ENTRYWISE.get(name, True)
+    assert entrywise(optim._lazy.LIFTS[opt.update], grads, opt.init(params), params) is expect
+    results = {}
+    for chunk in (None, 2, 7, 30):
+        step = optim.make_train_step(_two_table_loss, opt, row_sparse=sparse, chunk_rows=chunk)
+        p, s = jax.tree_util.tree_map(jnp.array, params), opt.init(params)
+        hlo = _hlo(step, p, s, *batches[0])
+        # loops over chunks of "a" (30 stored rows) and of "b" (7) where they store more than a chunk
+        loops = 0 if chunk is None or not expect else (chunk < 30) + (chunk < 7)
+        assert hlo.count("while(") == loops
+        for ids in batches:
+            p, s, _ = step(p, s, *ids)
+        results[chunk] = (p, s)
+    for chunk in (2, 7, 30):
+        if expect:
+            _close(results[chunk], results[None], rtol=1e-5, atol=1e-6)
+        else:
+            for x, y in zip(jax.tree_util.tree_leaves(results[chunk]), jax.tree_util.tree_leaves(results[None])):
+                np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+        np.testing.assert_array_equal(np.asarray(results[chunk][0]["a"][30:]), np.asarray(params["a"][30:]))
+
+
+def test_entrywise_rejects_what_mixes_entries_or_leaves():
+    """The jaxpr reading behind chunked updates: a transformation that reduces over entries, moves
+    them, mixes two leaves, or derives global state from entries is not entry by entry."""
+    from masked_jax.optim._chunked import entrywise
+
+    def tx(update):
+        return optax.GradientTransformation(lambda p: optax.EmptyState(), lambda u, s, p=None: (update(u), s))
+
+    params = {"a": jnp.ones((5, 2)), "b": jnp.ones((5, 2))}
+    grads = {"a": mj.row_sparse(jnp.ones((2, 2)), jnp.array([0, 3]), (5, 2)), "b": jnp.ones((5, 2))}
+    cases = {
+        "scale": (tx(lambda u: jax.tree_util.tree_map(lambda x: -0.1 * x, u)), True),
+        "centred": (tx(lambda u: jax.tree_util.tree_map(lambda x: x - jnp.mean(x, axis=0), u)), False),
+        "reversed rows": (tx(lambda u: jax.tree_util.tree_map(lambda x: x[::-1], u)), False),
+        "cumulative": (tx(lambda u: jax.tree_util.tree_map(lambda x: jnp.cumsum(x, axis=0), u)), False),
+        "two leaves": (tx(lambda u: {"a": u["a"] + u["b"], "b": u["b"]}), False),
+        "position": (tx(lambda u: jax.tree_util.tree_map(lambda x: x * jnp.arange(x.shape[0])[:, None], u)), False),
+        "trust ratio": (optax.chain(optax.scale_by_adam(), optax.scale_by_trust_ratio()), False),
+        "apply_if_finite": (optax.apply_if_finite(optax.adam(0.1), 3), False),
+        "jit inside": (tx(jax.jit(lambda u: jax.tree_util.tree_map(lambda x: jnp.sqrt(jnp.abs(x)) * 2.0, u))), True),
+    }
+    for name, (inner, expect) in cases.items():
+        state = inner.init(params)
+        assert entrywise(inner, grads, state, params) is expect, name
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.5, True, "8"])
+def test_chunk_rows_is_checked(bad):
+    with pytest.raises(ValueError, match="chunk_rows must be a positive int or None"):
+        optim.make_train_step(_two_table_loss, optim.lazy(optax.sgd(0.1)), row_sparse=True, chunk_rows=bad)
+
+
+def test_entrywise_reads_captured_arrays_as_global():
+    """A transformation that closes over an array: a captured scalar is the same at every entry; a
+    captured parameter-shaped array differs by position, so chunking it would misalign it."""
+    from masked_jax.optim._chunked import entrywise
+
+    params = {"a": jnp.ones((5, 2))}
+    grads = {"a": mj.row_sparse(jnp.ones((2, 2)), jnp.array([0, 3]), (5, 2))}
+    scale, per_entry = jnp.asarray(0.5), jnp.arange(10.0).reshape(5, 2)
+    for captured, expect in ((scale, True), (per_entry, False)):
+        inner = optax.GradientTransformation(
+            lambda p: optax.EmptyState(),
+            lambda u, s, p=None, c=captured: (jax.tree_util.tree_map(lambda x: x * c, u), s))
+        assert entrywise(inner, grads, inner.init(params), params) is expect

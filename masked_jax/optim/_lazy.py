@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import weakref
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,6 +14,11 @@ from masked_jax.optim import _catch_up
 from masked_jax.optim._accumulate import lazy_multi_steps, lazy_multi_steps_rows
 from masked_jax.optim._state import _map_param_shaped, _Reference
 from masked_jax.optim._views import data_of, view
+
+
+# ``update`` function of each plain lift (no catch-up, no MultiSteps) -> its inner transformation, so
+# that ``make_train_step`` can recognise a lift and update its row-sparse tables in chunks
+LIFTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def _check_liftable(ref: _Reference, state) -> None:
@@ -254,4 +261,6 @@ def lazy(inner: optax.GradientTransformation, *, catch_up: bool = False, capacit
             new_state = _catch_up.LazyCatchUpState(new_state, step + 1, new_last)
         return out, new_state
 
+    if not catch_up:
+        LIFTS[update_fn] = inner
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -9,13 +9,15 @@ import optax
 
 from masked_jax._ad import value_and_grad
 from masked_jax.optim._apply import apply_updates
+from masked_jax.optim._chunked import chunkable, chunked_update
 from masked_jax.optim._lazy import _check_transformation
 from masked_jax.optim._sharded import sharded_update
 
 
 def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation, *,
                     has_aux: bool = False, row_sparse=None, donate: bool = True, mesh=None,
-                    axis: str | None = None, capacity: int | None = None) -> Callable:
+                    axis: str | None = None, capacity: int | None = None,
+                    chunk_rows: int | None = 8192) -> Callable:
     """``step(params, opt_state, *batch) -> (params, opt_state, loss)``, jitted with donation.
 
     The step differentiates ``loss_fn(params, *batch)`` with :func:`mj.value_and_grad
@@ -26,6 +28,17 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation, 
     whole table (measured 659 ms against 0.89 ms per step on a 2M x 64 table). The
     arrays passed in are consumed: always continue with the returned ones.
     With ``has_aux=True`` the loss is ``(loss, aux)``.
+
+    With a :func:`lazy` optimizer whose inner transformation works entry by entry (adam, sgd,
+    momentum, adagrad, rmsprop, decoupled weight decay; read off its jaxpr when the step is
+    traced), each row-sparse table whose gradient stores more than ``chunk_rows`` rows is updated
+    in chunks of ``chunk_rows`` of its distinct touched rows, on the CPU: a loop gathers a chunk of
+    the table and its state, updates it and scatters it back, and stops after the last touched
+    row. Every temporary is then a ``chunk_rows x dim`` block that stays in cache, and the padding
+    slots of the gradient are never visited (2.3-3x faster than one update of all slots from 65k
+    stored rows up, see the benchmarks). The result is the one-call update's up to rounding. Transformations that combine entries (global-norm clipping, trust ratios,
+    finiteness checks), ``catch_up``, ``MultiSteps`` and other optimizers get the one-call update;
+    ``chunk_rows=None`` asks for it always.
 
     With ``mesh`` and ``axis``, tables sharded by rows over that mesh axis are
     updated shard by shard (:func:`sharded_update`: every device updates the rows it
@@ -49,6 +62,8 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation, 
     if (mesh is None) != (axis is None):
         raise ValueError("make_train_step: give both mesh and axis (the mesh axis the tables' rows are "
                          "sharded over), or neither.")
+    if chunk_rows is not None and (isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int) or chunk_rows < 1):
+        raise ValueError(f"make_train_step: chunk_rows must be a positive int or None; got {chunk_rows!r}.")
     loss_and_grad = value_and_grad(loss_fn, has_aux=has_aux, row_sparse=row_sparse)
 
     def step(params, opt_state, *batch, **kwargs):
@@ -57,7 +72,17 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation, 
             params, opt_state = sharded_update(optimizer, grads, opt_state, params, mesh=mesh, axis=axis,
                                                capacity=capacity)
             return params, opt_state, value
+        if chunk_rows is not None and chunkable(optimizer, grads, opt_state, params, chunk_rows):
+            # on the CPU only: on a GPU each trip of the loop waits for the host to read its predicate
+            params, opt_state = jax.lax.platform_dependent(
+                params, opt_state, grads,
+                cpu=lambda p, s, g: chunked_update(optimizer, g, s, p, apply_updates, chunk_rows),
+                default=lambda p, s, g: one_call(g, s, p))
+            return params, opt_state, value
+        return *one_call(grads, opt_state, params), value
+
+    def one_call(grads, opt_state, params):
         updates, opt_state = optimizer.update(grads, opt_state, params)
-        return apply_updates(params, updates), opt_state, value
+        return apply_updates(params, updates), opt_state
 
     return jax.jit(step, donate_argnums=(0, 1) if donate else ())
