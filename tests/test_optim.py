@@ -1047,6 +1047,33 @@ def test_chunked_table_updates_equal_the_one_call_update(name):
         np.testing.assert_array_equal(np.asarray(results[chunk][0]["a"][30:]), np.asarray(params["a"][30:]))
 
 
+@pytest.mark.parametrize("name", CATCH_UP)
+def test_chunked_catch_up_equals_the_one_call_update(name):
+    """With ``catch_up``, rows read now and then over five steps: the chunked tables (counters,
+    caught-up state and parameters) equal the one-call update's, up to rounding."""
+    opt = optim.lazy(CATCH_UP[name][0], catch_up=True)
+    sparse = {"a": True, "b": True, "w": False, "s": False}
+    rng = np.random.default_rng(5)
+    params = {"a": jnp.asarray(rng.normal(size=(40, 4)), jnp.float32),
+              "b": jnp.asarray(rng.normal(size=(9, 4)), jnp.float32),
+              "w": jnp.asarray(rng.normal(size=(4,)), jnp.float32), "s": jnp.asarray(0.3, jnp.float32)}
+    batches = [(jnp.asarray(rng.integers(0, 30, size=(2, 5))), jnp.asarray(rng.integers(0, 9, size=(3,))))
+               for _ in range(5)]
+    results = {}
+    for chunk in (None, 2, 4):
+        step = optim.make_train_step(_two_table_loss, opt, row_sparse=sparse, chunk_rows=chunk)
+        p, s = jax.tree_util.tree_map(jnp.array, params), opt.init(params)
+        # loops over the chunks of "a" (10 stored rows) and of "b" (3) where they store more than one
+        assert _hlo(step, p, s, *batches[0]).count("while(") == (0 if chunk is None else (chunk < 10) + (chunk < 3))
+        for ids in batches:
+            p, s, _ = step(p, s, *ids)
+        results[chunk] = (p, s)
+    assert int(results[2][1].step) == 5
+    for chunk in (2, 4):
+        _close(results[chunk], results[None], rtol=1e-5, atol=1e-6)
+        np.testing.assert_array_equal(np.asarray(results[chunk][1].last["a"]), np.asarray(results[None][1].last["a"]))
+
+
 def test_entrywise_rejects_what_mixes_entries_or_leaves():
     """The jaxpr reading behind chunked updates: a transformation that reduces over entries, moves
     them, mixes two leaves, or derives global state from entries is not entry by entry."""

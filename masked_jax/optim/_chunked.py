@@ -19,6 +19,7 @@ from jax.extend.core import Literal
 
 from masked_jax._core import MaskedArray, is_container
 from masked_jax.layouts.rows import RowSparseArray
+from masked_jax.optim._catch_up import LazyCatchUpState
 from masked_jax.optim._lazy import LIFTS, check_update_arguments
 from masked_jax.optim._state import _map_param_shaped, _Reference
 from masked_jax.optim._views import data_of
@@ -135,6 +136,8 @@ def chunkable(optimizer, grads, state, params, chunk: int) -> bool:
     leaves, _, tables = _tables(grads, chunk)
     if inner is None or not tables or any(not (is_container(g) or isinstance(g, jax.Array)) for g in leaves):
         return False
+    if isinstance(state, LazyCatchUpState):  # catch-up works row by row around ``inner``
+        state = state.inner
     check_update_arguments(inner, grads, state, params)
     return entrywise(inner, grads, state, params)
 
@@ -147,6 +150,8 @@ def chunked_update(optimizer, grads, state, params, apply, chunk: int):
     empty = [_empty(g) for g in leaves]
 
     def old_globals(new, old):  # per-entry state from ``new``, global state (counts) from ``old``
+        if isinstance(old, LazyCatchUpState):  # and the rows' catch-up counters from ``new``
+            return LazyCatchUpState(old_globals(new.inner, old.inner), old.step, new.last)
         return _map_param_shaped(ref, lambda n_leaves, o_leaves: n_leaves, new, old)
 
     for i in tables:  # every table in a loop over its touched rows, against the step's old global state

@@ -16,7 +16,7 @@ from masked_jax.optim._state import _map_param_shaped, _Reference
 from masked_jax.optim._views import data_of, view
 
 
-# ``update`` function of each plain lift (no catch-up, no MultiSteps) -> its inner transformation, so
+# ``update`` function of each lift (MultiSteps' aside) -> its inner transformation, so
 # that ``make_train_step`` can recognise a lift and update its row-sparse tables in chunks
 LIFTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
@@ -261,6 +261,5 @@ def lazy(inner: optax.GradientTransformation, *, catch_up: bool = False, capacit
             new_state = _catch_up.LazyCatchUpState(new_state, step + 1, new_last)
         return out, new_state
 
-    if not catch_up:
-        LIFTS[update_fn] = inner
+    LIFTS[update_fn] = inner
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
