@@ -31,6 +31,7 @@ _ENTRYWISE = frozenset("""
     is_finite le lgamma log log1p logistic lt max min mul ne neg nextafter not or pow real
     reduce_precision rem round rsqrt select_n sign sin sinh sqrt square sub tan tanh xor
 """.split())
+_KEEPS_ENTRIES = _ENTRYWISE | {"broadcast_in_dim"}  # broadcast_in_dim: where it keeps the shape
 # call-like primitives (their body runs once on their operands) and where they keep the body
 _CALLS = frozenset("pjit jit closed_call core_call custom_jvp_call custom_vjp_call custom_vjp_call_jaxpr "
                    "checkpoint remat".split())
@@ -61,18 +62,16 @@ def _walk(jaxpr, tags):
         entries = {t[1] for t in ins if t[0] == "e"}
         if sub is not None:
             outs = _walk(getattr(sub, "jaxpr", sub), ins)
-        elif not entries:
-            uniform = all(t[0] == "u" for t in ins) and (
-                eqn.primitive.name in _ENTRYWISE or eqn.primitive.name == "broadcast_in_dim")
+        elif not entries:  # equal at every entry if its operands are, and it keeps that (or gives scalars)
             scalar = all(np.ndim(o.aval) == 0 for o in eqn.outvars if hasattr(o.aval, "shape"))
-            outs = [("u",) if uniform or (scalar and all(t[0] != "g" for t in ins)) else ("g",)] * len(eqn.outvars)
+            uniform = all(t[0] == "u" for t in ins) and (eqn.primitive.name in _KEEPS_ENTRIES or scalar)
+            outs = [("u",) if uniform else ("g",)] * len(eqn.outvars)
         else:
             out_shape = tuple(eqn.outvars[0].aval.shape)
-            name = eqn.primitive.name
-            ok = len(entries) == 1 and (name in _ENTRYWISE or name == "broadcast_in_dim") and all(
+            ok = len(entries) == 1 and eqn.primitive.name in _KEEPS_ENTRIES and all(
                 (t[0] == "e" and s == out_shape) or t[0] == "u" for t, s in zip(ins, shapes))
             if not ok:
-                raise _Mixes(name)
+                raise _Mixes(eqn.primitive.name)
             outs = [("e", entries.pop())] * len(eqn.outvars)
         env.update(zip(eqn.outvars, outs))
     return [tag(v) for v in jaxpr.outvars]
@@ -156,28 +155,23 @@ def chunked_update(optimizer, grads, state, params, apply, chunk: int):
 
     for i in tables:  # every table in a loop over its touched rows, against the step's old global state
         g = leaves[i]._sum_duplicates()  # distinct rows first, then padding
-        k, size = g.nse, chunk
-        pad = -k % size
-        data, idx = g.data, jnp.where(g.row_valid(), g.indices, g.shape[0])
-        if pad:
-            data = jnp.concatenate([data, jnp.zeros((pad,) + data.shape[1:], data.dtype)])
-            idx = jnp.concatenate([idx, jnp.full((pad,), g.shape[0], idx.dtype)])
+        pad = -g.nse % chunk  # padding slots up to whole chunks
+        data = jnp.pad(g.data, [(0, pad)] + [(0, 0)] * (g.ndim - 1))
+        idx = jnp.pad(jnp.where(g.row_valid(), g.indices, g.shape[0]), (0, pad), constant_values=g.shape[0])
         # slots up to the last touched one (the distinct rows come first after a coalesce; a
         # gradient whose indices are known to be unique may hold padding anywhere)
         touched = jnp.max(jnp.where(idx < g.shape[0], jnp.arange(1, idx.shape[0] + 1), 0))
-        n_chunks = (k + pad) // size
 
-        def body(carry, i=i, g=g, data=data, idx=idx, size=size):
+        def body(carry, i=i, g=g, data=data, idx=idx):
             c, p, s = carry
-            rows = RowSparseArray._make(g.shape, jax.lax.dynamic_slice_in_dim(data, c * size, size),
-                                        jax.lax.dynamic_slice_in_dim(idx, c * size, size), True)
+            rows = RowSparseArray._make(g.shape, jax.lax.dynamic_slice_in_dim(data, c * chunk, chunk),
+                                        jax.lax.dynamic_slice_in_dim(idx, c * chunk, chunk), True)
             tree = jax.tree_util.tree_unflatten(treedef, empty[:i] + [rows] + empty[i + 1:])
             u, new = optimizer.update(tree, s, p)
             return c + 1, apply(p, u), old_globals(new, s)
 
-        _, params, state = jax.lax.while_loop(
-            lambda carry, touched=touched, size=size, n_chunks=n_chunks: (carry[0] < n_chunks)
-            & (carry[0] * size < touched), body, (jnp.zeros((), jnp.int32), params, state))
+        _, params, state = jax.lax.while_loop(  # c * chunk < touched also ends it within the slots
+            lambda carry, touched=touched: carry[0] * chunk < touched, body, (jnp.zeros((), jnp.int32), params, state))
     rest = [empty[j] if j in tables else g for j, g in enumerate(leaves)]  # the other leaves; global state
     u, state = optimizer.update(jax.tree_util.tree_unflatten(treedef, rest), state, params)
     return apply(params, u), state
