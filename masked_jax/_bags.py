@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from masked_jax._core import MaskedArray, is_container
-from masked_jax._lookup import lookup
+from masked_jax._lookup import _read
 from masked_jax._storage import SparseMasked
 from masked_jax.layouts.rows import check_integer_indices
 
@@ -122,7 +122,7 @@ def embedding_bag(table, ids, *, offsets=None, lengths=None, weights=None, combi
         raise ValueError("embedding_bag needs a table with at least one dimension (the rows).")
     bag = Bag.prepare(table.shape[0], table.dtype, ids, offsets=offsets, lengths=lengths, weights=weights,
                       combiner=combiner)
-    return bag.combine(lookup(table, bag.read))  # padding reads id N: zeros, no row, no gradient
+    return bag.combine(_read(table, bag.read))  # ids in [0, N]; padding reads N: zeros, no gradient
 
 
 class Bag:
@@ -171,7 +171,7 @@ class Bag:
             pooled = pooled / jnp.where(valid, norm, 1)[expand]
         pooled = jnp.where(valid[expand], pooled, 0)
         mask = valid.reshape(valid.shape + (1,) * row_ndim)
-        return [MaskedArray._from_pair(p[0], m[0]) for p, m in
+        return [MaskedArray._from_zeroed(p[0], m[0]) for p, m in
                 zip(jnp.split(pooled, len(bags)), jnp.split(mask, len(bags)))]
 
     @classmethod
@@ -234,7 +234,7 @@ class Bag:
                 valid = (count > 0) & (norm != 0)
                 pooled = pooled / jnp.where(valid, norm, 1)[expand]
         pooled = jnp.where(valid[expand], pooled, 0)
-        return MaskedArray._from_pair(pooled, valid.reshape(valid.shape + (1,) * row_ndim))
+        return MaskedArray._from_zeroed(pooled, valid.reshape(valid.shape + (1,) * row_ndim))
 
 
 __all__ = ["embedding_bag"]

@@ -8,6 +8,8 @@ whose mask marks invalid entries; :func:`from_numpy_ma` and
 
 from __future__ import annotations
 
+import math
+
 import html
 from typing import TYPE_CHECKING, Any
 
@@ -165,7 +167,10 @@ class MaskedArray(ArrayMethods):
         MaskedArray(8.0, dtype=float32)
     """
 
-    __slots__ = ("_data", "_mask")
+    # _zeroed (set by _from_zeroed, absent otherwise): the masked-out data are known to be 0 with
+    # a zero tangent, so filled(0) needs no select; a Python-level fact of this object, not of the
+    # pytree, so it is dropped (conservatively) across jit boundaries and tree maps
+    __slots__ = ("_data", "_mask", "_zeroed")
     # numpy defers binary operators to us instead of converting us to an ndarray.
     __array_ufunc__ = None
     __array_priority__ = 100
@@ -184,6 +189,18 @@ class MaskedArray(ArrayMethods):
         # None (statically all valid) stays None; a compact mask stays compact
         obj._mask = None if mask is None else compact(mask, data.shape)
         obj._data = with_mask_tangent(data, mask)  # None (all valid): nothing to mask
+        return obj
+
+    @classmethod
+    def _from_zeroed(cls, data, mask):
+        """Trusted constructor for outputs whose data the caller has already set to 0, with a zero
+        tangent, wherever ``mask`` is False (``jnp.where(mask, x, 0)``): no ``mask_tangent``, and
+        ``filled(0)`` returns the data as it is (no second select for XLA to fuse into every
+        consumer)."""
+        obj = object.__new__(cls)
+        obj._data = jnp.asarray(data)
+        obj._mask = None if mask is None else compact(mask, obj._data.shape)
+        obj._zeroed = True
         return obj
 
     # -- pytree ---------------------------------------------------------------------------
@@ -262,6 +279,9 @@ class MaskedArray(ArrayMethods):
         """
         if self._mask is None:
             return self._data
+        if (getattr(self, "_zeroed", False) and type(fill_value) in (int, float, bool) and fill_value == 0
+                and math.copysign(1.0, fill_value) > 0):
+            return self._data  # already 0 (and 0 in tangents) under the mask
         return jnp.where(self._mask, self._data, jnp.asarray(fill_value, dtype=self.dtype))  # broadcasts
 
     def to_numpy_ma(self) -> np.ma.MaskedArray:

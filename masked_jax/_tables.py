@@ -17,7 +17,7 @@ import numpy as np
 
 from masked_jax._bags import Bag
 from masked_jax._core import MaskedArray, is_container
-from masked_jax._lookup import _normalize_ids, lookup
+from masked_jax._lookup import _normalize_ids, _read
 
 
 def _pairs(requests):
@@ -116,10 +116,11 @@ class TableStack:
 
     def _read(self, table, flat_ids):
         """The rows of each flat id array, read by one gather and cut apart by one ``split``
-        (whose transpose is one concatenate, where slices would each pad a full-size cotangent)."""
+        (whose transpose is one concatenate, where slices would each pad a full-size cotangent).
+        The ids are :meth:`global_ids` (``num_rows`` for padding), so they are not wrapped again."""
         if not flat_ids:
             return []
-        rows = lookup(table, jnp.concatenate(flat_ids))
+        rows = _read(table, jnp.concatenate(flat_ids))  # global ids, already in [0, num_rows]
         return jnp.split(rows, np.cumsum([f.shape[0] for f in flat_ids])[:-1].tolist(), axis=0)
 
     def lookup(self, table, requests):
@@ -138,8 +139,8 @@ class TableStack:
         outs = []
         for (g, mask), part in zip(shifted, self._read(table, flat)):
             part = part.reshape(g.shape + self.row_shape)
-            outs.append(part if mask is None else
-                        MaskedArray._from_pair(part, jnp.reshape(mask, g.shape + (1,) * len(self.row_shape))))
+            outs.append(part if mask is None else  # masked ids read row num_rows: zeros
+                        MaskedArray._from_zeroed(part, jnp.reshape(mask, g.shape + (1,) * len(self.row_shape))))
         return rebuild(outs)
 
     def embedding_bag(self, table, requests):

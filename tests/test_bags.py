@@ -244,3 +244,58 @@ def test_one_padding_rule_eagerly_and_under_jit():
     # under jit an index it cannot check is padding, as N is
     out = jax.jit(lambda i: mj.row_sparse(jnp.ones((2, D)), i, (N, D)).todense().filled(0))(jnp.array([-1, 2]))
     np.testing.assert_array_equal(np.asarray(out).sum(axis=1), [0, 0, D, 0, 0, 0, 0, 0, 0])
+
+
+def _selects(fun, *args):
+    return sum(e.primitive.name == "select_n" for e in jax.make_jaxpr(fun)(*args).jaxpr.eqns)
+
+
+@pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn", "max"])
+def test_filled_zero_of_a_bag_is_its_data(combiner):
+    """A bag's output holds 0 under its mask already, so ``filled(0)`` adds no select (XLA would
+    recompute the mask in every fused consumer of the backward pass); other fills, and the same
+    array after any change to its data, still select. Empty bags, and mean bags whose weights sum
+    to 0 over inf rows, give 0 and no NaN, in values and gradients."""
+    table = TABLE.at[6].set(jnp.inf)  # read only by bag 1, whose weights sum to 0 (masked for mean)
+    ids = jnp.array([[1, 4, -1], [6, 6, 6], [-1, -1, 9]])
+    w = None if combiner == "max" else jnp.array([[1.0, 2.0, 1.0], [1.0, -2.0, 1.0], [1.0, 1.0, 1.0]])
+    if combiner == "max":
+        ids = ids.at[1].set(-1)
+
+    def bag(t):
+        return mj.embedding_bag(t, ids, weights=w, combiner=combiner)
+
+    out = bag(table)
+    assert out.filled(0) is out.data
+    assert _selects(lambda t: bag(t).filled(0), table) == _selects(lambda t: bag(t).data, table)
+    empty = [1, 2] if combiner in ("mean", "max") else [2]
+    np.testing.assert_array_equal(np.asarray(out.mask[:, 0]), [b not in empty for b in range(3)])
+    for fill in (0, 0.0, False):
+        np.testing.assert_array_equal(np.asarray(out.filled(fill))[empty], 0)
+    np.testing.assert_array_equal(np.asarray(out.filled(-0.0))[empty], 0)  # -0.0 selects: its sign is kept
+    assert np.all(np.signbit(np.asarray(out.filled(-0.0))[empty]))
+    np.testing.assert_array_equal(np.asarray(out.filled(5))[empty], 5)
+    # the fact is this object's: a tree map (or a jit boundary) that changes the data drops it
+    shifted = jax.tree_util.tree_map(lambda a: a + 1 if a.dtype != jnp.bool_ else a, out)
+    np.testing.assert_array_equal(np.asarray(shifted.filled(0))[empty], 0)
+    jitted = jax.jit(bag)(table)
+    np.testing.assert_array_equal(np.asarray(jitted.filled(0)), np.asarray(out.filled(0)))
+    # gradients through filled(0): finite, 0 for rows read only by masked bags, and those of an
+    # explicit select
+    finite = TABLE.at[6].set(7.0)
+
+    def loss(t, explicit):
+        o = bag(t)
+        x = jnp.where(o.mask, o.data, 0) if explicit else o.filled(0)
+        return jnp.sum(jnp.sin(x) * jnp.arange(1.0, 4.0)[:, None])
+
+    for t in (table, finite):
+        g = jax.grad(loss)(t, False)
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(jax.grad(loss)(t, True)))
+        if combiner == "mean":
+            np.testing.assert_array_equal(np.asarray(g[6]), 0)
+    rs = jax.jit(mj.grad(loss, row_sparse=True), static_argnums=1)(finite, False)
+    np.testing.assert_allclose(np.asarray(rs.todense().filled(0)), np.asarray(jax.grad(loss)(finite, True)),
+                               rtol=1e-6, atol=1e-7)
+    tangent = jax.jvp(lambda t: bag(t).filled(0), (table,), (jnp.ones_like(table),))[1]
+    np.testing.assert_array_equal(np.asarray(tangent)[empty], 0)

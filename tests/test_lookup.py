@@ -149,6 +149,17 @@ def test_masked_ids_read_masked_rows_and_get_no_gradient():
     assert rows.shape == (4, D)
     np.testing.assert_array_equal(np.asarray(rows.mask), np.repeat([[True], [False], [True], [False]], D, 1))
     np.testing.assert_array_equal(np.asarray(rows.filled(0))[[0, 2]], np.asarray(TABLE)[[1, 4]])
+    # masked ids read zeros, so filled(0) is the data itself (no select), eagerly and stacked
+    assert rows.filled(0) is rows.data
+    np.testing.assert_array_equal(np.asarray(rows.data)[[1, 3]], 0)
+    stack, stacked = mj.stack_tables({"a": TABLE, "b": TABLE[:3]})
+    out = stack.lookup(stacked, {"b": ids, "a": ids})
+    assert out["a"].filled(0) is out["a"].data
+    np.testing.assert_array_equal(np.asarray(out["a"].data), np.asarray(rows.data))
+    np.testing.assert_array_equal(np.asarray(out["b"].filled(0))[[1, 3]], 0)
+    g_filled = jax.jit(mj.grad(lambda t, i: jnp.sum(jnp.sin(mj.lookup(t, i).filled(0)) * W), row_sparse=True))(TABLE, ids)
+    g_where = jax.grad(lambda t, i: jnp.sum(jnp.sin(jnp.where(ids.mask[:, None], mj.lookup(t, i).data, 0)) * W))(TABLE, ids)
+    np.testing.assert_allclose(np.asarray(g_filled.todense().filled(0)), np.asarray(g_where), rtol=1e-6)
 
     def loss(t, ids):
         return mj.numpy.sum(mj.lookup(t, ids) * W)
