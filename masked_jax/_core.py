@@ -272,6 +272,9 @@ class MaskedArray(ArrayMethods):
     def filled(self, fill_value: ArrayLike = 0) -> jax.Array:
         """A plain array with ``fill_value`` at masked-out positions.
 
+        Results that already hold 0 under their mask (``mj.embedding_bag``, ``mj.lookup`` of
+        masked ids) return their data from ``filled(0)``, with no select.
+
         Examples:
             >>> import jax.numpy as jnp, masked_jax as mj
             >>> mj.masked_array(jnp.array([1, 2]), jnp.array([True, False])).filled(-1)
