@@ -8,9 +8,8 @@ whose mask marks invalid entries; :func:`from_numpy_ma` and
 
 from __future__ import annotations
 
-import math
-
 import html
+import math
 from typing import TYPE_CHECKING, Any
 
 import jax
