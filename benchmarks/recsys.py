@@ -14,6 +14,9 @@ optimizer update, parameters and state donated) of
 * ``mj_one_table``: the cost bound of stacking: one table of the same total rows, read by one
   ``mj.embedding_bag`` call with the same ids (all bags of all tables in one padded id array);
 * ``mj_stacked_catch_up``: ``mj_stacked`` with ``lazy(adam, catch_up=True)``;
+* ``mj_stacked (twin)`` and ``mj_one_table (twin)``: the same two steps again on fresh buffers,
+  timed alongside, so that each run shows how far two instances of one program drift apart on
+  this machine: the yardstick for the stacked / one-table ratio;
 * ``hand_jax``: the best plain-JAX step a user would write by hand: one stacked table, one
   ``jnp.take``, gradients with respect to the rows read, sort-based coalescing and a lazy Adam
   update by gather and scatter;
@@ -96,8 +99,8 @@ def _requests(ids, w):
             for k in NAMES}
 
 
-def mj_variants(feats, tables, mlp, labels):
-    """The masked_jax steps: (name -> (step, params, state, args))."""
+def mj_variants(feats, tables, mlp, labels, only=None):
+    """The masked_jax steps: (name -> (step, params, state, args)); ``only``: just these names."""
     ids = {k: jnp.asarray(v[0]) for k, v in feats.items()}
     w = {k: jnp.asarray(v[1]) for k, v in feats.items()}
     y = jnp.asarray(labels)
@@ -133,6 +136,8 @@ def mj_variants(feats, tables, mlp, labels):
     out = {}
 
     def add(name, loss, opt, tables_value, *args, chunk_rows=8192):
+        if only is not None and name not in only:
+            return
         params = {"tables": tables_value, "mlp": [(jnp.array(a), jnp.array(b)) for a, b in mlp_j]}
         out[name] = (optim.make_train_step(loss, opt, row_sparse=sparse, chunk_rows=chunk_rows), params,
                      opt.init(params), args)
@@ -286,6 +291,11 @@ def main(argv=None):
         torch.set_num_threads(os.cpu_count() or 1)
     variants, stacked_loss, stack, data, one = mj_variants(feats, tables, mlp, labels)
     fns = {name: Train(*v) for name, v in variants.items()}
+    # twins: the same two programs again on fresh buffers, timed alongside, so that each run shows
+    # how far two instances of one step drift apart on this machine (placement of the 241 MB
+    # tables, page state), the yardstick for the stacked / one-table ratio
+    twins = mj_variants(feats, tables, mlp, labels, only=("mj_stacked", "mj_one_table"))[0]
+    fns.update({f"{name} (twin)": Train(*v) for name, v in twins.items()})
     fns["hand_jax"] = hand_variant(feats, tables, mlp, labels, *one)
     dense_step, dense_params, dense_state = dense_variant(stacked_loss, tables, mlp, data)
     fns["dense_optax"] = Train(dense_step, dense_params, dense_state, data)
@@ -305,7 +315,11 @@ def main(argv=None):
     print_table("median ms per training step (forward, backward, update; jit, donated)", rows_table,
                 ["mj_stacked_one_call", "mj_separate", "mj_one_table", "mj_stacked_catch_up", "hand_jax", "dense_optax",
                  "torch_sparse_adam"])
-    print(f"\nstacked / one table of the same rows and ids: {t['mj_stacked'] / t['mj_one_table']:.2f}x; "
+    print(f"\ntwo instances of one program: stacked {t['mj_stacked'] / t['mj_stacked (twin)']:.2f}x, one table "
+          f"{t['mj_one_table'] / t['mj_one_table (twin)']:.2f}x; stacked / one table, each pairing of instances: "
+          + ", ".join(f"{t[a] / t[b]:.2f}x" for a in ("mj_stacked", "mj_stacked (twin)")
+                      for b in ("mj_one_table", "mj_one_table (twin)")))
+    print(f"stacked / one table of the same rows and ids: {t['mj_stacked'] / t['mj_one_table']:.2f}x; "
           f"separate / stacked: {t['mj_separate'] / t['mj_stacked']:.2f}x; "
           f"one-call update / chunked (stacked): {t['mj_stacked_one_call'] / t['mj_stacked']:.2f}x; "
           f"stacked / hand-written JAX: {t['mj_stacked'] / t['hand_jax']:.2f}x; "
