@@ -171,7 +171,7 @@ class Bag:
             pooled = pooled / jnp.where(valid, norm, 1)[expand]
         pooled = jnp.where(valid[expand], pooled, 0)
         mask = valid.reshape(valid.shape + (1,) * row_ndim)
-        return [MaskedArray._from_zeroed(p[0], m[0]) for p, m in
+        return [MaskedArray._from_pair(p[0], m[0], zeroed=True) for p, m in
                 zip(jnp.split(pooled, len(bags)), jnp.split(mask, len(bags)))]
 
     @classmethod
@@ -234,7 +234,7 @@ class Bag:
                 valid = (count > 0) & (norm != 0)
                 pooled = pooled / jnp.where(valid, norm, 1)[expand]
         pooled = jnp.where(valid[expand], pooled, 0)
-        return MaskedArray._from_zeroed(pooled, valid.reshape(valid.shape + (1,) * row_ndim))
+        return MaskedArray._from_pair(pooled, valid.reshape(valid.shape + (1,) * row_ndim), zeroed=True)
 
 
 __all__ = ["embedding_bag"]

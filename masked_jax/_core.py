@@ -166,9 +166,9 @@ class MaskedArray(ArrayMethods):
         MaskedArray(8.0, dtype=float32)
     """
 
-    # _zeroed (set by _from_zeroed, absent otherwise): the masked-out data are known to be 0 with
-    # a zero tangent, so filled(0) needs no select; a Python-level fact of this object, not of the
-    # pytree, so it is dropped (conservatively) across jit boundaries and tree maps
+    # _zeroed (set by _from_pair(..., zeroed=True), absent otherwise): the masked-out data are
+    # known to be 0 with a zero tangent, so filled(0) needs no select; a Python-level fact of this
+    # object, not of the pytree, so it is dropped (conservatively) across jit boundaries and tree maps
     __slots__ = ("_data", "_mask", "_zeroed")
     # numpy defers binary operators to us instead of converting us to an ndarray.
     __array_ufunc__ = None
@@ -181,25 +181,21 @@ class MaskedArray(ArrayMethods):
         self._mask = mask
 
     @classmethod
-    def _from_pair(cls, data, mask):
-        """Trusted constructor for rule outputs: no dtype checks, mask broadcast to data."""
+    def _from_pair(cls, data, mask, *, zeroed=False):
+        """Trusted constructor for rule outputs: no dtype checks, mask broadcast to data.
+
+        ``zeroed=True``: the caller has already set the data to 0, with a zero tangent, wherever
+        ``mask`` is False (``jnp.where(mask, x, 0)``), so no ``mask_tangent`` is added and
+        ``filled(0)`` returns the data as it is (no second select for XLA to fuse into every
+        consumer)."""
         obj = object.__new__(cls)
         data = jnp.asarray(data)
         # None (statically all valid) stays None; a compact mask stays compact
         obj._mask = None if mask is None else compact(mask, data.shape)
-        obj._data = with_mask_tangent(data, mask)  # None (all valid): nothing to mask
-        return obj
-
-    @classmethod
-    def _from_zeroed(cls, data, mask):
-        """Trusted constructor for outputs whose data the caller has already set to 0, with a zero
-        tangent, wherever ``mask`` is False (``jnp.where(mask, x, 0)``): no ``mask_tangent``, and
-        ``filled(0)`` returns the data as it is (no second select for XLA to fuse into every
-        consumer)."""
-        obj = object.__new__(cls)
-        obj._data = jnp.asarray(data)
-        obj._mask = None if mask is None else compact(mask, obj._data.shape)
-        obj._zeroed = True
+        if zeroed:
+            obj._data, obj._zeroed = data, True
+        else:
+            obj._data = with_mask_tangent(data, mask)  # None (all valid): nothing to mask
         return obj
 
     # -- pytree ---------------------------------------------------------------------------

@@ -97,8 +97,10 @@ def lookup(table, ids):
         ids = jnp.where(id_mask, ids, n)  # a masked id reads nothing: a masked row, no gradient
     if not is_masked(table):
         rows = _read(table, ids)
+        if id_mask is None:
+            return rows
         # a masked id read row n: zeros, with no gradient
-        return rows if id_mask is None else MaskedArray._from_zeroed(rows, id_mask.reshape(ids.shape + trailing))
+        return MaskedArray._from_pair(rows, id_mask.reshape(ids.shape + trailing), zeroed=True)
     mask = _read(table.mask, ids) & (ids < n).reshape(ids.shape + trailing)
     return MaskedArray._from_pair(_read(table.data, ids), mask)
 

@@ -139,8 +139,9 @@ class TableStack:
         outs = []
         for (g, mask), part in zip(shifted, self._read(table, flat)):
             part = part.reshape(g.shape + self.row_shape)
-            outs.append(part if mask is None else  # masked ids read row num_rows: zeros
-                        MaskedArray._from_zeroed(part, jnp.reshape(mask, g.shape + (1,) * len(self.row_shape))))
+            mask = None if mask is None else jnp.reshape(mask, g.shape + (1,) * len(self.row_shape))
+            # masked ids read row num_rows: zeros
+            outs.append(part if mask is None else MaskedArray._from_pair(part, mask, zeroed=True))
         return rebuild(outs)
 
     def embedding_bag(self, table, requests):

@@ -157,6 +157,7 @@ def test_masked_ids_read_masked_rows_and_get_no_gradient():
     assert out["a"].filled(0) is out["a"].data
     np.testing.assert_array_equal(np.asarray(out["a"].data), np.asarray(rows.data))
     np.testing.assert_array_equal(np.asarray(out["b"].filled(0))[[1, 3]], 0)
+
     def through(read):
         return lambda t, i: jnp.sum(jnp.sin(read(mj.lookup(t, i))) * W)
 
