@@ -1,11 +1,45 @@
 """Shared test set-up: float64 available (x64 on), strict numerics, hypothesis profiles."""
 
 import os
+import shutil
 
-import jax
-import numpy as np
-import pytest
-from hypothesis import HealthCheck, settings
+# XLA's compiled programs persist between runs in an on-disk cache (jax's persistent compilation
+# cache): most of the suite's time is compiling, and a second `make test` with unchanged code
+# compiles almost nothing (the conformance harness: 291 s cold, 114 s warm on 2 cores). Keys are
+# hashes of the program, the compile options and the jax/XLA versions, so a change recompiles what
+# it changed. MJ_TEST_COMPILE_CACHE moves it, or turns it off with 0. Set through the environment
+# before jax is imported, so that the suite's subprocesses (notebooks, the 8-device suite, the
+# Array API suite) share it. No size limit for jax to enforce (its limit rescans the directory
+# at every write); pytest_configure empties the directory once it passes CACHE_LIMIT instead.
+_CACHE_DIR = os.environ.get("MJ_TEST_COMPILE_CACHE",
+                            os.path.join(os.path.expanduser("~"), ".cache", "masked_jax", "xla-tests"))
+_CACHE_ON = _CACHE_DIR not in ("", "0")
+CACHE_LIMIT = 2 << 30
+if _CACHE_ON:
+    for _name, _value in (("JAX_COMPILATION_CACHE_DIR", _CACHE_DIR), ("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0"),
+                          ("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")):
+        os.environ.setdefault(_name, _value)
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+if _CACHE_ON:  # in case jax was imported before this file (a plugin)
+    jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+
+
+def pytest_configure(config):
+    """Empty the compilation cache when it has grown past CACHE_LIMIT (once, before the workers start)."""
+    if not _CACHE_ON or hasattr(config, "workerinput") or not os.path.isdir(_CACHE_DIR):
+        return
+    with os.scandir(_CACHE_DIR) as entries:
+        size = sum(e.stat().st_size for e in entries if e.is_file())
+    if size > CACHE_LIMIT:
+        shutil.rmtree(_CACHE_DIR, ignore_errors=True)
+
 
 jax.config.update("jax_enable_x64", True)
 # check_jacobian's background work is for interactive sessions; notebooks executed by the tests

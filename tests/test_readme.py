@@ -86,3 +86,20 @@ def test_maskify_page_lists_every_unsupported_primitive():
         assert f"`{prim.name}`" in table, prim.name
     for name in primitives.UNSUPPORTED_CALLS:
         assert f"`jnp.{name}`" in table, name
+
+
+def test_the_suite_keeps_compiled_programs_where_the_readme_says():
+    """`make test` caches XLA's programs on disk between runs (README, Install): in
+    ~/.cache/masked_jax/xla-tests, or MJ_TEST_COMPILE_CACHE; a new program adds an entry."""
+    import os
+
+    where = os.environ.get("MJ_TEST_COMPILE_CACHE", str(pathlib.Path.home() / ".cache/masked_jax/xla-tests"))
+    assert "~/.cache/masked_jax/xla-tests" in README.read_text()
+    if where in ("", "0"):
+        assert jax.config.jax_compilation_cache_dir is None
+        return
+    assert jax.config.jax_compilation_cache_dir == where
+    before = set(os.listdir(where)) if os.path.isdir(where) else set()
+    c = float(np.random.default_rng().uniform(1, 2))  # a new constant: a program no run has compiled
+    np.testing.assert_allclose(jax.jit(lambda x: x * c + 1)(np.ones(3)), c + 1)
+    assert set(os.listdir(where)) - before

@@ -660,8 +660,9 @@ def _run(evaluate, leaves, names, sems, modes, fast, eps, vals, specs, specified
     both for a second run.
     """
     n = len(leaves)
-    vals = [v.astype(leaf.dtype).ravel() for leaf, v in zip(leaves, vals)]
     specs = [jnp.asarray(leaf.spec) for leaf in leaves] if specs is None else [jnp.asarray(s) for s in specs]
+    # the dense-semantics point: unspecified elements 0 (a masked input's data, as given, may hold anything)
+    vals = [jnp.where(s, v.astype(leaf.dtype).ravel(), 0) for leaf, v, s in zip(leaves, vals, specs)]
     k_fill, k_alt, rng = jax.random.split(jax.random.PRNGKey(seed), 3)
     fills = _random_fills(specs, vals, k_fill, 0.5, 1.5)  # masked semantics: data under masks is random
     alts = _random_fills(specs, vals, k_alt, -2.0, -1.0)  # ... and different: valid outputs must not move

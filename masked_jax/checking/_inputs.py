@@ -122,10 +122,11 @@ class Leaf:
 def describe(name: str, x, dtype):
     """``(leaf, values)`` for a differentiable input (``None`` for integer / bool ones).
 
-    ``values``: every element, unspecified ones 0 (the dense-semantics point).
+    ``values``: every element (the check sets the unspecified ones to 0 for the dense-semantics
+    point inside its compiled program: no eager select per call).
     """
     if isinstance(x, MaskedArray):
-        kind, values, spec = "masked", x.filled(0), x.mask
+        kind, values, spec = "masked", x.data, x.mask
     elif isinstance(x, RowSparseArray):
         dense = x.coalesce().todense()
         kind, values, spec = "row_sparse", dense.filled(0), dense.mask
