@@ -15,20 +15,21 @@ _CACHE_DIR = os.environ.get("MJ_TEST_COMPILE_CACHE",
                             os.path.join(os.path.expanduser("~"), ".cache", "masked_jax", "xla-tests"))
 _CACHE_ON = _CACHE_DIR not in ("", "0")
 CACHE_LIMIT = 2 << 30
+# jax's options for it: every program is cached, however small or quick to compile
+_CACHE_OPTIONS = {"jax_compilation_cache_dir": _CACHE_DIR, "jax_persistent_cache_min_compile_time_secs": 0.0,
+                  "jax_persistent_cache_min_entry_size_bytes": -1}
 if _CACHE_ON:
-    for _name, _value in (("JAX_COMPILATION_CACHE_DIR", _CACHE_DIR), ("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0"),
-                          ("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")):
-        os.environ.setdefault(_name, _value)
+    for _name, _value in _CACHE_OPTIONS.items():
+        os.environ.setdefault(_name.upper(), str(_value))
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
-if _CACHE_ON:  # in case jax was imported before this file (a plugin)
-    jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+if _CACHE_ON:  # the same again, in case jax was imported before this file (by a plugin)
+    for _name, _value in _CACHE_OPTIONS.items():
+        jax.config.update(_name, type(_value)(os.environ[_name.upper()]))
 
 
 def pytest_configure(config):

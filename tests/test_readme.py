@@ -1,6 +1,7 @@
 """The README and the docs pages stay true: their Python blocks run, and what their comments
 promise holds."""
 
+import os
 import pathlib
 import re
 
@@ -91,8 +92,6 @@ def test_maskify_page_lists_every_unsupported_primitive():
 def test_the_suite_keeps_compiled_programs_where_the_readme_says():
     """`make test` caches XLA's programs on disk between runs (README, Install): in
     ~/.cache/masked_jax/xla-tests, or MJ_TEST_COMPILE_CACHE; a new program adds an entry."""
-    import os
-
     where = os.environ.get("MJ_TEST_COMPILE_CACHE", str(pathlib.Path.home() / ".cache/masked_jax/xla-tests"))
     assert "~/.cache/masked_jax/xla-tests" in README.read_text()
     if where in ("", "0"):
