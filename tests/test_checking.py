@@ -48,8 +48,15 @@ def test_reading_masked_out_data_passes_dense_and_fails_masked():
     assert failed and all(c.semantics == "masked" for c in failed)
     for c in failed:
         assert c.leaks["valid outputs vs masked-out data"] > 1e-3
-        assert c.leaks["analytical, masked-out inputs"] > 1e-3
+        # the gradient at masked-out inputs (2 x): the probes put a huge value there
+        assert c.leaks["VJP to masked-out inputs with a huge value under the masks"] > 1e-3
+        assert "numerical, masked-out inputs" not in c.leaks  # tables shared with dense semantics: not perturbed
         assert c.max_abs < 1e-6  # on the specified elements the derivatives agree: only the leak fails
+    # without probes the masked tables are taken on their own, at random data under the mask
+    alone = mj.check_jacobian(f, (X,), raise_exception=False, leak_probes=False)
+    for c in alone.failures():
+        assert c.leaks["analytical, masked-out inputs"] > 1e-3 and c.leaks["numerical, masked-out inputs"] > 1e-3
+    assert alone.satisfies == ("dense",)
     with pytest.raises(mj.JacobianError, match="leak"):
         mj.check_jacobian(f, (X,), semantics="masked")
 
@@ -338,6 +345,63 @@ def test_leaky_functions_never_pass_masked_semantics(name, fast):
     assert expected in failing, failing
 
 
+@pytest.mark.parametrize("name", LEAKY)
+def test_shared_tables_catch_and_locate_every_leak(name):
+    """semantics="both" (the default) takes one set of tables for both semantics at the dense point
+    and perturbs no masked-out element: the fills, the probes and the leak map still catch every
+    leaky function and name the element it reads."""
+    f, expected = LEAKY[name]
+    report = mj.check_jacobian(f, (_X,), raise_exception=False)
+    assert "masked" not in report.satisfies
+    masked = [c for c in report.checks if c.semantics == "masked"]
+    failing = {k for c in masked for k, v in c.leaks.items() if not (np.isfinite(v) and v <= 1e-6)}
+    assert expected in failing, failing
+    assert all("numerical, masked-out inputs" not in c.leaks for c in masked)  # not perturbed: not reported
+    assert {entry[0] for c in masked for entry in c.leak_map} == {(1,)}
+    assert f"args[0][1] -> out[]: " in repr(report)
+
+
+_CORRECT = {"sum_exp": lambda v: mnp.sum(mnp.exp(v)), "softmax": lambda v: mnn.softmax(v * 2.0),
+            "cumsum_sin": lambda v: mnp.cumsum(mnp.sin(v)), "var": lambda v: mnp.var(30 * v)}
+
+
+@pytest.mark.parametrize("name", _CORRECT)
+def test_shared_tables_equal_the_masked_tables_taken_alone(name):
+    """The shared masked tables (dense point, raw outputs' Jacobians) equal the ones taken on their
+    own at random data under the mask (``semantics="masked"``) on every compared entry, with the
+    same verdict; the masked-out inputs' numerical columns are 0 (not perturbed)."""
+    f = _CORRECT[name]
+    shared = [c for c in mj.check_jacobian(f, (_X,), raise_exception=False).checks if c.semantics == "masked"]
+    alone = mj.check_jacobian(f, (_X,), semantics="masked").checks
+    spec = np.asarray(_X.mask)
+    for a, b in zip(shared, alone):
+        assert (a.mode, a.passed, a.mismatch) == (b.mode, True, False)
+        np.testing.assert_allclose(a.analytical, b.analytical, rtol=1e-6, atol=1e-7)
+        np.testing.assert_allclose(a.numerical[:, spec], b.numerical[:, spec], rtol=1e-2, atol=2e-3)
+        assert not a.numerical[:, ~spec].any()
+        np.testing.assert_array_equal(np.isnan(a.diff), np.isnan(b.diff))
+
+
+def test_the_verdict_is_taken_where_the_tables_are_and_the_tables_are_read_on_demand():
+    """A report's text and HTML need only the verdict: no check copies its tables until one of
+    them, its worst entries or its leak map is read. The worst entries read then agree with the
+    verdict: a mismatch has a failed worst entry, a match has none."""
+    wrong = jax.custom_jvp(jnp.sin)
+    wrong.defjvp(lambda p, t: (jnp.sin(p[0]), 1.05 * jnp.cos(p[0]) * t[0]))  # 5% off
+    y = jnp.array([0.1, 0.5, -0.3])
+    cases = [(lambda v: mnp.sum(mnp.exp(v)), _X, ("masked",)), (jnp.tanh, y, ("dense", "masked")), (wrong, y, ()),
+             (LEAKY["mean_from_data"][0], _X, ())]
+    for f, x, satisfies in cases:
+        report = mj.check_jacobian(f, (x,), raise_exception=False, modes=("fwd",))
+        assert report.satisfies == satisfies
+        repr(report), report.to_html()
+        assert not any("_shown" in vars(c) for c in report.checks if c.passed)  # no table read yet
+        for c in report.checks:
+            assert isinstance(c.numerical, np.ndarray) and c.numerical.shape == c.diff.shape
+            assert c.mismatch == any(w[4] for w in c.worst)
+            assert c.max_abs == pytest.approx(np.nanmax(c.diff), rel=1e-6, abs=1e-12)
+
+
 _SPARSE = {"bcoo": _X.tostype("bcoo"), "row_sparse": mj.masked_array(
     jnp.array([[1.0, 2.0], [3.0, 4.0], [0.5, 1.5]]), jnp.array([[True, True], [False, False], [True, True]]),
 ).tostype("row_sparse")}
@@ -548,6 +612,14 @@ def test_eager_compiled_and_background_checks_agree(monkeypatch):
     for a, b in zip(eager.checks, compiled.checks):
         np.testing.assert_allclose(a.numerical, b.numerical, rtol=1e-7, atol=1e-8)  # XLA fuses differently
         np.testing.assert_allclose(a.analytical, b.analytical, rtol=1e-9, atol=1e-12)
+        # the verdict: numpy on the host for the eager check, the compiled judge for the other
+        assert (a.passed, a.mismatch, a.near_miss, list(a.leaks)) == (b.passed, b.mismatch, b.near_miss, list(b.leaks))
+        np.testing.assert_allclose([a.max_abs, a.max_rel, *a.leaks.values()],
+                                   [b.max_abs, b.max_rel, *b.leaks.values()], rtol=1e-5, atol=1e-7)
+    leaky = LEAKY["where_log_trap"][0]
+    eager, compiled = (mj.check_jacobian(leaky, (_X,), compile=c, raise_exception=False) for c in (False, True))
+    assert eager.satisfies == compiled.satisfies == ()
+    assert [c.reason for c in eager.checks] == [c.reason for c in compiled.checks]
     # these shapes have run eagerly: new code runs eagerly at once, then compiles in the background
     monkeypatch.setenv("MJ_CHECK_BACKGROUND", "1")
     entry = _entry_of(make(mnp.sin), (x,))

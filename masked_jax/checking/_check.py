@@ -21,12 +21,14 @@ masked semantics, so that a function reading masked-out data cannot pass by acci
   valid outputs along valid inputs instead) (``jnp.where(m, log(x), 0)``, ``0 * x``
   and a stabiliser taken over masked-out data all fail here); a sparse input gets one padding
   slot holding the probe value too, so reading a sparse array's padding data fails as well;
-* perturbing masked-out data must not change any valid output (numerical leak);
+* perturbing masked-out data must not change any valid output (numerical leak), where the masked
+  tables are taken on their own (:func:`_shares_tables`);
 * analytical Jacobian entries at masked-out inputs, and tangents of masked-out outputs, are 0.
 
 All perturbations of one input are batched with ``vmap``; numerical and analytical Jacobians of
 every input are computed inside one ``jit``-compiled function, cached per function and input
-pattern, so a repeated check costs one XLA call on CPU, GPU or TPU.
+pattern, and judged by a second small program where they are (:func:`_judge`), so a repeated
+check costs two XLA calls on CPU, GPU or TPU and copies back numbers, not tables.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from __future__ import annotations
 import atexit
 import collections
 import dataclasses
+import functools
 import hashlib
 import os
 import sys
@@ -174,6 +177,7 @@ def check_jacobian(f, args, *, semantics="both", modes=("fwd", "rev"), eps=None,
     eps = d_eps if eps is None else _positive(eps, "eps", strict=True)
     atol = d_atol if atol is None else _positive(atol, "atol")
     rtol = d_rtol if rtol is None else _positive(rtol, "rtol")
+    tol = (atol, rtol, _roundoff(dtype, eps))  # operands of the program that takes the verdict
     total = sum(leaf.size for leaf in leaves)
     fast = total > FULL_MAX_ELEMENTS if fast is None else bool(fast)
 
@@ -206,8 +210,8 @@ def check_jacobian(f, args, *, semantics="both", modes=("fwd", "rev"), eps=None,
         raw = entry(operands, seed, compile)
     names = entry.names
     notes += [f"output {s} skipped" for s in entry.skipped]
-    raw = jax.device_get(raw)
-    checks = _compare(raw, leaves, names, sems, run_modes, fast, atol, rtol, _roundoff(dtype, eps))
+    raw = _fetch(raw, fast, tol, names, sems, run_modes, compile)
+    checks = _compare(raw, leaves, names, sems, run_modes, fast, *tol, probes=leak_probes)
     # A second run where the first one calls for it: for a derivative just off the finite differences,
     # their error estimate (steps eps and 2 eps: twice the work, so only where a check would fail
     # without it, by at most NEAR_MISS times its tolerance; no step error of a smooth function is
@@ -221,14 +225,34 @@ def check_jacobian(f, args, *, semantics="both", modes=("fwd", "rev"), eps=None,
         second, second_operands = _compiled(f, call, treedef, leaves, static, sems, run_modes, fast, eps, values,
                                             consts, leak_probes, richardson=near,
                                             leak_map="only" if locate and not near else locate)
-        raw = {**raw, **jax.device_get(second(second_operands, seed, compile))}
-        checks = _compare(raw, leaves, names, sems, run_modes, fast, atol, rtol, _roundoff(dtype, eps))
+        raw = {**raw, **_fetch(second(second_operands, seed, compile), fast, tol, names, sems,
+                                 run_modes, compile)}
+        checks = _compare(raw, leaves, names, sems, run_modes, fast, *tol, probes=leak_probes)
     report = JacobianReport(checks=checks, semantics=sems, backend=jax.default_backend(), dtype=dtype.name,
                             eps=eps, atol=atol, rtol=rtol, fast=fast, notes=notes)
     entry.background(operands, seed, compile)
     if raise_exception and not report:
         raise JacobianError(report)
     return report
+
+
+def _fetch(raw, fast, tol, names, sems, modes, compile):
+    """``raw`` copied to the host, except the full tables (``"<input>/<semantics>"``), which are
+    judged where they are (:func:`_judge`) and read by a report on demand."""
+    tables = set() if fast else {k for k in raw if k.split("/")[0].isdigit()}
+    rest = {k: v for k, v in raw.items() if k not in tables}
+    if not tables:
+        return jax.device_get(rest)
+    needs = {k: raw[k] for k in (*tables, "valid", "specs", *(f"scale/{s}" for s in sems))}
+    del rest["specs"]  # the host has them
+    if compile is False:  # no program to compile: numpy judges them on the host
+        needs = jax.device_get(needs)
+        return {**jax.device_get(rest), "judged": _judge(needs, tol, tuple(names), sems, modes, xp=np), **needs}
+    leaves, treedef = jax.tree_util.tree_flatten(rest)
+    judged, flat = _judged(needs, tol, leaves, names=tuple(names), sems=sems, modes=modes)
+    got = np.split(np.asarray(flat), np.cumsum([np.size(x) for x in leaves])[:-1]) if leaves else []
+    rest = jax.tree_util.tree_unflatten(treedef, [g.reshape(np.shape(x)).astype(x.dtype) for g, x in zip(got, leaves)])
+    return {**rest, "judged": np.asarray(judged), **{k: needs[k] for k in tables}}
 
 
 def _gradient_of(f, seed):
@@ -438,7 +462,13 @@ def _operands(leaves, values, consts, lifted):
     lifted constants and the input patterns."""
     if lifted is None:
         return values, consts
-    return values, consts, lifted, [jnp.asarray(leaf.spec) for leaf in leaves]
+    return values, consts, lifted, [_pattern(leaf) for leaf in leaves]
+
+
+@functools.lru_cache(maxsize=256)
+def _pattern(leaf):
+    """``leaf``'s pattern of specified elements as a device array (kept: a repeated check sends none)."""
+    return jnp.asarray(leaf.spec)
 
 
 def _evaluator(call, names, consts):
@@ -705,14 +735,106 @@ def _run(evaluate, leaves, names, sems, modes, fast, eps, vals, specs, specified
                 return outputs(vs, extras)[which]
 
             x0 = base[i]
-            if sem == "masked" and specified and plain[0] and not fast and f"{i}/dense" in out:
+            same = specified and plain[0] and not fast and "dense" in sems  # the two semantics: one check
+            shared = not same and _shares_tables(leaf, sems, fast, probes)
+            if sem == "masked" and same:
                 out[f"{i}/masked"] = out[f"{i}/dense"]
+            elif sem == "masked" and shared:
+                out[f"{i}/masked"] = _masked_share(out[f"{i}/dense"], specs[i], modes)
             elif fast:
                 out[f"{i}/{sem}"] = _projections(F, x0, leaf, specs[i], sem, modes, eps, out["valid"],
                                                  jax.random.fold_in(rng, i), richardson, out[f"scale/{sem}"])
             else:
-                out[f"{i}/{sem}"] = _tables(F, x0, leaf, sem, modes, eps, which, richardson)
+                out[f"{i}/{sem}"] = _tables(F, x0, leaf, sem, modes, eps, which, richardson, keep_raw=shared)
+    out["specs"] = specs
     return out
+
+
+JUDGED = ("passed", "max_abs", "near_miss", "max_rel", "fd_error", "numerical, masked-out inputs",
+          "analytical, masked-out inputs", "analytical, masked-out outputs")
+
+
+def _row_blocks(names):
+    """The rows of each output in the flat output vector."""
+    offsets = np.cumsum([0] + [int(np.prod(s, dtype=np.int64)) for _, s in names])
+    return [slice(int(a), int(b)) for a, b in zip(offsets[:-1], offsets[1:])]
+
+
+def _judge(out, tol, names, sems, modes, xp=jnp):
+    """What decides every full-table check: one row of :data:`JUDGED` per input x semantics x output
+    x mode (the order :func:`_compare` reads them in), in the array namespace ``xp``.
+
+    With ``jnp`` it is a program of its own (:func:`_judged`), compiled once per table shape and
+    run where the tables are; the host copies them only for the details a report shows on demand.
+    Inside the check's program XLA would fuse the tables' computation into every reduction of them
+    and compute each table many times; and all checks of one input and output take one (variadic)
+    reduction, as many small reductions compile slowly.
+    """
+    atol, rtol, roundoff = tol
+    judged = {}
+    for i, spec in enumerate(out["specs"]):
+        for j, rows in enumerate(_row_blocks(names)):
+            terms, where = [], []  # per check: the entries whose largest values decide it
+            for sem in sems:
+                res = out[f"{i}/{sem}"]
+                num = res["num"][rows]
+                fd = res["fd_err"][rows] if "fd_err" in res else None
+                scale = out[f"scale/{sem}"][rows].astype(num.dtype) * roundoff
+                masked = sem == "masked"
+                ok = (out["valid"][rows] if masked else xp.ones(num.shape[0], bool))[:, None]
+                cols = (spec if masked else xp.ones(num.shape[1], bool))[None, :]
+                compared = ok & cols
+                abs_num = xp.abs(num)
+                big = compared & (abs_num > atol)
+                for mode in modes:
+                    an = res[mode][rows]
+                    err, allowed, excess = _errors(xp, num, an, 0 if fd is None else fd, scale, atol, rtol)
+                    where.append((i, sem, j, mode))
+                    terms.append([compared & ~(excess <= 0), xp.where(compared, err, 0),  # a NaN fails
+                                  compared & ~(err <= NEAR_MISS * allowed),
+                                  xp.where(big, err / xp.where(big, abs_num, 1), 0),
+                                  None if fd is None else xp.where(compared & ~xp.isnan(fd), fd, 0),
+                                  # perturbing a masked-out input moves a valid output more than rounding explains
+                                  xp.where(ok & ~cols, abs_num - scale[:, None], 0) if masked else None,
+                                  xp.where(~cols, xp.abs(an), 0) if masked else None,
+                                  xp.where(~ok, xp.abs(an), 0) if masked else None])
+            dtype = terms[0][1].dtype
+            peaks = iter(_maxima(xp, [xp.asarray(t, dtype) for ts in terms for t in ts if t is not None]))
+            for key, ts in zip(where, terms):
+                fail, top, far, rel, fd_max, moved, leak_in, leak_out = (
+                    xp.zeros((), dtype) if t is None else next(peaks) for t in ts)
+                infinite = lambda v, nan=None: xp.where(xp.isnan(v if nan is None else nan), xp.inf, v)  # noqa: E731
+                judged[key] = xp.stack([fail == 0, infinite(top), (fail > 0) & (far == 0), infinite(rel, top), fd_max,
+                                        infinite(moved), infinite(leak_in), infinite(leak_out)]).astype(dtype)
+    return xp.stack([judged[(i, sem, j, mode)] for i in range(len(out["specs"])) for sem in sems
+                     for j in range(len(names)) for mode in modes])
+
+
+@functools.partial(jax.jit, static_argnames=("names", "sems", "modes"))
+def _judged(out, tol, rest, names, sems, modes):
+    """:func:`_judge` where the tables are, and the check's other (small) results ``rest`` as one
+    float64 vector, so that one copy brings everything the host needs."""
+    flat = [jnp.ravel(x).astype(jnp.float64 if jax.config.jax_enable_x64 else jnp.float32) for x in rest]
+    return _judge(out, tol, names, sems, modes), jnp.concatenate(flat) if flat else jnp.zeros(0)
+
+
+def _maxima(xp, arrays):
+    """The largest entry (at least 0, NaN if one is NaN) of each of ``arrays``, all of one shape:
+    one variadic reduction under ``jnp``."""
+    if xp is np:
+        return [np.max(a, initial=0) for a in arrays]
+    return jax.lax.reduce(arrays, [jnp.zeros((), a.dtype) for a in arrays],
+                          lambda a, b: [jnp.maximum(x, y) for x, y in zip(a, b)], tuple(range(arrays[0].ndim)))
+
+
+def _errors(xp, num, an, fd, scale, atol, rtol):
+    """``(|num - an|, tolerance, excess)`` of a full table, in the array namespace ``xp`` (``jnp``
+    where the tables are, ``np`` on the host for an eager check and a report's details). The tolerance is
+    ``atol + rtol |num|``, plus the outputs' rounding per row (``scale``) and twice the finite
+    differences' estimated error ``fd``; an entry fails where ``excess`` is > 0 or NaN."""
+    err = xp.abs(num - an)
+    allowed = atol + rtol * xp.abs(num) + scale[:, None] + 2 * fd
+    return err, allowed, err - allowed
 
 
 def _leak(a, b):
@@ -805,9 +927,39 @@ def analytic_pattern(leaf, sem):
     return ALL if sem == "dense" and leaf.kind == "bcoo" else None
 
 
-def _tables(F, x0, leaf, sem, modes, eps, which, richardson=False):
+def _shares_tables(leaf, sems, fast, probes) -> bool:
+    """Whether the masked-semantics tables of ``leaf`` are taken from the dense-semantics ones:
+    full tables under both semantics, with leak probes, for an array or ``MaskedArray`` input.
+
+    Both are then taken at the dense point (0 under the masks), where perturbing a valid element
+    is the same evaluation under both semantics (specifying an element that is already specified
+    changes nothing), and the Jacobian of the raw outputs gives both analytical tables (the dense
+    one is zero on the masked-out outputs). The masked-out inputs are not perturbed: the random
+    fills and the leak probes (NaN, +-inf and a huge value under every mask, with their VJPs)
+    decide whether masked-out data reaches anything, and the leak map of a failed check locates
+    it. Half the work of two separate sets of tables; sparse inputs keep them separate (their
+    re-specified element is a padding slot, not the same evaluation).
+    """
+    return bool(not fast and probes and "dense" in sems and "masked" in sems and leaf.kind in ("array", "masked"))
+
+
+def _masked_share(dense, spec, modes):
+    """The masked-semantics tables from the dense ones (see :func:`_shares_tables`): the valid
+    inputs' columns of the numerical table (the others 0, not perturbed) and the raw outputs'
+    Jacobians, which :func:`_tables` kept aside (``keep_raw``)."""
+    res = {"num": jnp.where(spec, dense["num"], 0)}
+    if "fd_err" in dense:
+        res["fd_err"] = jnp.where(spec, dense["fd_err"], 0)
+    for mode in modes:
+        res[mode] = dense.pop(f"raw/{mode}")
+    return res
+
+
+def _tables(F, x0, leaf, sem, modes, eps, which, richardson=False, keep_raw=False):
     """Full numerical and analytical Jacobians (outputs x input elements), and with ``richardson``
-    the finite differences' estimated error."""
+    the finite differences' estimated error. ``keep_raw``: the Jacobians are taken of the raw
+    outputs (kept as ``"raw/<mode>"``), and the analytical tables are those with the outputs'
+    masked-out rows zeroed (the Jacobians of the filled outputs)."""
     size = leaf.size
     dense = sem == "dense"
 
@@ -821,11 +973,14 @@ def _tables(F, x0, leaf, sem, modes, eps, which, richardson=False):
     res = {"num": d1.T}
     if richardson:
         res["fd_err"] = _richardson(d1, (evals[2 * size:3 * size] - evals[3 * size:]) / (4 * eps)).T
-    g = lambda v: F(v, analytic_pattern(leaf, sem), which)  # noqa: E731
-    if "fwd" in modes:
-        res["fwd"] = jax.jacfwd(g)(x0)
-    if "rev" in modes:
-        res["rev"] = jax.jacrev(g)(x0)
+    pattern = analytic_pattern(leaf, sem)
+    g = lambda v: F(v, pattern, 1 if keep_raw else which)  # noqa: E731
+    for mode, jac in (("fwd", jax.jacfwd), ("rev", jax.jacrev)):
+        if mode in modes:
+            res[mode] = jac(g)(x0)
+            if keep_raw:
+                res[f"raw/{mode}"] = res[mode]
+                res[mode] = jnp.where(F(x0, pattern, 2)[:, None], res[mode], 0)
     return res
 
 
@@ -893,19 +1048,17 @@ def _roundoff(dtype, eps) -> float:
     return 4.0 * float(np.finfo(dtype).eps) / float(eps)
 
 
-def _compare(raw, leaves, names, sems, modes, fast, atol, rtol, roundoff=0.0):
+def _compare(raw, leaves, names, sems, modes, fast, atol, rtol, roundoff=0.0, probes=True):
     padded_inputs = ", ".join(lf.name for lf in leaves if lf.kind in SPARSE_KINDS and not lf.spec.all())
-    offsets = np.cumsum([0] + [int(np.prod(s, dtype=np.int64)) for _, s in names])
     valid = np.asarray(raw["valid"], bool)
     value_leak = np.asarray(raw["value_leak"])
+    judged = None if fast else iter(np.asarray(raw["judged"], np.float64).tolist())
     checks = []
     for i, leaf in enumerate(leaves):
         spec = leaf.spec
         for sem in sems:
             res = raw[f"{i}/{sem}"]
-            for j, (oname, oshape) in enumerate(names):
-                rows = slice(offsets[j], offsets[j + 1])
-                ok_rows = valid[rows] if sem == "masked" else np.ones(offsets[j + 1] - offsets[j], bool)
+            for (oname, oshape), rows in zip(names, _row_blocks(names)):
                 leaks = {}
                 if sem == "masked":
                     leaks["valid outputs vs masked-out data"] = float(np.max(value_leak[rows], initial=0))
@@ -934,17 +1087,13 @@ def _compare(raw, leaves, names, sems, modes, fast, atol, rtol, roundoff=0.0):
                     over = lambda a: ~(np.asarray(a)[rows] <= atol)  # noqa: E731 - past atol, or NaN
                     cells = over(lm["value"]).astype(np.uint8) | (over(lm["gradient"]).astype(np.uint8) << 1)
                     leaks["masked-out inputs reaching valid outputs (leak map cells)"] = float(np.count_nonzero(cells))
-                if sem == "masked" and not fast:  # the whole map, the same for every mode
-                    cells = _leak_cells(cells, np.asarray(res["num"])[rows], ok_rows, spec, atol)
                 for mode in modes:
                     if fast:
                         c = _fast_check(res, mode, sem, leaks, atol, rtol, roundoff)
                     else:
-                        scale = np.asarray(raw[f"scale/{sem}"])[rows] * roundoff
-                        c = _full_check(res, mode, sem, rows, ok_rows, spec, leaks, oshape, leaf.shape, atol, rtol,
-                                        scale)
-                        c["leak_cells"] = cells
-                        c["leak_map"] = [] if cells is None else _leak_entries(cells, oshape, leaf.shape)
+                        table = _Table(res, mode, sem, rows, valid[rows] if sem == "masked" else None, spec, cells,
+                                       raw[f"scale/{sem}"], oshape, leaf.shape, atol, rtol, roundoff)
+                        c = _full_check(next(judged), table, leaks, atol, _shares_tables(leaf, sems, fast, probes))
                     checks.append(Check(input=leaf.name, output=oname, mode=mode, semantics=sem, **c))
     return checks
 
@@ -979,54 +1128,65 @@ def _leak_passed(leaks, atol):
     return all(np.isfinite(v) and v <= atol for v in leaks.values())
 
 
-def _full_check(res, mode, sem, rows, ok_rows, spec, leaks, oshape, ishape, atol, rtol, scale=None):
-    num = np.asarray(res["num"])[rows]
-    an = np.asarray(res[mode])[rows]
-    cols = spec if sem == "masked" else np.ones(num.shape[1], bool)
+def _full_check(judged, table, leaks, atol, shared):
+    """One full-table check from its row of :data:`JUDGED` (the verdict, taken where the check ran);
+    the details a report shows (worst entries, tables, leak map) come from ``table`` when first
+    read. ``shared``: the masked-out inputs were not perturbed (see :func:`_shares_tables`)."""
+    row = dict(zip(JUDGED, judged))
     leaks = dict(leaks)
-    if sem == "masked":
-        off = ~spec
-        leaks["numerical, masked-out inputs"] = _beyond(num[np.ix_(ok_rows, off)],
-                                                        0.0 if scale is None else scale[ok_rows][:, None])
-        leaks["analytical, masked-out inputs"] = _max_abs(an[:, off])
-        leaks["analytical, masked-out outputs"] = _max_abs(an[~ok_rows])
-    everything = bool(ok_rows.all() and cols.all())  # always so under dense semantics: views, no copies
-    fd = np.asarray(res["fd_err"])[rows] if "fd_err" in res else np.zeros(num.shape)
-    n_blk, a_blk, fd_blk = (num, an, fd) if everything else (
-        num[np.ix_(ok_rows, cols)], an[np.ix_(ok_rows, cols)], fd[np.ix_(ok_rows, cols)])
-    # In place where possible: every fresh table-sized temporary costs page faults (~0.3 ms for a
-    # 400 x 400 float64 table on this kind of machine), more than the arithmetic on it.
-    err = np.subtract(n_blk, a_blk)
-    np.abs(err, out=err)
-    abs_num = np.abs(n_blk)
-    excess = np.multiply(abs_num, rtol)
-    excess += atol
-    if scale is not None:  # the finite differences' rounding, per output row
-        excess += (scale if everything else scale[ok_rows])[:, None]
-    excess += 2 * fd_blk  # twice the finite differences' estimated error
-    np.subtract(err, excess, out=excess)  # > 0 or NaN: a failure
-    top = float(np.max(err, initial=0))  # NaN if any error is NaN
-    has_nan = bool(np.isnan(top))
-    r_idx, c_idx = np.flatnonzero(ok_rows), np.flatnonzero(cols)
-    worst = []
-    for flat_pos in _largest(excess.ravel(), 5):
-        r, c = _unravel(flat_pos, excess.shape)
-        worst.append((_unravel(int(r_idx[r]), oshape), _unravel(int(c_idx[c]), ishape),
-                      float(n_blk[r, c]), float(a_blk[r, c]), bool(not excess[r, c] <= 0)))
-    if everything:
-        diff = err
-    else:
-        diff = np.full(num.shape, np.nan)
-        diff[np.ix_(ok_rows, cols)] = err
-    passed = excess.size == 0 or bool(excess.max() <= 0)
-    # a failure with every error within NEAR_MISS tolerances (no NaN): worth the error estimate
-    near = not passed and bool(np.all(err <= NEAR_MISS * (err - excess)))
-    max_rel = _max_of(_relative(err, abs_num, atol, out=excess), has_nan)  # excess's buffer, reused
-    fd_max = float(np.nanmax(fd_blk, initial=0)) if fd_blk.size else 0.0
-    return dict(passed=passed and _leak_passed(leaks, atol), max_abs=float("inf") if has_nan else top,
-                max_rel=max_rel, worst=worst, leaks=leaks, diff=diff, numerical=num, analytical=an,
-                fd_error=fd_max if "fd_err" in res else None, mismatch=not passed, near_miss=near,
-                reason=_reason(passed, leaks, atol, mode, sem, top, fd_max if "fd_err" in res else None))
+    if table.sem == "masked":
+        leaks.update((k, row[k]) for k in JUDGED[5 + shared:])  # shared: no numerical masked-out leak measured
+    matched = bool(row["passed"])
+    fd_max = row["fd_error"] if "fd_err" in table.res else None
+    return dict(passed=matched and _leak_passed(leaks, atol), max_abs=row["max_abs"], max_rel=row["max_rel"],
+                leaks=leaks, fd_error=fd_max, mismatch=not matched, near_miss=bool(row["near_miss"]),
+                reason=_reason(matched, leaks, atol, table.mode, table.sem, row["max_abs"], fd_max),
+                details=table.details)
+
+
+@dataclasses.dataclass
+class _Table:
+    """One full-table check's tables, still on the device, and what :meth:`details` needs to show
+    them: ``ok`` the valid rows (``None``: all), ``cells`` the leak map's value and gradient bits."""
+
+    res: dict
+    mode: str
+    sem: str
+    rows: slice
+    ok: object
+    spec: np.ndarray
+    cells: object
+    scale: object
+    oshape: tuple
+    ishape: tuple
+    atol: float
+    rtol: float
+    roundoff: float
+
+    def details(self) -> dict:
+        """The worst entries, ``|numerical - analytical|`` (NaN where not compared), both tables and
+        the leak map, read from the device."""
+        num = np.asarray(self.res["num"])[self.rows]
+        an = np.asarray(self.res[self.mode])[self.rows]
+        masked = self.sem == "masked"
+        ok = np.ones(num.shape[0], bool) if self.ok is None else self.ok
+        cols = self.spec if masked else np.ones(num.shape[1], bool)
+        r_idx, c_idx = np.flatnonzero(ok), np.flatnonzero(cols)
+        block = (lambda a: a) if ok.all() and cols.all() else (lambda a: a[np.ix_(r_idx, c_idx)])  # noqa: E731
+        fd = block(np.asarray(self.res["fd_err"])[self.rows]) if "fd_err" in self.res else 0
+        scale = np.asarray(self.scale)[self.rows][r_idx] * self.roundoff
+        n_blk, a_blk = block(num), block(an)
+        err, _, excess = _errors(np, n_blk, a_blk, fd, scale, self.atol, self.rtol)
+        worst = []
+        for flat_pos in _largest(excess.ravel(), 5):
+            r, c = _unravel(flat_pos, excess.shape)
+            worst.append((_unravel(int(r_idx[r]), self.oshape), _unravel(int(c_idx[c]), self.ishape),
+                          float(n_blk[r, c]), float(a_blk[r, c]), bool(not excess[r, c] <= 0)))
+        diff = np.full(num.shape, np.nan, err.dtype)
+        diff[np.ix_(r_idx, c_idx)] = err
+        cells = _leak_cells(self.cells, num, ok, self.spec, self.atol) if masked else None
+        return dict(worst=worst, diff=diff, numerical=num, analytical=an, leak_cells=cells,
+                    leak_map=[] if cells is None else _leak_entries(cells, self.oshape, self.ishape))
 
 
 def _unravel(i, shape):
@@ -1074,9 +1234,9 @@ def _fast_check(res, mode, sem, leaks, atol, rtol, roundoff=0.0):
     has_nan = bool(np.isnan(err).any())
     worst = [(f"direction {d}", "", float(num[d]), float(an[d]), bool(bad[d])) for d in np.argsort(-err)]
     fd_max = float(np.nanmax(fd, initial=0))
+    shown = dict(worst=worst, diff=None, numerical=num, analytical=an, leak_map=[], leak_cells=None)
     return dict(passed=bool(not bad.any()) and _leak_passed(leaks, atol), max_abs=_max_of(err, has_nan),
-                max_rel=_max_of(_relative(err, abs_num, atol), has_nan), worst=worst,
-                leaks=leaks, diff=None, numerical=num, analytical=an,
+                max_rel=_max_of(_relative(err, abs_num, atol), has_nan), leaks=leaks, details=lambda: shown,
                 fd_error=fd_max if "fd_err" in res else None, mismatch=bool(bad.any()),
                 near_miss=bool(bad.any()) and bool(np.all(err <= NEAR_MISS * tol)),
                 reason=_reason(not bad.any(), leaks, atol, mode, sem, _max_of(err, has_nan),
@@ -1099,18 +1259,9 @@ def _reason(matched, leaks, atol, mode, sem, top, fd_max):
     return "; ".join(why)
 
 
-def _relative(err, abs_num, atol, out=None):
-    """``err / |num|`` where ``|num| > atol`` (elsewhere the absolute error is what counts), else 0;
-    written into ``out`` when given."""
-    if out is None:
-        out = np.zeros_like(err)
-    else:
-        out.fill(0)
-    return np.divide(err, abs_num, out=out, where=abs_num > atol)
-
-
-def _max_abs(a):
-    return _max_of(np.abs(a), bool(np.isnan(a).any()))
+def _relative(err, abs_num, atol):
+    """``err / |num|`` where ``|num| > atol`` (elsewhere the absolute error is what counts), else 0."""
+    return np.divide(err, abs_num, out=np.zeros_like(err), where=abs_num > atol)
 
 
 def _beyond(moved, allowed):

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import html
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -28,6 +29,11 @@ class Check:
     a failure); ``mismatch`` says a derivative failed (not only a leak), and ``reason`` says in
     words why a failing check failed. ``diff`` is ``|numerical - analytical|`` (outputs x
     inputs, NaN where not compared), full mode only.
+
+    The verdict is taken where the check ran (on the accelerator, for a GPU); ``worst``,
+    ``diff``, ``numerical``, ``analytical``, ``leak_map`` and ``leak_cells`` are numpy arrays and
+    lists copied from there when first read, so a check nobody looks into costs no transfer of
+    its tables.
     """
 
     input: str
@@ -37,17 +43,23 @@ class Check:
     passed: bool
     max_abs: float
     max_rel: float
-    worst: list
     leaks: dict
-    diff: Any = None
-    numerical: Any = None
-    analytical: Any = None
-    leak_map: list = dataclasses.field(default_factory=list)
-    leak_cells: Any = None
     fd_error: Any = None
     reason: str = ""
     mismatch: bool = False
     near_miss: bool = False
+    details: Callable[[], dict] = dataclasses.field(default=dict, repr=False, compare=False)
+
+    @functools.cached_property
+    def _shown(self) -> dict:
+        return self.details()
+
+    worst = property(lambda self: self._shown.get("worst", []))
+    diff = property(lambda self: self._shown.get("diff"))
+    numerical = property(lambda self: self._shown.get("numerical"))
+    analytical = property(lambda self: self._shown.get("analytical"))
+    leak_map = property(lambda self: self._shown.get("leak_map", []))
+    leak_cells = property(lambda self: self._shown.get("leak_cells"))
 
 
 @dataclasses.dataclass
@@ -111,11 +123,11 @@ class JacobianReport:
             for name, value in c.leaks.items():
                 flag = "" if np.isfinite(value) and value <= self.atol else "  <-- leak"
                 lines.append(f"      off-mask {name}: {value:.3g}{flag}")
-            if c.leak_map:
+            if not c.passed and c.leak_map:
                 lines.append("      leak map (masked-out input element -> valid output it reaches):")
                 for in_idx, out_idx, kinds in c.leak_map:
                     lines.append(f"        {c.input}{list(in_idx)} -> {c.output}{list(out_idx)}: {', '.join(kinds)}")
-            if any(w[4] for w in c.worst):
+            if c.mismatch:  # the worst entries: read from the tables only for a failed derivative
                 for out_idx, in_idx, num, an, bad in c.worst:
                     where = out_idx if self.fast else f"out{list(out_idx)} in{list(in_idx)}"
                     lines.append(f"      {where}: numerical {num:.6g}  analytical {an:.6g}"
