@@ -601,6 +601,20 @@ def test_host_callbacks_of_the_same_name_are_different_functions():
                                    rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+def test_half_precision_inputs_are_checked_in_float32(dtype):
+    """A central difference in bfloat16 moves by ~0.3 from rounding alone at outputs near 1, so
+    half-precision inputs are checked in float32 (float64 with x64): a masked op still fails
+    dense semantics, and a derivative 5% off still fails."""
+    x = mj.masked_array(jnp.array([1.0, 2.0, 3.0, 0.5], dtype), jnp.array([True, False, True, True]))
+    report = mj.check_jacobian(lambda v: mnp.sum(mnp.sin(v)), (x,), raise_exception=False)
+    assert report.satisfies == ("masked",)
+    assert report.dtype == ("float64" if jax.config.jax_enable_x64 else "float32")
+    wrong = jax.custom_jvp(jnp.sin)
+    wrong.defjvp(lambda p, t: (jnp.sin(p[0]), 1.05 * jnp.cos(p[0]) * t[0]))
+    assert not mj.check_jacobian(wrong, (jnp.array([0.1, 0.5, -0.3], dtype),), raise_exception=False)
+
+
 def test_eager_compiled_and_background_checks_agree(monkeypatch):
     from masked_jax.checking import _check
 

@@ -67,7 +67,7 @@ def default_tolerances(dtype):
         return 1e-6, 1e-5, 1e-3
     if dtype == np.float32:
         return 1e-3, 1e-2, 1e-2
-    return 3e-2, 1e-1, 1e-1  # float16 / bfloat16
+    return 3e-2, 1e-1, 1e-1  # float16 / bfloat16 (the check itself runs their inputs in float32)
 
 
 def check_jacobian(f, args, *, semantics="both", modes=("fwd", "rev"), eps=None, atol=None, rtol=None,
@@ -886,7 +886,7 @@ def _probes(outputs, leaves, specs, fills, base, modes, rng):
                 "vjp_off": [jnp.where(s, 0, _leak(a, jnp.zeros_like(a))) for a, s in zip(vjp, specs)]}
 
     dtype = min((np.dtype(leaf.dtype) for leaf in leaves), key=lambda d: d.itemsize)
-    values = jnp.array([np.nan, np.inf, -np.inf, float(np.sqrt(np.finfo(dtype).max))], dtype)
+    values = jnp.array([np.nan, np.inf, -np.inf, float(np.sqrt(float(jnp.finfo(dtype).max)))], dtype)
     return jax.vmap(one)(values)
 
 
@@ -1045,7 +1045,7 @@ def _roundoff(dtype, eps) -> float:
     can carry in ``dtype`` (each evaluation is off by about one ulp of the output; the difference
     of two divided by ``2 eps``), with a safety factor of 4: an output of magnitude ``F`` gets
     ``F * roundoff`` more tolerance, so ``var(30 * x)`` in float32 is not failed for rounding."""
-    return 4.0 * float(np.finfo(dtype).eps) / float(eps)
+    return 4.0 * float(jnp.finfo(dtype).eps) / float(eps)
 
 
 def _compare(raw, leaves, names, sems, modes, fast, atol, rtol, roundoff=0.0, probes=True):
