@@ -754,8 +754,9 @@ JUDGED = ("passed", "max_abs", "near_miss", "max_rel", "fd_error", "numerical, m
           "analytical, masked-out inputs", "analytical, masked-out outputs")
 
 
+@functools.lru_cache(maxsize=256)
 def _row_blocks(names):
-    """The rows of each output in the flat output vector."""
+    """The rows of each output in the flat output vector (``names``: a tuple)."""
     offsets = np.cumsum([0] + [int(np.prod(s, dtype=np.int64)) for _, s in names])
     return [slice(int(a), int(b)) for a, b in zip(offsets[:-1], offsets[1:])]
 
@@ -773,7 +774,7 @@ def _judge(out, tol, names, sems, modes, xp=jnp):
     atol, rtol, roundoff = tol
     judged = {}
     for i, spec in enumerate(out["specs"]):
-        for j, rows in enumerate(_row_blocks(names)):
+        for j, rows in enumerate(_row_blocks(tuple(names))):
             terms, where = [], []  # per check: the entries whose largest values decide it
             for sem in sems:
                 res = out[f"{i}/{sem}"]
@@ -1058,7 +1059,7 @@ def _compare(raw, leaves, names, sems, modes, fast, atol, rtol, roundoff=0.0, pr
         spec = leaf.spec
         for sem in sems:
             res = raw[f"{i}/{sem}"]
-            for (oname, oshape), rows in zip(names, _row_blocks(names)):
+            for (oname, oshape), rows in zip(names, _row_blocks(tuple(names))):
                 leaks = {}
                 if sem == "masked":
                     leaks["valid outputs vs masked-out data"] = float(np.max(value_leak[rows], initial=0))

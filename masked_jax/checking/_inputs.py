@@ -12,6 +12,7 @@ vector (unspecified read as 0), the raw data and a validity mask.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -42,13 +43,16 @@ class Leaf:
     dtype: str
     spec_bytes: bytes  # packed bool pattern of specified elements
 
-    @property
+    @functools.cached_property
     def size(self) -> int:
         return int(np.prod(self.shape, dtype=np.int64))
 
-    @property
+    @functools.cached_property
     def spec(self) -> np.ndarray:
-        return np.unpackbits(np.frombuffer(self.spec_bytes, np.uint8), count=self.size).astype(bool)
+        """The pattern (read-only: computed once per leaf)."""
+        spec = np.unpackbits(np.frombuffer(self.spec_bytes, np.uint8), count=self.size).astype(bool)
+        spec.flags.writeable = False
+        return spec
 
     def build(self, values, extra=None, pattern=None):
         """An object of this leaf's kind holding ``values`` (flat, all elements).
