@@ -1136,7 +1136,7 @@ def _full_check(judged, table, leaks, atol, shared):
     row = dict(zip(JUDGED, judged))
     leaks = dict(leaks)
     if table.sem == "masked":
-        leaks.update((k, row[k]) for k in JUDGED[5 + shared:])  # shared: no numerical masked-out leak measured
+        leaks.update((k, row[k]) for k in (JUDGED[6:] if shared else JUDGED[5:]))  # shared: no numerical leak taken
     matched = bool(row["passed"])
     fd_max = row["fd_error"] if "fd_err" in table.res else None
     return dict(passed=matched and _leak_passed(leaks, atol), max_abs=row["max_abs"], max_rel=row["max_rel"],
