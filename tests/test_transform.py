@@ -556,3 +556,26 @@ def test_running_reductions_skip_holes_and_left_padding(mask):
             out = f(x)
             np.testing.assert_array_equal(out.mask, valid)
             np.testing.assert_allclose(np.asarray(out.data)[valid], ref(np.array([1.0, 2.0, 3.0, 4.0])[valid]))
+
+
+@pytest.mark.parametrize("garbage", [np.nan, np.inf, -np.inf, 1e30])
+def test_maximum_and_minimum_take_no_sanitising_select(garbage):
+    """max and min differentiate to a multiplier of 0, 0.5 or 1 at any operands (NaN included), so
+    their rule does not replace masked-out data first: a maskify'd ``relu`` is one ``max`` with no
+    select (in a model, that select and its transpose sat in front of a weight gradient's matmul),
+    and masked-out NaN, +-inf or huge values still reach no valid output and no gradient, with a
+    broadcast parameter operand as well."""
+    x = mj.masked_array(jnp.array([1.0, -2.0, 3.0, garbage]), jnp.array([True, True, True, False]))
+    text = str(jax.make_jaxpr(mj.maskify(jax.nn.relu))(x))
+    assert "select_n" not in text and " max " in text
+
+    def loss(y, x, op):
+        return mnp.sum(op(x, y) * 2.0)
+
+    for op, dy, dx in [(mnp.maximum, 2.0, [2.0, 0.0, 2.0]), (mnp.minimum, 4.0, [0.0, 2.0, 0.0])]:
+        gy, gx = mj.grad(loss, argnums=(0, 1))(jnp.float32(0.5), x, op)
+        assert gy == dy  # the valid entries alone: 2 x (how many pick y)
+        np.testing.assert_array_equal(gx.data[:3], dx)
+    # plain code under maskify: relu(w x) summed over the valid entries 1.5 w and 4.5 w: d/dw = 1 + 3
+    model = mj.maskify(lambda v, w: jnp.sum(jax.nn.relu(v * w)))
+    assert jax.grad(lambda w: model(x, w).data)(jnp.float32(1.5)) == 4.0

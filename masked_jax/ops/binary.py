@@ -24,8 +24,10 @@ def nary(fn, safe=1):
     operands are valid. Every operand is set to ``safe`` wherever the *result*
     is masked, so a masked-out value in one operand cannot turn a valid value
     of another operand's gradient into NaN (``d(a*b)/db = a``). ``safe=None``
-    marks functions (add, comparisons, selections) whose derivatives never
-    read operand values.
+    marks functions whose derivatives never read operand values (add,
+    comparisons, selections) or read them only through comparisons, which give
+    a multiplier of 0, 0.5 or 1 at any operands, NaN and inf included
+    (maximum, minimum: a maskify'd ``relu`` then needs no select).
     """
 
     def rule(*operands: Pair, **kwargs) -> Pair:
@@ -108,8 +110,8 @@ BINARY = [
     ("remainder", jnp.remainder, 1, (P.rem_p,), ()),
     ("power", jnp.power, 1, (P.pow_p,), _ops("pow")),
     ("float_power", jnp.float_power, 1, (), ()),
-    ("maximum", jnp.maximum, 1, (P.max_p,), ()),
-    ("minimum", jnp.minimum, 1, (P.min_p,), ()),
+    ("maximum", jnp.maximum, None, (P.max_p,), ()),
+    ("minimum", jnp.minimum, None, (P.min_p,), ()),
     ("fmax", jnp.fmax, 1, (), ()),
     ("fmin", jnp.fmin, 1, (), ()),
     ("arctan2", jnp.arctan2, 1, (P.atan2_p,), ()),
