@@ -247,7 +247,8 @@ def _fetch(raw, fast, tol, names, sems, modes, compile):
     del rest["specs"]  # the host has them
     if compile is False:  # no program to compile: numpy judges them on the host
         needs = jax.device_get(needs)
-        return {**jax.device_get(rest), "judged": _judge(needs, tol, tuple(names), sems, modes, xp=np), **needs}
+        judged = _judge(needs, tol, tuple(names), sems, modes, xp=np)
+        return {**jax.device_get(rest), "judged": judged, **{k: needs[k] for k in tables}}
     leaves, treedef = jax.tree_util.tree_flatten(rest)
     judged, flat = _judged(needs, tol, leaves, names=tuple(names), sems=sems, modes=modes)
     got = np.split(np.asarray(flat), np.cumsum([np.size(x) for x in leaves])[:-1]) if leaves else []
@@ -804,9 +805,10 @@ def _judge(out, tol, names, sems, modes, xp=jnp):
             for key, ts in zip(where, terms):
                 fail, top, far, rel, fd_max, moved, leak_in, leak_out = (
                     xp.zeros((), dtype) if t is None else next(peaks) for t in ts)
-                infinite = lambda v, nan=None: xp.where(xp.isnan(v if nan is None else nan), xp.inf, v)  # noqa: E731
-                judged[key] = xp.stack([fail == 0, infinite(top), (fail > 0) & (far == 0), infinite(rel, top), fd_max,
-                                        infinite(moved), infinite(leak_in), infinite(leak_out)]).astype(dtype)
+                # a NaN among the entries is an infinite error (the relative one: where the absolute one is)
+                inf = lambda v, nan: xp.where(xp.isnan(nan), xp.inf, v)  # noqa: E731
+                judged[key] = xp.stack([fail == 0, inf(top, top), (fail > 0) & (far == 0), inf(rel, top), fd_max,
+                                        inf(moved, moved), inf(leak_in, leak_in), inf(leak_out, leak_out)]).astype(dtype)
     return xp.stack([judged[(i, sem, j, mode)] for i in range(len(out["specs"])) for sem in sems
                      for j in range(len(names)) for mode in modes])
 
@@ -1093,7 +1095,7 @@ def _compare(raw, leaves, names, sems, modes, fast, atol, rtol, roundoff=0.0, pr
                         c = _fast_check(res, mode, sem, leaks, atol, rtol, roundoff)
                     else:
                         table = _Table(res, mode, sem, rows, valid[rows] if sem == "masked" else None, spec, cells,
-                                       raw[f"scale/{sem}"], oshape, leaf.shape, atol, rtol, roundoff)
+                                       raw[f"scale/{sem}"], oshape, leaf.shape, (atol, rtol, roundoff))
                         c = _full_check(next(judged), table, leaks, atol, _shares_tables(leaf, sems, fast, probes))
                     checks.append(Check(input=leaf.name, output=oname, mode=mode, semantics=sem, **c))
     return checks
@@ -1160,9 +1162,7 @@ class _Table:
     scale: object
     oshape: tuple
     ishape: tuple
-    atol: float
-    rtol: float
-    roundoff: float
+    tol: tuple  # (atol, rtol, roundoff), as check_jacobian passes them
 
     def details(self) -> dict:
         """The worst entries, ``|numerical - analytical|`` (NaN where not compared), both tables and
@@ -1175,9 +1175,10 @@ class _Table:
         r_idx, c_idx = np.flatnonzero(ok), np.flatnonzero(cols)
         block = (lambda a: a) if ok.all() and cols.all() else (lambda a: a[np.ix_(r_idx, c_idx)])  # noqa: E731
         fd = block(np.asarray(self.res["fd_err"])[self.rows]) if "fd_err" in self.res else 0
-        scale = np.asarray(self.scale)[self.rows][r_idx] * self.roundoff
+        atol, rtol, roundoff = self.tol
+        scale = np.asarray(self.scale)[self.rows][r_idx] * roundoff
         n_blk, a_blk = block(num), block(an)
-        err, _, excess = _errors(np, n_blk, a_blk, fd, scale, self.atol, self.rtol)
+        err, _, excess = _errors(np, n_blk, a_blk, fd, scale, atol, rtol)
         worst = []
         for flat_pos in _largest(excess.ravel(), 5):
             r, c = _unravel(flat_pos, excess.shape)
@@ -1185,7 +1186,7 @@ class _Table:
                           float(n_blk[r, c]), float(a_blk[r, c]), bool(not excess[r, c] <= 0)))
         diff = np.full(num.shape, np.nan, err.dtype)
         diff[np.ix_(r_idx, c_idx)] = err
-        cells = _leak_cells(self.cells, num, ok, self.spec, self.atol) if masked else None
+        cells = _leak_cells(self.cells, num, ok, self.spec, atol) if masked else None
         return dict(worst=worst, diff=diff, numerical=num, analytical=an, leak_cells=cells,
                     leak_map=[] if cells is None else _leak_entries(cells, self.oshape, self.ishape))
 
