@@ -36,7 +36,8 @@ the same as a masked op (70% valid; torch checks the dense function times the ma
 
 ``MJ_CHECK_BACKGROUND=1`` (the default in notebooks) is set for this table.
 
-Run: ``.venv/bin/python benchmarks/jacobian.py`` (``--quick`` for a small smoke run). On a GPU
+Run: ``.venv/bin/python benchmarks/jacobian.py`` (``--quick`` for a small smoke run,
+``--latency-only`` for the second table alone). On a GPU
 (``JAX_PLATFORMS=cuda``) torch checks CUDA tensors when it sees CUDA (gradcheck synchronizes
 when it compares), and the plot is ``jacobian_gpu.png``.
 """
@@ -90,6 +91,7 @@ def functions(n, rng):
 def main(argv=None):
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--latency-only", action="store_true", help="only the latency table")
     args = parser.parse_args(argv)
     import torch
 
@@ -97,7 +99,7 @@ def main(argv=None):
     sizes = (10, 50) if args.quick else (10, 100, 400)
     rng = np.random.default_rng(0)
     rows, compile_rows = {}, {}
-    for n in progress(sizes, "input size"):
+    for n in progress(() if args.latency_only else sizes, "input size"):
         for name, (fj, ft) in functions(n, rng).items():
             x = jnp.asarray(rng.uniform(-1.0, 1.0, n))
             xt = torch.tensor(np.asarray(x), requires_grad=True, device=torch_device())
@@ -122,8 +124,9 @@ def main(argv=None):
             res = interleaved_medians({k: _returns_none(v) for k, v in impls.items()}, rounds=rounds, block=3, warmup=1, settle=1)
             rows[f"{name} n={n}"] = res
             compile_rows[f"{name} n={n}"] = (t_compile_full, t_compile_fast)
-    _print(rows, compile_rows)
-    save_bar_plot(rows, result_path("jacobian"), f"Jacobian checks, cached (float64, {jax.default_backend().upper()})")
+    if rows:
+        _print(rows, compile_rows)
+        save_bar_plot(rows, result_path("jacobian"), f"Jacobian checks, cached (float64, {jax.default_backend().upper()})")
     lat = latency(sizes, trials=3 if args.quick else 7)
     save_bar_plot(lat, result_path("jacobian_latency"),
                   f"Jacobian checks, first call on a new function (float64, {jax.default_backend().upper()})")

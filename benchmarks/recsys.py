@@ -34,6 +34,10 @@ GB/s of the bytes it must touch (gradient rows read; parameter, mu and nu rows r
 against the copy bandwidth measured in the same run. Prints tables of medians and ratios and
 saves ``benchmarks/results/recsys.png``.
 
+On an accelerator (or with ``--sweep``) it then times lazy Adam's step alone on an 8M x 32 table
+at K = 100k, 1M and 4M ids, against the hand-written step and a fewest-bytes floor (gather,
+update, scatter on sorted distinct ids), in GB/s of touched bytes.
+
 Run: ``.venv/bin/python benchmarks/recsys.py`` (``--quick``: tables 100x smaller, batch 128;
 ``--reuse-memory``: rerun under a glibc malloc that keeps freed memory, as in ``optim.py``: XLA:CPU
 takes every step's temporaries as one fresh block, whose pages fault on first touch, where torch
@@ -274,6 +278,9 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--reuse-memory", action="store_true",
                         help="rerun under a glibc malloc that keeps freed memory (see benchmarks/optim.py)")
+    parser.add_argument("--sweep", action="store_true",
+                        help="also time lazy Adam's step alone on an 8M-row table at K = 100k, 1M and 4M "
+                             "(always on an accelerator)")
     args = parser.parse_args(argv)
     reuse = reusing_memory(args.reuse_memory, __file__, argv)
     rows = tuple(max(n // 100, 50) for n in ROWS) if args.quick else ROWS
@@ -356,6 +363,65 @@ def main(argv=None):
               f"copy bandwidth ({bandwidth / 1e9:.1f} GB/s)")
     save_bar_plot(rows_table, result_path("recsys_reuse_memory" if reuse else "recsys"),
                   f"DLRM-like step, {len(rows)} tables, batch {batch}")
+    if args.sweep or backend != "cpu":
+        optimizer_sweep(bandwidth, quick=args.quick)
+
+
+def _floor_adam_step(p, m, v, count, uniq, g, b1=0.9, b2=0.999, eps=1e-8):
+    """The fewest-bytes lazy Adam: distinct sorted ids given, one gather, one update, one scatter
+    of each array, with XLA told the ids are sorted and unique (what no coalescing step can
+    promise for padding): the bandwidth a row-sparse step can reach on this device."""
+    count = count + 1
+    kw = dict(indices_are_sorted=True, unique_indices=True)
+    m_rows = b1 * m[uniq] + (1 - b1) * g
+    v_rows = b2 * v[uniq] + (1 - b2) * g * g
+    step = -LR * (m_rows / (1 - b1 ** count)) / (jnp.sqrt(v_rows / (1 - b2 ** count)) + eps)
+    return p.at[uniq].add(step, **kw), m.at[uniq].set(m_rows, **kw), v.at[uniq].set(v_rows, **kw), count
+
+
+def optimizer_sweep(bandwidth, quick=False):
+    """Lazy Adam's step alone on a large table at growing K, in GB/s of the bytes it must touch
+    (K distinct rows: gradient read; parameter, mu and nu read and written) and as a share of the
+    copy bandwidth: ``lazy(adam)`` on ids with duplicates (coalescing included) and on ids
+    flagged unique, the hand-written step (coalescing included), and the fewest-bytes floor."""
+    n = 200_000 if quick else 8_000_000
+    ks = (10_000, 100_000) if quick else (100_000, 1_000_000, 4_000_000)
+    rng = np.random.default_rng(3)
+    table = (0.05 * rng.normal(size=(n, DIM))).astype(np.float32)
+    opt = optim.lazy(optax.adam(LR))
+
+    def update(p, s, g):
+        u, s = opt.update(g, s, p)
+        return optim.apply_updates(p, u), s
+
+    print(f"\nlazy Adam step alone, {n:,} x {DIM} float32 table; ms, and GB/s of touched bytes (share of the "
+          f"{bandwidth / 1e9:.0f} GB/s copy bandwidth)")
+    print("| K ids | distinct | lazy(adam), duplicates | lazy(adam), unique | hand-written | floor |")
+    print("|---|---|---|---|---|---|")
+    for k in ks:
+        ids = rng.integers(0, n, size=k).astype(np.int32)
+        vals = rng.normal(size=(k, DIM)).astype(np.float32)
+        uniq = np.unique(ids)
+        urows = rng.normal(size=(uniq.size, DIM)).astype(np.float32)
+        fresh = lambda: jnp.asarray(table)  # noqa: E731  (each stepper owns its donated table)
+        zeros = lambda: jnp.zeros((n, DIM), jnp.float32)  # noqa: E731
+        fns = {
+            "dup": Stepper(jax.jit(update, donate_argnums=(0, 1)), fresh(), opt.init(fresh()),
+                           args=(mj.row_sparse(jnp.asarray(vals), jnp.asarray(ids), (n, DIM)),)),
+            "unique": Stepper(jax.jit(update, donate_argnums=(0, 1)), fresh(), opt.init(fresh()),
+                              args=(mj.row_sparse(jnp.asarray(urows), jnp.asarray(uniq), (n, DIM),
+                                                  unique_indices=True),)),
+            "hand": Stepper(jax.jit(hand_lazy_adam_step, donate_argnums=(0, 1, 2)), fresh(), zeros(), zeros(),
+                            jnp.zeros(()), args=(jnp.asarray(ids), jnp.asarray(vals))),
+            "floor": Stepper(jax.jit(_floor_adam_step, donate_argnums=(0, 1, 2)), fresh(), zeros(), zeros(),
+                             jnp.zeros(()), args=(jnp.asarray(uniq), jnp.asarray(urows))),
+        }
+        t = interleaved_medians(fns, rounds=3, block=5, warmup=2)
+        nbytes = 7 * uniq.size * DIM * 4
+        cells = " | ".join(f"{t[c] * 1e3:.3f} ms, {nbytes / t[c] / 1e9:.0f} GB/s ({nbytes / t[c] / bandwidth:.0%})"
+                           for c in ("dup", "unique", "hand", "floor"))
+        print(f"| {k:,} | {uniq.size:,} | {cells} |", flush=True)
+        del fns
 
 
 if __name__ == "__main__":
