@@ -269,6 +269,11 @@ def vecdot(x1, x2, /, *, axis: int = -1) -> MaskedArray:
         raise ValueError(f"vecdot: the contracted axis {axis} has size {a.shape[axis]} in x1 and "
                          f"{b.shape[axis]} in x2; they must match.")
     out_dtype = jax.eval_shape(lambda u, v: jnp.vecdot(u, v, axis=axis), a.data, b.data).dtype
+    if jnp.issubdtype(out_dtype, jnp.integer) and jnp.iinfo(out_dtype).bits < 8:
+        # int4 and narrower: jnp sums none of them, but its vecdot does; integer sums wrap alike in
+        # 32 bits and in the narrow type, so the sum is taken in 32 bits and cast back
+        wide = jnp.int32 if jnp.issubdtype(out_dtype, jnp.signedinteger) else jnp.uint32
+        a, b = _op("astype")(a, wide), _op("astype")(b, wide)
     return _op("astype")(_op("sum")(_op("multiply")(_op("conj")(a), b), axis=axis), out_dtype)
 
 

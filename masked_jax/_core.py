@@ -20,6 +20,7 @@ from jax.typing import ArrayLike, DTypeLike
 from masked_jax import ops
 from masked_jax import _storage as _layouts
 from masked_jax._methods import ArrayMethods
+from masked_jax._validate import dtype_kind
 from masked_jax.ops._base import Pair, ranked, with_mask_tangent
 from masked_jax.ops.shape import at_update
 
@@ -105,7 +106,7 @@ _MASK_KEY = jax.tree_util.GetAttrKey("mask")
 def _check_data(data, argname="data"):
     if isinstance(data, MaskedArray):
         raise TypeError(f"{argname} must be an array, not a MaskedArray; pass it directly instead.")
-    if isinstance(data, (str, bytes)) or (isinstance(data, np.ndarray) and data.dtype.kind in "SUOV"):
+    if isinstance(data, (str, bytes)) or (isinstance(data, np.ndarray) and dtype_kind(data.dtype) in "SUOV"):
         kind = data.dtype if isinstance(data, np.ndarray) else type(data).__name__
         raise TypeError(f"{argname} must be a numeric or bool array; got {kind}.")
     try:

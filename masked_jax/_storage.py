@@ -15,6 +15,7 @@ import jax
 import numpy as np
 
 from masked_jax._methods import ArrayMethods
+from masked_jax._validate import dtype_kind
 
 
 class StorageFallbackWarning(UserWarning):
@@ -230,8 +231,11 @@ class SparseMasked(ArrayMethods, abc.ABC):
 
 
 def displayable(data: np.ndarray) -> np.ndarray:
-    """Host data as numpy can print it (bfloat16 and other ml_dtypes through float32)."""
-    return data if data.dtype.kind in "biufc" else data.astype(np.float32)
+    """Host data as numpy can print it (bfloat16 and the other ml_dtypes floats through float32, int4
+    and the other narrow integers through int64)."""
+    if data.dtype.kind in "biufc":
+        return data
+    return data.astype(np.int64 if dtype_kind(data.dtype) in "iu" else np.float32)
 
 
 def edge_positions(n: int, summarise: bool) -> list:

@@ -16,6 +16,26 @@ import jax.numpy  # noqa: F401 (jax.numpy.dtype)
 import numpy as np
 
 
+def dtype_kind(dtype) -> str:
+    """numpy's one-letter kind of ``dtype`` ("b", "i", "u", "f", "c"), also for the ml_dtypes types jax
+    adds (bfloat16, the float8 types, int4, uint2 ...), which numpy files under "V" (void); "V", "S",
+    "U" or "O" for what is not a number.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> dtype_kind(jnp.int4), dtype_kind(jnp.bfloat16), dtype_kind(jnp.uint8)
+        ('i', 'f', 'u')
+    """
+    dtype = np.dtype(dtype)
+    if dtype.kind != "V":
+        return dtype.kind
+    for kind, family in (("b", jax.numpy.bool_), ("u", jax.numpy.unsignedinteger), ("i", jax.numpy.signedinteger),
+                         ("f", jax.numpy.floating), ("c", jax.numpy.complexfloating)):
+        if jax.numpy.issubdtype(dtype, family):
+            return kind
+    return "V"
+
+
 def _is_int(value) -> bool:
     return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
@@ -55,7 +75,7 @@ def nonnegative(value, argname: str) -> Any:
     if _is_tracer(value):
         return value
     arr = np.asarray(value) if not isinstance(value, (str, bytes)) else None
-    if arr is None or arr.dtype.kind not in "iuf" or arr.ndim:
+    if arr is None or dtype_kind(arr.dtype) not in "iuf" or arr.ndim:
         raise TypeError(f"{argname} must be a real number; got {value!r}.")
     if not float(arr) >= 0:  # NaN fails too
         raise ValueError(f"{argname} must be >= 0; got {value!r}.")
@@ -67,7 +87,7 @@ def learning_rate(value, argname: str = "learning_rate") -> Any:
     if callable(value) or _is_tracer(value):
         return value
     arr = np.asarray(value) if not isinstance(value, (str, bytes)) else None
-    if arr is None or arr.dtype.kind not in "iuf" or arr.ndim:
+    if arr is None or dtype_kind(arr.dtype) not in "iuf" or arr.ndim:
         raise TypeError(f"{argname} must be a number or an optax schedule (a function of the step count); "
                         f"got {value!r}.")
     if not np.isfinite(float(arr)):

@@ -41,6 +41,7 @@ import masked_jax.numpy as mnp
 from masked_jax import _frontend
 from masked_jax.layouts import BCOOMaskedArray, RowSparseArray, SparseMasked
 from masked_jax.ops import REGISTRY
+from masked_jax._validate import dtype_kind
 
 from conformance_table import ROWS
 import oracle
@@ -94,7 +95,7 @@ def masked(rng, dtype, mask, domain, poison=np.nan):
     if dtype == np.bool_:
         data = rng.random(shape) > 0.5
         data[~mask] = True
-    elif dtype.kind in "iu":
+    elif dtype_kind(dtype) in "iu":
         lo, hi = domain
         data = rng.integers(int(np.ceil(lo)), int(np.floor(hi)) + 1, shape).astype(dtype)
         data[~mask] = 7

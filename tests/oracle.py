@@ -34,12 +34,14 @@ import masked_jax as mj
 from masked_jax import _frontend
 from masked_jax.layouts import SparseMasked
 from masked_jax.ops import REGISTRY
+from masked_jax._validate import dtype_kind as kind
 
 from conformance_table import ROWS, oracle_rows, quiet
 
 # Every dtype of the matrix (x64 is on in the test process: the 64-bit ones run too).
-DTYPES = ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "float16",
-          "bfloat16", "float32", "float64", "complex64", "complex128")
+DTYPES = ("bool", "int4", "int8", "int16", "int32", "int64", "uint4", "uint8", "uint16", "uint32", "uint64",
+          "float16", "bfloat16", "float32", "float64", "complex64", "complex128")
+_ML_DTYPES = ("int4", "uint4", "bfloat16")  # jax's types that numpy names through ml_dtypes
 SHAPE = (4, 3)
 MASK = np.array([[1, 0, 1], [1, 1, 1], [0, 0, 0], [0, 1, 1]], bool)  # partial, full and empty rows
 MASK2 = np.array([[1, 1, 0], [0, 1, 1], [1, 0, 1], [1, 1, 1]], bool)
@@ -61,7 +63,7 @@ SUMMATION_ORDER = set(ROUNDING)
 
 
 def np_dtype(name):
-    return np.dtype(ml_dtypes.bfloat16 if str(name) == "bfloat16" else name)
+    return np.dtype(getattr(ml_dtypes, str(name)) if str(name) in _ML_DTYPES else name)
 
 
 def _weak(x) -> bool:
@@ -73,9 +75,9 @@ def special_values(dtype) -> np.ndarray:
     dtype = np.dtype(dtype)
     if dtype == np.bool_:
         return np.array([True, False, True], bool)
-    if dtype.kind in "iu":
-        info = np.iinfo(dtype)
-        vals = [0, 1, 2, 7, info.max, info.max - 1] + ([info.min, -1, -3] if dtype.kind == "i" else [3, 5])
+    if kind(dtype) in "iu":
+        info = ml_dtypes.iinfo(dtype)
+        vals = [0, 1, 2, 7, info.max, info.max - 1] + ([info.min, -1, -3] if kind(dtype) == "i" else [3, 5])
         return np.array(vals, dtype)
     real = np.float32 if dtype == np.complex64 else np.float64 if dtype.kind == "c" else dtype
     info = ml_dtypes.finfo(real) if real not in (np.float32, np.float64, np.float16) else np.finfo(real)
@@ -91,8 +93,8 @@ def ordinary_values(dtype, domain, n, rng) -> np.ndarray:
     if dtype == np.bool_:
         return rng.random(n) > 0.5
     lo, hi = domain
-    if dtype.kind in "iu":
-        lo = max(int(np.ceil(lo)), 0) if dtype.kind == "u" else int(np.ceil(lo))
+    if kind(dtype) in "iu":
+        lo = max(int(np.ceil(lo)), 0) if kind(dtype) == "u" else int(np.ceil(lo))
         return rng.integers(lo, int(np.floor(hi)) + 1, n).astype(dtype)
     vals = rng.uniform(lo, hi, n)
     if dtype.kind == "c":
@@ -114,10 +116,10 @@ def draw(dtype, values: str, mask, domain, seed=0, poison=np.nan) -> mj.MaskedAr
     else:
         data = ordinary_values(dtype, domain, n, rng)
     data = data.reshape(np.shape(mask))
-    if dtype.kind in "fc":
+    if kind(dtype) in "fc":
         data = np.where(mask, data, np.asarray(poison).astype(dtype))
-    elif dtype.kind in "iu":
-        data = np.where(mask, data, np.iinfo(dtype).max)
+    elif kind(dtype) in "iu":
+        data = np.where(mask, data, np.asarray(ml_dtypes.iinfo(dtype).max, dtype))
     return mj.masked_array(jnp.asarray(data), jnp.asarray(mask))
 
 
@@ -138,7 +140,7 @@ def _bits(a):
     a = np.asarray(a)
     if a.dtype.kind == "c":
         return np.stack([_bits(a.real), _bits(a.imag)], -1)
-    if a.dtype.kind == "f" or a.dtype == ml_dtypes.bfloat16:
+    if kind(a.dtype) == "f":
         return a.view(f"u{a.dtype.itemsize}")
     return a
 
@@ -147,7 +149,7 @@ def _isnan(a):
     a = np.asarray(a)
     if a.dtype.kind == "c":
         return np.stack([np.isnan(a.real), np.isnan(a.imag)], -1)
-    if a.dtype.kind == "f" or a.dtype == ml_dtypes.bfloat16:
+    if kind(a.dtype) == "f":
         return np.isnan(a.astype(np.float64))
     return np.zeros(a.shape, bool)
 
@@ -156,8 +158,7 @@ def _close(got, want, scale, ulps):
     """Equality within ``ulps * eps * max(|scale|, |want|)``, per element (NaN with NaN, inf with
     inf)."""
     g, w = np.asarray(got).astype(np.complex128), np.asarray(want).astype(np.complex128)
-    eps = float(ml_dtypes.finfo(np.asarray(want).dtype).eps) if np.asarray(want).dtype.kind in "fcV" or \
-        np.asarray(want).dtype == ml_dtypes.bfloat16 else 0.0
+    eps = float(ml_dtypes.finfo(np.asarray(want).dtype).eps) if kind(np.asarray(want).dtype) in "fc" else 0.0
     same = (g == w) | (np.isnan(g) & np.isnan(w))
     with np.errstate(all="ignore"):
         near = np.abs(g - w) <= ulps * eps * np.maximum(np.abs(scale), np.abs(w)) + 1e-300
@@ -195,9 +196,9 @@ def assert_equal_to_jnp(got, want, what, *, valid=None, order_bound=None, undefi
             missing = v & ~gm
             assert not missing.any(), f"{tag}: masked where jnp's result is defined, at {np.argwhere(missing)[:4].tolist()}"
         gd, wd = np.asarray(gd), np.asarray(wd)
-        if order_bound is not None and gd.dtype.kind in "fcV":
+        if order_bound is not None and kind(gd.dtype) in "fc":
             ok = _close(gd, wd, order_bound[0], SUM_ULPS * max(order_bound[1], 1))
-        elif ulps and (gd.dtype.kind in "fc" or gd.dtype == ml_dtypes.bfloat16):
+        elif ulps and kind(gd.dtype) in "fc":
             ok = _close(gd, wd, ulps[1], ulps[0])
         else:
             nan_g, nan_w = _isnan(gd), _isnan(wd)
@@ -287,7 +288,7 @@ def row_shaped(name, dtype, values, masks, poison):
             continue
         d, m = np.asarray(o.data), np.asarray(o.mask)
         # floats: the row's range; integers: small ones (the row's may have wrapped around)
-        valid = d[m].real.astype(np.float64) if d.dtype.kind in "fc" or d.dtype == ml_dtypes.bfloat16 else []
+        valid = d[m].real.astype(np.float64) if kind(d.dtype) in "fc" else []
         domain = (float(valid.min()), float(valid.max())) if len(valid) else (-2.0, 2.0)
         out.append(draw(d.dtype, values, m, domain, seed=k, poison=poison))
     return out
@@ -516,7 +517,7 @@ CHECK_PARTIAL.update({"elementwise": _elementwise_partial, "binary": _elementwis
 FULL = os.environ.get("MJ_ORACLE") == "full"
 # `make test` runs this sample; `make test-full` (MJ_ORACLE=full) runs every combination.
 SAMPLE_JIT_DTYPES = ("float32",)
-SAMPLE_DTYPES = ("bool", "int8", "uint32", "bfloat16", "float32", "complex64")
+SAMPLE_DTYPES = ("bool", "int4", "int8", "uint32", "bfloat16", "float32", "complex64")
 
 
 @quiet
@@ -595,7 +596,7 @@ def check_oracle(name):
 def _nan_undefined(want):
     """nan* reductions: a slice with nothing left is masked where jnp gives NaN (or -1 for arg)."""
     w = np.asarray(want)
-    if w.dtype.kind in "iu":
+    if kind(w.dtype) in "iu":
         return w == -1
     with np.errstate(all="ignore"):
         return np.isnan(w.astype(np.complex128))
@@ -690,7 +691,7 @@ def check_function(name, dtype, values, jit=False):
     x = draw(dtype, values, np.ones(SHAPE, bool), (-3.0, 3.0), seed=1)
     y = draw(dtype, values, np.ones(SHAPE, bool), (-3.0, 3.0), seed=2)
     if name in ("bincount", "one_hot"):
-        x = mj.as_masked(jnp.abs(x.data) % 4)
+        x = mj.as_masked(jnp.asarray(np.abs(np.asarray(x.data).astype(np.int64)) % 4, x.dtype))  # jnp.abs: no int4
     if name == "interp":
         x = mj.as_masked(jnp.where(jnp.isfinite(x.data), x.data, 0.5))
     try:
@@ -734,4 +735,4 @@ def mnp_module():
 def function_dtypes(name):
     kinds = NEEDS.get(name, "biufc")
     return [np_dtype(d) for d in (DTYPES if FULL else SAMPLE_DTYPES)
-            if np_dtype(d).kind in kinds or (d == "bfloat16" and "f" in kinds)]
+            if kind(np_dtype(d)) in kinds]

@@ -293,3 +293,51 @@ def test_bcoo_reductions_count_beyond_int32_elements():
     assert float(_todense(mnp.sum(x)).data) == 6.0
     row = _todense(mnp.sum(x, axis=1))
     assert float(row.data[69_999]) == 4.0 and bool(row.mask[0]) and not bool(row.mask[1])
+
+
+@pytest.mark.parametrize("name", ["bfloat16", "float8_e4m3fn", "int4", "uint4"])
+def test_numpy_arrays_of_jax_narrow_types_are_accepted_and_print_as_numbers(name):
+    """numpy files jax's ml_dtypes types (what ``np.asarray`` of a bfloat16 or int4 jax array gives)
+    under kind "V"; they are numbers: accepted as data, printed as numbers, usable as indices."""
+    import ml_dtypes
+
+    dt = np.dtype(getattr(ml_dtypes, name))
+    a = mj.masked_array(np.array([1, 2, 3], dt), np.array([True, False, True]))
+    assert a.dtype == dt
+    text = repr(a)
+    assert "--" in text and ("1.0" in text) == (name in ("bfloat16", "float8_e4m3fn")), text
+    if name in ("int4", "uint4"):
+        g = mj.row_sparse(jnp.ones((2, 2)), np.array([0, 3], dt), (4, 2))
+        np.testing.assert_array_equal(np.asarray(g.todense().mask[:, 0]), [True, False, False, True])
+    with pytest.raises(TypeError, match="numeric or bool"):
+        mj.masked_array(np.zeros(2, [("x", "i4")]))
+
+
+@pytest.mark.parametrize("dtype", [jnp.int4, jnp.uint4])
+@pytest.mark.parametrize("name", ["max", "min", "sort", "cumsum", "mean", "median", "clip", "average"])
+def test_4_bit_integers_take_the_masked_ops_jnp_takes(dtype, name):
+    """Filling masked slots with a Python scalar, or the iinfo of a 4-bit type, broke every masked op
+    of int4 / uint4 data (jnp does no implicit promotion for them); each equals jnp on the valid
+    entries, eagerly and under jit."""
+    data = jnp.array([[1, 7, 2, 5], [3, 0, 6, 4]], dtype)
+    mask = jnp.array([[True, False, True, True], [False, True, True, False]])
+    x = mj.masked_array(data, mask)
+    fn = {"clip": lambda m, v: m.clip(v, 1, 5), "average": lambda m, v: m.average(v, weights=v)}.get(
+        name, lambda m, v: getattr(m, name)(v))
+    for row in range(2):
+        valid = data[row][mask[row]]
+        want = np.asarray(fn(jnp, valid))
+        for f in (lambda v: fn(mnp, v), jax.jit(lambda v: fn(mnp, v))):
+            got = f(x[row])
+            out = np.asarray(got.data)[np.broadcast_to(np.asarray(got.mask), got.shape)] if got.ndim else got.data
+            np.testing.assert_array_equal(np.asarray(out), want, err_msg=f"{name} row {row}")
+            assert got.dtype == want.dtype
+
+
+def test_a_bfloat16_scalar_is_a_learning_rate():
+    from masked_jax import optim
+
+    opt = optim.masked_adagrad(jnp.bfloat16(0.5))
+    p = jnp.ones(3)
+    u, _ = opt.update(mj.masked_array(jnp.ones(3), jnp.array([True, False, True])), opt.init(p), p)
+    assert np.isfinite(np.asarray(u.filled(0))).all() and float(u.filled(0)[1]) == 0.0

@@ -317,7 +317,7 @@ def _repad(flat, padded, ax, slots, new_len, fill):
         elif data.dtype == np.bool_:  # bool data: pads hold False or True
             value = fill != "zero"
         else:  # integer data: pads hold the dtype's extreme instead
-            value = 0 if fill == "zero" else int(np.iinfo(data.dtype).max)
+            value = 0 if fill == "zero" else int(jnp.iinfo(data.dtype).max)
         d = np.moveaxis(data, a, -1)
         m = np.moveaxis(mask, a, -1)
         lead = x.shape[:a]

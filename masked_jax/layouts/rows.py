@@ -211,7 +211,7 @@ def check_integer_indices(indices, argname: str = "indices"):
     concrete values that would not survive the conversion (int64 values past int32 with x64 off)."""
     if not isinstance(indices, jax.Array) and not is_tracer(indices):
         host = np.asarray(indices)
-        if host.dtype.kind not in "iu":
+        if _validate.dtype_kind(host.dtype) not in "iu":
             raise TypeError(f"{argname} must be integers; got dtype {host.dtype}.")
         if host.size and not jax.config.jax_enable_x64:
             lo, hi = np.iinfo(np.int32).min, np.iinfo(np.int32).max

@@ -23,6 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from masked_jax._validate import dtype_kind
+
 Mask = Optional[jnp.ndarray]
 
 
@@ -57,7 +59,7 @@ def scalar_like(value, dtype):
     An integer a weak Python int cannot carry (``2**32 - 1`` for uint32 or uint64: jax parses
     Python ints as int32/int64) comes as a 0-d array of ``dtype``.
     """
-    kind = np.dtype(dtype).kind
+    kind = dtype_kind(dtype)
     if kind == "b":
         return bool(value)
     if kind in "iu":
@@ -142,7 +144,7 @@ def lowest(dtype):
         return -np.inf
     if dtype.kind == "c":  # jnp orders complex values lexicographically
         return complex(-np.inf, -np.inf)
-    return scalar_like(np.iinfo(dtype).min, dtype)
+    return scalar_like(jnp.iinfo(dtype).min, dtype)
 
 
 def highest(dtype):
@@ -154,7 +156,7 @@ def highest(dtype):
         return np.inf
     if dtype.kind == "c":
         return complex(np.inf, np.inf)
-    return scalar_like(np.iinfo(dtype).max, dtype)
+    return scalar_like(jnp.iinfo(dtype).max, dtype)
 
 
 _LOW_PRECISION = (np.dtype(jnp.float16), np.dtype(jnp.bfloat16))

@@ -45,7 +45,7 @@ def average(x: Pair, axis=None, weights: Pair | None = None, keepdims=False) -> 
     axes = normalize_axis(axis, data.ndim)
     dtype = _float_dtype(jnp.result_type(data, w))
     w = fill(jnp.broadcast_to(w, data.shape), m, 0).astype(dtype)
-    num = jnp.sum(fill(data, m, 0) * w, axis=axes, keepdims=keepdims)
+    num = jnp.sum(fill(data, m, 0).astype(dtype) * w, axis=axes, keepdims=keepdims)  # int4: no implicit promotion
     den = jnp.sum(w, axis=axes, keepdims=keepdims)
     valid = jnp.any(m, axis=axes, keepdims=keepdims) & (den != 0)
     return Pair(_safe_div(num, den, valid), valid)
