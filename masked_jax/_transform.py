@@ -29,6 +29,7 @@ from jax.extend import core as jcore
 
 from masked_jax._core import MaskedArray
 from masked_jax._storage import SparseMasked
+from masked_jax._validate import dtype_kind
 from masked_jax.ops import primitives
 from masked_jax.ops._base import Pair, and_masks, fill, materialize
 
@@ -513,7 +514,7 @@ def _as_constant(p: Pair) -> Pair:
     if p.mask is not None or not _is_concrete(p.data) or np.ndim(p.data) == 0 or np.size(p.data) == 0:
         return p
     flat = np.asarray(p.data).reshape(-1)
-    if np.all((flat == flat[0]) | (np.isnan(flat) & np.isnan(flat[0]) if flat.dtype.kind == "f" else False)):
+    if np.all((flat == flat[0]) | (np.isnan(flat) & np.isnan(flat[0]) if dtype_kind(flat.dtype) in "fc" else False)):
         return Pair(jnp.asarray(flat[0], dtype=flat.dtype), None)
     return p
 

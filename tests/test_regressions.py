@@ -341,3 +341,15 @@ def test_a_bfloat16_scalar_is_a_learning_rate():
     p = jnp.ones(3)
     u, _ = opt.update(mj.masked_array(jnp.ones(3), jnp.array([True, False, True])), opt.init(p), p)
     assert np.isfinite(np.asarray(u.filled(0))).all() and float(u.filled(0)[1]) == 0.0
+
+
+@pytest.mark.parametrize("q_dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+def test_quantile_takes_q_of_any_float_dtype_as_jnp(q_dtype):
+    """A bfloat16 ``q`` (numpy's kind "V") was refused as not a number."""
+    data = jnp.array([1.0, 2.0, 3.0, 4.0, 9.0])
+    x = mj.masked_array(data, jnp.array([True, True, False, True, True]))
+    q = jnp.asarray(0.25, q_dtype)
+    want = jnp.quantile(data[jnp.array([0, 1, 3, 4])], q)
+    np.testing.assert_allclose(np.asarray(mnp.quantile(x, q).data, np.float32), np.asarray(want, np.float32))
+    with pytest.raises(ValueError, match=r"q must be numbers in \[0, 1\]"):
+        mnp.quantile(x, jnp.asarray(1.5, q_dtype))

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from masked_jax.ops._base import Pair, candidate_axes, fill, materialize, normalize_axis, result_dtype
+from masked_jax._validate import dtype_kind
 from masked_jax.ops._registry import OpSpec, register, signature_of
 from masked_jax.ops.reductions import _float, _float_dtype, _mask, _safe_div, max, mean, min, safe_sqrt, sum
 
@@ -73,7 +74,7 @@ def _check_q(q, lo=0.0, hi=1.0, name="q"):
     if isinstance(q, jax.core.Tracer):
         return
     arr = np.asarray(q)
-    if arr.dtype.kind not in "iuf" or arr.size and not (np.all(arr >= lo) and np.all(arr <= hi)):
+    if dtype_kind(arr.dtype) not in "iuf" or arr.size and not (np.all(arr >= lo) and np.all(arr <= hi)):
         raise ValueError(f"{name} must be numbers in [{lo:g}, {hi:g}]; got {q!r}.")
 
 
