@@ -18,6 +18,7 @@ from masked_jax._core import MaskedArray, is_container
 from masked_jax._lookup import _read
 from masked_jax._storage import SparseMasked
 from masked_jax.layouts.rows import check_integer_indices
+from masked_jax.ops._base import lowest
 
 COMBINERS = ("sum", "mean", "sqrtn", "max")
 
@@ -221,8 +222,7 @@ class Bag:
         expand = (...,) + (None,) * row_ndim
         count = pool(counts.astype(jnp.int32))
         if self.combiner == "max":
-            low = jnp.asarray(-jnp.inf if jnp.issubdtype(rows.dtype, jnp.inexact) else jnp.iinfo(rows.dtype).min,
-                              rows.dtype)
+            low = jnp.asarray(lowest(rows.dtype), rows.dtype)
             pooled = pool(jnp.where(counts[expand], rows, low), jax.ops.segment_max)
             valid = count > 0
         else:

@@ -15,7 +15,7 @@ import numpy as np
 from masked_jax._array_api import _diagonal, _document, _fully_valid, _op, _trace, as_masked, unique_of_valid
 from masked_jax._array_api import cross as _cross_last
 from masked_jax._core import MaskedArray
-from masked_jax.ops._base import normalize_axis
+from masked_jax.ops._base import highest, lowest, normalize_axis
 
 
 def _nan_masked(x):
@@ -277,8 +277,8 @@ def histogram(a, bins=10, range=None, weights=None, density=None):  # noqa: A002
         valid = valid & wm.mask
         w = jnp.where(valid, wm.data, 0)
     if range is None and np.ndim(bins) == 0:
-        lo = jnp.min(jnp.where(valid, x.data, jnp.inf))
-        hi = jnp.max(jnp.where(valid, x.data, -jnp.inf))
+        lo = jnp.min(jnp.where(valid, x.data, highest(x.dtype)))  # not inf: float8_e4m3fn has none
+        hi = jnp.max(jnp.where(valid, x.data, lowest(x.dtype)))
         any_valid = jnp.any(valid)
         range = (jnp.where(any_valid, lo, 0), jnp.where(any_valid, hi, 1))
     return jnp.histogram(jnp.where(valid, x.data, range[0] if range is not None else 0), bins=bins, range=range,

@@ -454,7 +454,9 @@ _COMPLEX_NAN = ("with a complex NaN among the valid entries jnp's own max depend
                 "complex order is not total with NaN), so a masked slice, with fills where masked entries sit, "
                 "may differ: complex operands draw ordinary values")
 _UNSIGNED_SHIFT = ("jax.nn shifts by max(x, initial=-inf): -inf cast to an unsigned dtype is undefined (numpy "
-                   "warns 'invalid value encountered in cast'), so jnp's unsigned results are not an oracle")
+                   "warns 'invalid value encountered in cast'), and float8_e4m3fn holds no inf (it casts to NaN, "
+                   "so jnp's softmax is NaN everywhere), so jnp's results there are not an oracle")
+_NO_INF = ("uint8", "uint16", "uint32", "uint64", "float8_e4m3fn")  # -inf does not survive the cast
 _DOF = "no degrees of freedom left (jnp divides by n - ddof <= 0) is masked"
 
 
@@ -484,7 +486,7 @@ def _oracle_refs():
         "corrcoef": Oracle(partial=False, why="as cov: numpy.ma.corrcoef is the partial-mask reference",
                            undefined="a correlation with a zero variance (jnp: 0/0) is masked"),
         **{n: Oracle(complex_specials=False, why=_COMPLEX_NAN) for n in ("max", "min", "ptp", "logsumexp", "logmeanexp")},
-        **{n: Oracle(skip_dtypes=("uint8", "uint16", "uint32", "uint64"), why=_UNSIGNED_SHIFT)
+        **{n: Oracle(skip_dtypes=_NO_INF, why=_UNSIGNED_SHIFT)
            for n in ("softmax", "log_softmax")},
         # operands as the row makes them: two of different shapes, a bool condition, one operand
         **{n: Oracle(make=functools.partial(oracle.row_shaped, n))
@@ -494,7 +496,7 @@ def _oracle_refs():
                           undefined="a slice whose valid weights sum to zero (jnp: 0 / 0) is masked"),
         # masked_jax's own functions, against the jax.nn / jnp expression they stand for
         "softmin": Oracle(jax=lambda x, axis=-1: jax.nn.softmax(-x, axis=axis),
-                          skip_dtypes=("uint8", "uint16", "uint32", "uint64"), why=_UNSIGNED_SHIFT),
+                          skip_dtypes=_NO_INF, why=_UNSIGNED_SHIFT),
         "normalize": Oracle(jax=lambda x, ord=2, axis=-1, eps=1e-12: x / jnp.maximum(
             jnp.linalg.norm(x, ord=ord, axis=axis, keepdims=True), eps)),
         "count": Oracle(jax=lambda x, axis=None, keepdims=False: jnp.count_nonzero(jnp.ones(jnp.shape(x), bool),

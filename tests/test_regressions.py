@@ -353,3 +353,39 @@ def test_quantile_takes_q_of_any_float_dtype_as_jnp(q_dtype):
     np.testing.assert_allclose(np.asarray(mnp.quantile(x, q).data, np.float32), np.asarray(want, np.float32))
     with pytest.raises(ValueError, match=r"q must be numbers in \[0, 1\]"):
         mnp.quantile(x, jnp.asarray(1.5, q_dtype))
+
+
+@pytest.mark.parametrize("name", ["max", "min", "ptp", "argmax", "argmin"])
+def test_float8_e4m3fn_extremes_start_from_its_largest_finite_values(name):
+    """float8_e4m3fn holds no inf (it casts to NaN), so a max or min whose masked slots held -inf / inf
+    was NaN; it equals jnp on the valid entries, eagerly and under jit."""
+    data = jnp.array([[1.0, 8.0, 2.0, -3.0], [0.5, -1.0, 4.0, 2.5]], jnp.float8_e4m3fn)
+    mask = jnp.array([[True, False, True, True], [False, True, True, False]])
+    x = mj.masked_array(data, mask)
+    for row in range(2):
+        valid = data[row][mask[row]]
+        want = getattr(jnp, name)(valid)
+        if name.startswith("arg"):  # an index among the valid entries, as the full row's index
+            want = np.flatnonzero(np.asarray(mask[row]))[int(want)]
+        for f in (getattr(mnp, name), jax.jit(getattr(mnp, name))):
+            got = f(x[row])
+            assert bool(got.mask)
+            np.testing.assert_array_equal(np.asarray(got.data, np.float32), np.asarray(want, np.float32))
+
+
+def test_float8_e4m3fn_masked_softmax_is_finite_and_matches_float32():
+    data = jnp.array([[1.0, 2.0, 3.0, 0.5], [-2.0, 8.0, 1.0, 4.0]], jnp.float8_e4m3fn)
+    mask = jnp.array([[True, True, False, True], [True, True, True, True]])
+    got = mj.nn.softmax(mj.masked_array(data, mask))
+    want = jax.nn.softmax(jnp.where(mask, data.astype(jnp.float32), -jnp.inf))
+    np.testing.assert_allclose(np.asarray(got.filled(0), np.float32), np.asarray(want), atol=0.04)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.bfloat16, jnp.float32, jnp.int8])
+def test_histogram_range_from_valid_entries_of_any_dtype(dtype):
+    """The default range came from masked slots filled with +-inf: NaN edges for float8_e4m3fn."""
+    x = mj.masked_array(jnp.array([0.0, 1.0, 1.0, 99.0], dtype), jnp.array([True, True, True, False]))
+    counts, edges = mnp.histogram(x, bins=2)
+    want_counts, want_edges = jnp.histogram(jnp.array([0.0, 1.0, 1.0], dtype), bins=2)
+    np.testing.assert_array_equal(np.asarray(counts), np.asarray(want_counts))
+    np.testing.assert_array_equal(np.asarray(edges, np.float32), np.asarray(want_edges, np.float32))

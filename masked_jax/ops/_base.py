@@ -134,26 +134,35 @@ def normalize_axis(axis, ndim: int) -> tuple[int, ...]:
     return tuple(sorted(out))
 
 
+@functools.lru_cache(maxsize=None)
+def _has_inf(dtype) -> bool:
+    """Whether float ``dtype`` holds infinities (float8_e4m3fn and the other "fn" types do not: inf
+    casts to NaN there, so their extremes are the largest finite values)."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        return bool(np.isinf(np.asarray(np.inf).astype(dtype)))
+
+
 def lowest(dtype):
-    """The smallest value of ``dtype`` (-inf for floats): the identity of ``max`` (a scalar that
-    ``jnp`` takes for ``dtype``: see :func:`scalar_like`)."""
+    """The smallest value of ``dtype`` (-inf for floats that hold it, else their most negative finite
+    value): the identity of ``max`` (a scalar that ``jnp`` takes for ``dtype``: see
+    :func:`scalar_like`)."""
     dtype = np.dtype(dtype)
     if dtype == np.bool_:
         return False
     if jnp.issubdtype(dtype, jnp.floating):
-        return -np.inf
+        return -np.inf if _has_inf(dtype) else float(jnp.finfo(dtype).min)
     if dtype.kind == "c":  # jnp orders complex values lexicographically
         return complex(-np.inf, -np.inf)
     return scalar_like(jnp.iinfo(dtype).min, dtype)
 
 
 def highest(dtype):
-    """The largest value of ``dtype`` (+inf for floats): the identity of ``min``."""
+    """The largest value of ``dtype`` (+inf for floats that hold it): the identity of ``min``."""
     dtype = np.dtype(dtype)
     if dtype == np.bool_:
         return True
     if jnp.issubdtype(dtype, jnp.floating):
-        return np.inf
+        return np.inf if _has_inf(dtype) else float(jnp.finfo(dtype).max)
     if dtype.kind == "c":
         return complex(np.inf, np.inf)
     return scalar_like(jnp.iinfo(dtype).max, dtype)

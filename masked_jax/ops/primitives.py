@@ -180,7 +180,7 @@ def _cumulative(identity):
 
 
 STRUCTURAL.update({P.cummax_p: _cumulative(lowest), P.cummin_p: _cumulative(highest),
-                   P.cumlogsumexp_p: _cumulative(-np.inf)})
+                   P.cumlogsumexp_p: _cumulative(lowest)})  # -inf (the finite min where there is no inf)
 
 
 # -- shape and indexing: the mask moves with the data ---------------------------------------------
