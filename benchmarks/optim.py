@@ -97,15 +97,22 @@ def _hand_coalesce(n, ids, vals):
     return uniq, jax.ops.segment_sum(vals, jnp.searchsorted(uniq, ids), num_segments=uniq.shape[0])
 
 
-def hand_lazy_adam_step(p, m, v, count, ids, vals, b1=0.9, b2=0.999, eps=1e-8):
+def adam_rows(m_rows, v_rows, g, count, b1=0.9, b2=0.999, eps=1e-8):
+    """Adam on gathered rows (``count``: the step, from 1): the parameter update and the new moments."""
+    m_rows = b1 * m_rows + (1 - b1) * g
+    v_rows = b2 * v_rows + (1 - b2) * g * g
+    m_hat = m_rows / (1 - b1 ** count)
+    v_hat = v_rows / (1 - b2 ** count)
+    return -LR * m_hat / (jnp.sqrt(v_hat) + eps), m_rows, v_rows
+
+
+def hand_lazy_adam_step(p, m, v, count, ids, vals):
     """Lazy Adam in plain JAX: what a user would write by hand."""
     uniq, g = _hand_coalesce(p.shape[0], ids, vals)
     count = count + 1
-    m_rows = b1 * jnp.take(m, uniq, axis=0, mode="fill", fill_value=0) + (1 - b1) * g
-    v_rows = b2 * jnp.take(v, uniq, axis=0, mode="fill", fill_value=0) + (1 - b2) * g * g
-    m_hat = m_rows / (1 - b1 ** count)
-    v_hat = v_rows / (1 - b2 ** count)
-    p = p.at[uniq].add(-LR * m_hat / (jnp.sqrt(v_hat) + eps), mode="drop")
+    take = lambda a: jnp.take(a, uniq, axis=0, mode="fill", fill_value=0)  # noqa: E731 (padding reads 0)
+    step, m_rows, v_rows = adam_rows(take(m), take(v), g, count)
+    p = p.at[uniq].add(step, mode="drop")
     return p, m.at[uniq].set(m_rows, mode="drop"), v.at[uniq].set(v_rows, mode="drop"), count
 
 

@@ -60,7 +60,8 @@ import masked_jax as mj  # noqa: E402
 from masked_jax import optim  # noqa: E402
 from masked_jax.optim._chunked import chunked_update  # noqa: E402
 from _timing import interleaved_medians, print_table, result_path, save_bar_plot, torch_device  # noqa: E402
-from optim import LR, Stepper, copy_bandwidth, hand_lazy_adam_step, reusing_memory  # noqa: E402
+from optim import (LR, Stepper, adam_rows, copy_bandwidth, hand_lazy_adam_step, optax_stepper,  # noqa: E402
+                   reusing_memory)
 
 ROWS = (1_000_000, 500_000, 200_000, 100_000, 50_000, 20_000, 10_000, 5_000)
 DIM, MAX_BAG, HIDDEN = 32, 20, (128, 64)
@@ -367,15 +368,13 @@ def main(argv=None):
         optimizer_sweep(bandwidth, quick=args.quick)
 
 
-def _floor_adam_step(p, m, v, count, uniq, g, b1=0.9, b2=0.999, eps=1e-8):
+def _floor_adam_step(p, m, v, count, uniq, g):
     """The fewest-bytes lazy Adam: distinct sorted ids given, one gather, one update, one scatter
     of each array, with XLA told the ids are sorted and unique (what no coalescing step can
     promise for padding): the bandwidth a row-sparse step can reach on this device."""
     count = count + 1
     kw = dict(indices_are_sorted=True, unique_indices=True)
-    m_rows = b1 * m[uniq] + (1 - b1) * g
-    v_rows = b2 * v[uniq] + (1 - b2) * g * g
-    step = -LR * (m_rows / (1 - b1 ** count)) / (jnp.sqrt(v_rows / (1 - b2 ** count)) + eps)
+    step, m_rows, v_rows = adam_rows(m[uniq], v[uniq], g, count)
     return p.at[uniq].add(step, **kw), m.at[uniq].set(m_rows, **kw), v.at[uniq].set(v_rows, **kw), count
 
 
@@ -389,11 +388,6 @@ def optimizer_sweep(bandwidth, quick=False):
     rng = np.random.default_rng(3)
     table = (0.05 * rng.normal(size=(n, DIM))).astype(np.float32)
     opt = optim.lazy(optax.adam(LR))
-
-    def update(p, s, g):
-        u, s = opt.update(g, s, p)
-        return optim.apply_updates(p, u), s
-
     print(f"\nlazy Adam step alone, {n:,} x {DIM} float32 table; ms, and GB/s of touched bytes (share of the "
           f"{bandwidth / 1e9:.0f} GB/s copy bandwidth)")
     print("| K ids | distinct | lazy(adam), duplicates | lazy(adam), unique | hand-written | floor |")
@@ -406,11 +400,9 @@ def optimizer_sweep(bandwidth, quick=False):
         fresh = lambda: jnp.asarray(table)  # noqa: E731  (each stepper owns its donated table)
         zeros = lambda: jnp.zeros((n, DIM), jnp.float32)  # noqa: E731
         fns = {
-            "dup": Stepper(jax.jit(update, donate_argnums=(0, 1)), fresh(), opt.init(fresh()),
-                           args=(mj.row_sparse(jnp.asarray(vals), jnp.asarray(ids), (n, DIM)),)),
-            "unique": Stepper(jax.jit(update, donate_argnums=(0, 1)), fresh(), opt.init(fresh()),
-                              args=(mj.row_sparse(jnp.asarray(urows), jnp.asarray(uniq), (n, DIM),
-                                                  unique_indices=True),)),
+            "dup": optax_stepper(opt, fresh(), mj.row_sparse(jnp.asarray(vals), jnp.asarray(ids), (n, DIM))),
+            "unique": optax_stepper(opt, fresh(), mj.row_sparse(jnp.asarray(urows), jnp.asarray(uniq), (n, DIM),
+                                                                unique_indices=True)),
             "hand": Stepper(jax.jit(hand_lazy_adam_step, donate_argnums=(0, 1, 2)), fresh(), zeros(), zeros(),
                             jnp.zeros(()), args=(jnp.asarray(ids), jnp.asarray(vals))),
             "floor": Stepper(jax.jit(_floor_adam_step, donate_argnums=(0, 1, 2)), fresh(), zeros(), zeros(),
