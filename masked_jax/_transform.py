@@ -30,8 +30,8 @@ from jax.extend import core as jcore
 from masked_jax._core import MaskedArray
 from masked_jax._storage import SparseMasked
 from masked_jax._validate import dtype_kind
-from masked_jax.ops import primitives
-from masked_jax.ops._base import Pair, and_masks, fill, materialize
+from masked_jax.ops import _factors, primitives
+from masked_jax.ops._base import Pair, and_masks, compact_or_ones, count_valid, fill, materialize, ranked
 
 import jax.extend.core.primitives as P
 
@@ -106,7 +106,8 @@ def maskify(fun):
 
         with _recording_scans() as scans:
             closed, out_shape = jax.make_jaxpr(on_data, return_shape=True)(*(p.data for p in pairs))
-        outs = _Interpreter(name, scans).run(closed.jaxpr, closed.consts, pairs)
+        with _factors.recording():
+            outs = _Interpreter(name, scans).run(closed.jaxpr, closed.consts, pairs)
         out_tree = jax.tree_util.tree_structure(out_shape)
         return jax.tree_util.tree_unflatten(out_tree, [_wrap(o) for o in outs])
 
@@ -122,8 +123,21 @@ def _wrap(p: Pair):
     return jnp.asarray(p.data) if p.mask is None else MaskedArray._from_pair(p.data, p.mask)
 
 
+def _moved_count(prim, params, count, shape):
+    """A compact count of a sum of ``shape`` after the sum's ``broadcast_in_dim`` / ``reshape`` /
+    ``convert_element_type`` (the count keeps its int dtype), kept compact where it can be."""
+    c = count()
+    if prim is P.convert_element_type_p:
+        return c
+    c = ranked(c, len(shape))
+    new = primitives.compact_shape(prim, params, c, shape)
+    return new if new is not None else prim.bind(jnp.broadcast_to(c, shape), **params)
+
+
 class _Sized:
-    """What a masked ``reduce_sum`` counted: the static element count ``n`` and the valid count."""
+    """What a masked ``reduce_sum`` counted: the static element count ``n``, and ``count()``, the
+    valid count at a compact shape of the sum (the sum's rank, 1 along dims the mask does not vary
+    along). ``count`` is a function: the count is built only for a sum that is divided."""
 
     def __init__(self, n, count):
         self.n, self.count = n, count
@@ -259,17 +273,18 @@ class _Interpreter:
                                "Fill the operand first (x.filled(...)) or compute it with masked_jax.numpy.") from None
         if prim is P.reduce_sum_p:
             x = invals[0]
-            m = materialize(x.mask, jnp.shape(x.data))
-            n = int(np.prod([jnp.shape(x.data)[a] for a in params["axes"]], dtype=np.int64))
-            sized[eqn.outvars[0]] = _Sized(n, jnp.sum(m, axis=tuple(params["axes"])))
+            shape, axes = jnp.shape(x.data), tuple(params["axes"])
+            n = int(np.prod([shape[a] for a in axes], dtype=np.int64))
+            sized[eqn.outvars[0]] = _Sized(n, lambda: count_valid(compact_or_ones(x.mask, shape), shape, axes))
         elif prim is P.reduce_window_sum_p:  # average pooling divides by the window size: a mean
             x = invals[0]
             n = int(np.prod(params["window_dimensions"], dtype=np.int64))
-            sized[eqn.outvars[0]] = _Sized(n, primitives.window_count(materialize(x.mask, jnp.shape(x.data)), params))
+            sized[eqn.outvars[0]] = _Sized(
+                n, lambda: primitives.window_count(materialize(x.mask, jnp.shape(x.data)), params))
         elif prim in (P.broadcast_in_dim_p, P.reshape_p, P.convert_element_type_p) and _known(eqn.invars[0], sized):
             s = sized[eqn.invars[0]]
-            count = prim.bind(s.count, **params) if prim is not P.convert_element_type_p else s.count
-            sized[eqn.outvars[0]] = _Sized(s.n, count)
+            sized[eqn.outvars[0]] = _Sized(s.n, functools.partial(_moved_count, prim, params, s.count,
+                                                                  eqn.invars[0].aval.shape))
         return out
 
     @staticmethod
@@ -333,10 +348,12 @@ class _Interpreter:
         else:
             return None
         num = invals[0]
-        dof = jnp.broadcast_to(s.count, jnp.shape(num.data)) - ddof
+        dof = s.count() - ddof  # compact: the quotient's mask stays as compact as the count
         valid = dof > 0
-        data = jnp.where(valid, num.data / jnp.where(valid, dof, 1).astype(jnp.result_type(num.data)), 0)
-        return Pair(data, valid if num.mask is None else num.mask & valid)
+        # Where it is masked the quotient is the sum itself (a finite sum of zero-filled terms, or a
+        # valid sum left without a divisor): no select at the sum's shape, only at the count's.
+        data = num.data / jnp.where(valid, dof, 1).astype(jnp.result_type(num.data))
+        return Pair(data, and_masks(num.mask, valid))
 
     def named_call(self, eqn, params, invals):
         """A jax function's own jit call (``jnp.median``) replaced by its op's rule, its static

@@ -7,6 +7,8 @@ from jax import lax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import masked_jax as mj
 import masked_jax.nn as mnn
@@ -579,3 +581,131 @@ def test_maximum_and_minimum_take_no_sanitising_select(garbage):
     # plain code under maskify: relu(w x) summed over the valid entries 1.5 w and 4.5 w: d/dw = 1 + 3
     model = mj.maskify(lambda v, w: jnp.sum(jax.nn.relu(v * w)))
     assert jax.grad(lambda w: model(x, w).data)(jnp.float32(1.5)) == 4.0
+
+
+# -- static mask factors: attention's contraction over one key mask -----------------------------
+def _attention(q_in, kv_in, w, bias):
+    """Single-head attention in plain jax.numpy; ``bias`` (L, D), unmasked, is added to the values."""
+    q, k, v = q_in @ w[0], kv_in @ w[1], kv_in @ w[2] + bias
+    weights = jax.nn.softmax(jnp.einsum("bqd,bkd->bqk", q, k) / 2.0, axis=-1)
+    return jnp.einsum("bqk,bkd->bqd", weights, v)
+
+
+def _attention_by_hand(q_in, kv_in, w, bias):
+    """The same attention with masked_jax.numpy (no maskify, so no recorded factors): the general
+    contraction rule, exact for valid non-finite entries."""
+    q, k, v = q_in @ w[0], kv_in @ w[1], kv_in @ w[2] + bias
+    weights = mnn.softmax(mnp.einsum("bqd,bkd->bqk", q, k) / 2.0, axis=-1)
+    return mnp.einsum("bqk,bkd->bqd", weights, v)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_attention_over_one_key_mask_takes_no_run_time_test(jit):
+    """The attention weights' mask varies along the keys exactly as the values' mask does (both are
+    the keys' token mask, as maskify records), so the weights x values contraction is exact with
+    zero-filling: the program holds no conditional, and each sequence equals its unpadded run, with
+    NaN padding and a valid +inf in one value (an inf that meets a masked weight in the shorter
+    sequences, where zero-filling alone would form NaN, did it not meet a masked value too)."""
+    xm, x = _padded(4)
+    w = jax.random.normal(jax.random.key(1), (3, 4, 4))
+    bias = np.zeros((max(LENGTHS), 4), np.float32)
+    bias[2, 1] = np.inf  # valid in the sequences of length 5 and 3, padding in the one of length 2
+    f = mj.maskify(lambda v: _attention(v, v, w, bias))
+    assert "cond" not in str(jax.make_jaxpr(f)(xm))
+    out = (jax.jit(f) if jit else f)(xm)
+    for b, n in enumerate(LENGTHS):
+        want = _attention(x[b:b + 1, :n], x[b:b + 1, :n], w, bias[:n])[0]
+        np.testing.assert_allclose(np.asarray(out.data[b, :n]), want, rtol=2e-5)
+        assert not np.asarray(out.mask[b, n:]).any()
+    # gradients of a finite loss equal the unpadded runs'; no NaN from the padding or the inf
+    loss = lambda v, w: jnp.sum(mj.maskify(lambda u: _attention(u, u, w, 0.0))(mj.masked_array(v, xm.compact_mask)).data)  # noqa: E731
+    gv, gw = (jax.jit(jax.grad(loss, (0, 1))) if jit else jax.grad(loss, (0, 1)))(xm.data, w)
+    want_w = 0
+    for b, n in enumerate(LENGTHS):
+        dv, dw = jax.grad(lambda u, w: jnp.sum(_attention(u, u, w, 0.0)), (0, 1))(jnp.asarray(x[b:b + 1, :n]), w)
+        np.testing.assert_allclose(np.asarray(gv[b, :n]), dv[0], rtol=2e-4, atol=1e-5)
+        assert not np.asarray(gv[b, n:]).any()
+        want_w = want_w + dw
+    np.testing.assert_allclose(np.asarray(gw), want_w, rtol=2e-4, atol=1e-5)
+
+
+def test_values_under_another_mask_keep_the_exact_rule():
+    """Values whose mask differs from the keys' along the keys are not known to match: the exact
+    rule and its conditional stay, and a valid inf meeting a masked weight gives no NaN."""
+    xm, x = _padded(4)
+    other = np.asarray(xm.compact_mask).copy()
+    other[1, 3, 0] = True  # a value valid where the keys of sequence 1 are padding
+    vm = mj.masked_array(jnp.where(jnp.asarray(other), jnp.nan_to_num(xm.data) + 1.0, jnp.nan), jnp.asarray(other))
+    w = jax.random.normal(jax.random.key(2), (3, 4, 4))
+    bias = np.zeros((max(LENGTHS), 4), np.float32)
+    bias[3, 0] = np.inf
+
+    def attend(q_in, kv_in, v_in, np_, nn_):
+        q, k, v = q_in @ w[0], kv_in @ w[1], v_in @ w[2] + bias
+        weights = nn_.softmax(np_.einsum("bqd,bkd->bqk", q, k) / 2.0, axis=-1)
+        return np_.einsum("bqk,bkd->bqd", weights, v)
+
+    f = mj.maskify(lambda a, b: attend(a, a, b, jnp, jax.nn))
+    assert "cond" in str(jax.make_jaxpr(f)(xm, vm))
+    want = attend(xm, xm, vm, mnp, mnn)
+    for got in (f(xm, vm), jax.jit(f)(xm, vm)):
+        _same(got, want)
+        assert not np.isnan(np.asarray(got.filled(0.0))).any()  # inf where it is valid, never NaN
+
+
+def test_and_of_a_mask_with_its_own_factors_is_that_mask():
+    """Inside maskify an ``and`` of masks whose factors one operand already holds returns that
+    operand (``x + f(x)``: no ``and`` in the program); outside maskify nothing is recorded."""
+    xm, _ = _padded(4)
+    text = str(jax.make_jaxpr(mj.maskify(lambda v: v + jnp.tanh(v) * v))(xm))
+    assert " and " not in text
+    from masked_jax.ops import _factors
+    from masked_jax.ops._base import and_masks
+    m = jnp.ones((2, 1), bool)
+    assert not _factors.active() and and_masks(m, m) is not m
+    with _factors.recording():
+        assert and_masks(m, m) is m
+        assert and_masks(m, jnp.ones((1, 3), bool)).shape == (2, 3)
+
+
+def test_a_mean_pool_keeps_its_mask_compact_before_the_head():
+    """A mean over the tokens of a (B, L, 1)-masked batch is valid per sequence: its mask stays
+    (B, 1), so the classifier head's contraction needs no run-time test."""
+    xm, x = _padded(4)
+    head = jax.random.normal(jax.random.key(3), (4, 2))
+    f = mj.maskify(lambda v: jnp.mean(v, axis=1) @ head)
+    out = f(xm)
+    assert out.compact_mask.shape == (3, 1) and "cond" not in str(jax.make_jaxpr(f)(xm))
+    for b, n in enumerate(LENGTHS):
+        np.testing.assert_allclose(np.asarray(out.data[b]), x[b, :n].mean(0) @ head, rtol=1e-5)
+
+
+@settings(max_examples=30)
+@given(seed=st.integers(0, 2**16), length=st.integers(1, 6), shared=st.booleans(), flip=st.integers(0, 11),
+       special=st.sampled_from([np.inf, -np.inf, np.nan]))
+def test_attention_with_recorded_factors_equals_the_general_rule(seed, length, shared, flip, special):
+    """Property: maskify'd attention (recorded factors; no conditional where the values share the
+    keys' mask) equals the same attention through masked_jax.numpy (the general rule), over random
+    lengths, query masks, values under the keys' mask or a mask that differs in one entry, and a
+    valid inf or NaN in the values, eagerly and under jit."""
+    rng = np.random.default_rng(seed)
+    b, d = 2, 3
+    keys = rng.random((b, length, 1)) > 0.3
+    vmask = keys.copy()
+    if not shared:
+        vmask.reshape(-1)[flip % vmask.size] ^= True
+    x = mj.masked_array(jnp.where(keys, jnp.asarray(rng.normal(size=(b, length, d))), jnp.nan), jnp.asarray(keys))
+    v = mj.masked_array(jnp.where(vmask, jnp.asarray(rng.normal(size=(b, length, d))), jnp.nan), jnp.asarray(vmask))
+    bias = np.zeros((length, d))
+    bias.reshape(-1)[flip % bias.size] = special
+    w = jnp.asarray(rng.normal(size=(3, d, d)))
+
+    def attend(q_in, v_in, np_, nn_):
+        q, k, val = q_in @ w[0], q_in @ w[1], (q_in if shared else v_in) @ w[2] + bias
+        return np_.einsum("bqk,bkd->bqd", nn_.softmax(np_.einsum("bqd,bkd->bqk", q, k), axis=-1), val)
+
+    want = attend(x, v, mnp, mnn)
+    f = mj.maskify(lambda a, c: attend(a, c, jnp, jax.nn))
+    for got in (f(x, v), jax.jit(f)(x, v)):
+        np.testing.assert_array_equal(np.asarray(got.mask), np.asarray(want.mask))
+        np.testing.assert_allclose(np.asarray(got.filled(0.0)), np.asarray(want.filled(0.0)), rtol=1e-10, atol=1e-12)

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from masked_jax._validate import dtype_kind
+from masked_jax.ops import _factors
 
 Mask = Optional[jnp.ndarray]
 
@@ -36,11 +37,23 @@ class Pair(NamedTuple):
 
 
 def and_masks(*masks: Mask) -> Mask:
-    """Logical and of masks, where ``None`` is the identity (all valid)."""
+    """Logical and of masks, where ``None`` is the identity (all valid). Under ``maskify`` the
+    result is recorded as the and of the operands' factors (see :mod:`masked_jax.ops._factors`),
+    and an operand already at the result's shape whose factors are all of them is the result
+    (``x + f(x)`` keeps ``x``'s mask, with no ``and``)."""
     present = [m for m in masks if m is not None]
     if not present:
         return None
-    return functools.reduce(jnp.logical_and, present)
+    if len(present) == 1:
+        return present[0]
+    shape = np.broadcast_shapes(*(np.shape(m) for m in present))
+    if not _factors.active():
+        return functools.reduce(jnp.logical_and, present)
+    fs = tuple(dict.fromkeys(f for m in present for f in _factors.aligned(_factors.factors(m), len(shape))))
+    for m in present:
+        if np.shape(m) == shape and set(_factors.aligned(_factors.factors(m), len(shape))) == set(fs):
+            return m
+    return _factors.record(functools.reduce(jnp.logical_and, present), fs)
 
 
 def fill(data, mask: Mask, value):
@@ -86,7 +99,8 @@ def ranked(mask: Mask, ndim: int) -> Mask:
     """``mask`` with leading 1s up to ``ndim`` dims (a compact mask keeps its sizes)."""
     if mask is None or jnp.ndim(mask) == ndim:
         return mask
-    return jnp.reshape(mask, (1,) * (ndim - jnp.ndim(mask)) + tuple(jnp.shape(mask)))
+    out = jnp.reshape(mask, (1,) * (ndim - jnp.ndim(mask)) + tuple(jnp.shape(mask)))
+    return _factors.record(out, _factors.aligned(_factors.factors(mask), ndim)) if _factors.active() else out
 
 
 def compact_or_ones(mask: Mask, shape) -> jnp.ndarray:
@@ -98,9 +112,16 @@ def any_valid(mask, shape, axes, keepdims=False):
     """Validity of a reduction over ``axes`` of data of ``shape``: whether each slice has a valid
     element, at the compact shape of the kept axes (``mask`` is compact, of the data's rank). A
     zero-size slice has none."""
-    out = jnp.any(mask, axis=axes, keepdims=True)
+    axes = tuple(axes)
     if any(shape[a] == 0 for a in axes):
-        out = jnp.zeros_like(out)
+        out = jnp.zeros_like(jnp.any(mask, axis=axes, keepdims=True))
+        return out if keepdims else jnp.squeeze(out, axis=axes)
+    if all(mask.shape[a] == 1 for a in axes):  # the mask does not vary along them: nothing to reduce
+        out = mask if keepdims else jnp.squeeze(mask, axis=axes)
+        if _factors.active() and not keepdims:
+            _factors.record(out, _factors.dropped(_factors.factors(mask), axes))
+        return out
+    out = jnp.any(mask, axis=axes, keepdims=True)
     return out if keepdims else jnp.squeeze(out, axis=axes)
 
 

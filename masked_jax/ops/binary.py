@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 
 import jax.extend.core.primitives as P
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -36,12 +37,24 @@ def nary(fn, safe=1):
         if safe is None or mask is None:
             datas = [o.data for o in operands]
         else:
-            datas = [fill(o.data, mask, safe) for o in operands]
+            datas = [o.data if _finite_constant(o) else fill(o.data, mask, safe) for o in operands]
         return Pair(fn(*datas, **kwargs), mask)
 
     rule.__name__ = getattr(fn, "__name__", "nary")
     rule.fn = fn
     return rule
+
+
+def _finite_constant(p: Pair) -> bool:
+    """A plain operand whose value is known when the program is traced and finite everywhere (a
+    Python scalar, a numpy constant): filling it would change nothing a derivative reads."""
+    if p.mask is not None or isinstance(p.data, jax.core.Tracer):
+        return False
+    try:
+        values = np.asarray(p.data)
+    except Exception:  # noqa: BLE001 - an array not on the host: treat as unknown
+        return False
+    return values.dtype.kind in "biu" or (values.dtype.kind in "fc" and bool(np.isfinite(values).all()))
 
 
 def check_broadcast(name, operands):

@@ -30,6 +30,7 @@ import inspect
 
 import jax.extend.core.primitives as P
 
+from masked_jax.ops import _factors
 from masked_jax.ops._base import Pair, and_masks, any_valid, fill, ranked
 from masked_jax.ops._registry import OpSpec, register, signature_of
 
@@ -129,7 +130,8 @@ def dot_general(bind, a: Pair, b: Pair, dimension_numbers) -> Pair:
         return Pair(bind(a.data, b.data), None)
     const_a = ma is None or all(ma.shape[d] == 1 for d in lc)
     const_b = mb is None or all(mb.shape[d] == 1 for d in rc)
-    if not (const_a and const_b):  # a masked term may meet a valid inf: the data by the general rule
+    if not (const_a and const_b or _same_along_contraction(ma, mb, nda, ndb, lc, rc, lb, rb)):
+        # a masked term may meet a valid inf: the data by the general rule
         data = _contract_data(bind, [a, b])
         return Pair(data, _compact_mask_contraction(ma, mb, jnp.shape(a.data), jnp.shape(b.data), lc, rc, lb, rb))
     free_a = [d for d in range(nda) if d not in lc and d not in lb]
@@ -141,15 +143,38 @@ def dot_general(bind, a: Pair, b: Pair, dimension_numbers) -> Pair:
         if m is None:
             return None
         r = any_valid(m, shape, tuple(contract), keepdims=True)
-        r = jnp.transpose(r, list(batch) + list(free) + list(contract))
-        r = jnp.reshape(r, r.shape[:len(batch)] + (1,) * before + r.shape[len(batch):len(batch) + len(free)]
-                        + (1,) * after)
-        return r
+        perm = list(batch) + list(free) + list(contract)
+        t = jnp.transpose(r, perm)
+        out = jnp.reshape(t, t.shape[:len(batch)] + (1,) * before + t.shape[len(batch):len(batch) + len(free)]
+                          + (1,) * after)
+        if _factors.active():
+            _factors.record(out, _factors.reshaped(_factors.transposed(_factors.factors(r), perm), t.shape, out.shape))
+        return out
 
     out_a = side(ma, lc, lb, free_a, 0, len(free_b), jnp.shape(a.data))
     out_b = side(mb, rc, rb, free_b, len(free_a), 0, jnp.shape(b.data))
     data = bind(fill(a.data, ma, 0), fill(b.data, mb, 0))
     return Pair(data, and_masks(out_a, out_b))
+
+
+def _same_along_contraction(ma, mb, nda, ndb, lc, rc, lb, rb):
+    """Whether both masks are known (statically, by their recorded factors) to be the same along
+    the contracted dims, and to vary there with the batch dims only: attention's weights (the
+    keys' mask along the keys) times the values (the same keys' mask). Then, for every output whose
+    slices are valid, a term is valid on both sides or on neither, as when no mask varies along
+    the contracted dims: zero-filling is exact and the output mask comes from the masks alone."""
+    if ma is None or mb is None or not _factors.active():
+        return False
+
+    def roles(nd, contract, batch):
+        out = [None] * nd
+        for t, d in enumerate(contract):
+            out[d] = ("c", t)
+        for t, d in enumerate(batch):
+            out[d] = ("b", t)
+        return out
+
+    return _factors.same_along(_factors.factors(ma), _factors.factors(mb), roles(nda, lc, lb), roles(ndb, rc, rb))
 
 
 def _compact_mask_contraction(ma, mb, shape_a, shape_b, lc, rc, lb, rb):

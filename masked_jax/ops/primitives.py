@@ -27,6 +27,7 @@ import numpy as np
 from jax import lax
 
 from masked_jax.ops import binary, elementwise, linalg, reductions, shape
+from masked_jax.ops import _factors
 from masked_jax.ops._base import Pair, and_masks, fill, highest, lowest, materialize, ranked
 from masked_jax.ops._registry import REGISTRY, OpSpec, on_register
 
@@ -194,28 +195,41 @@ def _passthrough(prim, invals, **params):
 
 
 def _compact_shape_op(prim, invals, **params):
-    """Shape primitives that keep a compact mask compact: ``transpose`` and ``squeeze`` act on the
-    mask as on the data, ``broadcast_in_dim`` broadcasts it only along the dims it already has,
-    ``reshape`` keeps it compact where each group of merged or split dims is all 1 or all full in
-    the mask (else, as the other shape primitives, it materialises the mask)."""
+    """Shape primitives that keep a compact mask compact (see :func:`compact_shape`); the others,
+    and a reshape that cannot keep it compact, materialise the mask."""
     x = invals[0]
     shape = jnp.shape(x.data)
     m = ranked(x.mask, len(shape))
     if m is None or jnp.shape(m) == shape or len(invals) > 1:
         return _passthrough(prim, invals, **params)
-    data = prim.bind(x.data, **params)
-    if prim in (P.transpose_p, P.squeeze_p):
-        return Pair(data, prim.bind(m, **params))
+    new = compact_shape(prim, params, m, shape)
+    if new is None:
+        return _passthrough(prim, invals, **params)
+    return Pair(prim.bind(x.data, **params), new)
+
+
+def compact_shape(prim, params, m, shape):
+    """``m`` (compact, at the rank of data of ``shape``) as the compact array for the data after
+    the shape primitive ``prim``, or ``None`` where it must be materialised: ``transpose`` and
+    ``squeeze`` act on it as on the data, ``broadcast_in_dim`` broadcasts it only along the dims it
+    already has, ``reshape`` keeps it compact where each group of merged or split dims is all 1 or
+    all full in it. Under ``maskify`` the result's factors are recorded (see
+    :mod:`masked_jax.ops._factors`)."""
+    fs = _factors.factors(m) if _factors.active() else None
+    if prim is P.transpose_p:
+        return _factors.record(prim.bind(m, **params), fs and _factors.transposed(fs, params["permutation"]))
+    if prim is P.squeeze_p:
+        return _factors.record(prim.bind(m, **params), fs and _factors.dropped(fs, params["dimensions"]))
     if prim is P.broadcast_in_dim_p:
         out = [1] * len(params["shape"])
         for i, d in enumerate(params["broadcast_dimensions"]):
             out[d] = m.shape[i]
-        return Pair(data, jax.lax.broadcast_in_dim(m, tuple(out), params["broadcast_dimensions"]))
+        new = jax.lax.broadcast_in_dim(m, tuple(out), params["broadcast_dimensions"])
+        return _factors.record(new, fs and _factors.broadcast(fs, len(out), params["broadcast_dimensions"]))
     if prim is P.reshape_p and params.get("dimensions") is None:
         new = _reshaped_compact(m, shape, tuple(params["new_sizes"]))
-        if new is not None:
-            return Pair(data, new)
-    return _passthrough(prim, invals, **params)
+        return new if new is None else _factors.record(new, fs and _factors.reshaped(fs, m.shape, new.shape))
+    return None
 
 
 def _reshaped_compact(m, old, new):

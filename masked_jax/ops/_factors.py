@@ -1,0 +1,142 @@
+"""Which compact masks are the same along an axis, known when a program is traced.
+
+A compact mask is often the logical and of masks that each vary along few axes: in attention the
+weights' (B, 1, Lq, Lk) mask is the queries' (B, 1, Lq, 1) mask and the keys' (B, 1, 1, Lk) mask.
+While ``maskify`` interprets a program, the mask helpers of :mod:`masked_jax.ops._base` record such
+a factorisation for the masks they build: each mask is the ``and`` of its *factors*, and a factor
+is a *root* (a mask array met earlier) seen through insertions and removals of size-1 dims and
+transposes, written as the root axis each of its axes shows (``None``: size 1). Two factors with
+the same root and the same axis map hold the same values, whatever arrays carry them.
+
+The records are static (Python objects beside the traced masks, nothing is computed), sound by
+construction (a mask nobody recorded is its own one factor; an operation the helpers cannot follow
+records nothing) and kept for one ``maskify`` call only. The contraction rule reads them: when the
+factors of both operands' masks that vary along the contracted axes are the same, a valid ``inf``
+can never meet a masked entry, so the zero-filled contraction is exact with no run-time test.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import NamedTuple, Optional
+
+import numpy as np
+
+_state = threading.local()
+
+
+class Factor(NamedTuple):
+    """A root mask seen at another layout: ``axes[i]`` is the root axis shown by axis ``i``, or
+    ``None`` where the factor has size 1."""
+
+    root: int  # id of the root array, which the records keep alive
+    axes: tuple[Optional[int], ...]
+
+
+@contextlib.contextmanager
+def recording():
+    """Record factorisations for the duration of the block (nested blocks share one record)."""
+    depth = getattr(_state, "depth", 0)
+    if depth == 0:
+        _state.records = {}
+    _state.depth = depth + 1
+    try:
+        yield
+    finally:
+        _state.depth = depth
+        if depth == 0:
+            _state.records = None
+
+
+def _records():
+    return getattr(_state, "records", None)
+
+
+def factors(m) -> tuple[Factor, ...]:
+    """The factors of mask ``m``: its record, or ``m`` itself as its one root."""
+    records = _records()
+    key = id(m)
+    if records is not None and key in records:
+        return records[key][1]
+    own = (Factor(key, tuple(i if s != 1 else None for i, s in enumerate(np.shape(m)))),)
+    if records is not None:
+        records[key] = (m, own)  # keeps ``m`` alive: its id names it for the whole call
+    return own
+
+
+def record(m, fs):
+    """``m``, recorded as the ``and`` of the factors ``fs`` (``None``: record nothing)."""
+    records = _records()
+    if records is not None and m is not None and fs is not None:
+        records[id(m)] = (m, tuple(dict.fromkeys(fs)))
+    return m
+
+
+def active() -> bool:
+    return _records() is not None
+
+
+def aligned(fs, ndim):
+    """Factors brought to ``ndim`` axes by leading size-1 axes (numpy broadcasting)."""
+    return tuple(Factor(f.root, (None,) * (ndim - len(f.axes)) + f.axes) for f in fs)
+
+
+def transposed(fs, perm):
+    return tuple(Factor(f.root, tuple(f.axes[p] for p in perm)) for f in fs)
+
+
+def dropped(fs, dims):
+    """Factors without ``dims``, or ``None`` when a factor varies along one of them."""
+    if any(f.axes[d] is not None for f in fs for d in dims):
+        return None
+    return tuple(Factor(f.root, tuple(a for i, a in enumerate(f.axes) if i not in dims)) for f in fs)
+
+
+def broadcast(fs, ndim, dims):
+    """Factors after ``lax.broadcast_in_dim`` to ``ndim`` axes with ``broadcast_dimensions=dims``."""
+    out = []
+    for f in fs:
+        axes = [None] * ndim
+        for i, d in enumerate(dims):
+            axes[d] = f.axes[i]
+        out.append(Factor(f.root, tuple(axes)))
+    return tuple(out)
+
+
+def reshaped(fs, old, new):
+    """Factors of a mask of compact shape ``old`` reshaped to ``new``, when the reshape only adds
+    or removes size-1 dims (the sizes other than 1 are the same, in the same order); else ``None``."""
+    old_dims = [i for i, s in enumerate(old) if s != 1]
+    new_dims = [i for i, s in enumerate(new) if s != 1]
+    if [old[i] for i in old_dims] != [new[i] for i in new_dims]:
+        return None
+    where = dict(zip(old_dims, new_dims))
+    out = []
+    for f in fs:
+        axes = [None] * len(new)
+        for i, a in enumerate(f.axes):
+            if a is not None:
+                axes[where[i]] = a
+        out.append(Factor(f.root, tuple(axes)))
+    return tuple(out)
+
+
+def same_along(fa, fb, roles_a, roles_b):
+    """Whether two masks, as factor sets of two operands, hold the same values along the axes the
+    roles name. ``roles_x[i]`` is the role of operand axis ``i``: ``("c", t)`` for the t-th
+    contracted axis, ``("b", t)`` for the t-th batch axis, ``None`` for a free axis. True when the
+    factors that vary along a contracted axis are, on each side, functions of contracted and batch
+    axes only and the two sides' are the same roots under the same roles."""
+    def varying(fs, roles):
+        keyed = set()
+        for f in fs:
+            if not any(a is not None and roles[i] is not None and roles[i][0] == "c" for i, a in enumerate(f.axes)):
+                continue
+            if any(a is not None and roles[i] is None for i, a in enumerate(f.axes)):
+                return None  # varies along a free axis too: the sides cannot be compared
+            keyed.add((f.root, frozenset((a, roles[i]) for i, a in enumerate(f.axes) if a is not None)))
+        return keyed
+
+    va, vb = varying(fa, roles_a), varying(fb, roles_b)
+    return va is not None and vb is not None and bool(va) and va == vb
