@@ -137,10 +137,12 @@ def _moved_count(prim, params, count, shape):
 class _Sized:
     """What a masked ``reduce_sum`` counted: the static element count ``n``, and ``count()``, the
     valid count at a compact shape of the sum (the sum's rank, 1 along dims the mask does not vary
-    along). ``count`` is a function: the count is built only for a sum that is divided."""
+    along). ``count`` is a function: the count is built only for a sum that is divided.
+    ``uniform``: the mask does not vary along the summed axes (a layer norm's mean over the
+    features of a token mask), so every slice counts ``n`` or is masked."""
 
-    def __init__(self, n, count):
-        self.n, self.count = n, count
+    def __init__(self, n, count, uniform=False):
+        self.n, self.count, self.uniform = n, count, uniform
 
 
 # -- lax.associative_scan, recognised as a whole call -------------------------------------------------
@@ -275,7 +277,9 @@ class _Interpreter:
             x = invals[0]
             shape, axes = jnp.shape(x.data), tuple(params["axes"])
             n = int(np.prod([shape[a] for a in axes], dtype=np.int64))
-            sized[eqn.outvars[0]] = _Sized(n, lambda: count_valid(compact_or_ones(x.mask, shape), shape, axes))
+            compact = compact_or_ones(x.mask, shape)
+            sized[eqn.outvars[0]] = _Sized(n, lambda: count_valid(compact, shape, axes),
+                                           uniform=n > 0 and all(compact.shape[a] == 1 for a in axes))
         elif prim is P.reduce_window_sum_p:  # average pooling divides by the window size: a mean
             x = invals[0]
             n = int(np.prod(params["window_dimensions"], dtype=np.int64))
@@ -284,7 +288,7 @@ class _Interpreter:
         elif prim in (P.broadcast_in_dim_p, P.reshape_p, P.convert_element_type_p) and _known(eqn.invars[0], sized):
             s = sized[eqn.invars[0]]
             sized[eqn.outvars[0]] = _Sized(s.n, functools.partial(_moved_count, prim, params, s.count,
-                                                                  eqn.invars[0].aval.shape))
+                                                                  eqn.invars[0].aval.shape), s.uniform)
         return out
 
     @staticmethod
@@ -348,6 +352,11 @@ class _Interpreter:
         else:
             return None
         num = invals[0]
+        if s.uniform and s.n - ddof > 0:
+            # each slice is all valid (count n) or all masked, and the sum's mask says which: the
+            # quotient is the plain one, ``sum / (n - ddof)``, a finite sum of zero-filled terms
+            # where it is masked (no count, no select, no new mask)
+            return Pair(num.data / jnp.asarray(s.n - ddof, jnp.result_type(num.data)), num.mask)
         dof = s.count() - ddof  # compact: the quotient's mask stays as compact as the count
         valid = dof > 0
         # Where it is masked the quotient is the sum itself (a finite sum of zero-filled terms, or a

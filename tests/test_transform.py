@@ -709,3 +709,25 @@ def test_attention_with_recorded_factors_equals_the_general_rule(seed, length, s
     for got in (f(x, v), jax.jit(f)(x, v)):
         np.testing.assert_array_equal(np.asarray(got.mask), np.asarray(want.mask))
         np.testing.assert_allclose(np.asarray(got.filled(0.0)), np.asarray(want.filled(0.0)), rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("ddof", [0, 1])
+def test_a_layer_norm_over_the_features_of_a_token_mask_divides_by_the_static_count(ddof):
+    """Each token is all valid or all masked along its features, so a mean or variance over them
+    divides by the static feature count as jnp does: no valid count is formed (no int32 in the
+    program), the mask stays the token mask, and values equal the per-sequence unpadded run."""
+    xm, x = _padded(6)
+
+    def norm(v):
+        mu = jnp.mean(v, axis=-1, keepdims=True)
+        return (v - mu) / jnp.sqrt(jnp.var(v, axis=-1, keepdims=True, ddof=ddof) + 1e-5)
+
+    f = mj.maskify(norm)
+    assert "int32" not in str(jax.make_jaxpr(f)(xm))
+    for out in (f(xm), jax.jit(f)(xm)):
+        assert out.compact_mask.shape == (3, 5, 1)
+        for b, n in enumerate(LENGTHS):
+            np.testing.assert_allclose(np.asarray(out.data[b, :n]), norm(jnp.asarray(x[b, :n])), rtol=1e-5, atol=1e-6)
+            assert not np.asarray(out.mask[b, n:]).any()
+    g = jax.grad(lambda d: jnp.sum(mj.maskify(norm)(mj.masked_array(d, xm.compact_mask)).data[:, :2] ** 2))(xm.data)
+    assert np.isfinite(np.asarray(g)).all() and not np.asarray(g[1, 2:]).any()

@@ -200,7 +200,7 @@ def _compact_shape_op(prim, invals, **params):
     x = invals[0]
     shape = jnp.shape(x.data)
     m = ranked(x.mask, len(shape))
-    if m is None or jnp.shape(m) == shape or len(invals) > 1:
+    if m is None or len(invals) > 1:
         return _passthrough(prim, invals, **params)
     new = compact_shape(prim, params, m, shape)
     if new is None:

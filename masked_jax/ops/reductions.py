@@ -140,7 +140,13 @@ def sum(x: Pair, axis=None, dtype=None, keepdims=False) -> Pair:  # noqa: A001
     m = _compact(x)
     data = jnp.asarray(x.data)
     axes = normalize_axis(axis, m.ndim)
-    total, n = sum_count(fill(data, m, 0).astype(_sum_dtype(data.dtype, dtype)), m, axes)
+    filled = fill(data, m, 0).astype(_sum_dtype(data.dtype, dtype))
+    if builtins.all(m.shape[a] == 1 for a in axes) and not empty_slices(data.shape, axes):
+        # the mask does not vary along the axes: a slice is valid iff its mask is (no count)
+        acc = accumulation_dtype(filled.dtype)
+        total = jnp.sum(filled.astype(acc), axis=axes).astype(filled.dtype)
+        return Pair(_keep(total, axes, keepdims), any_valid(m, data.shape, axes, keepdims))
+    total, n = sum_count(filled, m, axes)
     return Pair(_keep(total, axes, keepdims), _keep(n > 0, axes, keepdims))
 
 
