@@ -356,7 +356,11 @@ class _Interpreter:
             # each slice is all valid (count n) or all masked, and the sum's mask says which: the
             # quotient is the plain one, ``sum / (n - ddof)``, a finite sum of zero-filled terms
             # where it is masked (no count, no select, no new mask)
-            return Pair(num.data / jnp.asarray(s.n - ddof, jnp.result_type(num.data)), num.mask)
+            out = num.data / jnp.asarray(s.n - ddof, jnp.result_type(num.data))
+            k = _factors.known(num.data, num.mask)
+            if k is not None and k.exact and k.value == 0:  # zero sums stay zero
+                _factors.record_value(out, num.mask, 0, True)
+            return Pair(out, num.mask)
         dof = s.count() - ddof  # compact: the quotient's mask stays as compact as the count
         valid = dof > 0
         # Where it is masked the quotient is the sum itself (a finite sum of zero-filled terms, or a

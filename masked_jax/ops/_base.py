@@ -56,12 +56,36 @@ def and_masks(*masks: Mask) -> Mask:
     return _factors.record(functools.reduce(jnp.logical_and, present), fs)
 
 
-def fill(data, mask: Mask, value):
-    """``data`` with masked-out positions replaced by ``value`` (no-op if ``mask`` is None)."""
+def fill(data, mask: Mask, value, *, finite: bool = False):
+    """``data`` with masked-out positions replaced by ``value`` (no-op if ``mask`` is None).
+
+    Under ``maskify`` the output is recorded as holding ``value`` there (see
+    :mod:`masked_jax.ops._factors`), and data already recorded as holding exactly ``value`` there
+    are returned as they are; with ``finite=True`` (a fill that only keeps derivatives finite, such
+    as a dense layer's input: a masked row reaches masked outputs only) any recorded value is
+    enough.
+    """
     if mask is None:
         return data
     data = jnp.asarray(data)
-    return jnp.where(mask, data, scalar_like(value, data.dtype))
+    if not _factors.active() or not isinstance(value, (bool, int, float, complex)):
+        return jnp.where(mask, data, scalar_like(value, data.dtype))
+    k = _factors.known(data, mask)
+    if k is not None and ((k.exact and k.value == value) or finite):
+        return data
+    return _factors.memo(("fill", id(data), id(mask), value), lambda: _factors.record_value(
+        jnp.where(mask, data, scalar_like(value, data.dtype)), mask, value, True), data, mask)
+
+
+def bound(prim, params):
+    """``prim`` bound with ``params``, as a function of its operands; ``.key`` names it for the
+    caches of :func:`masked_jax.ops._factors.evaluate`."""
+    fn = lambda *datas: prim.bind(*datas, **params)  # noqa: E731
+    try:
+        fn.key = (prim, tuple(sorted((k, repr(v)) for k, v in params.items())))
+    except TypeError:
+        pass
+    return fn
 
 
 def scalar_like(value, dtype):

@@ -140,3 +140,99 @@ def same_along(fa, fb, roles_a, roles_b):
 
     va, vb = varying(fa, roles_a), varying(fb, roles_b)
     return va is not None and vb is not None and bool(va) and va == vb
+
+
+# -- known values under a mask ---------------------------------------------------------------------
+# Beside the masks' factors, maskify records what some data hold where their mask is False: a fill
+# puts there exactly its value, and an elementwise op of filled data puts there the op of those
+# values. The rules read the record to sanitise only where it matters: data already holding a
+# value at which the op and its derivatives are finite are not filled again (a layer norm's
+# ``(x - mean) * rsqrt(var + eps)`` fills once, not at every step).
+
+class Known(NamedTuple):
+    """What data hold where a mask with (at least) ``factors`` is False: ``value``, exactly when
+    ``exact`` (a fill, or moves of filled data), else approximately (computed on a scalar)."""
+
+    factors: frozenset
+    value: object
+    exact: bool
+
+
+def _value_records():
+    records = _records()
+    if records is None:
+        return None
+    return records.setdefault("values", {})
+
+
+def _mask_key(mask, ndim):
+    return frozenset(aligned(factors(mask), ndim))
+
+
+def known(data, mask) -> Optional[Known]:
+    """The recorded value of ``data`` wherever ``mask`` is False, if one is known: a record made
+    under a mask with the same or more factors (more factors: more positions) covers it."""
+    values = _value_records()
+    if values is None or mask is None or id(data) not in values:
+        return None
+    k = values[id(data)][1]
+    return k if _mask_key(mask, np.ndim(data)) <= k.factors else None
+
+
+def record_value(data, mask, value, exact):
+    """Record that ``data`` hold ``value`` wherever ``mask`` is False (``value=None``: nothing)."""
+    values = _value_records()
+    if values is not None and mask is not None and value is not None:
+        values[id(data)] = (data, Known(_mask_key(mask, np.ndim(data)), value, exact))
+    return data
+
+
+def memo(key, make, *keep):
+    """``make()``, computed once per ``key`` while recording (the same fill of the same data under
+    the same mask, asked for by two rules, is one fill); ``keep`` are the objects whose ids the
+    key holds, kept alive with the result."""
+    records = _records()
+    if records is None:
+        return make()
+    table = records.setdefault("memo", {})
+    if key not in table:
+        table[key] = (make(), keep)
+    return table[key][0]
+
+
+_SAFE_CACHE: dict = {}
+
+
+def evaluate(fn, values, dtypes):
+    """``(fn(*values), safe)`` on 0-d arrays of ``dtypes``: its value as a Python number, and
+    whether that value and every partial derivative are finite there (so data holding these
+    values need no sanitising before ``fn``). ``(None, False)`` when ``fn`` cannot be evaluated
+    on scalars. Cached by ``fn.key`` where the caller gives one (a primitive and its params)."""
+    import jax
+    import jax.numpy as jnp
+
+    key = getattr(fn, "key", None)
+    cache_key = None if key is None else (key, tuple(values), tuple(str(d) for d in dtypes))
+    if cache_key is not None and cache_key in _SAFE_CACHE:
+        return _SAFE_CACHE[cache_key]
+    try:
+        with jax.ensure_compile_time_eval():
+            args = [jnp.asarray(v, d) for v, d in zip(values, dtypes)]
+            out = fn(*args)
+            if np.ndim(out) != 0 or not jnp.issubdtype(out.dtype, jnp.inexact):
+                result = (None, False)
+            else:
+                diff = [i for i, a in enumerate(args) if jnp.issubdtype(a.dtype, jnp.inexact)]
+                finite = bool(jnp.isfinite(out))
+                for i in diff:
+                    tangents = [jnp.zeros_like(a) if j != i else jnp.ones_like(a) for j, a in enumerate(args)]
+                    tangents = [t if jnp.issubdtype(a.dtype, jnp.inexact) else np.zeros((), jax.dtypes.float0)
+                                for t, a in zip(tangents, args)]
+                    _, dout = jax.jvp(fn, tuple(args), tuple(tangents))
+                    finite = finite and bool(jnp.all(jnp.isfinite(dout)))
+                result = (out.item(), finite)
+    except Exception:  # noqa: BLE001 - an op that does not take scalars: nothing known
+        result = (None, False)
+    if cache_key is not None:
+        _SAFE_CACHE[cache_key] = result
+    return result

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from masked_jax.ops import _factors
 from masked_jax.ops._base import Pair, and_masks, fill
 from masked_jax.ops._registry import MASKIFY_ONLY, OpSpec, register
 
@@ -34,15 +35,43 @@ def nary(fn, safe=1):
     def rule(*operands: Pair, **kwargs) -> Pair:
         check_broadcast(getattr(fn, "__name__", "operation"), operands)
         mask = and_masks(*(o.mask for o in operands))
-        if safe is None or mask is None:
-            datas = [o.data for o in operands]
+        if mask is None:
+            return Pair(fn(*(o.data for o in operands), **kwargs), None)
+        if not _factors.active():
+            datas = [o.data for o in operands] if safe is None else [fill(o.data, mask, safe) for o in operands]
+            return Pair(fn(*datas, **kwargs), mask)
+        # under maskify: what each operand holds where the result is masked (a recorded value, or
+        # a 0-d constant's); those at which fn and its derivatives are finite are not filled
+        f = fn if not kwargs else (lambda *d: fn(*d, **kwargs))
+        dtypes = tuple(jnp.result_type(o.data) for o in operands)
+        held = [_held(o, mask) for o in operands]
+        if safe is None:
+            datas, values = [o.data for o in operands], held
         else:
-            datas = [o.data if _finite_constant(o) else fill(o.data, mask, safe) for o in operands]
-        return Pair(fn(*datas, **kwargs), mask)
+            values = [safe if v is None else v for v in held]
+            if _factors.evaluate(f, tuple(values), dtypes)[1]:
+                datas = [o.data if v is not None else fill(o.data, mask, safe) for o, v in zip(operands, held)]
+            else:
+                datas, values = [fill(o.data, mask, safe) for o in operands], [safe] * len(operands)
+        out = fn(*datas, **kwargs)
+        if all(v is not None for v in values):
+            _factors.record_value(out, mask, _factors.evaluate(f, tuple(values), dtypes)[0], False)
+        return Pair(out, mask)
 
     rule.__name__ = getattr(fn, "__name__", "nary")
     rule.fn = fn
     return rule
+
+
+def _held(p: Pair, mask):
+    """What ``p`` holds wherever ``mask`` (the result's) is False, if known: a 0-d constant's value,
+    or a value recorded for a masked operand under the same or a larger masked set."""
+    if p.mask is None:
+        if np.ndim(p.data) == 0 and _finite_constant(p):
+            return np.asarray(p.data).item()
+        return None
+    k = _factors.known(p.data, mask)
+    return None if k is None else k.value
 
 
 def _finite_constant(p: Pair) -> bool:

@@ -9,6 +9,7 @@ import jax.extend.core.primitives as P
 import jax.numpy as jnp
 from jax import lax
 
+from masked_jax.ops import _factors
 from masked_jax.ops._base import Pair, fill
 from masked_jax.ops._registry import MASKIFY_ONLY, OpSpec, register, signature_of
 
@@ -24,12 +25,33 @@ def unary(fn, safe=1):
     """
 
     def rule(x: Pair, *args, **kwargs) -> Pair:
-        data = x.data if safe is None else fill(x.data, x.mask, safe)
-        return Pair(fn(data, *args, **kwargs), x.mask)
+        if x.mask is None or not _factors.active():
+            data = x.data if safe is None else fill(x.data, x.mask, safe)
+            return Pair(fn(data, *args, **kwargs), x.mask)
+        # under maskify: data already holding a value at which fn and its derivative are finite
+        # (recorded where the mask is False) need no fill; the output's value there is recorded
+        f = _with_args(fn, args, kwargs)
+        dtype = jnp.result_type(x.data)
+        k = _factors.known(x.data, x.mask)
+        if safe is None or (k is not None and _factors.evaluate(f, (k.value,), (dtype,))[1]):
+            data, value = x.data, None if k is None else k.value
+        else:
+            data, value = fill(x.data, x.mask, safe), safe
+        out = fn(data, *args, **kwargs)
+        if value is not None:
+            _factors.record_value(out, x.mask, _factors.evaluate(f, (value,), (dtype,))[0], False)
+        return Pair(out, x.mask)
 
     rule.__name__ = getattr(fn, "__name__", "unary")
     rule.fn = fn
     return rule
+
+
+def _with_args(fn, args, kwargs):
+    """``fn`` of its first operand alone, keyed for the value cache when it takes nothing else."""
+    if not args and not kwargs:
+        return fn
+    return lambda d: fn(d, *args, **kwargs)
 
 
 def unary_spec(name, fn, safe=1, *, modules=("numpy",), methods=(), primitives=(), jax_name=None,

@@ -153,7 +153,9 @@ def dot_general(bind, a: Pair, b: Pair, dimension_numbers) -> Pair:
 
     out_a = side(ma, lc, lb, free_a, 0, len(free_b), jnp.shape(a.data))
     out_b = side(mb, rc, rb, free_b, len(free_a), 0, jnp.shape(b.data))
-    data = bind(fill(a.data, ma, 0), fill(b.data, mb, 0))
+    # a masked term meets masked outputs only: the fill keeps the weight gradient's sum finite, so
+    # data already holding finite values where masked need none
+    data = bind(fill(a.data, ma, 0, finite=True), fill(b.data, mb, 0, finite=True))
     return Pair(data, and_masks(out_a, out_b))
 
 

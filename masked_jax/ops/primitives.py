@@ -28,7 +28,7 @@ from jax import lax
 
 from masked_jax.ops import binary, elementwise, linalg, reductions, shape
 from masked_jax.ops import _factors
-from masked_jax.ops._base import Pair, and_masks, fill, highest, lowest, materialize, ranked
+from masked_jax.ops._base import Pair, and_masks, bound, fill, highest, lowest, materialize, ranked
 from masked_jax.ops._registry import REGISTRY, OpSpec, on_register
 
 STRUCTURAL: dict = {}  # primitive -> rule(prim, invals, **params)
@@ -46,7 +46,7 @@ UNSUPPORTED_CALLS = {
 
 
 def _bound(prim, params):
-    return lambda *datas: prim.bind(*datas, **params)
+    return bound(prim, params)
 
 
 class NoMaskedRule(Exception):
@@ -205,7 +205,11 @@ def _compact_shape_op(prim, invals, **params):
     new = compact_shape(prim, params, m, shape)
     if new is None:
         return _passthrough(prim, invals, **params)
-    return Pair(prim.bind(x.data, **params), new)
+    data = prim.bind(x.data, **params)
+    k = _factors.known(x.data, x.mask)
+    if k is not None:  # the masked entries move with the mask: they hold what they held
+        _factors.record_value(data, new, k.value, k.exact)
+    return Pair(data, new)
 
 
 def compact_shape(prim, params, m, shape):

@@ -25,6 +25,7 @@ import numpy as np
 
 import jax.extend.core.primitives as P
 
+from masked_jax.ops import _factors
 from masked_jax.ops._base import (Pair, accumulation_dtype, any_valid, candidate_axes, compact_or_ones, count_valid, fill, highest,
                                   lowest, materialize, normalize_axis, result_dtype)
 from masked_jax.ops._registry import OpSpec, register, rule_signature, signature_of
@@ -140,12 +141,19 @@ def sum(x: Pair, axis=None, dtype=None, keepdims=False) -> Pair:  # noqa: A001
     m = _compact(x)
     data = jnp.asarray(x.data)
     axes = normalize_axis(axis, m.ndim)
-    filled = fill(data, m, 0).astype(_sum_dtype(data.dtype, dtype))
     if builtins.all(m.shape[a] == 1 for a in axes) and not empty_slices(data.shape, axes):
-        # the mask does not vary along the axes: a slice is valid iff its mask is (no count)
+        # the mask does not vary along the axes: a slice is valid iff its mask is (no count), and
+        # a masked slice reaches a masked output only (the fill keeps its derivative finite)
+        filled = fill(data, m, 0, finite=True)
+        zeros = _factors.known(filled, m)
+        filled = filled.astype(_sum_dtype(data.dtype, dtype))
         acc = accumulation_dtype(filled.dtype)
-        total = jnp.sum(filled.astype(acc), axis=axes).astype(filled.dtype)
-        return Pair(_keep(total, axes, keepdims), any_valid(m, data.shape, axes, keepdims))
+        total = _keep(jnp.sum(filled.astype(acc), axis=axes).astype(filled.dtype), axes, keepdims)
+        valid = any_valid(m, data.shape, axes, keepdims)
+        if zeros is not None and zeros.exact and zeros.value == 0:  # a masked slice sums zeros
+            _factors.record_value(total, valid, 0, True)
+        return Pair(total, valid)
+    filled = fill(data, m, 0).astype(_sum_dtype(data.dtype, dtype))
     total, n = sum_count(filled, m, axes)
     return Pair(_keep(total, axes, keepdims), _keep(n > 0, axes, keepdims))
 
