@@ -8,7 +8,7 @@ set -u
 cd "$(dirname "$0")/.."
 LOG=${1:-benchmarks/results/gpu}
 mkdir -p "$LOG"
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda,cpu
 PY=${PYTHON:-python3}
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv | tee "$LOG/device.txt"
 $PY -c "import jax, flax, equinox, optax, torch, masked_jax; print('jax', jax.__version__, jax.devices(),

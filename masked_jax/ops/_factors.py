@@ -203,6 +203,18 @@ def memo(key, make, *keep):
 _SAFE_CACHE: dict = {}
 
 
+def _on_host():
+    """Scalar evaluations on the CPU where jax has one (on an accelerator each scalar op would be
+    compiled for it, a kernel launched and its result copied back)."""
+    import jax
+
+    try:
+        cpu = jax.devices("cpu")[0]
+    except RuntimeError:
+        return contextlib.nullcontext()
+    return jax.default_device(cpu)
+
+
 def evaluate(fn, values, dtypes):
     """``(fn(*values), safe)`` on 0-d arrays of ``dtypes``: its value as a Python number, and
     whether that value and every partial derivative are finite there (so data holding these
@@ -216,7 +228,7 @@ def evaluate(fn, values, dtypes):
     if cache_key is not None and cache_key in _SAFE_CACHE:
         return _SAFE_CACHE[cache_key]
     try:
-        with jax.ensure_compile_time_eval():
+        with jax.ensure_compile_time_eval(), _on_host():
             args = [jnp.asarray(v, d) for v, d in zip(values, dtypes)]
             out = fn(*args)
             if np.ndim(out) != 0 or not jnp.issubdtype(out.dtype, jnp.inexact):
