@@ -751,7 +751,19 @@ _CHAIN_OPS = {
     "half": lambda v, w: 0.5 * v,
     "recip": lambda v, w: 1.0 / (v * v + 1.0),
     "dense": lambda v, w: v @ jnp.diag(w),
+    "huge": lambda v, w: v * 3e38,
+    "double": lambda v, w: v + v,
 }
+
+
+def test_a_value_that_overflows_under_the_mask_is_not_taken_as_safe():
+    """Filled data that an op without a fill of its own (an add) takes to inf under the mask are
+    not recorded as safe: the dense layer after it fills them again, so the weight gradient has no
+    ``inf * 0``."""
+    x = mj.masked_array(jnp.array([[0.1, 0.2], [3.0, np.nan]], jnp.float32), jnp.array([[True], [False]]))
+    f = mj.maskify(lambda v, w: (v * 3e38 + v * 3e38) @ w)
+    g = jax.grad(lambda w: jnp.sum(f(x, w).filled(0.0)))(jnp.ones((2, 2), jnp.float32))
+    np.testing.assert_allclose(np.asarray(g), [[6e37, 6e37], [1.2e38, 1.2e38]], rtol=1e-6)
 
 
 @settings(max_examples=int(os.environ.get("MJ_CHAIN_EXAMPLES", 40)))

@@ -180,9 +180,10 @@ def known(data, mask) -> Optional[Known]:
 
 
 def record_value(data, mask, value, exact):
-    """Record that ``data`` hold ``value`` wherever ``mask`` is False (``value=None``: nothing)."""
+    """Record that ``data`` hold ``value`` wherever ``mask`` is False. Only finite values are
+    recorded (``None``, inf or NaN: nothing), so a record always means finite data there."""
     values = _value_records()
-    if values is not None and mask is not None and value is not None:
+    if values is not None and mask is not None and value is not None and bool(np.isfinite(value)):
         values[id(data)] = (data, Known(_mask_key(mask, np.ndim(data)), value, exact))
     return data
 
