@@ -216,16 +216,17 @@ def _on_host():
     return jax.default_device(cpu)
 
 
-def evaluate(fn, values, dtypes):
+def evaluate(fn, values, dtypes, derivatives=True):
     """``(fn(*values), safe)`` on 0-d arrays of ``dtypes``: its value as a Python number, and
     whether that value and every partial derivative are finite there (so data holding these
     values need no sanitising before ``fn``). ``(None, False)`` when ``fn`` cannot be evaluated
-    on scalars. Cached by ``fn.key`` where the caller gives one (a primitive and its params)."""
+    on scalars. ``derivatives=False`` (at an op's own safe values, safe by design) evaluates the
+    value alone. Cached by ``fn.key`` where the caller gives one (a primitive and its params)."""
     import jax
     import jax.numpy as jnp
 
     key = getattr(fn, "key", None)
-    cache_key = None if key is None else (key, tuple(values), tuple(str(d) for d in dtypes))
+    cache_key = None if key is None else (key, tuple(values), tuple(str(d) for d in dtypes), derivatives)
     if cache_key is not None and cache_key in _SAFE_CACHE:
         return _SAFE_CACHE[cache_key]
     try:
@@ -235,7 +236,7 @@ def evaluate(fn, values, dtypes):
             if np.ndim(out) != 0 or not jnp.issubdtype(out.dtype, jnp.inexact):
                 result = (None, False)
             else:
-                diff = [i for i, a in enumerate(args) if jnp.issubdtype(a.dtype, jnp.inexact)]
+                diff = [i for i, a in enumerate(args) if jnp.issubdtype(a.dtype, jnp.inexact) and derivatives]
                 finite = bool(jnp.isfinite(out))
                 for i in diff:
                     tangents = [jnp.zeros_like(a) if j != i else jnp.ones_like(a) for j, a in enumerate(args)]

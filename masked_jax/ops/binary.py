@@ -49,13 +49,14 @@ def nary(fn, safe=1):
             datas, values = [o.data for o in operands], held
         else:
             values = [safe if v is None else v for v in held]
-            if _factors.evaluate(f, tuple(values), dtypes)[1]:
+            if all(v is None for v in held) or _factors.evaluate(f, tuple(values), dtypes)[1]:
                 datas = [o.data if v is not None else fill(o.data, mask, safe) for o, v in zip(operands, held)]
             else:
                 datas, values = [fill(o.data, mask, safe) for o in operands], [safe] * len(operands)
         out = fn(*datas, **kwargs)
         if all(v is not None for v in values):
-            _factors.record_value(out, mask, _factors.evaluate(f, tuple(values), dtypes)[0], False)
+            at_safe = safe is not None and all(v == safe for v in values)
+            _factors.record_value(out, mask, _factors.evaluate(f, tuple(values), dtypes, not at_safe)[0], False)
         return Pair(out, mask)
 
     rule.__name__ = getattr(fn, "__name__", "nary")

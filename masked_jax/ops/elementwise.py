@@ -39,7 +39,8 @@ def unary(fn, safe=1):
             data, value = fill(x.data, x.mask, safe), safe
         out = fn(data, *args, **kwargs)
         if value is not None:
-            _factors.record_value(out, x.mask, _factors.evaluate(f, (value,), (dtype,))[0], False)
+            at_safe = safe is not None and value == safe
+            _factors.record_value(out, x.mask, _factors.evaluate(f, (value,), (dtype,), not at_safe)[0], False)
         return Pair(out, x.mask)
 
     rule.__name__ = getattr(fn, "__name__", "unary")
