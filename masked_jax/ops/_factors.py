@@ -1,4 +1,5 @@
-"""Which compact masks are the same along an axis, known when a program is traced.
+"""Static records kept while ``maskify`` traces a program: which masks are the same along an axis,
+and what data hold where they are masked.
 
 A compact mask is often the logical and of masks that each vary along few axes: in attention the
 weights' (B, 1, Lq, Lk) mask is the queries' (B, 1, Lq, 1) mask and the keys' (B, 1, 1, Lk) mask.
@@ -8,7 +9,7 @@ is a *root* (a mask array met earlier) seen through insertions and removals of s
 transposes, written as the root axis each of its axes shows (``None``: size 1). Two factors with
 the same root and the same axis map hold the same values, whatever arrays carry them.
 
-The records are static (Python objects beside the traced masks, nothing is computed), sound by
+The factor records are static (Python objects beside the traced masks, nothing is computed), sound by
 construction (a mask nobody recorded is its own one factor; an operation the helpers cannot follow
 records nothing) and kept for one ``maskify`` call only. The contraction rule reads them: when the
 factors of both operands' masks that vary along the contracted axes are the same, a valid ``inf``
@@ -248,5 +249,7 @@ def evaluate(fn, values, dtypes, derivatives=True):
     except Exception:  # noqa: BLE001 - an op that does not take scalars: nothing known
         result = (None, False)
     if cache_key is not None:
+        if len(_SAFE_CACHE) >= 8192:  # bounded: programs differ in their ops and values
+            _SAFE_CACHE.clear()
         _SAFE_CACHE[cache_key] = result
     return result
