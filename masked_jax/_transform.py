@@ -104,7 +104,7 @@ def maskify(fun):
                 leaves[i] = d
             return fun(*jax.tree_util.tree_unflatten(tree, leaves), **kwargs)
 
-        with _recording_scans() as scans:
+        with _recording_scans() as scans, _factors.new_trace():  # (inside an outer maskify: a trace apart)
             closed, out_shape = jax.make_jaxpr(on_data, return_shape=True)(*(p.data for p in pairs))
         with _factors.recording():
             outs = _Interpreter(name, scans).run(closed.jaxpr, closed.consts, pairs)
@@ -440,7 +440,8 @@ class _Interpreter:
         return self._scan(params, invals)
 
     def _branch(self, closed, ops):
-        return _materialized(self.run(closed.jaxpr, closed.consts, ops))
+        with _factors.new_trace():
+            return _materialized(self.run(closed.jaxpr, closed.consts, ops))
 
     def _while(self, params, invals):
         nc, nb = params["cond_nconsts"], params["body_nconsts"]
@@ -448,11 +449,13 @@ class _Interpreter:
         cj, bj = params["cond_jaxpr"], params["body_jaxpr"]
 
         def cond_fn(c):
-            (p,) = self.run(cj.jaxpr, cj.consts, list(cconsts) + list(c))
+            with _factors.new_trace():
+                (p,) = self.run(cj.jaxpr, cj.consts, list(cconsts) + list(c))
             return p.data if p.mask is None else p.data & p.mask  # a masked predicate stops the loop
 
         def body_fn(c):
-            return _materialized(self.run(bj.jaxpr, bj.consts, list(bconsts) + list(c)))
+            with _factors.new_trace():
+                return _materialized(self.run(bj.jaxpr, bj.consts, list(bconsts) + list(c)))
 
         return lax.while_loop(cond_fn, body_fn, carry)
 
@@ -463,7 +466,8 @@ class _Interpreter:
         body = params["jaxpr"]
 
         def step(c, x):
-            outs = _materialized(self.run(body.jaxpr, body.consts, list(consts) + list(c) + list(x)))
+            with _factors.new_trace():
+                outs = _materialized(self.run(body.jaxpr, body.consts, list(consts) + list(c) + list(x)))
             return outs[:ncarry], outs[ncarry:]
 
         carry, ys = lax.scan(step, carry, xs, length=params["length"], reverse=params["reverse"],

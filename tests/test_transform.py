@@ -808,3 +808,27 @@ def test_a_chain_sanitised_once_equals_its_ops_sanitised_one_by_one(ops, seed, g
     got_x, want_x = np.asarray(gx(data)), np.asarray(gx_want(data))
     np.testing.assert_allclose(got_x, want_x, rtol=2e-4, atol=1e-5)
     assert not np.broadcast_to(~np.asarray(xm.compact_mask), got_x.shape)[got_x != 0].any()
+
+
+@pytest.mark.parametrize("loop", ["scan", "while", "cond"])
+def test_a_fill_inside_a_loop_body_is_not_reused_outside_it(loop):
+    """The same masked value filled inside a scan, while or cond body (its own trace) and again
+    outside: each trace gets its own fill (reusing the body's would leak its tracer); values equal
+    jnp on the valid entries."""
+    x = mj.masked_array(jnp.array([0.5, np.nan, 0.2]), jnp.array([True, False, True]))
+    xs = jnp.arange(3.0)
+
+    def f(x, xs):
+        if loop == "scan":
+            c, _ = lax.scan(lambda c, t: (c + jnp.tanh(x) * t, None), jnp.zeros_like(x), xs)
+        elif loop == "while":
+            c = lax.while_loop(lambda c: c[1] < 3, lambda c: (c[0] + jnp.tanh(x), c[1] + 1), (jnp.zeros_like(x), 0))[0]
+        else:
+            c = lax.cond(xs[0] < 1, lambda: jnp.tanh(x) * 3.0, lambda: jnp.zeros_like(x))
+        return c + jnp.tanh(x)
+
+    want = 4.0 * np.tanh(np.array([0.5, 0.2]))
+    for g in (mj.maskify(f), jax.jit(mj.maskify(f))):
+        out = g(x, xs)
+        np.testing.assert_array_equal(np.asarray(out.mask), [True, False, True])
+        np.testing.assert_allclose(np.asarray(out.data)[[0, 2]], want, rtol=1e-6)

@@ -189,6 +189,24 @@ def record_value(data, mask, value, exact):
     return data
 
 
+@contextlib.contextmanager
+def new_trace():
+    """A block traced apart (a ``scan`` or ``while`` body, a ``cond`` branch): results computed
+    inside belong to its trace, so the memo of :func:`memo` starts empty there and the outer one
+    is restored after (records of masks and values stay: they only read arrays)."""
+    records = _records()
+    if records is None:
+        yield
+        return
+    outer = records.pop("memo", None)
+    try:
+        yield
+    finally:
+        records.pop("memo", None)
+        if outer is not None:
+            records["memo"] = outer
+
+
 def memo(key, make, *keep):
     """``make()``, computed once per ``key`` while recording (the same fill of the same data under
     the same mask, asked for by two rules, is one fill); ``keep`` are the objects whose ids the
