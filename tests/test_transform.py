@@ -771,7 +771,8 @@ def test_a_value_that_overflows_under_the_mask_is_not_taken_as_safe():
        garbage=st.sampled_from([np.nan, np.inf, -np.inf, 1e30, 0.0]), special=st.sampled_from([None, np.inf, np.nan]))
 def test_a_chain_sanitised_once_equals_its_ops_sanitised_one_by_one(ops, seed, garbage, special):
     """Property: a chain of elementwise ops, means and a dense layer under one maskify call (where
-    data known to hold safe values under the mask are not filled again) gives the values and
+    data known to hold safe values under the mask are not filled again; eagerly, under jit and
+    under vmap) gives the values and
     weight gradients of the same ops maskify'd one call at a time (each op sanitising its own
     inputs), with NaN, inf or huge values in the padding and an inf or NaN among the weights."""
     rng = np.random.default_rng(seed)
@@ -793,9 +794,11 @@ def test_a_chain_sanitised_once_equals_its_ops_sanitised_one_by_one(ops, seed, g
             v = mj.maskify(_CHAIN_OPS[name])(v, w)
         return v
 
-    got, want = mj.maskify(chain)(xm, w), by_parts(xm, w)
-    np.testing.assert_array_equal(np.asarray(got.mask), np.asarray(want.mask))
-    np.testing.assert_allclose(np.asarray(got.filled(0.0)), np.asarray(want.filled(0.0)), rtol=2e-5, atol=1e-6)
+    want = by_parts(xm, w)
+    for got in (mj.maskify(chain)(xm, w), jax.jit(mj.maskify(chain))(xm, w),
+                jax.vmap(mj.maskify(chain), in_axes=(0, None))(xm, w)):
+        np.testing.assert_array_equal(np.asarray(got.mask), np.asarray(want.mask))
+        np.testing.assert_allclose(np.asarray(got.filled(0.0)), np.asarray(want.filled(0.0)), rtol=2e-5, atol=1e-6)
 
     def loss(f):
         return lambda w: jnp.sum(jnp.tanh(f(xm, w).filled(0.0)))
