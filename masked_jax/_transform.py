@@ -31,7 +31,8 @@ from masked_jax._core import MaskedArray
 from masked_jax._storage import SparseMasked
 from masked_jax._validate import dtype_kind
 from masked_jax.ops import _factors, primitives
-from masked_jax.ops._base import Pair, and_masks, compact_or_ones, count_valid, fill, materialize, ranked
+from masked_jax.ops._base import (Pair, and_masks, compact_or_ones, count_valid, fill, materialize, ranked,
+                                  uniform_along)
 
 import jax.extend.core.primitives as P
 
@@ -279,7 +280,7 @@ class _Interpreter:
             n = int(np.prod([shape[a] for a in axes], dtype=np.int64))
             compact = compact_or_ones(x.mask, shape)
             sized[eqn.outvars[0]] = _Sized(n, lambda: count_valid(compact, shape, axes),
-                                           uniform=n > 0 and all(compact.shape[a] == 1 for a in axes))
+                                           uniform=n > 0 and uniform_along(compact, axes))
         elif prim is P.reduce_window_sum_p:  # average pooling divides by the window size: a mean
             x = invals[0]
             n = int(np.prod(params["window_dimensions"], dtype=np.int64))

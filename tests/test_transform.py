@@ -586,19 +586,13 @@ def test_maximum_and_minimum_take_no_sanitising_select(garbage):
 
 
 # -- static mask factors: attention's contraction over one key mask -----------------------------
-def _attention(q_in, kv_in, w, bias):
-    """Single-head attention in plain jax.numpy; ``bias`` (L, D), unmasked, is added to the values."""
-    q, k, v = q_in @ w[0], kv_in @ w[1], kv_in @ w[2] + bias
-    weights = jax.nn.softmax(jnp.einsum("bqd,bkd->bqk", q, k) / 2.0, axis=-1)
-    return jnp.einsum("bqk,bkd->bqd", weights, v)
-
-
-def _attention_by_hand(q_in, kv_in, w, bias):
-    """The same attention with masked_jax.numpy (no maskify, so no recorded factors): the general
-    contraction rule, exact for valid non-finite entries."""
-    q, k, v = q_in @ w[0], kv_in @ w[1], kv_in @ w[2] + bias
-    weights = mnn.softmax(mnp.einsum("bqd,bkd->bqk", q, k) / 2.0, axis=-1)
-    return mnp.einsum("bqk,bkd->bqd", weights, v)
+def _attention(q_in, kv_in, w, bias, v_in=None, np_=jnp, nn_=jax.nn):
+    """Single-head attention, written once for jax.numpy and for masked_jax.numpy (``np_``, ``nn_``):
+    keys from ``kv_in``, values from ``v_in`` (default ``kv_in``) plus ``bias``, an unmasked (L, D)."""
+    v_in = kv_in if v_in is None else v_in
+    q, k, v = q_in @ w[0], kv_in @ w[1], v_in @ w[2] + bias
+    weights = nn_.softmax(np_.einsum("bqd,bkd->bqk", q, k) / 2.0, axis=-1)
+    return np_.einsum("bqk,bkd->bqd", weights, v)
 
 
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
@@ -642,14 +636,9 @@ def test_values_under_another_mask_keep_the_exact_rule():
     bias = np.zeros((max(LENGTHS), 4), np.float32)
     bias[3, 0] = np.inf
 
-    def attend(q_in, kv_in, v_in, np_, nn_):
-        q, k, v = q_in @ w[0], kv_in @ w[1], v_in @ w[2] + bias
-        weights = nn_.softmax(np_.einsum("bqd,bkd->bqk", q, k) / 2.0, axis=-1)
-        return np_.einsum("bqk,bkd->bqd", weights, v)
-
-    f = mj.maskify(lambda a, b: attend(a, a, b, jnp, jax.nn))
+    f = mj.maskify(lambda a, b: _attention(a, a, w, bias, v_in=b))
     assert "cond" in str(jax.make_jaxpr(f)(xm, vm))
-    want = attend(xm, xm, vm, mnp, mnn)
+    want = _attention(xm, xm, w, bias, v_in=vm, np_=mnp, nn_=mnn)
     for got in (f(xm, vm), jax.jit(f)(xm, vm)):
         _same(got, want)
         assert not np.isnan(np.asarray(got.filled(0.0))).any()  # inf where it is valid, never NaN
@@ -702,12 +691,8 @@ def test_attention_with_recorded_factors_equals_the_general_rule(seed, length, s
     bias.reshape(-1)[flip % bias.size] = special
     w = jnp.asarray(rng.normal(size=(3, d, d)))
 
-    def attend(q_in, v_in, np_, nn_):
-        q, k, val = q_in @ w[0], q_in @ w[1], (q_in if shared else v_in) @ w[2] + bias
-        return np_.einsum("bqk,bkd->bqd", nn_.softmax(np_.einsum("bqd,bkd->bqk", q, k), axis=-1), val)
-
-    want = attend(x, v, mnp, mnn)
-    f = mj.maskify(lambda a, c: attend(a, c, jnp, jax.nn))
+    want = _attention(x, x, w, bias, v_in=x if shared else v, np_=mnp, nn_=mnn)
+    f = mj.maskify(lambda a, c: _attention(a, a, w, bias, v_in=a if shared else c))
     for got in (f(x, v), jax.jit(f)(x, v)):
         np.testing.assert_array_equal(np.asarray(got.mask), np.asarray(want.mask))
         np.testing.assert_allclose(np.asarray(got.filled(0.0)), np.asarray(want.filled(0.0)), rtol=1e-10, atol=1e-12)

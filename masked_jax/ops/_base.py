@@ -46,9 +46,9 @@ def and_masks(*masks: Mask) -> Mask:
         return None
     if len(present) == 1:
         return present[0]
-    shape = np.broadcast_shapes(*(np.shape(m) for m in present))
     if not _factors.active():
         return functools.reduce(jnp.logical_and, present)
+    shape = np.broadcast_shapes(*(np.shape(m) for m in present))
     fs = tuple(dict.fromkeys(f for m in present for f in _factors.aligned(_factors.factors(m), len(shape))))
     for m in present:
         if np.shape(m) == shape and set(_factors.aligned(_factors.factors(m), len(shape))) == set(fs):
@@ -132,6 +132,12 @@ def compact_or_ones(mask: Mask, shape) -> jnp.ndarray:
     return jnp.ones((1,) * len(shape), bool) if mask is None else ranked(mask, len(shape))
 
 
+def uniform_along(mask, axes) -> bool:
+    """Whether the compact ``mask`` (at the data's rank) does not vary along ``axes``: each slice
+    along them is all valid or all masked."""
+    return all(mask.shape[a] == 1 for a in axes)
+
+
 def any_valid(mask, shape, axes, keepdims=False):
     """Validity of a reduction over ``axes`` of data of ``shape``: whether each slice has a valid
     element, at the compact shape of the kept axes (``mask`` is compact, of the data's rank). A
@@ -140,7 +146,7 @@ def any_valid(mask, shape, axes, keepdims=False):
     if any(shape[a] == 0 for a in axes):
         out = jnp.zeros_like(jnp.any(mask, axis=axes, keepdims=True))
         return out if keepdims else jnp.squeeze(out, axis=axes)
-    if all(mask.shape[a] == 1 for a in axes):  # the mask does not vary along them: nothing to reduce
+    if uniform_along(mask, axes):  # nothing to reduce
         out = mask if keepdims else jnp.squeeze(mask, axis=axes)
         if _factors.active() and not keepdims:
             _factors.record(out, _factors.dropped(_factors.factors(mask), axes))

@@ -22,6 +22,8 @@ import contextlib
 import threading
 from typing import NamedTuple, Optional
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 _state = threading.local()
@@ -226,8 +228,6 @@ _SAFE_CACHE: dict = {}
 def _on_host():
     """Scalar evaluations on the CPU where jax has one (on an accelerator each scalar op would be
     compiled for it, a kernel launched and its result copied back)."""
-    import jax
-
     try:
         cpu = jax.devices("cpu")[0]
     except RuntimeError:
@@ -241,9 +241,6 @@ def evaluate(fn, values, dtypes, derivatives=True):
     values need no sanitising before ``fn``). ``(None, False)`` when ``fn`` cannot be evaluated
     on scalars. ``derivatives=False`` (at an op's own safe values, safe by design) evaluates the
     value alone. Cached by ``fn.key`` where the caller gives one (a primitive and its params)."""
-    import jax
-    import jax.numpy as jnp
-
     key = getattr(fn, "key", None)
     cache_key = None if key is None else (key, tuple(values), tuple(str(d) for d in dtypes), derivatives)
     if cache_key is not None and cache_key in _SAFE_CACHE:

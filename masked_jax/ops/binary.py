@@ -77,7 +77,7 @@ def _held(p: Pair, mask):
 
 def _finite_constant(p: Pair) -> bool:
     """A plain operand whose value is known when the program is traced and finite everywhere (a
-    Python scalar, a numpy constant): filling it would change nothing a derivative reads."""
+    Python scalar, a numpy constant)."""
     if p.mask is not None or isinstance(p.data, jax.core.Tracer):
         return False
     try:

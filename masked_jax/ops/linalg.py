@@ -31,7 +31,7 @@ import inspect
 import jax.extend.core.primitives as P
 
 from masked_jax.ops import _factors
-from masked_jax.ops._base import Pair, and_masks, any_valid, fill, ranked
+from masked_jax.ops._base import Pair, and_masks, any_valid, fill, ranked, uniform_along
 from masked_jax.ops._registry import OpSpec, register, signature_of
 
 
@@ -128,8 +128,8 @@ def dot_general(bind, a: Pair, b: Pair, dimension_numbers) -> Pair:
     ma, mb = ranked(a.mask, nda), ranked(b.mask, ndb)
     if ma is None and mb is None:
         return Pair(bind(a.data, b.data), None)
-    const_a = ma is None or all(ma.shape[d] == 1 for d in lc)
-    const_b = mb is None or all(mb.shape[d] == 1 for d in rc)
+    const_a = ma is None or uniform_along(ma, lc)
+    const_b = mb is None or uniform_along(mb, rc)
     if not (const_a and const_b or _same_along_contraction(ma, mb, nda, ndb, lc, rc, lb, rb)):
         # a masked term may meet a valid inf: the data by the general rule
         data = _contract_data(bind, [a, b])

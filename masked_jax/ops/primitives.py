@@ -45,10 +45,6 @@ UNSUPPORTED_CALLS = {
 }
 
 
-def _bound(prim, params):
-    return bound(prim, params)
-
-
 class NoMaskedRule(Exception):
     """Raised by a rule for a use of its primitive that has no masked meaning; ``maskify`` turns it
     into a ``MaskifyError`` naming the primitive and the function."""
@@ -97,21 +93,21 @@ def rule_for(prim):
 # -- adapters: a registered op answering to a primitive, by family ---------------------------------
 def _elementwise(spec):
     def rule(prim, invals, **params):
-        return elementwise.unary(_bound(prim, params), spec.safe)(invals[0])
+        return elementwise.unary(bound(prim, params), spec.safe)(invals[0])
     return rule
 
 
 def _binary(spec):
     def rule(prim, invals, **params):
-        return binary.nary(_bound(prim, params), spec.safe)(*invals)
+        return binary.nary(bound(prim, params), spec.safe)(*invals)
     return rule
 
 
 def _linalg(spec):
     def rule(prim, invals, **params):
         if prim is P.dot_general_p:
-            return linalg.dot_general(_bound(prim, params), *invals, params["dimension_numbers"])
-        return linalg.contraction(_bound(prim, params))(*invals)
+            return linalg.dot_general(bound(prim, params), *invals, params["dimension_numbers"])
+        return linalg.contraction(bound(prim, params))(*invals)
     return rule
 
 
@@ -327,7 +323,7 @@ def _conv(prim, invals, **params):
     lhs, rhs = invals
     if rhs.mask is not None or any(d != 1 for d in params["lhs_dilation"]) \
             or params["batch_group_count"] != 1 or any(p < 0 for pair in params["padding"] for p in pair):
-        return linalg.contraction(_bound(prim, params))(*invals)
+        return linalg.contraction(bound(prim, params))(*invals)
     dn = params["dimension_numbers"]
     lhs_spec = dn.lhs_spec
     shape = jnp.shape(lhs.data)

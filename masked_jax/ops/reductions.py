@@ -27,7 +27,7 @@ import jax.extend.core.primitives as P
 
 from masked_jax.ops import _factors
 from masked_jax.ops._base import (Pair, accumulation_dtype, any_valid, candidate_axes, compact_or_ones, count_valid, fill, highest,
-                                  lowest, materialize, normalize_axis, result_dtype)
+                                  lowest, materialize, normalize_axis, result_dtype, uniform_along)
 from masked_jax.ops._registry import OpSpec, register, rule_signature, signature_of
 
 
@@ -46,8 +46,13 @@ def sum_count(data, mask, axes):
     the compact mask (at the compact shape)."""
     if jnp.shape(mask) == jnp.shape(data):
         return sum_and_count(data, mask, axes)
+    return _accumulated_sum(data, axes), count_valid(mask, jnp.shape(data), axes)
+
+
+def _accumulated_sum(data, axes):
+    """``sum(data)`` over ``axes``, float16/bfloat16 accumulated in float32 as ``jnp.sum`` does."""
     acc = accumulation_dtype(data.dtype)
-    return jnp.sum(data.astype(acc), axis=axes).astype(data.dtype), count_valid(mask, jnp.shape(data), axes)
+    return jnp.sum(data.astype(acc), axis=axes).astype(data.dtype)
 
 
 def _float_dtype(dtype):
@@ -141,14 +146,12 @@ def sum(x: Pair, axis=None, dtype=None, keepdims=False) -> Pair:  # noqa: A001
     m = _compact(x)
     data = jnp.asarray(x.data)
     axes = normalize_axis(axis, m.ndim)
-    if builtins.all(m.shape[a] == 1 for a in axes) and not empty_slices(data.shape, axes):
+    if uniform_along(m, axes) and not empty_slices(data.shape, axes):
         # the mask does not vary along the axes: a slice is valid iff its mask is (no count), and
         # a masked slice reaches a masked output only (the fill keeps its derivative finite)
         filled = fill(data, m, 0, finite=True)
         zeros = _factors.known(filled, m)
-        filled = filled.astype(_sum_dtype(data.dtype, dtype))
-        acc = accumulation_dtype(filled.dtype)
-        total = _keep(jnp.sum(filled.astype(acc), axis=axes).astype(filled.dtype), axes, keepdims)
+        total = _keep(_accumulated_sum(filled.astype(_sum_dtype(data.dtype, dtype)), axes), axes, keepdims)
         valid = any_valid(m, data.shape, axes, keepdims)
         if zeros is not None and zeros.exact and zeros.value == 0:  # a masked slice sums zeros
             _factors.record_value(total, valid, 0, True)
