@@ -30,7 +30,7 @@ from jax.extend import core as jcore
 from masked_jax._core import MaskedArray
 from masked_jax._storage import SparseMasked
 from masked_jax._validate import dtype_kind
-from masked_jax.ops import _factors, primitives
+from masked_jax.ops import _factors, normalization, primitives
 from masked_jax.ops._base import (Pair, and_masks, compact_or_ones, count_valid, fill, materialize, ranked,
                                   uniform_along)
 
@@ -221,8 +221,17 @@ class _Interpreter:
             env[v] = Pair(c, None)
         for v, a in zip(jaxpr.invars, args):
             env[v] = a
-        for eqn in jaxpr.eqns:
+        skip = set()
+        for i, eqn in enumerate(jaxpr.eqns):
+            if i in skip:
+                continue
             invals = [read(v) for v in eqn.invars]
+            whole = self._softmax(jaxpr.eqns, i, invals)
+            if whole is not None:  # jax.nn.softmax, as one masked op
+                chain, out = whole
+                skip.update(chain)
+                env[jaxpr.eqns[chain[-1]].outvars[0]] = out
+                continue
             is_literal = [isinstance(v, jcore.Literal) or v in literal for v in eqn.invars]
             if all(is_literal) and not eqn.effects:
                 literal.update(eqn.outvars)
@@ -329,6 +338,67 @@ class _Interpreter:
         num = invals[0]
         valid = and_masks(num.mask, total != 0)
         return Pair(jnp.where(valid, num.data / jnp.where(valid, total, 1), 0), valid)
+
+    def _softmax(self, eqns, i, invals):
+        """``(indices of the equations, result)`` when equation ``i`` begins ``jax.nn.softmax`` of a
+        masked float operand (its own form or its custom-jvp body): ``exp(x - max(x))`` over its sum
+        along the same axes, each intermediate read by the next step alone. The masked softmax then
+        runs as one op (:func:`masked_jax.ops.normalization.compact_softmax`: one select, no fills
+        of the exponentials), where the equations one at a time would each sanitise their operands.
+        Other equations between the steps run as usual."""
+        eqn = eqns[i]
+        if eqn.primitive is not P.reduce_max_p or invals[0].mask is None \
+                or not jnp.issubdtype(eqn.invars[0].aval.dtype, jnp.floating):
+            return None
+        x, axes = eqn.invars[0], tuple(eqn.params["axes"])
+        keep = tuple(1 if d in axes else n for d, n in enumerate(x.aval.shape))
+        chain = [i]
+
+        def follow(var, accept, uses=1):
+            """The index of the one equation after the chain that reads ``var``, if ``accept`` takes it."""
+            if self.uses.get(var) != uses:
+                return None
+            k = next((k for k in range(chain[-1] + 1, len(eqns)) if var in eqns[k].invars), None)
+            return k if k is not None and accept(eqns[k]) else None
+
+        def step(accept, uses=1):
+            k = follow(eqns[chain[-1]].outvars[0], accept, uses)
+            if k is not None:
+                chain.append(k)
+            return k is not None
+
+        def minus_inf(v, before):  # jnp.max's initial: a literal, or a constant converted in the body
+            if isinstance(v, jcore.Literal):
+                return np.ndim(v.val) == 0 and float(v.val) == -np.inf
+            src = next((e for e in eqns[:before] if v in e.outvars), None)
+            if src is not None and src.primitive is P.convert_element_type_p:
+                v = src.invars[0]
+                if isinstance(v, jcore.Literal):
+                    return np.ndim(v.val) == 0 and float(v.val) == -np.inf
+            value = self.env.get(v)
+            return value is not None and value.mask is None and _concrete_scalar(value.data) == -np.inf
+
+        keepdims = lambda e: e.primitive in (P.broadcast_in_dim_p, P.reshape_p) and e.outvars[0].aval.shape == keep  # noqa: E731
+        k = follow(eqn.outvars[0], lambda e: e.primitive is P.max_p)
+        if k is not None and any(minus_inf(v, k) for v in eqns[k].invars if v is not eqn.outvars[0]):
+            chain.append(k)
+        if not step(keepdims):
+            return None
+        step(lambda e: e.primitive is P.stop_gradient_p)
+        if not (step(lambda e: e.primitive is P.sub_p and e.invars[0] is x and e.invars[1] is not x)
+                and step(lambda e: e.primitive is P.exp_p)):
+            return None
+        exps = eqns[chain[-1]].outvars[0]
+        if not step(lambda e: e.primitive is P.reduce_sum_p and tuple(e.params["axes"]) == axes, uses=2):
+            return None
+        total = eqns[chain[-1]].outvars[0]
+        if not step(keepdims):
+            return None
+        norm = eqns[chain[-1]].outvars[0]
+        k = follow(norm, lambda e: e.primitive is P.div_p and e.invars[0] is exps and e.invars[1] is norm)
+        if k is None or self.uses.get(total) != 1:
+            return None
+        return chain + [k], normalization.compact_softmax(invals[0], axes)
 
     def _root(self, var):
         """``(v, chain)``: ``var`` is ``v`` reshaped or broadcast by the equations of ``chain``."""

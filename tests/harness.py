@@ -35,6 +35,7 @@ import warnings
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.extend import core as jcore
 
 import masked_jax as mj
 import masked_jax.numpy as mnp
@@ -513,3 +514,25 @@ def check_oracle(name):
 
 CHECKS = {"reference": check_reference, "oracle": check_oracle, "transforms": check_transforms, "jacobians": check_jacobians,
           "poison": check_poison, "layouts": check_layouts, "compact": check_compact, "maskify": check_maskify}
+
+
+def sub_jaxprs(params):
+    """The jaxprs inside an equation's parameters (``jcore.jaxprs_in_params`` where jax has it)."""
+    if hasattr(jcore, "jaxprs_in_params"):
+        return list(jcore.jaxprs_in_params(params))
+    out = []
+    for value in params.values():
+        for v in value if isinstance(value, (tuple, list)) else (value,):
+            if isinstance(v, jcore.ClosedJaxpr):
+                out.append(v.jaxpr)
+            elif isinstance(v, jcore.Jaxpr):
+                out.append(v)
+    return out
+
+
+def primitive_count(jaxpr, name, shape=None):
+    """How many equations of primitive ``name`` (with an output of ``shape``, if given) a jaxpr runs,
+    inner jaxprs included (a jitted ``jnp.where`` is printed once however often it is called)."""
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    return sum(int(e.primitive.name == name and (shape is None or tuple(e.outvars[0].aval.shape) == tuple(shape)))
+               + sum(primitive_count(j, name, shape) for j in sub_jaxprs(e.params)) for e in jaxpr.eqns)

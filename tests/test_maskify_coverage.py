@@ -26,9 +26,9 @@ import jax.scipy.special as jss
 import numpy as np
 import pytest
 from jax import lax
-from jax.extend import core as jcore
 
 import masked_jax as mj
+from harness import sub_jaxprs
 from masked_jax import _transform
 from masked_jax.ops import primitives
 
@@ -460,26 +460,12 @@ def _example_args(kind, extra):
     return [_masked(rng, extra[0], ANY), _masked(rng, extra[1], ANY)]
 
 
-def _sub_jaxprs(params):
-    """The jaxprs inside an equation's parameters (``jcore.jaxprs_in_params`` where jax has it)."""
-    if hasattr(jcore, "jaxprs_in_params"):
-        return list(jcore.jaxprs_in_params(params))
-    out = []
-    for value in params.values():
-        for v in value if isinstance(value, (tuple, list)) else (value,):
-            if isinstance(v, jcore.ClosedJaxpr):
-                out.append(v.jaxpr)
-            elif isinstance(v, jcore.Jaxpr):
-                out.append(v)
-    return out
-
-
 def _primitives(jaxpr, seen):
     for eqn in jaxpr.eqns:
         seen.add(eqn.primitive)
         if eqn.primitive.name == "jit" and eqn.params.get("name") in primitives.NAMED:
             continue  # replaced as a whole by its op's rule
-        for sub in _sub_jaxprs(eqn.params):
+        for sub in sub_jaxprs(eqn.params):
             _primitives(sub, seen)
 
 

@@ -56,21 +56,22 @@ def and_masks(*masks: Mask) -> Mask:
     return _factors.record(functools.reduce(jnp.logical_and, present), fs)
 
 
-def fill(data, mask: Mask, value, *, finite: bool = False):
+def fill(data, mask: Mask, value, *, finite: bool = False, conditional: Optional[bool] = None):
     """``data`` with masked-out positions replaced by ``value`` (no-op if ``mask`` is None).
 
     Under ``maskify`` the output is recorded as holding ``value`` there (see
     :mod:`masked_jax.ops._factors`), and data already recorded as holding exactly ``value`` there
     are returned as they are; with ``finite=True`` (a fill that only keeps derivatives finite, such
     as a dense layer's input: a masked row reaches masked outputs only) any recorded value is
-    enough.
+    enough, a conditional one included (see :class:`masked_jax.ops._factors.Known`) unless
+    ``conditional=False`` (a fill whose masked entries meet valid outputs).
     """
     if mask is None:
         return data
     data = jnp.asarray(data)
     if not _factors.active() or not isinstance(value, (bool, int, float, complex)):
         return jnp.where(mask, data, scalar_like(value, data.dtype))
-    k = _factors.known(data, mask)
+    k = _factors.known(data, mask, conditional=finite if conditional is None else conditional)
     if k is not None and ((k.exact and k.value == value) or finite):
         return data
     return _factors.memo(("fill", id(data), id(mask), value), lambda: _factors.record_value(

@@ -154,11 +154,20 @@ def same_along(fa, fb, roles_a, roles_b):
 
 class Known(NamedTuple):
     """What data hold where a mask with (at least) ``factors`` is False: ``value``, exactly when
-    ``exact`` (a fill, or moves of filled data), else approximately (computed on a scalar)."""
+    ``exact`` (a fill, or moves of filled data), else approximately (computed on a scalar).
+
+    ``conditional``: the value holds when the plain operands it was computed with are finite. A
+    dense layer with no bias, ``x @ w``, holds 0 in the rows of ``x`` filled with 0, but NaN in a
+    column of ``w`` that holds an inf; every valid row of that column is then inf or NaN too
+    (each one is a sum with a term ``x * inf``), and so is any gradient that such a column reaches
+    in jnp. Only a fill that keeps a contraction's gradient finite (``fill(..., finite=True)``: a
+    masked row meets masked outputs only) reads conditional records.
+    """
 
     factors: frozenset
     value: object
     exact: bool
+    conditional: bool = False
 
 
 def _value_records():
@@ -172,22 +181,26 @@ def _mask_key(mask, ndim):
     return frozenset(aligned(factors(mask), ndim))
 
 
-def known(data, mask) -> Optional[Known]:
+def known(data, mask, conditional=False) -> Optional[Known]:
     """The recorded value of ``data`` wherever ``mask`` is False, if one is known: a record made
-    under a mask with the same or more factors (more factors: more positions) covers it."""
+    under a mask with the same or more factors (more factors: more positions) covers it. A
+    conditional record (see :class:`Known`) only where ``conditional`` asks for it."""
     values = _value_records()
     if values is None or mask is None or id(data) not in values:
         return None
     k = values[id(data)][1]
+    if k.conditional and not conditional:
+        return None
     return k if _mask_key(mask, np.ndim(data)) <= k.factors else None
 
 
-def record_value(data, mask, value, exact):
-    """Record that ``data`` hold ``value`` wherever ``mask`` is False. Only finite values are
-    recorded (``None``, inf or NaN: nothing), so a record always means finite data there."""
+def record_value(data, mask, value, exact, conditional=False):
+    """Record that ``data`` hold ``value`` wherever ``mask`` is False (``conditional``: when the
+    plain operands they were computed with are finite). Only finite values are recorded (``None``,
+    inf or NaN: nothing), so a record always means finite data there."""
     values = _value_records()
     if values is not None and mask is not None and value is not None and bool(np.isfinite(value)):
-        values[id(data)] = (data, Known(_mask_key(mask, np.ndim(data)), value, exact))
+        values[id(data)] = (data, Known(_mask_key(mask, np.ndim(data)), value, exact, conditional))
     return data
 
 

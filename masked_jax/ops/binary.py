@@ -19,7 +19,7 @@ _KW = inspect.Parameter.POSITIONAL_OR_KEYWORD
 _X1X2 = inspect.Signature([inspect.Parameter("x1", _POS), inspect.Parameter("x2", _POS)])
 
 
-def nary(fn, safe=1):
+def nary(fn, safe=1, preserves=()):
     """Rule for an elementwise ``fn`` of several operands.
 
     Operands broadcast as in ``jax.numpy``; the result is valid where all
@@ -30,6 +30,11 @@ def nary(fn, safe=1):
     comparisons, selections) or read them only through comparisons, which give
     a multiplier of 0, 0.5 or 1 at any operands, NaN and inf included
     (maximum, minimum: a maskify'd ``relu`` then needs no select).
+
+    ``preserves`` names the operands in which ``fn`` keeps a non-finite entry non-finite when the
+    others are finite constants (``x * 0.5``, ``x / 8.0``, ``x + 1.0``): under ``maskify`` a
+    conditional record of such an operand (see :class:`masked_jax.ops._factors.Known`) carries over
+    to the result.
     """
 
     def rule(*operands: Pair, **kwargs) -> Pair:
@@ -45,6 +50,9 @@ def nary(fn, safe=1):
         f = fn if not kwargs else (lambda *d: fn(*d, **kwargs))
         dtypes = tuple(jnp.result_type(o.data) for o in operands)
         held = [_held(o, mask) for o in operands]
+        conditional = _conditional(operands, held, mask, preserves)
+        if conditional is not None:
+            held[conditional[0]] = conditional[1]
         if safe is None:
             datas, values = [o.data for o in operands], held
         else:
@@ -56,7 +64,8 @@ def nary(fn, safe=1):
         out = fn(*datas, **kwargs)
         if all(v is not None for v in values):
             at_safe = safe is not None and all(v == safe for v in values)
-            _factors.record_value(out, mask, _factors.evaluate(f, tuple(values), dtypes, not at_safe)[0], False)
+            _factors.record_value(out, mask, _factors.evaluate(f, tuple(values), dtypes, not at_safe)[0], False,
+                                  conditional=conditional is not None)
         return Pair(out, mask)
 
     rule.__name__ = getattr(fn, "__name__", "nary")
@@ -73,6 +82,17 @@ def _held(p: Pair, mask):
         return None
     k = _factors.known(p.data, mask)
     return None if k is None else k.value
+
+
+def _conditional(operands, held, mask, preserves):
+    """``(i, value)`` when operand ``i`` is the one masked operand, in a position ``fn`` preserves,
+    holding ``value`` by a conditional record, and every other operand is a finite 0-d constant."""
+    masked = [i for i, o in enumerate(operands) if o.mask is not None]
+    if len(masked) != 1 or masked[0] not in preserves or held[masked[0]] is not None \
+            or any(v is None for i, v in enumerate(held) if i != masked[0]):
+        return None
+    k = _factors.known(operands[masked[0]].data, mask, conditional=True)
+    return None if k is None else (masked[0], k.value)
 
 
 def _finite_constant(p: Pair) -> bool:
@@ -203,8 +223,12 @@ _NO_JACOBIAN.update({
 })
 
 
+# the operands each op keeps non-finite when the others are finite constants
+PRESERVES = {"add": (0, 1), "subtract": (0, 1), "multiply": (0, 1), "divide": (0,), "true_divide": (0,)}
+
+
 def _binary_spec(name, fn, safe, prims, methods=(), modules=("numpy",), jax_name=None):
-    return OpSpec(name=name, family="binary", rule=nary(fn, safe), signature=_X1X2, operands=("x1", "x2"),
+    return OpSpec(name=name, family="binary", rule=nary(fn, safe, PRESERVES.get(name, ())), signature=_X1X2, operands=("x1", "x2"),
                   methods=methods, primitives=prims, safe=safe, fn=fn, modules=modules,
                   jax_name=jax_name or f"jnp.{name}",
                   excluded={**(MASKIFY_ONLY if not modules else {}),

@@ -153,10 +153,31 @@ def dot_general(bind, a: Pair, b: Pair, dimension_numbers) -> Pair:
 
     out_a = side(ma, lc, lb, free_a, 0, len(free_b), jnp.shape(a.data))
     out_b = side(mb, rc, rb, free_b, len(free_a), 0, jnp.shape(b.data))
-    # a masked term meets masked outputs only: the fill keeps the weight gradient's sum finite, so
-    # data already holding finite values where masked need none
-    data = bind(fill(a.data, ma, 0, finite=True), fill(b.data, mb, 0, finite=True))
-    return Pair(data, and_masks(out_a, out_b))
+    if const_a and const_b:
+        # a masked term meets masked outputs only: the fill keeps the weight gradient's sum finite,
+        # so data already holding finite values where masked need none
+        fa, fb = fill(a.data, ma, 0, finite=True), fill(b.data, mb, 0, finite=True)
+    else:
+        # masked terms meet valid outputs: one side must hold exactly 0 there (one that already
+        # does, else the smaller one is filled), the other finite values (not conditionally)
+        zero_b = _holds_zero(b.data, mb) or (not _holds_zero(a.data, ma) and np.size(b.data) <= np.size(a.data))
+        fa = fill(a.data, ma, 0, finite=zero_b, conditional=False)
+        fb = fill(b.data, mb, 0, finite=not zero_b, conditional=False)
+    out = Pair(bind(fa, fb), and_masks(out_a, out_b))
+    if _factors.active() and const_a and const_b and not lb and (ma is None) != (mb is None):
+        # a dense layer with no bias, on rows that hold 0 where masked: 0 there while the plain
+        # operand (no batch dims: every row meets all of it) is finite; a conditional record
+        # (see masked_jax.ops._factors.Known)
+        x, m = (fa, ma) if mb is None else (fb, mb)
+        k = _factors.known(x, m, conditional=True)
+        if k is not None and k.exact and k.value == 0:
+            _factors.record_value(out.data, out.mask, 0, True, conditional=True)
+    return out
+
+
+def _holds_zero(data, mask) -> bool:
+    k = _factors.known(data, mask)
+    return k is not None and k.exact and k.value == 0
 
 
 def _same_along_contraction(ma, mb, nda, ndb, lc, rc, lb, rb):

@@ -9,8 +9,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from masked_jax.ops import reductions
-from masked_jax.ops._base import Pair, fill, materialize
+from masked_jax.ops import _factors, reductions
+from masked_jax.ops._base import Pair, any_valid, fill, materialize, ranked
 from masked_jax.ops._registry import OpSpec, register, rule_signature, signature_of
 from masked_jax.ops.statistics import _seg_norm, norm
 
@@ -35,6 +35,23 @@ def softmax(x: Pair, axis=-1) -> Pair:
     e = jnp.where(m, jnp.exp(z), 0)
     total = jnp.sum(e, axis=axis, keepdims=True)
     return Pair(e / jnp.where(has, total, 1), x.mask)  # the input's mask, compact (or None)
+
+
+def compact_softmax(x: Pair, axes) -> Pair:
+    """``jax.nn.softmax`` along ``axes`` over the valid elements, for ``maskify``: the masked entries
+    enter as ``-inf``, so their exponentials are exactly 0 and nothing else is filled (one select at
+    the data's shape; the mask stays compact). A slice with no valid element is shifted by 0 and
+    divided by 1 (data 0). The data are recorded as 0 under the mask: they are, except in a slice
+    whose valid maximum is NaN, or ``-inf`` (every valid element ``-inf``), where every valid value
+    of the slice is NaN too, as in jax, and so is every sum or contraction that reads the slice."""
+    data = jnp.asarray(x.data)
+    m = ranked(x.mask, data.ndim)
+    shifted = jnp.where(m, data, -jnp.inf)
+    has = any_valid(m, data.shape, axes, keepdims=True)
+    top = jnp.where(has, jnp.max(shifted, axis=axes, keepdims=True), 0)
+    e = jnp.exp(shifted - jax.lax.stop_gradient(top))
+    out = e / jnp.where(has, jnp.sum(e, axis=axes, keepdims=True), 1)
+    return Pair(_factors.record_value(out, x.mask, 0, True), x.mask)
 
 
 def log_softmax(x: Pair, axis=-1) -> Pair:

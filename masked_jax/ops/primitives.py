@@ -99,7 +99,7 @@ def _elementwise(spec):
 
 def _binary(spec):
     def rule(prim, invals, **params):
-        return binary.nary(bound(prim, params), spec.safe)(*invals)
+        return binary.nary(bound(prim, params), spec.safe, binary.PRESERVES.get(spec.name, ()))(*invals)
     return rule
 
 
@@ -202,9 +202,9 @@ def _compact_shape_op(prim, invals, **params):
     if new is None:
         return _passthrough(prim, invals, **params)
     data = prim.bind(x.data, **params)
-    k = _factors.known(x.data, x.mask)
+    k = _factors.known(x.data, x.mask, conditional=True)
     if k is not None:  # the masked entries move with the mask: they hold what they held
-        _factors.record_value(data, new, k.value, k.exact)
+        _factors.record_value(data, new, k.value, k.exact, k.conditional)
     return Pair(data, new)
 
 

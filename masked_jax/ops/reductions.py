@@ -157,6 +157,8 @@ def sum(x: Pair, axis=None, dtype=None, keepdims=False) -> Pair:  # noqa: A001
             _factors.record_value(total, valid, 0, True)
         return Pair(total, valid)
     filled = fill(data, m, 0).astype(_sum_dtype(data.dtype, dtype))
+    if m.shape != data.shape:  # a compact mask: whether a slice has a valid entry, not how many
+        return Pair(_keep(_accumulated_sum(filled, axes), axes, keepdims), any_valid(m, data.shape, axes, keepdims))
     total, n = sum_count(filled, m, axes)
     return Pair(_keep(total, axes, keepdims), _keep(n > 0, axes, keepdims))
 
