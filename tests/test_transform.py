@@ -838,6 +838,23 @@ def test_softmax_is_recognised_as_one_op_that_equals_each_unpadded_row(jit, cust
         jax.config.update("jax_softmax_custom_jvp", previous)
 
 
+def test_a_softmax_row_of_nan_stays_out_of_other_rows_sums():
+    """A softmax row with a valid NaN is NaN at its masked entries too; only a contraction along the
+    softmax's own axis (which reads the row's valid NaN as well) may skip filling them. A sum over
+    the heads, where a masked entry of that row meets a valid entry of another head's row, fills
+    it: the sum equals masked_jax.numpy's (finite there), eagerly and under jit."""
+    x = mj.masked_array(jnp.array([[[np.nan, 0.5, 7.0], [0.1, 0.2, 0.3]], [[0.3, 0.1, 0.4], [1.0, 2.0, 3.0]]]),
+                        jnp.array([[[True, True, False], [True, True, True]], [[True, True, True], [True, True, True]]]))
+
+    def f(v, np_=jnp, nn_=jax.nn):
+        return np_.sum(nn_.softmax(v, axis=-1), axis=0)
+
+    want = f(x, mnp, mnn)
+    assert np.isfinite(np.asarray(want.data[0, 2]))
+    for g in (mj.maskify(f), jax.jit(mj.maskify(f))):
+        _same(g(x), want)
+
+
 def test_a_softmax_whose_exponentials_are_read_again_keeps_the_general_rules():
     """The exponentials also returned (read by more than the sum and the quotient): not the softmax
     pattern, so each op follows its own rule; the values equal masked_jax.numpy's."""

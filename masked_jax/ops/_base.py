@@ -56,7 +56,7 @@ def and_masks(*masks: Mask) -> Mask:
     return _factors.record(functools.reduce(jnp.logical_and, present), fs)
 
 
-def fill(data, mask: Mask, value, *, finite: bool = False, conditional: Optional[bool] = None):
+def fill(data, mask: Mask, value, *, finite: bool = False, conditional: Optional[bool] = None, along=None):
     """``data`` with masked-out positions replaced by ``value`` (no-op if ``mask`` is None).
 
     Under ``maskify`` the output is recorded as holding ``value`` there (see
@@ -64,14 +64,16 @@ def fill(data, mask: Mask, value, *, finite: bool = False, conditional: Optional
     are returned as they are; with ``finite=True`` (a fill that only keeps derivatives finite, such
     as a dense layer's input: a masked row reaches masked outputs only) any recorded value is
     enough, a conditional one included (see :class:`masked_jax.ops._factors.Known`) unless
-    ``conditional=False`` (a fill whose masked entries meet valid outputs).
+    ``conditional=False`` (a fill whose masked entries meet valid outputs); ``along``: the fill
+    of a contraction along these axes (see :class:`masked_jax.ops._factors.Known`).
     """
     if mask is None:
         return data
     data = jnp.asarray(data)
     if not _factors.active() or not isinstance(value, (bool, int, float, complex)):
         return jnp.where(mask, data, scalar_like(value, data.dtype))
-    k = _factors.known(data, mask, conditional=finite if conditional is None else conditional)
+    k = _factors.known(data, mask, conditional=finite if conditional is None else conditional,
+                       along=None if along is None else tuple(sorted(along)))
     if k is not None and ((k.exact and k.value == value) or finite):
         return data
     return _factors.memo(("fill", id(data), id(mask), value), lambda: _factors.record_value(

@@ -162,12 +162,18 @@ class Known(NamedTuple):
     (each one is a sum with a term ``x * inf``), and so is any gradient that such a column reaches
     in jnp. Only a fill that keeps a contraction's gradient finite (``fill(..., finite=True)``: a
     masked row meets masked outputs only) reads conditional records.
+
+    ``along``: the value holds except in the slices along these data axes whose valid values are
+    all NaN (a softmax's output: a slice with a valid NaN is NaN throughout). Only a contraction
+    along exactly these axes reads such a record, where a NaN under the mask meets the valid NaN
+    of its own slice only.
     """
 
     factors: frozenset
     value: object
     exact: bool
     conditional: bool = False
+    along: Optional[tuple] = None
 
 
 def _value_records():
@@ -181,26 +187,28 @@ def _mask_key(mask, ndim):
     return frozenset(aligned(factors(mask), ndim))
 
 
-def known(data, mask, conditional=False) -> Optional[Known]:
+def known(data, mask, conditional=False, along=None) -> Optional[Known]:
     """The recorded value of ``data`` wherever ``mask`` is False, if one is known: a record made
     under a mask with the same or more factors (more factors: more positions) covers it. A
-    conditional record (see :class:`Known`) only where ``conditional`` asks for it."""
+    conditional record (see :class:`Known`) only where ``conditional`` asks for it, a record
+    ``along`` some axes only for a contraction ``along`` the same axes."""
     values = _value_records()
     if values is None or mask is None or id(data) not in values:
         return None
     k = values[id(data)][1]
-    if k.conditional and not conditional:
+    if (k.conditional and not conditional) or (k.along is not None and k.along != along):
         return None
     return k if _mask_key(mask, np.ndim(data)) <= k.factors else None
 
 
-def record_value(data, mask, value, exact, conditional=False):
+def record_value(data, mask, value, exact, conditional=False, along=None):
     """Record that ``data`` hold ``value`` wherever ``mask`` is False (``conditional``: when the
     plain operands they were computed with are finite). Only finite values are recorded (``None``,
     inf or NaN: nothing), so a record always means finite data there."""
     values = _value_records()
     if values is not None and mask is not None and value is not None and bool(np.isfinite(value)):
-        values[id(data)] = (data, Known(_mask_key(mask, np.ndim(data)), value, exact, conditional))
+        values[id(data)] = (data, Known(_mask_key(mask, np.ndim(data)), value, exact, conditional,
+                                        None if along is None else tuple(sorted(along))))
     return data
 
 

@@ -160,9 +160,10 @@ def dot_general(bind, a: Pair, b: Pair, dimension_numbers) -> Pair:
     else:
         # masked terms meet valid outputs: one side must hold exactly 0 there (one that already
         # does, else the smaller one is filled), the other finite values (not conditionally)
-        zero_b = _holds_zero(b.data, mb) or (not _holds_zero(a.data, ma) and np.size(b.data) <= np.size(a.data))
-        fa = fill(a.data, ma, 0, finite=zero_b, conditional=False)
-        fb = fill(b.data, mb, 0, finite=not zero_b, conditional=False)
+        zero_b = _holds_zero(b.data, mb, rc) or (not _holds_zero(a.data, ma, lc)
+                                                 and np.size(b.data) <= np.size(a.data))
+        fa = fill(a.data, ma, 0, finite=zero_b, conditional=False, along=lc)
+        fb = fill(b.data, mb, 0, finite=not zero_b, conditional=False, along=rc)
     out = Pair(bind(fa, fb), and_masks(out_a, out_b))
     if _factors.active() and const_a and const_b and not lb and (ma is None) != (mb is None):
         # a dense layer with no bias, on rows that hold 0 where masked: 0 there while the plain
@@ -175,8 +176,8 @@ def dot_general(bind, a: Pair, b: Pair, dimension_numbers) -> Pair:
     return out
 
 
-def _holds_zero(data, mask) -> bool:
-    k = _factors.known(data, mask)
+def _holds_zero(data, mask, along) -> bool:
+    k = _factors.known(data, mask, along=tuple(sorted(along)))
     return k is not None and k.exact and k.value == 0
 
 

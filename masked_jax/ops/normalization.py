@@ -43,7 +43,8 @@ def compact_softmax(x: Pair, axes) -> Pair:
     the data's shape; the mask stays compact). A slice with no valid element is shifted by 0 and
     divided by 1 (data 0). The data are recorded as 0 under the mask: they are, except in a slice
     whose valid maximum is NaN, or ``-inf`` (every valid element ``-inf``), where every valid value
-    of the slice is NaN too, as in jax, and so is every sum or contraction that reads the slice."""
+    of the slice is NaN too, as in jax: a record ``along`` the axes, which only a contraction along
+    them reads (attention's weights times values)."""
     data = jnp.asarray(x.data)
     m = ranked(x.mask, data.ndim)
     shifted = jnp.where(m, data, -jnp.inf)
@@ -51,7 +52,7 @@ def compact_softmax(x: Pair, axes) -> Pair:
     top = jnp.where(has, jnp.max(shifted, axis=axes, keepdims=True), 0)
     e = jnp.exp(shifted - jax.lax.stop_gradient(top))
     out = e / jnp.where(has, jnp.sum(e, axis=axes, keepdims=True), 1)
-    return Pair(_factors.record_value(out, x.mask, 0, True), x.mask)
+    return Pair(_factors.record_value(out, x.mask, 0, True, along=axes), x.mask)
 
 
 def log_softmax(x: Pair, axis=-1) -> Pair:
