@@ -378,7 +378,9 @@ class _Interpreter:
             value = self.env.get(v)
             return value is not None and value.mask is None and _concrete_scalar(value.data) == -np.inf
 
-        keepdims = lambda e: e.primitive in (P.broadcast_in_dim_p, P.reshape_p) and e.outvars[0].aval.shape == keep  # noqa: E731
+        def keepdims(e):
+            return e.primitive in (P.broadcast_in_dim_p, P.reshape_p) and e.outvars[0].aval.shape == keep
+
         k = follow(eqn.outvars[0], lambda e: e.primitive is P.max_p)
         if k is not None and any(minus_inf(v, k) for v in eqns[k].invars if v is not eqn.outvars[0]):
             chain.append(k)

@@ -228,8 +228,8 @@ PRESERVES = {"add": (0, 1), "subtract": (0, 1), "multiply": (0, 1), "divide": (0
 
 
 def _binary_spec(name, fn, safe, prims, methods=(), modules=("numpy",), jax_name=None):
-    return OpSpec(name=name, family="binary", rule=nary(fn, safe, PRESERVES.get(name, ())), signature=_X1X2, operands=("x1", "x2"),
-                  methods=methods, primitives=prims, safe=safe, fn=fn, modules=modules,
+    return OpSpec(name=name, family="binary", rule=nary(fn, safe, PRESERVES.get(name, ())), signature=_X1X2,
+                  operands=("x1", "x2"), methods=methods, primitives=prims, safe=safe, fn=fn, modules=modules,
                   jax_name=jax_name or f"jnp.{name}",
                   excluded={**(MASKIFY_ONLY if not modules else {}),
                             **({"jacobians": _NO_JACOBIAN[name]} if name in _NO_JACOBIAN else {})})
