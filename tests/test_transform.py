@@ -834,6 +834,8 @@ def test_softmax_is_recognised_as_one_op_that_equals_each_unpadded_row(jit, cust
             want = jax.grad(lambda v: jnp.sum(jax.nn.softmax(v) * cot[r][valid]))(row)
             np.testing.assert_allclose(np.asarray(grad[r])[valid], want, rtol=1e-5, atol=1e-7)
             assert not np.asarray(grad[r])[~valid].any()
+        empty = f(mj.masked_array(jnp.ones((2, 0)), jnp.ones((2, 0), bool)))  # as jax: nothing to normalise
+        assert empty.shape == (2, 0)
     finally:
         jax.config.update("jax_softmax_custom_jvp", previous)
 

@@ -49,7 +49,7 @@ def compact_softmax(x: Pair, axes) -> Pair:
     m = ranked(x.mask, data.ndim)
     shifted = jnp.where(m, data, -jnp.inf)
     has = any_valid(m, data.shape, axes, keepdims=True)
-    top = jnp.where(has, jnp.max(shifted, axis=axes, keepdims=True), 0)
+    top = jnp.where(has, jnp.max(shifted, axis=axes, keepdims=True, initial=-jnp.inf), 0)
     e = jnp.exp(shifted - jax.lax.stop_gradient(top))
     out = e / jnp.where(has, jnp.sum(e, axis=axes, keepdims=True), 1)
     return Pair(_factors.record_value(out, x.mask, 0, True, along=axes), x.mask)
