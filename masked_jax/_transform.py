@@ -391,11 +391,15 @@ class _Interpreter:
                 and step(lambda e: e.primitive is P.exp_p)):
             return None
         exps = eqns[chain[-1]].outvars[0]
-        if not step(lambda e: e.primitive is P.reduce_sum_p and tuple(e.params["axes"]) == axes, uses=2):
+        summed = lambda e: e.primitive is P.reduce_sum_p and tuple(e.params["axes"]) == axes  # noqa: E731
+        # bfloat16 and float16 are summed in float32: a convert before the sum and after it
+        if not (step(summed, uses=2) or (step(lambda e: e.primitive is P.convert_element_type_p, uses=2)
+                                         and step(summed))):
             return None
         total = eqns[chain[-1]].outvars[0]
         if not step(keepdims):
             return None
+        step(lambda e: e.primitive is P.convert_element_type_p and e.outvars[0].aval.dtype == x.aval.dtype)
         norm = eqns[chain[-1]].outvars[0]
         k = follow(norm, lambda e: e.primitive is P.div_p and e.invars[0] is exps and e.invars[1] is norm)
         if k is None or self.uses.get(total) != 1:

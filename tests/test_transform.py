@@ -840,6 +840,40 @@ def test_softmax_is_recognised_as_one_op_that_equals_each_unpadded_row(jit, cust
         jax.config.update("jax_softmax_custom_jvp", previous)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("transform", ["vmap", "scan", "scan-inside"])
+def test_the_softmax_op_under_vmap_and_scan_in_every_float_dtype(transform, dtype):
+    """The recognised softmax inside ``vmap`` (over the rows), in a ``scan`` body (one row per step)
+    and in a scan inside the maskify'd function (the body interpreted by maskify), in float32,
+    bfloat16 and float16: each row equals ``jax.nn.softmax`` of its valid entries in that dtype
+    (specials included), and the padding stays masked."""
+    data, mask = _softmax_rows()
+    x = mj.masked_array(jnp.asarray(data).astype(dtype), jnp.asarray(mask))  # the padding's 1e30: inf in float16
+    soft = mj.maskify(lambda v: jax.nn.softmax(v, axis=-1))
+    if transform == "vmap":
+        out = jax.jit(jax.vmap(soft))(x)
+    elif transform == "scan-inside":
+        scanned = mj.maskify(lambda v: jax.lax.scan(lambda c, r: (c, jax.nn.softmax(r)), 0, v)[1])
+        # one softmax op in the body: one select at a row's shape (the ops one at a time make four)
+        assert primitive_count(jax.make_jaxpr(scanned)(x), "select_n", data.shape[1:]) == 1
+        out = jax.jit(scanned)(x)
+    else:
+        def body(carry, row):
+            y = soft(mj.masked_array(row[0], row[1]))
+            return carry, (y.data, y.mask)
+
+        _, (d, m) = jax.lax.scan(body, 0, (x.data, x.mask))
+        out = mj.masked_array(d, m)
+    assert out.dtype == jnp.dtype(dtype)
+    tol = {"float32": 1e-6, "bfloat16": 1e-2, "float16": 1e-3}[dtype]
+    for r in range(len(data)):
+        np.testing.assert_array_equal(np.asarray(out.mask[r]), mask[r])
+        if mask[r].any():
+            want = jax.nn.softmax(x.data[r][mask[r]])
+            np.testing.assert_allclose(np.asarray(out.data[r], np.float32)[mask[r]], np.asarray(want, np.float32),
+                                       rtol=tol, atol=tol)
+
+
 def test_a_softmax_row_of_nan_stays_out_of_other_rows_sums():
     """A softmax row with a valid NaN is NaN at its masked entries too; only a contraction along the
     softmax's own axis (which reads the row's valid NaN as well) may skip filling them. A sum over
