@@ -12,9 +12,9 @@ Two models, each written once for dense arrays and once with the masks a user wo
 
 The batch has random lengths with NaN in the padding. For each model and version it prints the
 jitted train-step time (loss, parameter gradients and an ``optax.adam`` update), the XLA temporary
-memory of the step (``compiled.memory_analysis().temp_size_in_bytes``), the trace-and-lower time,
-the compile time and the eager first forward call; then each measure's ratio maskify / hand-masked.
-Saves ``results/maskify_models.png``.
+memory of the step (``compiled.memory_analysis().temp_size_in_bytes``), the trace-and-lower and
+compile times (medians of three, the versions interleaved) and the eager first forward call; then
+each measure's ratio maskify / hand-masked. Saves ``results/maskify_models.png``.
 
     python benchmarks/maskify_models.py [--quick]
 """
@@ -131,17 +131,30 @@ def versions(apply_plain, apply_hand, params, x, tokens, labels):
     }
 
 
-def measure(name, table):
+def _lower_and_compile(table, repeats):
+    """``{version: (compiled, median lower s, median compile s)}``: each version lowered and compiled
+    ``repeats`` times from cleared caches, the versions interleaved (one compile here varies by
+    +-0.1 s or more from run to run)."""
+    times = {version: ([], []) for version in table}
+    compiled = {}
+    for _ in range(repeats):
+        for version, (step, args, _, _) in table.items():
+            jax.clear_caches()
+            t0 = time.perf_counter()
+            lowered = jax.jit(step, donate_argnums=(0, 1)).lower(*args)
+            times[version][0].append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            compiled[version] = lowered.compile()
+            times[version][1].append(time.perf_counter() - t0)
+    return {v: (compiled[v], float(np.median(lo)), float(np.median(co))) for v, (lo, co) in times.items()}
+
+
+def measure(name, table, repeats=3):
     out = {}
     steps = {}
+    built = _lower_and_compile(table, repeats)
     for version, (step, args, forward, fargs) in table.items():
-        jax.clear_caches()
-        t0 = time.perf_counter()
-        lowered = jax.jit(step, donate_argnums=(0, 1)).lower(*args)
-        t_lower = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        compiled = lowered.compile()
-        t_compile = time.perf_counter() - t0
+        compiled, t_lower, t_compile = built[version]
         mem = compiled.memory_analysis()
         temp = getattr(mem, "temp_size_in_bytes", float("nan"))
         hlo_lines = len(compiled.as_text().splitlines())
@@ -214,7 +227,9 @@ def main():
     eparams, static = eqx.partition(eqx_model, eqx.is_array)
     eqx_table = versions(lambda p, v: jax.vmap(eqx.combine(p, static))(v),
                          lambda p, v, t: jax.vmap(eqx.combine(p, static))(v, t), eparams, x, tokens, labels)
-    results = {"flax linen encoder": measure("flax", flax_table), "equinox encoder": measure("eqx", eqx_table)}
+    repeats = 1 if args.quick else 3
+    results = {"flax linen encoder": measure("flax", flax_table, repeats),
+               "equinox encoder": measure("eqx", eqx_table, repeats)}
     for name, res in results.items():
         print_rows(name, res)
     plot(results)
