@@ -342,10 +342,11 @@ class _Interpreter:
     def _softmax(self, eqns, i, invals):
         """``(indices of the equations, result)`` when equation ``i`` begins ``jax.nn.softmax`` of a
         masked float operand (its own form or its custom-jvp body): ``exp(x - max(x))`` over its sum
-        along the same axes, each intermediate read by the next step alone. The masked softmax then
-        runs as one op (:func:`masked_jax.ops.normalization.compact_softmax`: one select, no fills
-        of the exponentials), where the equations one at a time would each sanitise their operands.
-        Other equations between the steps run as usual."""
+        along the same axes, each intermediate read by the next step alone; or
+        ``jax.nn.log_softmax``: ``x - max(x)`` minus the log of that sum. The masked softmax then
+        runs as one op (:func:`masked_jax.ops.normalization.compact_softmax`, ``compact_log_softmax``:
+        one select, no fills of the exponentials), where the equations one at a time would each
+        sanitise their operands. Other equations between the steps run as usual."""
         eqn = eqns[i]
         if eqn.primitive is not P.reduce_max_p or invals[0].mask is None \
                 or not jnp.issubdtype(eqn.invars[0].aval.dtype, jnp.floating):
@@ -387,24 +388,35 @@ class _Interpreter:
         if not step(keepdims):
             return None
         step(lambda e: e.primitive is P.stop_gradient_p)
-        if not (step(lambda e: e.primitive is P.sub_p and e.invars[0] is x and e.invars[1] is not x)
-                and step(lambda e: e.primitive is P.exp_p)):
+        if not step(lambda e: e.primitive is P.sub_p and e.invars[0] is x and e.invars[1] is not x):
+            return None
+        shifted = eqns[chain[-1]].outvars[0]
+        log = self.uses.get(shifted) == 2  # log_softmax: x - max also minus the log of the sum
+        if not step(lambda e: e.primitive is P.exp_p, uses=2 if log else 1):
             return None
         exps = eqns[chain[-1]].outvars[0]
         summed = lambda e: e.primitive is P.reduce_sum_p and tuple(e.params["axes"]) == axes  # noqa: E731
         # bfloat16 and float16 are summed in float32: a convert before the sum and after it
-        if not (step(summed, uses=2) or (step(lambda e: e.primitive is P.convert_element_type_p, uses=2)
-                                         and step(summed))):
+        reads = 1 if log else 2
+        if not (step(summed, uses=reads) or (step(lambda e: e.primitive is P.convert_element_type_p, uses=reads)
+                                             and step(summed))):
             return None
         total = eqns[chain[-1]].outvars[0]
         if not step(keepdims):
             return None
         step(lambda e: e.primitive is P.convert_element_type_p and e.outvars[0].aval.dtype == x.aval.dtype)
-        norm = eqns[chain[-1]].outvars[0]
-        k = follow(norm, lambda e: e.primitive is P.div_p and e.invars[0] is exps and e.invars[1] is norm)
+        if log:
+            if not step(lambda e: e.primitive is P.log_p):
+                return None
+            lse = eqns[chain[-1]].outvars[0]
+            k = follow(lse, lambda e: e.primitive is P.sub_p and e.invars[0] is shifted and e.invars[1] is lse)
+        else:
+            norm = eqns[chain[-1]].outvars[0]
+            k = follow(norm, lambda e: e.primitive is P.div_p and e.invars[0] is exps and e.invars[1] is norm)
         if k is None or self.uses.get(total) != 1:
             return None
-        return chain + [k], normalization.compact_softmax(invals[0], axes)
+        op = normalization.compact_log_softmax if log else normalization.compact_softmax
+        return chain + [k], op(invals[0], axes)
 
     def _root(self, var):
         """``(v, chain)``: ``var`` is ``v`` reshaped or broadcast by the equations of ``chain``."""

@@ -805,21 +805,22 @@ def _softmax_rows():
     return data, mask
 
 
+@pytest.mark.parametrize("fn", [jax.nn.softmax, jax.nn.log_softmax], ids=["softmax", "log_softmax"])
 @pytest.mark.parametrize("custom_jvp", [False, True], ids=["plain", "custom-jvp"])
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
-def test_softmax_is_recognised_as_one_op_that_equals_each_unpadded_row(jit, custom_jvp):
-    """``jax.nn.softmax`` of a masked operand runs as one masked op (the masked entries enter as
-    -inf: one select, no fill of the exponentials), with jax's own form and with its custom-jvp
-    form. Each row's values and gradients equal ``jax.nn.softmax`` of the row's valid entries,
-    specials included (NaN where jax gives NaN); gradients are exactly 0 under the mask; a row with
-    no valid entry stays masked with data 0."""
+def test_softmax_is_recognised_as_one_op_that_equals_each_unpadded_row(jit, custom_jvp, fn):
+    """``jax.nn.softmax`` and ``jax.nn.log_softmax`` of a masked operand run as one masked op (the
+    masked entries enter as -inf: one select, no fill of the exponentials), with jax's own form and
+    with softmax's custom-jvp form. Each row's values and gradients equal the function of the row's
+    valid entries, specials included (NaN where jax gives NaN); gradients are exactly 0 under the
+    mask; a row with no valid entry stays masked (the softmax's data 0)."""
     data, mask = _softmax_rows()
     x = mj.masked_array(jnp.asarray(data), jnp.asarray(mask))
     cot = jnp.asarray(np.linspace(0.5, 1.5, data.size, dtype=np.float32).reshape(data.shape))
     previous = jax.config.jax_softmax_custom_jvp
     jax.config.update("jax_softmax_custom_jvp", custom_jvp)
     try:
-        f = mj.maskify(lambda v: jax.nn.softmax(v, axis=-1))
+        f = mj.maskify(lambda v: fn(v, axis=-1))
         assert primitive_count(jax.make_jaxpr(f)(x), "select_n", data.shape) == 1  # the -inf entry
         out = (jax.jit(f) if jit else f)(x)
         grad = jax.grad(lambda d: jnp.sum(f(mj.masked_array(d, x.mask)).filled(0.0) * cot))(x.data)
@@ -827,11 +828,12 @@ def test_softmax_is_recognised_as_one_op_that_equals_each_unpadded_row(jit, cust
             valid = mask[r]
             np.testing.assert_array_equal(np.asarray(out.mask[r]), valid)
             if not valid.any():
-                assert not np.asarray(out.data[r]).any() and not np.asarray(grad[r]).any()
+                assert not np.asarray(grad[r]).any()
+                assert fn is jax.nn.log_softmax or not np.asarray(out.data[r]).any()
                 continue
             row = jnp.asarray(data[r][valid])
-            np.testing.assert_allclose(np.asarray(out.data[r])[valid], jax.nn.softmax(row), rtol=1e-6)
-            want = jax.grad(lambda v: jnp.sum(jax.nn.softmax(v) * cot[r][valid]))(row)
+            np.testing.assert_allclose(np.asarray(out.data[r])[valid], fn(row), rtol=1e-6)
+            want = jax.grad(lambda v: jnp.sum(fn(v) * cot[r][valid]))(row)
             np.testing.assert_allclose(np.asarray(grad[r])[valid], want, rtol=1e-5, atol=1e-7)
             assert not np.asarray(grad[r])[~valid].any()
         empty = f(mj.masked_array(jnp.ones((2, 0)), jnp.ones((2, 0), bool)))  # as jax: nothing to normalise
@@ -840,20 +842,21 @@ def test_softmax_is_recognised_as_one_op_that_equals_each_unpadded_row(jit, cust
         jax.config.update("jax_softmax_custom_jvp", previous)
 
 
+@pytest.mark.parametrize("fn", [jax.nn.softmax, jax.nn.log_softmax], ids=["softmax", "log_softmax"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("transform", ["vmap", "scan", "scan-inside"])
-def test_the_softmax_op_under_vmap_and_scan_in_every_float_dtype(transform, dtype):
-    """The recognised softmax inside ``vmap`` (over the rows), in a ``scan`` body (one row per step)
-    and in a scan inside the maskify'd function (the body interpreted by maskify), in float32,
-    bfloat16 and float16: each row equals ``jax.nn.softmax`` of its valid entries in that dtype
-    (specials included), and the padding stays masked."""
+def test_the_softmax_op_under_vmap_and_scan_in_every_float_dtype(transform, dtype, fn):
+    """The recognised softmax and log_softmax inside ``vmap`` (over the rows), in a ``scan`` body
+    (one row per step) and in a scan inside the maskify'd function (the body interpreted by
+    maskify), in float32, bfloat16 and float16: each row equals the function of its valid entries
+    in that dtype (specials included), and the padding stays masked."""
     data, mask = _softmax_rows()
     x = mj.masked_array(jnp.asarray(data).astype(dtype), jnp.asarray(mask))  # the padding's 1e30: inf in float16
-    soft = mj.maskify(lambda v: jax.nn.softmax(v, axis=-1))
+    soft = mj.maskify(lambda v: fn(v, axis=-1))
     if transform == "vmap":
         out = jax.jit(jax.vmap(soft))(x)
     elif transform == "scan-inside":
-        scanned = mj.maskify(lambda v: jax.lax.scan(lambda c, r: (c, jax.nn.softmax(r)), 0, v)[1])
+        scanned = mj.maskify(lambda v: jax.lax.scan(lambda c, r: (c, fn(r)), 0, v)[1])
         # one softmax op in the body: one select at a row's shape (the ops one at a time make four)
         assert primitive_count(jax.make_jaxpr(scanned)(x), "select_n", data.shape[1:]) == 1
         out = jax.jit(scanned)(x)
@@ -869,7 +872,7 @@ def test_the_softmax_op_under_vmap_and_scan_in_every_float_dtype(transform, dtyp
     for r in range(len(data)):
         np.testing.assert_array_equal(np.asarray(out.mask[r]), mask[r])
         if mask[r].any():
-            want = jax.nn.softmax(x.data[r][mask[r]])
+            want = fn(x.data[r][mask[r]])
             np.testing.assert_allclose(np.asarray(out.data[r], np.float32)[mask[r]], np.asarray(want, np.float32),
                                        rtol=tol, atol=tol)
 

@@ -45,14 +45,32 @@ def compact_softmax(x: Pair, axes) -> Pair:
     whose valid maximum is NaN, or ``-inf`` (every valid element ``-inf``), where every valid value
     of the slice is NaN too, as in jax: a record ``along`` the axes, which only a contraction along
     them reads (attention's weights times values)."""
-    data = jnp.asarray(x.data)
-    m = ranked(x.mask, data.ndim)
-    shifted = jnp.where(m, data, -jnp.inf)
-    has = any_valid(m, data.shape, axes, keepdims=True)
-    top = jnp.where(has, jnp.max(shifted, axis=axes, keepdims=True, initial=-jnp.inf), 0)
-    e = jnp.exp(shifted - jax.lax.stop_gradient(top))
+    shifted, has = _minus_inf_shifted(x, axes)
+    e = jnp.exp(shifted)
     out = e / jnp.where(has, jnp.sum(e, axis=axes, keepdims=True), 1)
     return Pair(_factors.record_value(out, x.mask, 0, True, along=axes), x.mask)
+
+
+def compact_log_softmax(x: Pair, axes) -> Pair:
+    """``jax.nn.log_softmax`` along ``axes`` over the valid elements, for ``maskify``, as
+    :func:`compact_softmax`: one select (the masked entries enter as ``-inf``, so their exponentials
+    are exactly 0). The data under the mask are ``-inf`` (NaN in a slice with no valid element):
+    not recorded, so any op that reads them fills them first."""
+    shifted, _ = _minus_inf_shifted(x, axes)
+    total = jnp.sum(jnp.exp(shifted), axis=axes, keepdims=True)
+    return Pair(shifted - jnp.log(total), x.mask)
+
+
+def _minus_inf_shifted(x: Pair, axes):
+    """``(x - max(x), has)`` along ``axes`` with the masked entries at ``-inf``: shifted by the valid
+    maximum (a stopped gradient, as ``jax.nn.softmax``), by 0 in a slice with no valid element
+    (``has`` False, at the compact mask's shape)."""
+    data = jnp.asarray(x.data)
+    m = ranked(x.mask, data.ndim)
+    entered = jnp.where(m, data, -jnp.inf)
+    has = any_valid(m, data.shape, axes, keepdims=True)
+    top = jnp.where(has, jnp.max(entered, axis=axes, keepdims=True, initial=-jnp.inf), 0)
+    return entered - jax.lax.stop_gradient(top), has
 
 
 def log_softmax(x: Pair, axis=-1) -> Pair:
