@@ -123,9 +123,9 @@ BINARY_SPECS = {
 
 
 # -- reductions -------------------------------------------------------------------------------
-def axis_kwargs(allow_tuple=True, keepdims=True, ddof=False):
+def axis_kwargs(allow_tuple=True, keepdims=True, ddof=False, max_tuple=None):
     def draw_kwargs(draw, ndim):
-        kw = {"axis": draw(axes(ndim, allow_tuple=allow_tuple))}
+        kw = {"axis": draw(axes(ndim, allow_tuple=allow_tuple, max_tuple=max_tuple))}
         if keepdims:
             kw["keepdims"] = draw(st.booleans())
         if ddof:
@@ -213,7 +213,8 @@ REDUCTIONS = {
     "all": dict(ref=np.ma.all, dtypes=ALL),
     "median": dict(ref=_median_ref, kwargs=axis_kwargs(allow_tuple=False)),
     "logsumexp": dict(ref=_np_reduce(_logsumexp), dtypes=FLOATS),
-    "norm": dict(ref=_np_reduce(_norm2), dtypes=FLOATS),
+    # jnp.linalg.norm takes an int or a pair of axes (a pair: the Frobenius norm, _norm2's)
+    "norm": dict(ref=_np_reduce(_norm2), dtypes=FLOATS, kwargs=axis_kwargs(max_tuple=2)),
     "quantile": dict(ref=_quantile_ref, kwargs=_quantile_kwargs, dtypes=FLOATS),
     "percentile": dict(ref=_percentile_ref, kwargs=_percentile_kwargs, dtypes=FLOATS),
 }

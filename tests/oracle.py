@@ -364,7 +364,18 @@ def _elementwise_partial(name, ops, case):
     want = call(name, jnp_fn(name), _plain(ops), case)
     masks = [np.asarray(o.mask) for o in ops if isinstance(o, mj.MaskedArray)]
     valid = functools.reduce(np.logical_and, np.broadcast_arrays(*masks))
-    return want, [np.broadcast_to(valid, np.shape(w)) for w in (want if isinstance(want, (list, tuple)) else [want])]
+    return want, [_valid_at(valid, np.shape(w)) for w in (want if isinstance(want, (list, tuple)) else [want])]
+
+
+def _valid_at(valid, shape):
+    """Elementwise validity at the output's shape; a bitcast to a narrower dtype adds a trailing
+    axis of parts (each valid where its element is), one to a wider dtype removes one (valid where
+    every part is)."""
+    if len(shape) == valid.ndim + 1:
+        valid = valid[..., None]
+    elif len(shape) == valid.ndim - 1:
+        valid = valid.all(axis=-1)
+    return np.broadcast_to(valid, shape)
 
 
 def _axes(case, ndim):

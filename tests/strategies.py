@@ -62,7 +62,8 @@ def masked_arrays(draw, dtypes=ALL, shape=None, domain=(-3.0, 3.0), **shape_kw):
 
 
 @st.composite
-def axes(draw, ndim, allow_none=True, allow_tuple=True):
+def axes(draw, ndim, allow_none=True, allow_tuple=True, max_tuple=None):
+    """None, an int or a tuple of distinct axes (of at most ``max_tuple`` axes, if given)."""
     options = []
     if allow_none:
         options.append(st.none())
@@ -70,7 +71,8 @@ def axes(draw, ndim, allow_none=True, allow_tuple=True):
         options.append(st.integers(-ndim, ndim - 1))
         if allow_tuple:
             options.append(
-                st.lists(st.integers(0, ndim - 1), min_size=1, max_size=ndim, unique=True).map(tuple)
+                st.lists(st.integers(0, ndim - 1), min_size=1, max_size=min(ndim, max_tuple or ndim),
+                         unique=True).map(tuple)
             )
     if not options:
         return None

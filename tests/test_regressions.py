@@ -389,3 +389,29 @@ def test_histogram_range_from_valid_entries_of_any_dtype(dtype):
     want_counts, want_edges = jnp.histogram(jnp.array([0.0, 1.0, 1.0], dtype), bins=2)
     np.testing.assert_array_equal(np.asarray(counts), np.asarray(want_counts))
     np.testing.assert_array_equal(np.asarray(edges, np.float32), np.asarray(want_edges, np.float32))
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_a_bitcast_to_another_width_reshapes_the_mask_with_the_data(jit):
+    """A bitcast to a narrower dtype adds a trailing axis of parts, each valid where its element
+    is; one to a wider dtype removes that axis, valid where every part is. Both through maskify
+    (``lax.bitcast_convert_type`` of a masked operand) and with a compact mask."""
+    x = mj.masked_array(jnp.array([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]], jnp.float32),
+                        jnp.array([[True, False, True], [False, True, True]]))
+    narrow = mj.maskify(lambda v: jax.lax.bitcast_convert_type(v, jnp.uint16))
+    narrow = jax.jit(narrow) if jit else narrow
+    parts = narrow(x)
+    assert parts.shape == (2, 3, 2)
+    np.testing.assert_array_equal(np.asarray(parts.mask), np.repeat(np.asarray(x.mask)[..., None], 2, axis=-1))
+    np.testing.assert_array_equal(np.asarray(parts.data), np.asarray(jax.lax.bitcast_convert_type(x.data, jnp.uint16)))
+    mixed = np.asarray(parts.mask).copy()
+    mixed[0, 0, 1] = False  # one part of a valid element masked: the element is masked
+    wide = mj.maskify(lambda v: jax.lax.bitcast_convert_type(v, jnp.float32))
+    back = (jax.jit(wide) if jit else wide)(mj.masked_array(parts.data, jnp.asarray(mixed)))
+    want = np.asarray(x.mask).copy()
+    want[0, 0] = False
+    np.testing.assert_array_equal(np.asarray(back.mask), want)
+    np.testing.assert_array_equal(np.asarray(back.data)[want], np.asarray(x.data)[want])
+    compact = mj.masked_array(x.data, jnp.array([[True], [False]]))  # a (2, 1) row mask
+    out = narrow(compact)
+    np.testing.assert_array_equal(np.asarray(out.mask), np.broadcast_to(np.array([True, False])[:, None, None], (2, 3, 2)))

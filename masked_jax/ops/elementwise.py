@@ -7,10 +7,11 @@ import inspect
 import jax
 import jax.extend.core.primitives as P
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from masked_jax.ops import _factors
-from masked_jax.ops._base import Pair, fill
+from masked_jax.ops._base import Pair, fill, ranked
 from masked_jax.ops._registry import MASKIFY_ONLY, OpSpec, register, signature_of
 
 _X = inspect.Signature([inspect.Parameter("x", inspect.Parameter.POSITIONAL_ONLY)])
@@ -27,7 +28,8 @@ def unary(fn, safe=1):
     def rule(x: Pair, *args, **kwargs) -> Pair:
         if x.mask is None or not _factors.active():
             data = x.data if safe is None else fill(x.data, x.mask, safe)
-            return Pair(fn(data, *args, **kwargs), x.mask)
+            out = fn(data, *args, **kwargs)
+            return Pair(out, _width_mask(x, out))
         # under maskify: data already holding a value at which fn and its derivative are finite
         # (recorded where the mask is False) need no fill; the output's value there is recorded
         f = _with_args(fn, args, kwargs)
@@ -38,6 +40,8 @@ def unary(fn, safe=1):
         else:
             data, value = fill(x.data, x.mask, safe), safe
         out = fn(data, *args, **kwargs)
+        if np.ndim(out) != np.ndim(x.data):
+            return Pair(out, _width_mask(x, out))
         if value is not None:
             at_safe = safe is not None and value == safe
             _factors.record_value(out, x.mask, _factors.evaluate(f, (value,), (dtype,), not at_safe)[0], False)
@@ -46,6 +50,20 @@ def unary(fn, safe=1):
     rule.__name__ = getattr(fn, "__name__", "unary")
     rule.fn = fn
     return rule
+
+
+def _width_mask(x: Pair, out):
+    """``x``'s mask for ``out``, the one elementwise op that changes the rank being a bitcast to
+    another width: to a narrower dtype each element becomes a trailing axis of parts, each part
+    valid where the element is; to a wider one a trailing axis of parts becomes one element, valid
+    where every part is."""
+    extra = np.ndim(out) - np.ndim(x.data)
+    if x.mask is None or extra == 0:
+        return x.mask
+    m = ranked(x.mask, np.ndim(x.data))
+    if extra == 1:
+        return m[..., None]
+    return m[..., 0] if m.shape[-1] == 1 else jnp.all(m, axis=-1)
 
 
 def _with_args(fn, args, kwargs):
