@@ -446,8 +446,7 @@ class _Interpreter:
             # quotient is the plain one, ``sum / (n - ddof)``, a finite sum of zero-filled terms
             # where it is masked (no count, no select, no new mask)
             out = num.data / jnp.asarray(s.n - ddof, jnp.result_type(num.data))
-            k = _factors.known(num.data, num.mask)
-            if k is not None and k.exact and k.value == 0:  # zero sums stay zero
+            if _factors.holds_zero(num.data, num.mask):  # zero sums stay zero
                 _factors.record_value(out, num.mask, 0, True)
             return Pair(out, num.mask)
         dof = s.count() - ddof  # compact: the quotient's mask stays as compact as the count

@@ -72,8 +72,7 @@ def fill(data, mask: Mask, value, *, finite: bool = False, conditional: Optional
     data = jnp.asarray(data)
     if not _factors.active() or not isinstance(value, (bool, int, float, complex)):
         return jnp.where(mask, data, scalar_like(value, data.dtype))
-    k = _factors.known(data, mask, conditional=finite if conditional is None else conditional,
-                       along=None if along is None else tuple(sorted(along)))
+    k = _factors.known(data, mask, conditional=finite if conditional is None else conditional, along=along)
     if k is not None and ((k.exact and k.value == value) or finite):
         return data
     return _factors.memo(("fill", id(data), id(mask), value), lambda: _factors.record_value(

@@ -196,9 +196,19 @@ def known(data, mask, conditional=False, along=None) -> Optional[Known]:
     if values is None or mask is None or id(data) not in values:
         return None
     k = values[id(data)][1]
-    if (k.conditional and not conditional) or (k.along is not None and k.along != along):
+    if (k.conditional and not conditional) or (k.along is not None and k.along != _axes(along)):
         return None
     return k if _mask_key(mask, np.ndim(data)) <= k.factors else None
+
+
+def holds_zero(data, mask, conditional=False, along=None) -> bool:
+    """Whether ``data`` are recorded as holding exactly 0 wherever ``mask`` is False."""
+    k = known(data, mask, conditional, along)
+    return k is not None and k.exact and k.value == 0
+
+
+def _axes(along):
+    return None if along is None else tuple(sorted(along))
 
 
 def record_value(data, mask, value, exact, conditional=False, along=None):
@@ -207,8 +217,7 @@ def record_value(data, mask, value, exact, conditional=False, along=None):
     inf or NaN: nothing), so a record always means finite data there."""
     values = _value_records()
     if values is not None and mask is not None and value is not None and bool(np.isfinite(value)):
-        values[id(data)] = (data, Known(_mask_key(mask, np.ndim(data)), value, exact, conditional,
-                                        None if along is None else tuple(sorted(along))))
+        values[id(data)] = (data, Known(_mask_key(mask, np.ndim(data)), value, exact, conditional, _axes(along)))
     return data
 
 

@@ -160,8 +160,8 @@ def dot_general(bind, a: Pair, b: Pair, dimension_numbers) -> Pair:
     else:
         # masked terms meet valid outputs: one side must hold exactly 0 there (one that already
         # does, else the smaller one is filled), the other finite values (not conditionally)
-        zero_b = _holds_zero(b.data, mb, rc) or (not _holds_zero(a.data, ma, lc)
-                                                 and np.size(b.data) <= np.size(a.data))
+        zero_b = _factors.holds_zero(b.data, mb, along=rc) or (
+            not _factors.holds_zero(a.data, ma, along=lc) and np.size(b.data) <= np.size(a.data))
         fa = fill(a.data, ma, 0, finite=zero_b, conditional=False, along=lc)
         fb = fill(b.data, mb, 0, finite=not zero_b, conditional=False, along=rc)
     out = Pair(bind(fa, fb), and_masks(out_a, out_b))
@@ -170,15 +170,9 @@ def dot_general(bind, a: Pair, b: Pair, dimension_numbers) -> Pair:
         # operand (no batch dims: every row meets all of it) is finite; a conditional record
         # (see masked_jax.ops._factors.Known)
         x, m = (fa, ma) if mb is None else (fb, mb)
-        k = _factors.known(x, m, conditional=True)
-        if k is not None and k.exact and k.value == 0:
+        if _factors.holds_zero(x, m, conditional=True):
             _factors.record_value(out.data, out.mask, 0, True, conditional=True)
     return out
-
-
-def _holds_zero(data, mask, along) -> bool:
-    k = _factors.known(data, mask, along=tuple(sorted(along)))
-    return k is not None and k.exact and k.value == 0
 
 
 def _same_along_contraction(ma, mb, nda, ndb, lc, rc, lb, rb):

@@ -150,10 +150,9 @@ def sum(x: Pair, axis=None, dtype=None, keepdims=False) -> Pair:  # noqa: A001
         # the mask does not vary along the axes: a slice is valid iff its mask is (no count), and
         # a masked slice reaches a masked output only (the fill keeps its derivative finite)
         filled = fill(data, m, 0, finite=True)
-        zeros = _factors.known(filled, m)
         total = _keep(_accumulated_sum(filled.astype(_sum_dtype(data.dtype, dtype)), axes), axes, keepdims)
         valid = any_valid(m, data.shape, axes, keepdims)
-        if zeros is not None and zeros.exact and zeros.value == 0:  # a masked slice sums zeros
+        if _factors.holds_zero(filled, m):  # a masked slice sums zeros
             _factors.record_value(total, valid, 0, True)
         return Pair(total, valid)
     filled = fill(data, m, 0).astype(_sum_dtype(data.dtype, dtype))
