@@ -24,11 +24,13 @@ X = mj.masked_array(jnp.array([[1.0, jnp.nan, 3.0], [4.0, 5.0, 6.0]]), jnp.array
 
 
 def _cube_primitive():
-    """A brand-new lax primitive (x ** 3), with impl, abstract eval, lowering, JVP and batching."""
+    """A brand-new lax primitive (x * x * x), with impl, abstract eval, lowering, JVP and batching.
+    The cube is written as products, which keep every dtype (``x ** 3`` of a bool is an int32, which
+    the abstract eval's "same dtype" would contradict)."""
     p = jcore.Primitive("toy_cube")
-    p.def_impl(lambda x: x ** 3)
+    p.def_impl(lambda x: x * x * x)
     p.def_abstract_eval(lambda x: x)  # same shape and dtype
-    mlir.register_lowering(p, mlir.lower_fun(lambda x: x ** 3, multiple_results=False))
+    mlir.register_lowering(p, mlir.lower_fun(lambda x: x * x * x, multiple_results=False))
     ad.defjvp(p, lambda t, x: 3 * x * x * t)
     batching.defvectorized(p)
     return p
