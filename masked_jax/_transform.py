@@ -221,11 +221,18 @@ class _Interpreter:
             env[v] = Pair(c, None)
         for v, a in zip(jaxpr.invars, args):
             env[v] = a
+        constants = _literal_constants(jaxpr, literal, env)
         skip = set()
         for i, eqn in enumerate(jaxpr.eqns):
             if i in skip:
                 continue
             invals = [read(v) for v in eqn.invars]
+            if eqn.outvars and eqn.outvars[0] in constants:  # from literals alone, evaluated beforehand
+                literal.update(eqn.outvars)
+                env[eqn.outvars[0]] = Pair(constants[eqn.outvars[0]], None)
+                self.producer[eqn.outvars[0]] = eqn
+                self._track_literals(eqn, invals, constants[eqn.outvars[0]], minus)
+                continue
             whole = self._softmax(jaxpr.eqns, i, invals)
             if whole is not None:  # jax.nn.softmax, as one masked op
                 chain, out = whole
@@ -589,6 +596,72 @@ def _inside_public_call(fun_name, user, err):
     detail = getattr(err, "detail", None) or str(err).split(": ", 1)[-1]
     return (f"maskify({fun_name}): {user} is not supported on a masked operand; its implementation "
             f"reads elements in a way that has no masked meaning.{instead} (Inside {user}: {detail})")
+
+
+_CONSTANT_PROGRAMS: dict = {}
+
+
+def _literal_constants(jaxpr, literal, env):
+    """``{variable: value}`` of the equations computed from literals alone (``zeros_like``, a
+    fill's broadcast, ``n - ddof``), evaluated by one compiled program. Evaluated one at a time, as
+    :meth:`_Interpreter.equation` does the others (so that counts and fills are recognised under
+    every transformation), each would compile a program of its own when the function is first
+    traced. The literals enter the program as arguments, so nothing is folded when it is compiled
+    and each value is what its equation alone gives. Empty (the equations then run one at a time)
+    when there are fewer than two, when a parameter cannot be a cache key, or when a value's type
+    differs from its equation's."""
+    inputs, group, seen = [], [], set()
+    for v in jaxpr.invars:
+        if v in literal and env[v].mask is None and _is_concrete(env[v].data):
+            seen.add(v)
+            inputs.append(v)
+    for eqn in jaxpr.eqns:
+        if (eqn.primitive.multiple_results or eqn.effects or len(eqn.outvars) != 1
+                or not all(isinstance(v, jcore.Literal) or v in seen for v in eqn.invars)):
+            continue
+        group.append(eqn)
+        seen.add(eqn.outvars[0])
+    if len(group) < 2:
+        return {}
+    lits = [v for e in group for v in e.invars if isinstance(v, jcore.Literal)]
+    names = {v: i for i, v in enumerate(inputs + [e.outvars[0] for e in group])}
+    lit_at = iter(range(len(names), len(names) + len(lits)))
+    structure = tuple((e.primitive, tuple(sorted(e.params.items())),
+                       tuple(("l", next(lit_at)) if isinstance(v, jcore.Literal) else ("v", names[v])
+                             for v in e.invars)) for e in group)
+    values = [env[v].data for v in inputs] + [v.val for v in lits]
+    avals = tuple(jax.typeof(x) for x in values[:len(inputs)]) + tuple(v.aval for v in lits)
+    key = (structure, avals)
+    try:
+        hash(key)
+    except TypeError:  # a parameter that is not hashable: one equation at a time
+        return {}
+    program = _CONSTANT_PROGRAMS.get(key)
+    if program is None:
+        if len(_CONSTANT_PROGRAMS) >= 1024:  # bounded: programs differ in their constants
+            _CONSTANT_PROGRAMS.clear()
+        program = _CONSTANT_PROGRAMS[key] = jax.jit(functools.partial(_run_constants, structure, len(inputs)))
+    try:
+        # lowered and compiled apart from any trace this runs in (jax's caches keep the compiled
+        # program; jax.clear_caches() clears it), then run on the concrete values, also inside a trace
+        specs = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type) for a in avals]
+        outs = program.lower(*specs).compile()(*values)
+    except (TypeError, ValueError):  # a value the program does not take: one equation at a time
+        return {}
+    if any(jax.typeof(o) != e.outvars[0].aval for o, e in zip(outs, group)):
+        return {}
+    return {e.outvars[0]: o for e, o in zip(group, outs)}
+
+
+def _run_constants(structure, n_inputs, *values):
+    """The equations of a :func:`_literal_constants` key, on its inputs, then its literals."""
+    env = list(values[:n_inputs])
+    lits = values[n_inputs:]
+    first_lit = n_inputs + len(structure)
+    for prim, params, reads in structure:
+        args = [lits[i - first_lit] if kind == "l" else env[i] for kind, i in reads]
+        env.append(prim.bind(*args, **dict(params)))
+    return env[n_inputs:]
 
 
 def _known(v, table) -> bool:

@@ -312,6 +312,46 @@ def test_a_constant_never_makes_a_masked_position_valid(name, fun):
     np.testing.assert_array_equal(np.asarray(got.mask), MASK)
 
 
+def _constants_in_the_body(x):
+    """Eight equations computed from literals alone (iota, converts of weak and strong literals, a
+    transcendental, integer arithmetic, a broadcast), of several dtypes, beside a masked operand."""
+    scale = jnp.arange(4.0, dtype=x.dtype) * 2 + jnp.log(jnp.asarray(10.0, x.dtype))
+    n = jnp.int32(7) - 2
+    return x * scale - (jnp.ones(4) > 0.5) + n, jnp.full((2, 4), -jnp.inf, x.dtype)
+
+
+def _compiles_to_lower(fun, *args):
+    """Programs XLA compiles while ``jax.jit(fun)`` is lowered, from cleared caches (after one
+    lowering, so that the library's own caches of scalar evaluations are warm)."""
+    jax.jit(fun).lower(*args)
+    jax.clear_caches()
+    events = []
+    listener = lambda event, duration, **kw: events.append(event)  # noqa: E731
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        jax.jit(fun).lower(*args)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    return sum(e == "/jax/core/compile/backend_compile_duration" for e in events)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float64"])
+def test_constants_of_the_function_are_evaluated_together_and_exactly(dtype):
+    """The equations computed from literals alone stay concrete (counts and fills are recognised
+    under jit), are compiled as one program, not one per equation, and give what jax gives them."""
+    x = mj.masked_array(jnp.asarray([0.5, 1.5, -2.0, 3.0], dtype), jnp.ones(4, bool))
+    for f in (mj.maskify(_constants_in_the_body), jax.jit(mj.maskify(_constants_in_the_body))):
+        for got, want in zip(f(x), _constants_in_the_body(x.data)):
+            got = got.data if isinstance(got, mj.MaskedArray) else got
+            assert got.dtype == want.dtype and jax.typeof(got).weak_type == jax.typeof(want).weak_type
+            np.testing.assert_array_equal(np.asarray(got, np.float64), np.asarray(want, np.float64))
+    # the same masked ops with the constants passed in: what lowering compiles besides the constants
+    passed = mj.maskify(lambda x, scale, n, top: (x * scale - (jnp.ones(4) > 0.5) + n, top))
+    scale = jnp.arange(4.0, dtype=dtype) * 2 + jnp.log(jnp.asarray(10.0, dtype))
+    others = _compiles_to_lower(passed, x, scale, jnp.int32(5), jnp.full((2, 4), -jnp.inf, dtype))
+    assert _compiles_to_lower(mj.maskify(_constants_in_the_body), x) <= others + 1
+
+
 def test_masked_mean_pool_after_dropout_sees_only_real_tokens():
     keep = jnp.asarray(RNG.random((3, 4)) > 0.3)
     pooled = mj.maskify(lambda x: jnp.mean(jnp.where(keep, x / 0.7, 0.0), axis=1))(PADDED)
