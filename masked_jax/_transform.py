@@ -140,10 +140,11 @@ class _Sized:
     valid count at a compact shape of the sum (the sum's rank, 1 along dims the mask does not vary
     along). ``count`` is a function: the count is built only for a sum that is divided.
     ``uniform``: the mask does not vary along the summed axes (a layer norm's mean over the
-    features of a token mask), so every slice counts ``n`` or is masked."""
+    features of a token mask), so every slice counts ``n`` or is masked. ``any``: the sum is valid
+    exactly where the count is positive (a ``reduce_sum``, not a window sum)."""
 
-    def __init__(self, n, count, uniform=False):
-        self.n, self.count, self.uniform = n, count, uniform
+    def __init__(self, n, count, uniform=False, any=False):
+        self.n, self.count, self.uniform, self.any = n, count, uniform, any
 
 
 # -- lax.associative_scan, recognised as a whole call -------------------------------------------------
@@ -296,7 +297,7 @@ class _Interpreter:
             n = int(np.prod([shape[a] for a in axes], dtype=np.int64))
             compact = compact_or_ones(x.mask, shape)
             sized[eqn.outvars[0]] = _Sized(n, lambda: count_valid(compact, shape, axes),
-                                           uniform=n > 0 and uniform_along(compact, axes))
+                                           uniform=n > 0 and uniform_along(compact, axes), any=True)
         elif prim is P.reduce_window_sum_p:  # average pooling divides by the window size: a mean
             x = invals[0]
             n = int(np.prod(params["window_dimensions"], dtype=np.int64))
@@ -305,7 +306,7 @@ class _Interpreter:
         elif prim in (P.broadcast_in_dim_p, P.reshape_p, P.convert_element_type_p) and _known(eqn.invars[0], sized):
             s = sized[eqn.invars[0]]
             sized[eqn.outvars[0]] = _Sized(s.n, functools.partial(_moved_count, prim, params, s.count,
-                                                                  eqn.invars[0].aval.shape), s.uniform)
+                                                                  eqn.invars[0].aval.shape), s.uniform, s.any)
         return out
 
     @staticmethod
@@ -461,7 +462,8 @@ class _Interpreter:
         # Where it is masked the quotient is the sum itself (a finite sum of zero-filled terms, or a
         # valid sum left without a divisor): no select at the sum's shape, only at the count's.
         data = num.data / jnp.where(valid, dof, 1).astype(jnp.result_type(num.data))
-        return Pair(data, and_masks(num.mask, valid))
+        # with no ddof a positive count is the sum's own validity: its mask, with no and
+        return Pair(data, num.mask if ddof == 0 and s.any else and_masks(num.mask, valid))
 
     def named_call(self, eqn, params, invals):
         """A jax function's own jit call (``jnp.median``) replaced by its op's rule, its static

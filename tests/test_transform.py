@@ -700,6 +700,75 @@ def test_and_of_a_mask_with_its_own_factors_is_that_mask():
         assert and_masks(m, jnp.ones((1, 3), bool)).shape == (2, 3)
 
 
+def test_a_mask_and_its_any_over_an_axis_is_that_mask():
+    """"The sequence has a valid token" (a reduction's validity along the tokens) is implied by the
+    token mask: a token-masked array combined with its own mean, or with attention over its own
+    tokens, keeps the token mask with no ``and`` of token masks in the program; the values and
+    masks equal the unpadded runs. A mask it does not imply (another sequence's) still takes the
+    ``and``."""
+    xm, x = _padded(4)
+    w = jax.random.normal(jax.random.key(4), (3, 4, 4))
+    centered = mj.maskify(lambda v: v - jnp.mean(v, axis=1, keepdims=True))
+    attended = mj.maskify(lambda v: v + _attention(v, v, w, 0.0))
+    for f, one in ((centered, lambda u: u - u.mean(0)), (attended, lambda u: u + _attention(u[None], u[None], w, 0.0)[0])):
+        # no and at the token mask's shape (attention's scores take the queries' and keys' masks)
+        assert primitive_count(jax.make_jaxpr(f)(xm), "and", (3, max(LENGTHS), 1)) == 0
+        for out in (f(xm), jax.jit(f)(xm)):
+            assert out.compact_mask.shape == (3, max(LENGTHS), 1)
+            for b, n in enumerate(LENGTHS):
+                np.testing.assert_allclose(np.asarray(out.data[b, :n]), one(jnp.asarray(x[b, :n])), rtol=2e-5, atol=1e-6)
+                assert np.asarray(out.mask[b, :n]).all() and not np.asarray(out.mask[b, n:]).any()
+    # the any of another mask is not implied: v's mean over the tokens minus a sequence-reversed v
+    flipped = mj.maskify(lambda v, u: u - jnp.mean(v, axis=1, keepdims=True))
+    rev = mj.masked_array(xm.data[::-1], xm.compact_mask[::-1])
+    assert primitive_count(jax.make_jaxpr(flipped)(xm, rev), "and") == 1
+    got = flipped(xm, rev)
+    np.testing.assert_array_equal(np.asarray(got.mask), np.asarray(rev.mask) & np.asarray(xm.mask).any(1, keepdims=True))
+
+
+def test_a_predicate_known_when_traced_picks_its_case_with_no_select():
+    """``select_n`` with a predicate computed from constants (as in ``jnp.var``'s ``n - ddof > 0``)
+    picks its case when traced: no select, the chosen case's data and mask; a constant case takes
+    the validity of the masked cases, as ``where`` gives it."""
+    xm, _ = _padded(4)
+    ym = mj.masked_array(xm.data * 2, jnp.roll(xm.compact_mask, 1, axis=1))
+    for pred, want_data, want_mask in ((True, xm.data, xm.mask), (False, jnp.full(xm.shape, 7.0), xm.mask)):
+        f = mj.maskify(lambda v: lax.select_n(jnp.asarray(pred), jnp.full(v.shape, 7.0, v.dtype), v))
+        assert primitive_count(jax.make_jaxpr(f)(xm), "select_n", xm.shape) == 0
+        for out in (f(xm), jax.jit(f)(xm)):
+            np.testing.assert_array_equal(np.asarray(out.mask), np.asarray(want_mask))
+            np.testing.assert_array_equal(np.asarray(out.filled(0.0)), np.where(want_mask, want_data, 0.0))
+    three = mj.maskify(lambda v, u: lax.select_n(jnp.int32(2), v, jnp.zeros(v.shape, v.dtype), u))
+    out = three(xm, ym)
+    assert primitive_count(jax.make_jaxpr(three)(xm, ym), "select_n", xm.shape) == 0
+    np.testing.assert_array_equal(np.asarray(out.mask), np.asarray(ym.mask))
+    np.testing.assert_array_equal(np.asarray(out.filled(0.0)), np.asarray(ym.filled(0.0)))
+    # jnp.var along an axis the mask does not vary along: its "n - ddof > 0" is known, no select
+    var = mj.maskify(lambda v: v.var(-1, keepdims=True))
+    assert primitive_count(jax.make_jaxpr(var)(xm), "select_n", (3, max(LENGTHS), 1)) == 0
+    for b, n in enumerate(LENGTHS):
+        np.testing.assert_allclose(np.asarray(var(xm).data[b, :n]), np.var(np.asarray(xm.data[b, :n]), -1, keepdims=True),
+                                   rtol=1e-5)
+
+
+def test_reductions_of_one_mask_share_its_any():
+    """The validity of two reductions of the same masked array along the same axes is computed
+    once (one ``reduce_or``), and a mean with no ``ddof`` takes its sum's mask (no ``and`` with
+    "the count is positive"); with ``ddof=1`` the count must exceed 1: that ``and`` stays."""
+    xm, x = _padded(4)
+    both = mj.maskify(lambda v: jnp.sum(v, axis=1) + jnp.max(v, axis=1) + jnp.mean(v, axis=1))
+    jaxpr = jax.make_jaxpr(both)(xm)
+    assert primitive_count(jaxpr, "reduce_or") == 1 and primitive_count(jaxpr, "and") == 0
+    out = both(xm)
+    for b, n in enumerate(LENGTHS):
+        u = x[b, :n]
+        np.testing.assert_allclose(np.asarray(out.data[b]), u.sum(0) + u.max(0) + u.mean(0), rtol=1e-5)
+    var1 = mj.maskify(lambda v: jnp.var(v, axis=1, ddof=1))
+    assert primitive_count(jax.make_jaxpr(var1)(xm), "and") == 1
+    short = mj.masked_array(xm.data, xm.compact_mask & (jnp.arange(max(LENGTHS)) < 1)[None, :, None])
+    np.testing.assert_array_equal(np.asarray(var1(short).mask), False)  # one valid element: ddof=1 leaves none
+
+
 def test_a_mean_pool_keeps_its_mask_compact_before_the_head():
     """A mean over the tokens of a (B, L, 1)-masked batch is valid per sequence: its mask stays
     (B, 1), so the classifier head's contraction needs no run-time test."""
@@ -712,7 +781,7 @@ def test_a_mean_pool_keeps_its_mask_compact_before_the_head():
         np.testing.assert_allclose(np.asarray(out.data[b]), x[b, :n].mean(0) @ head, rtol=1e-5)
 
 
-@settings(max_examples=30)
+@settings(max_examples=int(os.environ.get("MJ_ATTENTION_EXAMPLES", 30)))
 @given(seed=st.integers(0, 2**16), length=st.integers(1, 6), shared=st.booleans(), flip=st.integers(0, 11),
        special=st.sampled_from([np.inf, -np.inf, np.nan]), at=st.sampled_from(["values", "inputs"]))
 def test_attention_with_recorded_factors_equals_the_general_rule(seed, length, shared, flip, special, at):

@@ -49,9 +49,11 @@ def and_masks(*masks: Mask) -> Mask:
     if not _factors.active():
         return functools.reduce(jnp.logical_and, present)
     shape = np.broadcast_shapes(*(np.shape(m) for m in present))
-    fs = tuple(dict.fromkeys(f for m in present for f in _factors.aligned(_factors.factors(m), len(shape))))
+    fs = _factors.without_implied(tuple(dict.fromkeys(
+        f for m in present for f in _factors.aligned(_factors.factors(m), len(shape)))))
     for m in present:
-        if np.shape(m) == shape and set(_factors.aligned(_factors.factors(m), len(shape))) == set(fs):
+        own = _factors.without_implied(_factors.aligned(_factors.factors(m), len(shape)))
+        if np.shape(m) == shape and set(own) == set(fs):
             return m
     return _factors.record(functools.reduce(jnp.logical_and, present), fs)
 
@@ -153,8 +155,14 @@ def any_valid(mask, shape, axes, keepdims=False):
         if _factors.active() and not keepdims:
             _factors.record(out, _factors.dropped(_factors.factors(mask), axes))
         return out
-    out = jnp.any(mask, axis=axes, keepdims=True)
-    return out if keepdims else jnp.squeeze(out, axis=axes)
+    out = _factors.memo(("any", id(mask), axes), lambda: _factors.record(
+        jnp.any(mask, axis=axes, keepdims=True), _factors.any_along(_factors.factors(mask), axes)), mask)
+    if keepdims:
+        return out
+    squeezed = jnp.squeeze(out, axis=axes)
+    if _factors.active():
+        _factors.record(squeezed, _factors.dropped(_factors.factors(out), axes))
+    return squeezed
 
 
 def count_valid(mask, shape, axes, keepdims=False):

@@ -125,6 +125,35 @@ def reshaped(fs, old, new):
     return tuple(out)
 
 
+def any_along(fs, axes):
+    """Factors of ``any(m, axes, keepdims=True)`` for a mask ``m`` with factors ``fs`` (at its
+    rank), or ``None``. When one factor ``v`` varies along ``axes``, the others are constant there
+    and ``any(m) = (and of the others) & any(v)``; ``any(v)`` is a function of ``v``'s root and
+    the root axes reduced, named by the root ``("any", root, reduced)`` (no array is computed for
+    it: only the records compare it). It is implied by ``v``'s root (see :func:`implies`): a
+    token mask and "the sequence has a valid token" together are the token mask."""
+    varying = [f for f in fs if any(f.axes[a] is not None for a in axes)]
+    if len(varying) != 1:
+        return None
+    v = varying[0]
+    reduced = tuple(sorted(v.axes[a] for a in axes if v.axes[a] is not None))
+    g = Factor(("any", v.root, reduced), tuple(None if i in axes else a for i, a in enumerate(v.axes)))
+    return tuple(f for f in fs if f is not v) + (g,)
+
+
+def implies(f, g) -> bool:
+    """Whether factor ``f`` being True implies ``g`` being True at every position (the same rank):
+    ``g`` is ``any`` of ``f``'s root over some root axes, shown at the axes where ``f`` shows them."""
+    if not (isinstance(g.root, tuple) and g.root[0] == "any" and g.root[1] == f.root):
+        return False
+    return all(a is None or f.axes[i] == a for i, a in enumerate(g.axes))
+
+
+def without_implied(fs):
+    """``fs`` without the factors another one of them implies (their ``and`` is the same)."""
+    return tuple(g for g in fs if not any(f != g and implies(f, g) for f in fs))
+
+
 def same_along(fa, fb, roles_a, roles_b):
     """Whether two masks, as factor sets of two operands, hold the same values along the axes the
     roles name. ``roles_x[i]`` is the role of operand axis ``i``: ``("c", t)`` for the t-th

@@ -149,9 +149,17 @@ def _derive(spec: OpSpec, removed: bool = False):
 def _select_n(prim, invals, **params):
     """``select_n(pred, *cases)``: data and mask selected together (``where``'s rule)."""
     pred, *cases = invals
+    shape = next((jnp.shape(c.data) for c in cases if np.ndim(c.data)), jnp.shape(pred.data))
+    if pred.mask is None and np.ndim(pred.data) == 0 and not isinstance(pred.data, jax.core.Tracer):
+        # a predicate known when traced (jnp.var's "n - ddof > 0"): the case it picks, as where
+        # picks it (a constant case takes the validity of the masked cases), with no select
+        chosen = cases[int(pred.data)]
+        mask = (and_masks(*(c.mask for c in cases if not binary.is_constant(c))) if binary.is_constant(chosen)
+                else chosen.mask)
+        data = chosen.data if np.shape(chosen.data) == tuple(shape) else jnp.broadcast_to(chosen.data, shape)
+        return Pair(data, mask)
     if len(cases) == 2:  # select_n(p, false_case, true_case) is where(p, true_case, false_case)
         return binary.where(pred, cases[1], cases[0])
-    shape = next((jnp.shape(c.data) for c in cases if np.ndim(c.data)), jnp.shape(pred.data))
     data = prim.bind(pred.data, *(jnp.broadcast_to(c.data, shape) for c in cases))
     # as in where: a constant case takes the validity of the masked cases it is combined with
     masked_cases = and_masks(*(c.mask for c in cases if not binary.is_constant(c)))
