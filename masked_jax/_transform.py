@@ -71,6 +71,13 @@ def maskify(fun):
     ``jnp.mean`` / ``jnp.var`` become their masked versions. A primitive without a masked rule
     raises :class:`MaskifyError` naming it and ``fun``.
 
+    Called outside ``jit`` (no argument is a tracer), the masked program is compiled as one
+    program, as ``jax.jit`` would, and the returned function keeps it for later calls with
+    arguments of the same structure, shapes, dtypes and static values: like a jitted function,
+    it does not see Python values ``fun`` reads from outside that change between calls (pass
+    them as arguments, or call ``maskify`` again). Under ``jit``, ``vmap`` or a gradient the
+    masked program is traced into the caller's.
+
     Examples:
         >>> import jax, jax.numpy as jnp, masked_jax as mj
         >>> x = mj.masked_array(jnp.array([1.0, 2.0, 100.0]), jnp.array([True, True, False]))
@@ -82,6 +89,7 @@ def maskify(fun):
     if not callable(fun):
         raise TypeError(f"maskify: fun must be callable; got {type(fun).__name__}.")
     name = getattr(fun, "__name__", repr(fun))
+    programs = {}  # eager calls: (argument structure, statics) -> the jitted masked program
 
     @functools.wraps(fun)
     def wrapped(*args, **kwargs):
@@ -98,9 +106,16 @@ def maskify(fun):
                 dyn_pos.append(i)
             else:
                 statics[i] = leaf
+        n = len(flat)
+        program = _eager_program(programs, pairs, (tree, tuple(dyn_pos)), statics, kwargs,
+                                 lambda ps: interpret(n, tree, ps, statics, dyn_pos, kwargs))
+        if program is not None:
+            return program([p.data for p in pairs], [p.mask for p in pairs])
+        return interpret(n, tree, pairs, statics, dyn_pos, kwargs)
 
+    def interpret(n, tree, pairs, statics, dyn_pos, kwargs):
         def on_data(*datas):
-            leaves = [statics.get(i) for i in range(len(flat))]
+            leaves = [statics.get(i) for i in range(n)]
             for i, d in zip(dyn_pos, datas):
                 leaves[i] = d
             return fun(*jax.tree_util.tree_unflatten(tree, leaves), **kwargs)
@@ -113,6 +128,31 @@ def maskify(fun):
         return jax.tree_util.tree_unflatten(out_tree, [_wrap(o) for o in outs])
 
     return wrapped
+
+
+def _eager_program(programs, pairs, structure, statics, kwargs, interpret):
+    """For a call outside any trace (no argument is a tracer): the masked program, jitted, so that
+    the call compiles one program instead of one per operation, and later calls with the same
+    argument structure and static values reuse it, as ``jax.jit`` does. ``None`` (the program
+    then runs operation by operation) under a trace, or when a static value cannot be a key."""
+    if any(isinstance(x, jax.core.Tracer) for p in pairs for x in (p.data, p.mask)):
+        return None
+    key = (structure, tuple((i, type(v), v) for i, v in sorted(statics.items())),
+           tuple((k, type(v), v) for k, v in sorted(kwargs.items())), tuple(p.mask is None for p in pairs))
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    program = programs.get(key)
+    if program is None:
+        if len(programs) >= 64:  # bounded: calls differ in their structures and static values
+            programs.clear()
+
+        def run(datas, masks):
+            return interpret([Pair(d, m) for d, m in zip(datas, masks)])
+
+        program = programs[key] = jax.jit(run)
+    return program
 
 
 def _is_masked_leaf(x):

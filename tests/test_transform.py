@@ -352,6 +352,39 @@ def test_constants_of_the_function_are_evaluated_together_and_exactly(dtype):
     assert _compiles_to_lower(mj.maskify(_constants_in_the_body), x) <= others + 1
 
 
+def test_an_eager_call_compiles_one_program_and_reuses_it():
+    """Called outside any trace, a maskify'd function compiles its masked program as one program
+    (not one per operation), and a held wrapper reuses it for new values and masks of the same
+    structure; static arguments (Python numbers, keyword arguments) are part of the key, their
+    type included; the results equal the masked_jax.numpy ones every time."""
+    def f(x, k, scale=1.0):
+        return jnp.roll(jnp.tanh(x) * scale, k, axis=1) - jnp.mean(x, axis=1, keepdims=True)
+
+    def want(x, k, scale=1.0):
+        return mnp.roll(mnp.tanh(x) * scale, k, axis=1) - mnp.mean(x, axis=1, keepdims=True)
+
+    expected = want(X, 1)
+    mj.maskify(f)(X, 1)  # (the library's cache of scalar evaluations is warm after one call)
+    g = mj.maskify(f)
+    jax.clear_caches()
+    events = []
+    listener = lambda event, duration, **kw: events.append(event)  # noqa: E731
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        got = g(X, 1)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    _same(got, expected)
+    compiles = sum(e == "/jax/core/compile/backend_compile_duration" for e in events)
+    assert compiles <= 2, f"{compiles} programs compiled for one eager call"
+    other = mj.masked_array(Y.data, Y.mask)
+    for args, kwargs in (((other, 1), {}), ((X, 2), {}), ((X, 2.0 > 1), {}), ((X, 1), {"scale": 2}),
+                         ((X, 1), {"scale": 2.0})):
+        _same(g(*args, **kwargs), want(*args, **kwargs))
+    # under a trace the masked program is traced into the caller's, with no program of its own
+    assert "jit[name=run" not in str(jax.make_jaxpr(lambda x: g(x, 1))(X))
+
+
 def test_masked_mean_pool_after_dropout_sees_only_real_tokens():
     keep = jnp.asarray(RNG.random((3, 4)) > 0.3)
     pooled = mj.maskify(lambda x: jnp.mean(jnp.where(keep, x / 0.7, 0.0), axis=1))(PADDED)
