@@ -71,12 +71,11 @@ def maskify(fun):
     ``jnp.mean`` / ``jnp.var`` become their masked versions. A primitive without a masked rule
     raises :class:`MaskifyError` naming it and ``fun``.
 
-    Called outside ``jit`` (no argument is a tracer), the masked program is compiled as one
-    program, as ``jax.jit`` would, and the returned function keeps it for later calls with
-    arguments of the same structure, shapes, dtypes and static values: like a jitted function,
-    it does not see Python values ``fun`` reads from outside that change between calls (pass
-    them as arguments, or call ``maskify`` again). Under ``jit``, ``vmap`` or a gradient the
-    masked program is traced into the caller's.
+    Called outside ``jit`` (no argument is a tracer), ``fun`` is traced on every call, as
+    eagerly, and its masked program runs as one compiled program, kept for any later call that
+    traces to the same program (the same jaxpr, constants and output structure; a new ``lambda``
+    written the same way included), instead of operation by operation. Under ``jit``, ``vmap``
+    or a gradient the masked program is traced into the caller's.
 
     Examples:
         >>> import jax, jax.numpy as jnp, masked_jax as mj
@@ -89,7 +88,6 @@ def maskify(fun):
     if not callable(fun):
         raise TypeError(f"maskify: fun must be callable; got {type(fun).__name__}.")
     name = getattr(fun, "__name__", repr(fun))
-    programs = {}  # eager calls: (argument structure, statics) -> the jitted masked program
 
     @functools.wraps(fun)
     def wrapped(*args, **kwargs):
@@ -106,52 +104,68 @@ def maskify(fun):
                 dyn_pos.append(i)
             else:
                 statics[i] = leaf
-        n = len(flat)
-        program = _eager_program(programs, pairs, (tree, tuple(dyn_pos)), statics, kwargs,
-                                 lambda ps: interpret(n, tree, ps, statics, dyn_pos, kwargs))
-        if program is not None:
-            return program([p.data for p in pairs], [p.mask for p in pairs])
-        return interpret(n, tree, pairs, statics, dyn_pos, kwargs)
 
-    def interpret(n, tree, pairs, statics, dyn_pos, kwargs):
         def on_data(*datas):
-            leaves = [statics.get(i) for i in range(n)]
+            leaves = [statics.get(i) for i in range(len(flat))]
             for i, d in zip(dyn_pos, datas):
                 leaves[i] = d
             return fun(*jax.tree_util.tree_unflatten(tree, leaves), **kwargs)
 
         with _recording_scans() as scans, _factors.new_trace():  # (inside an outer maskify: a trace apart)
             closed, out_shape = jax.make_jaxpr(on_data, return_shape=True)(*(p.data for p in pairs))
-        with _factors.recording():
-            outs = _Interpreter(name, scans).run(closed.jaxpr, closed.consts, pairs)
         out_tree = jax.tree_util.tree_structure(out_shape)
-        return jax.tree_util.tree_unflatten(out_tree, [_wrap(o) for o in outs])
+        program = _eager_program(name, closed, scans, out_tree, pairs)
+        if program is not None:
+            outs = program([p.data for p in pairs], [p.mask for p in pairs])
+        else:
+            outs = _interpret(name, closed, scans, pairs)
+        return jax.tree_util.tree_unflatten(out_tree, outs)
 
     return wrapped
 
 
-def _eager_program(programs, pairs, structure, statics, kwargs, interpret):
-    """For a call outside any trace (no argument is a tracer): the masked program, jitted, so that
-    the call compiles one program instead of one per operation, and later calls with the same
-    argument structure and static values reuse it, as ``jax.jit`` does. ``None`` (the program
-    then runs operation by operation) under a trace, or when a static value cannot be a key."""
-    if any(isinstance(x, jax.core.Tracer) for p in pairs for x in (p.data, p.mask)):
+def _interpret(name, closed, scans, pairs):
+    """The masked outputs of ``closed`` (``fun``'s jaxpr) on ``pairs``."""
+    with _factors.recording():
+        outs = _Interpreter(name, scans).run(closed.jaxpr, closed.consts, pairs)
+    return [_wrap(o) for o in outs]
+
+
+_EAGER_PROGRAMS: dict = {}
+_SMALL_CONSTANT = 4096  # bytes: constants up to this size are part of the key by value
+
+
+def _eager_program(name, closed, scans, out_tree, pairs):
+    """For a call outside any trace (no argument is a tracer): the masked program of ``closed``,
+    jitted, so that the call compiles one program instead of one per operation. Programs are kept
+    by the jaxpr's text, its constants' values, the output structure and the masks' types: a later
+    call that traces to the same program (the same function, or another one written the same way,
+    even a new ``lambda``) reuses it, and one whose Python values changed traces to another. ``None``
+    (the program then runs operation by operation) under a trace, for a jaxpr with a recorded
+    ``associative_scan`` (its combine function is called again) or a constant larger than
+    :data:`_SMALL_CONSTANT` bytes (it would be kept alive by the program)."""
+    if scans or any(isinstance(x, jax.core.Tracer) for p in pairs for x in (p.data, p.mask)):
         return None
-    key = (structure, tuple((i, type(v), v) for i, v in sorted(statics.items())),
-           tuple((k, type(v), v) for k, v in sorted(kwargs.items())), tuple(p.mask is None for p in pairs))
-    try:
-        hash(key)
-    except TypeError:
-        return None
-    program = programs.get(key)
+    consts = []
+    for c in closed.consts:
+        if not isinstance(c, (jax.Array, np.ndarray, np.generic)) or isinstance(c, jax.core.Tracer):
+            return None
+        keys = jnp.issubdtype(c.dtype, jax.dtypes.extended)  # PRNG keys: their key data
+        a = np.asarray(jax.random.key_data(c) if keys else c)
+        if a.nbytes > _SMALL_CONSTANT or a.dtype == object:
+            return None
+        consts.append((str(c.dtype), a.shape, a.tobytes()))
+    masks = tuple(None if p.mask is None else (tuple(np.shape(p.mask)), str(jnp.result_type(p.mask))) for p in pairs)
+    key = (str(closed.jaxpr), tuple(consts), out_tree, masks)  # (the name only enters error messages)
+    program = _EAGER_PROGRAMS.get(key)
     if program is None:
-        if len(programs) >= 64:  # bounded: calls differ in their structures and static values
-            programs.clear()
+        if len(_EAGER_PROGRAMS) >= 256:  # bounded: programs differ in their jaxprs
+            _EAGER_PROGRAMS.clear()
 
         def run(datas, masks):
-            return interpret([Pair(d, m) for d, m in zip(datas, masks)])
+            return _interpret(name, closed, (), [Pair(d, m) for d, m in zip(datas, masks)])
 
-        program = programs[key] = jax.jit(run)
+        program = _EAGER_PROGRAMS[key] = jax.jit(run)
     return program
 
 

@@ -352,36 +352,50 @@ def test_constants_of_the_function_are_evaluated_together_and_exactly(dtype):
     assert _compiles_to_lower(mj.maskify(_constants_in_the_body), x) <= others + 1
 
 
-def test_an_eager_call_compiles_one_program_and_reuses_it():
-    """Called outside any trace, a maskify'd function compiles its masked program as one program
-    (not one per operation), and a held wrapper reuses it for new values and masks of the same
-    structure; static arguments (Python numbers, keyword arguments) are part of the key, their
-    type included; the results equal the masked_jax.numpy ones every time."""
-    def f(x, k, scale=1.0):
-        return jnp.roll(jnp.tanh(x) * scale, k, axis=1) - jnp.mean(x, axis=1, keepdims=True)
-
-    def want(x, k, scale=1.0):
-        return mnp.roll(mnp.tanh(x) * scale, k, axis=1) - mnp.mean(x, axis=1, keepdims=True)
-
-    expected = want(X, 1)
-    mj.maskify(f)(X, 1)  # (the library's cache of scalar evaluations is warm after one call)
-    g = mj.maskify(f)
-    jax.clear_caches()
+def _compiles(call):
+    """``(result, programs XLA compiled while call() ran)``."""
     events = []
     listener = lambda event, duration, **kw: events.append(event)  # noqa: E731
     jax.monitoring.register_event_duration_secs_listener(listener)
     try:
-        got = g(X, 1)
+        out = call()
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)
+    return out, sum(e == "/jax/core/compile/backend_compile_duration" for e in events)
+
+
+def test_an_eager_call_compiles_one_program_and_reuses_it():
+    """Called outside any trace, a maskify'd function runs its masked program as one compiled
+    program (not one per operation), reused by later calls that trace to the same program (new
+    values and masks, a new lambda written the same way); a changed Python value it reads, or
+    another static argument, traces to another program, as eagerly. Results equal the
+    masked_jax.numpy ones every time; under a trace no program of its own is made."""
+    state = {"scale": 1.0}
+
+    def f(x, k):
+        return jnp.roll(jnp.tanh(x) * state["scale"], k, axis=1) - jnp.mean(x, axis=1, keepdims=True)
+
+    def want(x, k):
+        return mnp.roll(mnp.tanh(x) * state["scale"], k, axis=1) - mnp.mean(x, axis=1, keepdims=True)
+
+    expected = want(X, 1)
+    mj.maskify(f)(X, 1)  # (the library's cache of scalar evaluations is warm after one call)
+    jax.clear_caches()
+    got, compiles = _compiles(lambda: mj.maskify(f)(X, 1))
     _same(got, expected)
-    compiles = sum(e == "/jax/core/compile/backend_compile_duration" for e in events)
     assert compiles <= 2, f"{compiles} programs compiled for one eager call"
     other = mj.masked_array(Y.data, Y.mask)
-    for args, kwargs in (((other, 1), {}), ((X, 2), {}), ((X, 2.0 > 1), {}), ((X, 1), {"scale": 2}),
-                         ((X, 1), {"scale": 2.0})):
-        _same(g(*args, **kwargs), want(*args, **kwargs))
-    # under a trace the masked program is traced into the caller's, with no program of its own
+    got, compiles = _compiles(lambda: mj.maskify(lambda x, k: f(x, k))(other, 1))  # a new lambda, new values
+    _same(got, want(other, 1))
+    assert compiles == 0
+    for args in ((X, 2), (X, True), (X, -1)):
+        _same(mj.maskify(f)(*args), want(*args))
+    state["scale"] = 3.0  # read when traced: a new program, as eagerly
+    _same(mj.maskify(f)(X, 1), want(X, 1))
+    # a closed-over array larger than the key's limit: operation by operation, the same values
+    big = jnp.arange(4096.0).reshape(1024, 4)[:3] / 4096.0
+    _same(mj.maskify(lambda x: x * big)(X), X * big)
+    g = mj.maskify(f)
     assert "jit[name=run" not in str(jax.make_jaxpr(lambda x: g(x, 1))(X))
 
 
