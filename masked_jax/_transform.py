@@ -144,11 +144,11 @@ def _eager_program(name, closed, scans, out_tree, pairs):
     (the program then runs operation by operation) under a trace, for a jaxpr with a recorded
     ``associative_scan`` (its combine function is called again) or a constant larger than
     :data:`_SMALL_CONSTANT` bytes (it would be kept alive by the program)."""
-    if scans or any(isinstance(x, jax.core.Tracer) for p in pairs for x in (p.data, p.mask)):
+    if scans or not all(_is_concrete(x) for p in pairs for x in (p.data, p.mask)):
         return None
     consts = []
     for c in closed.consts:
-        if not isinstance(c, (jax.Array, np.ndarray, np.generic)) or isinstance(c, jax.core.Tracer):
+        if not isinstance(c, (jax.Array, np.ndarray, np.generic)) or not _is_concrete(c):
             return None
         keys = jnp.issubdtype(c.dtype, jax.dtypes.extended)  # PRNG keys: their key data
         a = np.asarray(jax.random.key_data(c) if keys else c)
@@ -157,15 +157,21 @@ def _eager_program(name, closed, scans, out_tree, pairs):
         consts.append((str(c.dtype), a.shape, a.tobytes()))
     masks = tuple(None if p.mask is None else (tuple(np.shape(p.mask)), str(jnp.result_type(p.mask))) for p in pairs)
     key = (str(closed.jaxpr), tuple(consts), out_tree, masks)  # (the name only enters error messages)
-    program = _EAGER_PROGRAMS.get(key)
+
+    def run(datas, masks):
+        return _interpret(name, closed, (), [Pair(d, m) for d, m in zip(datas, masks)])
+
+    return _kept(_EAGER_PROGRAMS, key, lambda: jax.jit(run), 256)
+
+
+def _kept(table, key, make, limit):
+    """``table[key]``, made by ``make()`` the first time; ``table`` is cleared when it holds
+    ``limit`` programs (programs differ in their jaxprs and constants)."""
+    program = table.get(key)
     if program is None:
-        if len(_EAGER_PROGRAMS) >= 256:  # bounded: programs differ in their jaxprs
-            _EAGER_PROGRAMS.clear()
-
-        def run(datas, masks):
-            return _interpret(name, closed, (), [Pair(d, m) for d, m in zip(datas, masks)])
-
-        program = _EAGER_PROGRAMS[key] = jax.jit(run)
+        if len(table) >= limit:
+            table.clear()
+        program = table[key] = make()
     return program
 
 
@@ -692,11 +698,8 @@ def _literal_constants(jaxpr, literal, env):
         hash(key)
     except TypeError:  # a parameter that is not hashable: one equation at a time
         return {}
-    program = _CONSTANT_PROGRAMS.get(key)
-    if program is None:
-        if len(_CONSTANT_PROGRAMS) >= 1024:  # bounded: programs differ in their constants
-            _CONSTANT_PROGRAMS.clear()
-        program = _CONSTANT_PROGRAMS[key] = jax.jit(functools.partial(_run_constants, structure, len(inputs)))
+    program = _kept(_CONSTANT_PROGRAMS, key,
+                    lambda: jax.jit(functools.partial(_run_constants, structure, len(inputs))), 1024)
     try:
         # lowered and compiled apart from any trace this runs in (jax's caches keep the compiled
         # program; jax.clear_caches() clears it), then run on the concrete values, also inside a trace

@@ -151,12 +151,10 @@ def any_valid(mask, shape, axes, keepdims=False):
         out = jnp.zeros_like(jnp.any(mask, axis=axes, keepdims=True))
         return out if keepdims else jnp.squeeze(out, axis=axes)
     if uniform_along(mask, axes):  # nothing to reduce
-        out = mask if keepdims else jnp.squeeze(mask, axis=axes)
-        if _factors.active() and not keepdims:
-            _factors.record(out, _factors.dropped(_factors.factors(mask), axes))
-        return out
-    out = _factors.memo(("any", id(mask), axes), lambda: _factors.record(
-        jnp.any(mask, axis=axes, keepdims=True), _factors.any_along(_factors.factors(mask), axes)), mask)
+        out = mask
+    else:
+        out = _factors.memo(("any", id(mask), axes), lambda: _factors.record(
+            jnp.any(mask, axis=axes, keepdims=True), _factors.any_along(_factors.factors(mask), axes)), mask)
     if keepdims:
         return out
     squeezed = jnp.squeeze(out, axis=axes)
