@@ -10,7 +10,7 @@ RUNTIME_STAMP := $(VENV)/.installed-runtime
 
 DOCS_STAMP := $(VENV)/.installed-docs
 
-.PHONY: demo browser test test-full test-package array-api-suite docs notebooks bench clean
+.PHONY: demo browser test test-full test-package array-api-suite docs notebooks bench bench-gpu-compile clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -80,5 +80,14 @@ notebooks: $(DOCS_STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/ops.py
 
+# The maskify_models train steps compiled for an H100 and an H200 without a GPU (their temporary
+# memory), in .venv-cuda: JAX's CUDA plugin at this venv's JAX version (several GB of downloads).
+bench-gpu-compile: $(STAMP)
+	[ -x .venv-cuda/bin/python ] || $(PYTHON) -m venv .venv-cuda
+	.venv-cuda/bin/python -m pip install -q "jax[cuda13]==$$($(PY) -c 'import jax; print(jax.__version__)')" \
+		"$$($(PY) -m pip freeze | grep -i '^flax==')" "$$($(PY) -m pip freeze | grep -i '^equinox==')" \
+		"$$($(PY) -m pip freeze | grep -i '^optax==')" matplotlib
+	PYTHONPATH=$(CURDIR) .venv-cuda/bin/python benchmarks/gpu_compile.py
+
 clean:
-	rm -rf $(VENV) .venv-oldest build dist *.egg-info docs/_build docs/notebooks docs/benchmarks.md
+	rm -rf $(VENV) .venv-oldest .venv-cuda build dist *.egg-info docs/_build docs/notebooks docs/benchmarks.md

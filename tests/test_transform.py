@@ -713,6 +713,30 @@ def test_attention_over_one_key_mask_takes_no_run_time_test(jit):
     np.testing.assert_allclose(np.asarray(gw), want_w, rtol=2e-4, atol=1e-5)
 
 
+def test_attention_values_fill_is_kept_as_one_buffer():
+    """The values' fill in attention's weights x values contraction sits behind one optimisation
+    barrier (it is the backward pass's residual, kept as one buffer rather than recomputed from the
+    unfilled projection); a dense layer's fill takes none. Forward and reverse derivatives through
+    the barrier agree, under ``vmap`` too."""
+    xm, _ = _padded(4)
+    w = jax.random.normal(jax.random.key(1), (3, 4, 4))
+    attention = mj.maskify(lambda v: _attention(v, v, w, 0.0))
+    assert str(jax.make_jaxpr(attention)(xm)).count("optimization_barrier") == 1
+    dense = mj.maskify(lambda v: jnp.tanh(v @ w[0]) @ w[1])
+    assert "optimization_barrier" not in str(jax.make_jaxpr(dense)(xm))
+
+    def loss(v, w):
+        out = mj.maskify(lambda u: _attention(u, u, w, 0.0))(mj.masked_array(v, xm.compact_mask))
+        return jnp.sum(jnp.sin(out.data))
+
+    rev = jax.jit(jax.jacrev(loss, 1))(xm.data, w)
+    fwd = jax.jit(jax.jacfwd(loss, 1))(xm.data, w)
+    np.testing.assert_allclose(np.asarray(fwd), np.asarray(rev), rtol=2e-4, atol=1e-5)
+    assert np.isfinite(np.asarray(rev)).all()
+    per_w = jax.vmap(jax.grad(loss, 1), in_axes=(None, 0))(xm.data, jnp.stack([w, 2 * w]))
+    np.testing.assert_allclose(np.asarray(per_w[0]), np.asarray(rev), rtol=2e-4, atol=1e-5)
+
+
 def test_values_under_another_mask_keep_the_exact_rule():
     """Values whose mask differs from the keys' along the keys are not known to match: the exact
     rule and its conditional stay, and a valid inf meeting a masked weight gives no NaN."""

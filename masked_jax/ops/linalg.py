@@ -164,6 +164,7 @@ def dot_general(bind, a: Pair, b: Pair, dimension_numbers) -> Pair:
             not _factors.holds_zero(a.data, ma, along=lc) and np.size(b.data) <= np.size(a.data))
         fa = fill(a.data, ma, 0, finite=zero_b, conditional=False, along=lc)
         fb = fill(b.data, mb, 0, finite=not zero_b, conditional=False, along=rc)
+        fa, fb = _materialized(fa, a.data), _materialized(fb, b.data)
     out = Pair(bind(fa, fb), and_masks(out_a, out_b))
     if _factors.active() and const_a and const_b and not lb and (ma is None) != (mb is None):
         # a dense layer with no bias, on rows that hold 0 where masked: 0 there while the plain
@@ -173,6 +174,24 @@ def dot_general(bind, a: Pair, b: Pair, dimension_numbers) -> Pair:
         if _factors.holds_zero(x, m, conditional=True):
             _factors.record_value(out.data, out.mask, 0, True, conditional=True)
     return out
+
+
+def _materialized(filled, data):
+    """``filled`` (a fill of ``data``) behind an optimisation barrier when traced, so that XLA
+    keeps it as one buffer.
+
+    It is what the backward pass reads (the contraction's residual). Without the barrier, XLA's
+    GPU fusion recomputed the fill inside a backward kernel from the unfilled data, and kept that
+    producer alive across the rest of the forward pass. For attention's values that producer is
+    the fused query/key/value projection, three times the values' size; the barrier took an
+    equinox encoder step's temporary memory from 1.11x to 1.05x the hand-masked one's (compiled
+    for an H200). Only attention-like contractions (masked terms meeting valid outputs) take it:
+    on dense layers' inputs, whose fills XLA fuses into the layer, barriers took the same step to
+    1.10x.
+    """
+    if filled is data or not isinstance(filled, jax.core.Tracer):
+        return filled
+    return _factors.memo(("materialized", id(filled)), lambda: jax.lax.optimization_barrier(filled), filled)
 
 
 def _same_along_contraction(ma, mb, nda, ndb, lc, rc, lb, rb):

@@ -1,0 +1,142 @@
+"""The maskify_models train steps compiled for a GPU on a machine without one: XLA temporary memory.
+
+XLA can compile for a CUDA GPU it does not have ("deviceless" ahead-of-time compilation, from a
+target description of the GPU). A compiled program's temporary memory
+(``compiled.memory_analysis().temp_size_in_bytes``) is fixed by the compile, not by a run, so the
+temporary-memory target of ``maskify_models.py`` (maskify / hand-masked <= 1.10x) can be checked
+for a GPU here; times cannot. For the two models of ``maskify_models.py`` (the same batch, the same
+hand-masked and maskify'd train steps), this prints per GPU target the temporary memory, its ratio,
+the number of kernels (fusions and library calls) in the optimised program and its length, and
+saves a bar chart of the ratios to ``results/gpu_compile.png``.
+
+It needs JAX's CUDA plugin, several GB that the project does not install. In a separate venv:
+
+    python -m venv .venv-cuda
+    .venv-cuda/bin/pip install "jax[cuda13]==$(.venv/bin/python -c 'import jax; print(jax.__version__)')" \\
+        flax equinox optax matplotlib
+    PYTHONPATH=$PWD .venv-cuda/bin/python benchmarks/gpu_compile.py [--target h100|h200|all]
+
+The targets describe the GPUs by their public specifications (streaming multiprocessors, memory,
+bandwidth); the numbers this prints for the hand-masked steps on an H200 equalled those measured
+on one (95.4 and 43.1 MiB).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+
+os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")  # no driver to check against
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jax.experimental import topologies
+from jax.sharding import NamedSharding, PartitionSpec
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import maskify_models as mm  # noqa: E402
+from _timing import RESULTS  # noqa: E402
+
+_DEVICE = """
+gpu_device_info {{
+  threads_per_block_limit: 1024 threads_per_warp: 32 shared_memory_per_block: 49152
+  shared_memory_per_core: 233472 threads_per_core_limit: 2048 core_count: 132 fpus_per_core: 128
+  block_dim_limit_x: 2147483647 block_dim_limit_y: 65535 block_dim_limit_z: 65535
+  memory_bandwidth: {bandwidth} l2_cache_size: 52428800 clock_rate_ghz: 1.98
+  device_memory_size: {memory} shared_memory_per_block_optin: 232448
+  cuda_compute_capability {{ major: 9 }} registers_per_core_limit: 65536 registers_per_block_limit: 65536
+}}
+platform_name: "CUDA"
+dnn_version_info {{ major: 9 minor: 8 }}
+runtime_version {{ major: 13 minor: 0 }}
+device_description_str: "{name}"
+"""
+TARGETS = {
+    "h100": _DEVICE.format(name="NVIDIA H100 80GB HBM3", bandwidth=3352320000000, memory=84929347584),
+    "h200": _DEVICE.format(name="NVIDIA H200", bandwidth=4800000000000, memory=150754820096),
+}
+
+
+def sharding_for(target):
+    """A one-device sharding on the described GPU: arrays abstracted to it compile for it."""
+    topology = topologies.get_topology_desc(platform="cuda", target_config=TARGETS[target], topology="1x1x1")
+    return NamedSharding(topologies.make_mesh(topology, (1,), ("x",)), PartitionSpec())
+
+
+def compiled_stats(step, args, sharding):
+    """``(temporary MiB, kernels, HLO lines)`` of the donated ``step`` compiled for ``sharding``."""
+    abstract = jax.tree_util.tree_map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding) if isinstance(a, jax.Array) else a, args)
+    compiled = jax.jit(step, donate_argnums=(0, 1)).lower(*abstract).compile()
+    text = compiled.as_text()
+    entry = text[text.index("\nENTRY "):]
+    kernels = len(re.findall(r" fusion\(| custom-call\(", entry))
+    return compiled.memory_analysis().temp_size_in_bytes / 2**20, kernels, len(text.splitlines())
+
+
+def tables():
+    """``{model: versions}`` as ``maskify_models.py`` builds them, at its full size."""
+    b, length, features = 32, 128, 64
+    x, tokens, labels = mm.batch(b, length, features)
+    model = mm.Encoder()
+    params = model.init(jax.random.key(0), jnp.zeros((1, 4, features)))
+    eqx_model = mm.EqxEncoder(features, jax.random.key(1))
+    eparams, static = eqx.partition(eqx_model, eqx.is_array)
+    return {
+        "flax linen encoder": mm.versions(lambda p, v: model.apply(p, v), lambda p, v, t: model.apply(p, v, t),
+                                          params, x, tokens, labels),
+        "equinox encoder": mm.versions(lambda p, v: jax.vmap(eqx.combine(p, static))(v),
+                                       lambda p, v, t: jax.vmap(eqx.combine(p, static))(v, t),
+                                       eparams, x, tokens, labels),
+    }
+
+
+def plot(ratios):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3))
+    labels = list(ratios)
+    ax.barh(labels, [ratios[k] for k in labels], color="tab:blue")
+    ax.axvline(1.0, color="k", lw=0.8)
+    ax.axvline(1.10, color="tab:red", ls="--", lw=0.8, label="target 1.10x")
+    ax.set_xlabel("temporary memory, maskify / hand-masked")
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    os.makedirs(RESULTS, exist_ok=True)
+    path = os.path.join(RESULTS, "gpu_compile.png")
+    fig.savefig(path, dpi=120)
+    print(f"plot: {path}")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--target", choices=[*TARGETS, "all"], default="all")
+    args = parser.parse_args()
+    targets = list(TARGETS) if args.target == "all" else [args.target]
+    built = tables()
+    print(f"jax {jax.__version__}; compiled for {', '.join(targets)} without a GPU")
+    print(f"{'target':6s} {'model':20s} {'version':12s} {'temp MiB':>9s} {'kernels':>8s} {'HLO lines':>10s}")
+    ratios = {}
+    for target in targets:
+        sharding = sharding_for(target)
+        for model, versions in built.items():
+            stats = {}
+            for version, (step, step_args, _, _) in versions.items():
+                jax.clear_caches()
+                stats[version] = compiled_stats(step, step_args, sharding)
+                temp, kernels, lines = stats[version]
+                print(f"{target:6s} {model:20s} {version:12s} {temp:9.2f} {kernels:8d} {lines:10d}", flush=True)
+            ratio = stats["maskify"][0] / stats["hand-masked"][0]
+            ratios[f"{target} {model}"] = ratio
+            print(f"{target:6s} {model:20s} {'ratio':12s} {ratio:8.3f}x (target <= 1.10x)")
+    plot(ratios)
+
+
+if __name__ == "__main__":
+    main()
