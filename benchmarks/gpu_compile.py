@@ -5,9 +5,11 @@ target description of the GPU). A compiled program's temporary memory
 (``compiled.memory_analysis().temp_size_in_bytes``) is fixed by the compile, not by a run, so the
 temporary-memory target of ``maskify_models.py`` (maskify / hand-masked <= 1.10x) can be checked
 for a GPU here; times cannot. For the two models of ``maskify_models.py`` (the same batch, the same
-hand-masked and maskify'd train steps), this prints per GPU target the temporary memory, its ratio,
-the number of kernels (fusions and library calls) in the optimised program and its length, and
-saves a bar chart of the ratios to ``results/gpu_compile.png``.
+hand-masked and maskify'd train steps), this prints per GPU target the temporary memory, the
+number of kernels (fusions and library calls) in the optimised program, the bytes those kernels
+read and write (their operands and outputs: an estimate of the memory traffic, caches ignored),
+the program's length, and the maskify / hand-masked ratios; it saves a bar chart of the memory
+ratios to ``results/gpu_compile.png``.
 
 It needs JAX's CUDA plugin, several GB that the project does not install. In a separate venv:
 
@@ -33,6 +35,7 @@ os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")  # no driver to ch
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import topologies
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -66,15 +69,44 @@ def sharding_for(target):
     return NamedSharding(topologies.make_mesh(topology, (1,), ("x",)), PartitionSpec())
 
 
+_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4,
+          "f64": 8, "s64": 8, "u64": 8}
+
+
+def _nbytes(shape_text):
+    """Bytes of the arrays an HLO shape (or tuple of shapes) names."""
+    total = 0
+    for dtype, dims in re.findall(r"\b(" + "|".join(_BYTES) + r")\[([0-9,]*)\]", shape_text):
+        total += _BYTES[dtype] * int(np.prod([int(d) for d in dims.split(",") if d]))
+    return total
+
+
+def kernel_traffic(hlo_text):
+    """``(kernels, bytes)``: the entry computation's kernels (fusions and library calls) and the
+    bytes of their operands and outputs, an estimate of the memory traffic that ignores caches."""
+    shapes, kernels, traffic = {}, 0, 0
+    for line in hlo_text[hlo_text.index("\nENTRY "):].splitlines():
+        m = re.match(r"\s*(?:ROOT )?%(\S+) = (.*?) ([\w-]+)\((.*)", line)
+        if not m:
+            continue
+        name, shape, op, rest = m.groups()
+        shapes[name] = shape
+        if op in ("fusion", "custom-call"):
+            operands = re.findall(r"%([\w.\-]+)", rest.split("kind=")[0].split("custom_call_target=")[0])
+            kernels += 1
+            traffic += _nbytes(shape) + sum(_nbytes(shapes.get(o, "")) for o in operands)
+    return kernels, traffic
+
+
 def compiled_stats(step, args, sharding):
-    """``(temporary MiB, kernels, HLO lines)`` of the donated ``step`` compiled for ``sharding``."""
+    """``(temporary MiB, kernels, kernel traffic MiB, HLO lines)`` of the donated ``step`` compiled
+    for ``sharding``."""
     abstract = jax.tree_util.tree_map(
         lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding) if isinstance(a, jax.Array) else a, args)
     compiled = jax.jit(step, donate_argnums=(0, 1)).lower(*abstract).compile()
     text = compiled.as_text()
-    entry = text[text.index("\nENTRY "):]
-    kernels = len(re.findall(r" fusion\(| custom-call\(", entry))
-    return compiled.memory_analysis().temp_size_in_bytes / 2**20, kernels, len(text.splitlines())
+    kernels, traffic = kernel_traffic(text)
+    return compiled.memory_analysis().temp_size_in_bytes / 2**20, kernels, traffic / 2**20, len(text.splitlines())
 
 
 def tables():
@@ -121,7 +153,8 @@ def main():
     targets = list(TARGETS) if args.target == "all" else [args.target]
     built = tables()
     print(f"jax {jax.__version__}; compiled for {', '.join(targets)} without a GPU")
-    print(f"{'target':6s} {'model':20s} {'version':12s} {'temp MiB':>9s} {'kernels':>8s} {'HLO lines':>10s}")
+    print(f"{'target':6s} {'model':20s} {'version':12s} {'temp MiB':>9s} {'kernels':>8s} {'traffic MiB':>12s} "
+          f"{'HLO lines':>10s}")
     ratios = {}
     for target in targets:
         sharding = sharding_for(target)
@@ -130,11 +163,13 @@ def main():
             for version, (step, step_args, _, _) in versions.items():
                 jax.clear_caches()
                 stats[version] = compiled_stats(step, step_args, sharding)
-                temp, kernels, lines = stats[version]
-                print(f"{target:6s} {model:20s} {version:12s} {temp:9.2f} {kernels:8d} {lines:10d}", flush=True)
-            ratio = stats["maskify"][0] / stats["hand-masked"][0]
-            ratios[f"{target} {model}"] = ratio
-            print(f"{target:6s} {model:20s} {'ratio':12s} {ratio:8.3f}x (target <= 1.10x)")
+                temp, kernels, traffic, lines = stats[version]
+                print(f"{target:6s} {model:20s} {version:12s} {temp:9.2f} {kernels:8d} {traffic:12.1f} {lines:10d}",
+                      flush=True)
+            (temp, kernels, traffic, _), (temp0, kernels0, traffic0, _) = stats["maskify"], stats["hand-masked"]
+            ratios[f"{target} {model}"] = temp / temp0
+            print(f"{target:6s} {model:20s} {'ratio':12s} {temp / temp0:8.3f}x {kernels / kernels0:7.2f}x "
+                  f"{traffic / traffic0:11.2f}x (temporary memory target <= 1.10x)")
     plot(ratios)
 
 
