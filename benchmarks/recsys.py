@@ -36,7 +36,8 @@ saves ``benchmarks/results/recsys.png``.
 
 On an accelerator (or with ``--sweep``) it then times lazy Adam's step alone on an 8M x 32 table
 at K = 100k, 1M and 4M ids, against the hand-written step and a fewest-bytes floor (gather,
-update, scatter on sorted distinct ids), in GB/s of touched bytes.
+update, scatter on sorted distinct ids), in GB/s of touched bytes; on a GPU also against the fused
+one-kernel prototype of ``fused_rows.py``, checked first against ``lazy(adam)``.
 
 Run: ``.venv/bin/python benchmarks/recsys.py`` (``--quick``: tables 100x smaller, batch 128;
 ``--reuse-memory``: rerun under a glibc malloc that keeps freed memory, as in ``optim.py``: XLA:CPU
@@ -47,6 +48,7 @@ reuses its heap).
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 
@@ -59,6 +61,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import masked_jax as mj  # noqa: E402
 from masked_jax import optim  # noqa: E402
 from masked_jax.optim._chunked import chunked_update  # noqa: E402
+import fused_rows  # noqa: E402
 from _timing import interleaved_medians, print_table, result_path, save_bar_plot, torch_device  # noqa: E402
 from optim import (LR, Stepper, adam_rows, copy_bandwidth, hand_lazy_adam_step, optax_stepper,  # noqa: E402
                    reusing_memory)
@@ -390,8 +393,11 @@ def optimizer_sweep(bandwidth, quick=False):
     opt = optim.lazy(optax.adam(LR))
     print(f"\nlazy Adam step alone, {n:,} x {DIM} float32 table; ms, and GB/s of touched bytes (share of the "
           f"{bandwidth / 1e9:.0f} GB/s copy bandwidth)")
-    print("| K ids | distinct | lazy(adam), duplicates | lazy(adam), unique | hand-written | floor |")
-    print("|---|---|---|---|---|---|")
+    fused = jax.default_backend() == "gpu"  # the Pallas (Triton) prototype of fused_rows.py
+    if fused:
+        fused_rows.check(interpret=False)
+    print("| K ids | distinct | lazy(adam), duplicates | lazy(adam), unique | hand-written | floor | fused (prototype) |")
+    print("|---|---|---|---|---|---|---|")
     for k in ks:
         ids = rng.integers(0, n, size=k).astype(np.int32)
         vals = rng.normal(size=(k, DIM)).astype(np.float32)
@@ -408,10 +414,14 @@ def optimizer_sweep(bandwidth, quick=False):
             "floor": Stepper(jax.jit(_floor_adam_step, donate_argnums=(0, 1, 2)), fresh(), zeros(), zeros(),
                              jnp.zeros(()), args=(jnp.asarray(uniq), jnp.asarray(urows))),
         }
+        if fused:
+            fns["fused"] = Stepper(functools.partial(fused_rows.fused_adam_step, lr=LR), fresh(), zeros(), zeros(),
+                                   jnp.zeros((), jnp.int32), args=(jnp.asarray(ids), jnp.asarray(vals)))
         t = interleaved_medians(fns, rounds=3, block=5, warmup=2)
         nbytes = 7 * uniq.size * DIM * 4
-        cells = " | ".join(f"{t[c] * 1e3:.3f} ms, {nbytes / t[c] / 1e9:.0f} GB/s ({nbytes / t[c] / bandwidth:.0%})"
-                           for c in ("dup", "unique", "hand", "floor"))
+        cells = " | ".join("n/a (GPU only)" if c not in t else
+                           f"{t[c] * 1e3:.3f} ms, {nbytes / t[c] / 1e9:.0f} GB/s ({nbytes / t[c] / bandwidth:.0%})"
+                           for c in ("dup", "unique", "hand", "floor", "fused"))
         print(f"| {k:,} | {uniq.size:,} | {cells} |", flush=True)
         del fns
 

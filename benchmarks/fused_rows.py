@@ -1,0 +1,127 @@
+"""A fused row-sparse Adam step for GPUs, as a measured prototype (not part of masked_jax).
+
+The library's lazy Adam, given ids with duplicates, first sums each row's duplicates into a
+coalesced gradient and then updates the coalesced rows: two programs, and the coalesced gradient
+is written by the first and read by the second. This step does it in one Pallas (Triton) kernel
+after a sort: the ids are sorted with their positions, each distinct row's run of duplicates is
+found from the sorted ids, and one kernel program per block of distinct rows sums its rows'
+gradients (gathered through the sort's permutation), reads their parameter and moments, and
+writes them back updated. No coalesced gradient is stored.
+
+``recsys.py`` times it beside ``lazy(adam)`` in its optimizer sweep on a GPU. Run alone, this
+module checks it against plain lazy Adam on a small table, in Pallas' interpreter (any machine):
+
+    .venv/bin/python benchmarks/fused_rows.py
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+BLOCK = 64  # distinct rows per kernel program
+
+
+def _kernel(b1, b2, eps, lr, rows_ref, starts_ref, counts_ref, perm_ref, g_ref, step_ref, p_in, m_in, v_in,
+            p_ref, m_ref, v_ref):
+    del p_in, m_in, v_in  # aliased to the outputs
+    rows, starts, counts = rows_ref[...], starts_ref[...], counts_ref[...]
+    live = counts > 0
+    cols = jnp.arange(g_ref.shape[1])
+
+    def add(t, acc):
+        take = t < counts
+        at = plgpu.load(perm_ref.at[jnp.where(take, starts + t, 0)], mask=take, other=0)
+        return acc + plgpu.load(g_ref.at[at[:, None], cols[None, :]], mask=take[:, None], other=0.0)
+
+    g = jax.lax.fori_loop(0, jnp.max(counts), add, jnp.zeros((rows.shape[0], cols.shape[0]), jnp.float32))
+    at = (jnp.where(live, rows, 0)[:, None], cols[None, :])
+    p = plgpu.load(p_ref.at[at], mask=live[:, None], other=0.0)
+    m = plgpu.load(m_ref.at[at], mask=live[:, None], other=0.0)
+    v = plgpu.load(v_ref.at[at], mask=live[:, None], other=0.0)
+    step = step_ref[0]
+    m = b1 * m + (1 - b1) * g
+    v = b2 * v + (1 - b2) * g * g
+    m_hat = m / (1 - b1 ** step)
+    v_hat = v / (1 - b2 ** step)
+    plgpu.store(p_ref.at[at], p - lr * m_hat / (jnp.sqrt(v_hat) + eps), mask=live[:, None])
+    plgpu.store(m_ref.at[at], m, mask=live[:, None])
+    plgpu.store(v_ref.at[at], v, mask=live[:, None])
+
+
+def runs(ids):
+    """``(rows, starts, counts, perm)`` of ``ids`` (K,): sorted with their positions ``perm``, the
+    distinct ids ``rows``, where each one's run starts in the sorted order and how long it is, padded
+    to a multiple of ``BLOCK`` with empty runs (count 0)."""
+    k = ids.shape[0]
+    sorted_ids, perm = jax.lax.sort_key_val(ids, jnp.arange(k, dtype=jnp.int32))
+    first = jnp.concatenate([jnp.ones((1,), bool), sorted_ids[1:] != sorted_ids[:-1]])
+    size = -(-k // BLOCK) * BLOCK
+    (starts,) = jnp.nonzero(first, size=size, fill_value=k)
+    starts = starts.astype(jnp.int32)
+    ends = jnp.concatenate([starts[1:], jnp.full((1,), k, jnp.int32)])
+    ends = jnp.where(starts < k, jnp.minimum(ends, k), k)
+    rows = jnp.take(sorted_ids, starts, mode="fill", fill_value=0)
+    return rows, starts, ends - starts, perm
+
+
+@functools.partial(jax.jit, static_argnames=("lr", "b1", "b2", "eps", "interpret"), donate_argnums=(0, 1, 2))
+def fused_adam_step(p, m, v, count, ids, g, *, lr, b1=0.9, b2=0.999, eps=1e-8, interpret=False):
+    """Lazy Adam on the rows ``ids`` (duplicates summed) of ``p`` and its moments ``m``, ``v``: the
+    new ``(p, m, v, count)``. ``count`` is the step count before this step."""
+    rows, starts, counts, perm = runs(ids)
+    count = count + 1
+    step = jnp.reshape(count, (1,)).astype(jnp.float32)
+    n, d = p.shape
+    k = g.shape[0]
+    block = lambda i: (i,)  # noqa: E731
+    whole2 = lambda i: (0, 0)  # noqa: E731
+    out = pl.pallas_call(
+        functools.partial(_kernel, b1, b2, eps, lr),
+        out_shape=[jax.ShapeDtypeStruct((n, d), p.dtype)] * 3,
+        grid=(rows.shape[0] // BLOCK,),
+        in_specs=[pl.BlockSpec((BLOCK,), block)] * 3
+        + [pl.BlockSpec((k,), lambda i: (0,)), pl.BlockSpec((k, d), whole2), pl.BlockSpec((1,), lambda i: (0,))]
+        + [pl.BlockSpec((n, d), whole2)] * 3,
+        out_specs=[pl.BlockSpec((n, d), whole2)] * 3,
+        input_output_aliases={6: 0, 7: 1, 8: 2},
+        interpret=interpret,
+        compiler_params=None if interpret else plgpu.CompilerParams(num_warps=4),
+    )(rows, starts, counts, perm, g, step, p, m, v)
+    return (*out, count)
+
+
+def check(n=1000, k=700, dim=32, seed=0, interpret=True):
+    """The fused step equals plain lazy Adam (duplicates summed, untouched rows bit-identical) over
+    two steps, in Pallas' interpreter (``interpret=False``: compiled, on a GPU)."""
+    import optax
+
+    from masked_jax import optim
+    import masked_jax as mj
+
+    rng = np.random.default_rng(seed)
+    table = rng.normal(size=(n, dim)).astype(np.float32)
+    opt = optim.lazy(optax.adam(1e-2))
+    want_p, state = jnp.asarray(table), opt.init(jnp.asarray(table))
+    p, m, v, count = jnp.asarray(table), jnp.zeros((n, dim)), jnp.zeros((n, dim)), jnp.zeros((), jnp.int32)
+    for _ in range(2):
+        ids = rng.integers(0, n // 3, size=k).astype(np.int32)  # many duplicates
+        g = rng.normal(size=(k, dim)).astype(np.float32)
+        u, state = opt.update(mj.row_sparse(jnp.asarray(g), jnp.asarray(ids), (n, dim)), state, want_p)
+        want_p = optim.apply_updates(want_p, u)
+        p, m, v, count = fused_adam_step(p, m, v, count, jnp.asarray(ids), jnp.asarray(g), lr=1e-2,
+                                          interpret=interpret)
+    np.testing.assert_allclose(np.asarray(p), np.asarray(want_p), rtol=1e-5, atol=1e-6)
+    untouched = np.setdiff1d(np.arange(n), np.arange(n // 3))
+    assert (np.asarray(p)[untouched] == table[untouched]).all()
+    print(f"fused step equals lazy(adam) on a {n} x {dim} table, {k} ids with duplicates, two steps"
+          f"{' (Pallas interpreter)' if interpret else ''}")
+
+
+if __name__ == "__main__":
+    check()
