@@ -27,20 +27,12 @@ from jax.experimental.pallas import triton as plgpu
 BLOCK = 64  # distinct rows per kernel program
 
 
-def _kernel(b1, b2, eps, lr, rows_ref, starts_ref, counts_ref, perm_ref, g_ref, step_ref, p_in, m_in, v_in,
-            p_ref, m_ref, v_ref):
-    del p_in, m_in, v_in  # aliased to the outputs
-    rows, starts, counts = rows_ref[...], starts_ref[...], counts_ref[...]
-    live = counts > 0
-    cols = jnp.arange(g_ref.shape[1])
-
-    def add(t, acc):
-        take = t < counts
-        at = plgpu.load(perm_ref.at[jnp.where(take, starts + t, 0)], mask=take, other=0)
-        return acc + plgpu.load(g_ref.at[at[:, None], cols[None, :]], mask=take[:, None], other=0.0)
-
-    g = jax.lax.fori_loop(0, jnp.max(counts), add, jnp.zeros((rows.shape[0], cols.shape[0]), jnp.float32))
-    at = (jnp.where(live, rows, 0)[:, None], cols[None, :])
+def _adam_rows(b1, b2, eps, lr, rows, live, g, step_ref, p_ref, m_ref, v_ref):
+    """Adam on the rows ``rows`` where ``live``, with their summed gradients ``g``: read, updated,
+    written back."""
+    # lanes not live point past the table: their masked loads and stores touch nothing (in Pallas'
+    # interpreter too, which drops the store instead of writing back what it read)
+    at = (jnp.where(live, rows, p_ref.shape[0])[:, None], jnp.arange(g.shape[1])[None, :])
     p = plgpu.load(p_ref.at[at], mask=live[:, None], other=0.0)
     m = plgpu.load(m_ref.at[at], mask=live[:, None], other=0.0)
     v = plgpu.load(v_ref.at[at], mask=live[:, None], other=0.0)
@@ -52,6 +44,51 @@ def _kernel(b1, b2, eps, lr, rows_ref, starts_ref, counts_ref, perm_ref, g_ref, 
     plgpu.store(p_ref.at[at], p - lr * m_hat / (jnp.sqrt(v_hat) + eps), mask=live[:, None])
     plgpu.store(m_ref.at[at], m, mask=live[:, None])
     plgpu.store(v_ref.at[at], v, mask=live[:, None])
+
+
+def _gradient_rows(perm_ref, g_ref, where, take):
+    """The gradient rows at sorted positions ``where`` (through the sort's permutation), 0 where
+    not ``take``."""
+    at = plgpu.load(perm_ref.at[jnp.where(take, where, 0)], mask=take, other=0)
+    cols = jnp.arange(g_ref.shape[1])
+    return plgpu.load(g_ref.at[at[:, None], cols[None, :]], mask=take[:, None], other=0.0)
+
+
+def _runs_kernel(b1, b2, eps, lr, rows_ref, starts_ref, counts_ref, perm_ref, g_ref, step_ref, p_in, m_in, v_in,
+                 p_ref, m_ref, v_ref):
+    """One program per ``BLOCK`` distinct rows, given where each one's run starts and its length."""
+    del p_in, m_in, v_in  # aliased to the outputs
+    rows, starts, counts = rows_ref[...], starts_ref[...], counts_ref[...]
+
+    def add(t, acc):
+        return acc + _gradient_rows(perm_ref, g_ref, starts + t, t < counts)
+
+    g = jax.lax.fori_loop(0, jnp.max(counts), add, jnp.zeros((rows.shape[0], g_ref.shape[1]), jnp.float32))
+    _adam_rows(b1, b2, eps, lr, rows, counts > 0, g, step_ref, p_ref, m_ref, v_ref)
+
+
+def _sorted_kernel(b1, b2, eps, lr, ids_ref, perm_ref, g_ref, step_ref, p_in, m_in, v_in, p_ref, m_ref, v_ref):
+    """One program per ``BLOCK`` sorted positions; a position that starts a run (its id differs
+    from the one before; -1 pads) sums the run by reading on until the id changes."""
+    del p_in, m_in, v_in
+    k = ids_ref.shape[0]
+    j = pl.program_id(0) * BLOCK + jnp.arange(BLOCK)
+    ids = plgpu.load(ids_ref.at[j])
+    before = plgpu.load(ids_ref.at[jnp.maximum(j - 1, 0)])
+    lead = (ids >= 0) & ((j == 0) | (ids != before))
+
+    def more(carry):
+        return jnp.max(carry[2].astype(jnp.int32)) > 0  # (Triton lowers no reduce_or)
+
+    def add(carry):
+        t, acc, going = carry
+        acc = acc + _gradient_rows(perm_ref, g_ref, j + t, going)
+        nxt = jnp.where(going & (j + t + 1 < k), j + t + 1, 0)
+        going = going & (j + t + 1 < k) & (plgpu.load(ids_ref.at[nxt], mask=going, other=-1) == ids)
+        return t + 1, acc, going
+
+    _, g, _ = jax.lax.while_loop(more, add, (0, jnp.zeros((BLOCK, g_ref.shape[1]), jnp.float32), lead))
+    _adam_rows(b1, b2, eps, lr, ids, lead, g, step_ref, p_ref, m_ref, v_ref)
 
 
 def runs(ids):
@@ -70,29 +107,43 @@ def runs(ids):
     return rows, starts, ends - starts, perm
 
 
-@functools.partial(jax.jit, static_argnames=("lr", "b1", "b2", "eps", "interpret"), donate_argnums=(0, 1, 2))
-def fused_adam_step(p, m, v, count, ids, g, *, lr, b1=0.9, b2=0.999, eps=1e-8, interpret=False):
+@functools.partial(jax.jit, static_argnames=("lr", "b1", "b2", "eps", "compact", "interpret"),
+                   donate_argnums=(0, 1, 2))
+def fused_adam_step(p, m, v, count, ids, g, *, lr, b1=0.9, b2=0.999, eps=1e-8, compact=True, interpret=False):
     """Lazy Adam on the rows ``ids`` (duplicates summed) of ``p`` and its moments ``m``, ``v``: the
-    new ``(p, m, v, count)``. ``count`` is the step count before this step."""
-    rows, starts, counts, perm = runs(ids)
+    new ``(p, m, v, count)``. ``count`` is the step count before this step. ``compact``: the
+    distinct rows' runs are listed first (``runs``) and each kernel program takes ``BLOCK`` of
+    them; else each program takes ``BLOCK`` sorted positions and finds the runs that start there
+    (no listing, idle lanes where duplicates are)."""
     count = count + 1
     step = jnp.reshape(count, (1,)).astype(jnp.float32)
     n, d = p.shape
     k = g.shape[0]
-    block = lambda i: (i,)  # noqa: E731
-    whole2 = lambda i: (0, 0)  # noqa: E731
+    whole = lambda shape: pl.BlockSpec(shape, lambda i: (0,) * len(shape))  # noqa: E731
+    tables = [whole((n, d))] * 3
+    if compact:
+        rows, starts, counts, perm = runs(ids)
+        kernel, grid = _runs_kernel, rows.shape[0] // BLOCK
+        operands = (rows, starts, counts, perm)
+        specs = [pl.BlockSpec((BLOCK,), lambda i: (i,))] * 3 + [whole((k,))]
+    else:
+        sorted_ids, perm = jax.lax.sort_key_val(ids, jnp.arange(k, dtype=jnp.int32))
+        size = -(-k // BLOCK) * BLOCK
+        sorted_ids = jnp.concatenate([sorted_ids, jnp.full((size - k,), -1, sorted_ids.dtype)])
+        kernel, grid = _sorted_kernel, size // BLOCK
+        operands = (sorted_ids, perm)
+        specs = [whole((size,)), whole((k,))]
+    first_table = len(operands) + 2
     out = pl.pallas_call(
-        functools.partial(_kernel, b1, b2, eps, lr),
+        functools.partial(kernel, b1, b2, eps, lr),
         out_shape=[jax.ShapeDtypeStruct((n, d), p.dtype)] * 3,
-        grid=(rows.shape[0] // BLOCK,),
-        in_specs=[pl.BlockSpec((BLOCK,), block)] * 3
-        + [pl.BlockSpec((k,), lambda i: (0,)), pl.BlockSpec((k, d), whole2), pl.BlockSpec((1,), lambda i: (0,))]
-        + [pl.BlockSpec((n, d), whole2)] * 3,
-        out_specs=[pl.BlockSpec((n, d), whole2)] * 3,
-        input_output_aliases={6: 0, 7: 1, 8: 2},
+        grid=(grid,),
+        in_specs=specs + [whole((k, d)), whole((1,))] + tables,
+        out_specs=tables,
+        input_output_aliases={first_table: 0, first_table + 1: 1, first_table + 2: 2},
         interpret=interpret,
         compiler_params=None if interpret else plgpu.CompilerParams(num_warps=4),
-    )(rows, starts, counts, perm, g, step, p, m, v)
+    )(*operands, g, step, p, m, v)
     return (*out, count)
 
 
@@ -108,18 +159,20 @@ def check(n=1000, k=700, dim=32, seed=0, interpret=True):
     table = rng.normal(size=(n, dim)).astype(np.float32)
     opt = optim.lazy(optax.adam(1e-2))
     want_p, state = jnp.asarray(table), opt.init(jnp.asarray(table))
-    p, m, v, count = jnp.asarray(table), jnp.zeros((n, dim)), jnp.zeros((n, dim)), jnp.zeros((), jnp.int32)
+    fused = {compact: (jnp.asarray(table), jnp.zeros((n, dim)), jnp.zeros((n, dim)), jnp.zeros((), jnp.int32))
+             for compact in (True, False)}  # each form donates its own buffers
     for _ in range(2):
         ids = rng.integers(0, n // 3, size=k).astype(np.int32)  # many duplicates
         g = rng.normal(size=(k, dim)).astype(np.float32)
         u, state = opt.update(mj.row_sparse(jnp.asarray(g), jnp.asarray(ids), (n, dim)), state, want_p)
         want_p = optim.apply_updates(want_p, u)
-        p, m, v, count = fused_adam_step(p, m, v, count, jnp.asarray(ids), jnp.asarray(g), lr=1e-2,
-                                          interpret=interpret)
-    np.testing.assert_allclose(np.asarray(p), np.asarray(want_p), rtol=1e-5, atol=1e-6)
+        fused = {compact: fused_adam_step(*carry, jnp.asarray(ids), jnp.asarray(g), lr=1e-2, compact=compact,
+                                          interpret=interpret) for compact, carry in fused.items()}
     untouched = np.setdiff1d(np.arange(n), np.arange(n // 3))
-    assert (np.asarray(p)[untouched] == table[untouched]).all()
-    print(f"fused step equals lazy(adam) on a {n} x {dim} table, {k} ids with duplicates, two steps"
+    for p, *_ in fused.values():
+        np.testing.assert_allclose(np.asarray(p), np.asarray(want_p), rtol=1e-5, atol=1e-6)
+        assert (np.asarray(p)[untouched] == table[untouched]).all()
+    print(f"fused steps (both forms) equal lazy(adam) on a {n} x {dim} table, {k} ids with duplicates, two steps"
           f"{' (Pallas interpreter)' if interpret else ''}")
 
 
