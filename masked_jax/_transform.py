@@ -522,8 +522,13 @@ class _Interpreter:
         # Where it is masked the quotient is the sum itself (a finite sum of zero-filled terms, or a
         # valid sum left without a divisor): no select at the sum's shape, only at the count's.
         data = num.data / jnp.where(valid, dof, 1).astype(jnp.result_type(num.data))
-        # with no ddof a positive count is the sum's own validity: its mask, with no and
-        return Pair(data, num.mask if ddof == 0 and s.any else and_masks(num.mask, valid))
+        if ddof == 0 and s.any:
+            # with no ddof a positive count is the sum's own validity: its mask, with no and; zero
+            # sums where it is masked stay zero (divided by 1)
+            if _factors.holds_zero(num.data, num.mask):
+                _factors.record_value(data, num.mask, 0, True)
+            return Pair(data, num.mask)
+        return Pair(data, and_masks(num.mask, valid))
 
     def named_call(self, eqn, params, invals):
         """A jax function's own jit call (``jnp.median``) replaced by its op's rule, its static

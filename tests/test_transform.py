@@ -737,6 +737,33 @@ def test_attention_values_fill_is_kept_as_one_buffer():
     np.testing.assert_allclose(np.asarray(per_w[0]), np.asarray(rev), rtol=2e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_a_sum_over_masked_slices_is_a_known_zero(jit):
+    """A sum (and a mean) along an axis the mask varies on holds 0 in its masked slices, and
+    maskify records it: a dense layer after a mean pool reads the pooled rows with no fill at their
+    shape. A sequence with no valid token is masked, its row of the layer's output too, and the
+    weight gradient is the other sequences' (finite, no NaN from the padding)."""
+    xm, x = _padded(4)
+    tokens = np.asarray(xm.compact_mask).copy()
+    tokens[1] = False  # the second sequence has no valid token
+    xm = mj.masked_array(jnp.where(jnp.asarray(tokens), xm.data, jnp.nan), jnp.asarray(tokens))
+    w = jax.random.normal(jax.random.key(3), (4, 2))
+    pool = mj.maskify(lambda v, w: jnp.tanh(jnp.mean(v, axis=1) @ w))
+    text = str(jax.make_jaxpr(pool)(xm, w))
+    pooled_selects = [line for line in text.splitlines() if "select_n" in line and "f32[3,4]" in line.split("=")[0]]
+    assert not pooled_selects, pooled_selects
+    out = (jax.jit(pool) if jit else pool)(xm, w)
+    assert np.asarray(out.mask).tolist() == [[True, True], [False, False], [True, True]]
+    loss = lambda w: jnp.sum(pool(xm, w).filled(0.0))  # noqa: E731
+    grad = (jax.jit(jax.grad(loss)) if jit else jax.grad(loss))(w)
+    want = 0
+    for b, n in ((0, LENGTHS[0]), (2, LENGTHS[2])):
+        seq = jnp.asarray(x[b, :n])
+        np.testing.assert_allclose(np.asarray(out.data[b]), jnp.tanh(jnp.mean(seq, axis=0) @ w), rtol=1e-5)
+        want = want + jax.grad(lambda w: jnp.sum(jnp.tanh(jnp.mean(seq, axis=0) @ w)))(w)
+    np.testing.assert_allclose(np.asarray(grad), np.asarray(want), rtol=1e-5, atol=1e-6)
+
+
 def test_values_under_another_mask_keep_the_exact_rule():
     """Values whose mask differs from the keys' along the keys are not known to match: the exact
     rule and its conditional stay, and a valid inf meeting a masked weight gives no NaN."""

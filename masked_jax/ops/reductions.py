@@ -157,9 +157,13 @@ def sum(x: Pair, axis=None, dtype=None, keepdims=False) -> Pair:  # noqa: A001
         return Pair(total, valid)
     filled = fill(data, m, 0).astype(_sum_dtype(data.dtype, dtype))
     if m.shape != data.shape:  # a compact mask: whether a slice has a valid entry, not how many
-        return Pair(_keep(_accumulated_sum(filled, axes), axes, keepdims), any_valid(m, data.shape, axes, keepdims))
-    total, n = sum_count(filled, m, axes)
-    return Pair(_keep(total, axes, keepdims), _keep(n > 0, axes, keepdims))
+        total = _keep(_accumulated_sum(filled, axes), axes, keepdims)
+        valid = any_valid(m, data.shape, axes, keepdims)
+    else:
+        total, n = sum_count(filled, m, axes)
+        total, valid = _keep(total, axes, keepdims), _keep(n > 0, axes, keepdims)
+    _factors.record_value(total, valid, 0, True)  # a masked slice sums filled zeros only
+    return Pair(total, valid)
 
 
 def prod(x: Pair, axis=None, dtype=None, keepdims=False) -> Pair:
