@@ -24,26 +24,21 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from optim import LR, adam_rows
+
 BLOCK = 64  # distinct rows per kernel program
 
 
-def _adam_rows(b1, b2, eps, lr, rows, live, g, step_ref, p_ref, m_ref, v_ref):
-    """Adam on the rows ``rows`` where ``live``, with their summed gradients ``g``: read, updated,
-    written back."""
+def _adam_rows(rows, live, g, step_ref, p_ref, m_ref, v_ref):
+    """Adam (``optim.adam_rows``) on the rows ``rows`` where ``live``, with their summed gradients
+    ``g``: read, updated, written back."""
     # lanes not live point past the table: their masked loads and stores touch nothing (in Pallas'
     # interpreter too, which drops the store instead of writing back what it read)
     at = (jnp.where(live, rows, p_ref.shape[0])[:, None], jnp.arange(g.shape[1])[None, :])
-    p = plgpu.load(p_ref.at[at], mask=live[:, None], other=0.0)
-    m = plgpu.load(m_ref.at[at], mask=live[:, None], other=0.0)
-    v = plgpu.load(v_ref.at[at], mask=live[:, None], other=0.0)
-    step = step_ref[0]
-    m = b1 * m + (1 - b1) * g
-    v = b2 * v + (1 - b2) * g * g
-    m_hat = m / (1 - b1 ** step)
-    v_hat = v / (1 - b2 ** step)
-    plgpu.store(p_ref.at[at], p - lr * m_hat / (jnp.sqrt(v_hat) + eps), mask=live[:, None])
-    plgpu.store(m_ref.at[at], m, mask=live[:, None])
-    plgpu.store(v_ref.at[at], v, mask=live[:, None])
+    p, m, v = (plgpu.load(ref.at[at], mask=live[:, None], other=0.0) for ref in (p_ref, m_ref, v_ref))
+    step, m, v = adam_rows(m, v, g, step_ref[0])
+    for ref, new in ((p_ref, p + step), (m_ref, m), (v_ref, v)):
+        plgpu.store(ref.at[at], new, mask=live[:, None])
 
 
 def _gradient_rows(perm_ref, g_ref, where, take):
@@ -54,7 +49,7 @@ def _gradient_rows(perm_ref, g_ref, where, take):
     return plgpu.load(g_ref.at[at[:, None], cols[None, :]], mask=take[:, None], other=0.0)
 
 
-def _runs_kernel(b1, b2, eps, lr, rows_ref, starts_ref, counts_ref, perm_ref, g_ref, step_ref, p_in, m_in, v_in,
+def _runs_kernel(rows_ref, starts_ref, counts_ref, perm_ref, g_ref, step_ref, p_in, m_in, v_in,
                  p_ref, m_ref, v_ref):
     """One program per ``BLOCK`` distinct rows, given where each one's run starts and its length."""
     del p_in, m_in, v_in  # aliased to the outputs
@@ -64,10 +59,10 @@ def _runs_kernel(b1, b2, eps, lr, rows_ref, starts_ref, counts_ref, perm_ref, g_
         return acc + _gradient_rows(perm_ref, g_ref, starts + t, t < counts)
 
     g = jax.lax.fori_loop(0, jnp.max(counts), add, jnp.zeros((rows.shape[0], g_ref.shape[1]), jnp.float32))
-    _adam_rows(b1, b2, eps, lr, rows, counts > 0, g, step_ref, p_ref, m_ref, v_ref)
+    _adam_rows(rows, counts > 0, g, step_ref, p_ref, m_ref, v_ref)
 
 
-def _sorted_kernel(b1, b2, eps, lr, ids_ref, perm_ref, g_ref, step_ref, p_in, m_in, v_in, p_ref, m_ref, v_ref):
+def _sorted_kernel(ids_ref, perm_ref, g_ref, step_ref, p_in, m_in, v_in, p_ref, m_ref, v_ref):
     """One program per ``BLOCK`` sorted positions; a position that starts a run (its id differs
     from the one before; -1 pads) sums the run by reading on until the id changes."""
     del p_in, m_in, v_in
@@ -88,7 +83,7 @@ def _sorted_kernel(b1, b2, eps, lr, ids_ref, perm_ref, g_ref, step_ref, p_in, m_
         return t + 1, acc, going
 
     _, g, _ = jax.lax.while_loop(more, add, (0, jnp.zeros((BLOCK, g_ref.shape[1]), jnp.float32), lead))
-    _adam_rows(b1, b2, eps, lr, ids, lead, g, step_ref, p_ref, m_ref, v_ref)
+    _adam_rows(ids, lead, g, step_ref, p_ref, m_ref, v_ref)
 
 
 def runs(ids):
@@ -107,11 +102,10 @@ def runs(ids):
     return rows, starts, ends - starts, perm
 
 
-@functools.partial(jax.jit, static_argnames=("lr", "b1", "b2", "eps", "compact", "interpret"),
-                   donate_argnums=(0, 1, 2))
-def fused_adam_step(p, m, v, count, ids, g, *, lr, b1=0.9, b2=0.999, eps=1e-8, compact=True, interpret=False):
-    """Lazy Adam on the rows ``ids`` (duplicates summed) of ``p`` and its moments ``m``, ``v``: the
-    new ``(p, m, v, count)``. ``count`` is the step count before this step. ``compact``: the
+@functools.partial(jax.jit, static_argnames=("compact", "interpret"), donate_argnums=(0, 1, 2))
+def fused_adam_step(p, m, v, count, ids, g, *, compact=True, interpret=False):
+    """Lazy Adam (``optim.adam_rows``, learning rate ``optim.LR``) on the rows ``ids`` (duplicates
+    summed) of ``p`` and its moments ``m``, ``v``: the new ``(p, m, v, count)``. ``count`` is the step count before this step. ``compact``: the
     distinct rows' runs are listed first (``runs``) and each kernel program takes ``BLOCK`` of
     them; else each program takes ``BLOCK`` sorted positions and finds the runs that start there
     (no listing, idle lanes where duplicates are)."""
@@ -135,7 +129,7 @@ def fused_adam_step(p, m, v, count, ids, g, *, lr, b1=0.9, b2=0.999, eps=1e-8, c
         specs = [whole((size,)), whole((k,))]
     first_table = len(operands) + 2
     out = pl.pallas_call(
-        functools.partial(kernel, b1, b2, eps, lr),
+        kernel,
         out_shape=[jax.ShapeDtypeStruct((n, d), p.dtype)] * 3,
         grid=(grid,),
         in_specs=specs + [whole((k, d)), whole((1,))] + tables,
@@ -157,7 +151,7 @@ def check(n=1000, k=700, dim=32, seed=0, interpret=True):
 
     rng = np.random.default_rng(seed)
     table = rng.normal(size=(n, dim)).astype(np.float32)
-    opt = optim.lazy(optax.adam(1e-2))
+    opt = optim.lazy(optax.adam(LR))
     want_p, state = jnp.asarray(table), opt.init(jnp.asarray(table))
     fused = {compact: (jnp.asarray(table), jnp.zeros((n, dim)), jnp.zeros((n, dim)), jnp.zeros((), jnp.int32))
              for compact in (True, False)}  # each form donates its own buffers
@@ -166,7 +160,7 @@ def check(n=1000, k=700, dim=32, seed=0, interpret=True):
         g = rng.normal(size=(k, dim)).astype(np.float32)
         u, state = opt.update(mj.row_sparse(jnp.asarray(g), jnp.asarray(ids), (n, dim)), state, want_p)
         want_p = optim.apply_updates(want_p, u)
-        fused = {compact: fused_adam_step(*carry, jnp.asarray(ids), jnp.asarray(g), lr=1e-2, compact=compact,
+        fused = {compact: fused_adam_step(*carry, jnp.asarray(ids), jnp.asarray(g), compact=compact,
                                           interpret=interpret) for compact, carry in fused.items()}
     untouched = np.setdiff1d(np.arange(n), np.arange(n // 3))
     for p, *_ in fused.values():

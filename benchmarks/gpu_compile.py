@@ -32,9 +32,7 @@ import sys
 
 os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")  # no driver to check against
 
-import equinox as eqx
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.experimental import topologies
 from jax.sharding import NamedSharding, PartitionSpec
@@ -109,23 +107,6 @@ def compiled_stats(step, args, sharding):
     return compiled.memory_analysis().temp_size_in_bytes / 2**20, kernels, traffic / 2**20, len(text.splitlines())
 
 
-def tables():
-    """``{model: versions}`` as ``maskify_models.py`` builds them, at its full size."""
-    b, length, features = 32, 128, 64
-    x, tokens, labels = mm.batch(b, length, features)
-    model = mm.Encoder()
-    params = model.init(jax.random.key(0), jnp.zeros((1, 4, features)))
-    eqx_model = mm.EqxEncoder(features, jax.random.key(1))
-    eparams, static = eqx.partition(eqx_model, eqx.is_array)
-    return {
-        "flax linen encoder": mm.versions(lambda p, v: model.apply(p, v), lambda p, v, t: model.apply(p, v, t),
-                                          params, x, tokens, labels),
-        "equinox encoder": mm.versions(lambda p, v: jax.vmap(eqx.combine(p, static))(v),
-                                       lambda p, v, t: jax.vmap(eqx.combine(p, static))(v, t),
-                                       eparams, x, tokens, labels),
-    }
-
-
 def plot(ratios):
     import matplotlib
 
@@ -151,7 +132,7 @@ def main():
     parser.add_argument("--target", choices=[*TARGETS, "all"], default="all")
     args = parser.parse_args()
     targets = list(TARGETS) if args.target == "all" else [args.target]
-    built = tables()
+    built = mm.tables()  # at the benchmark's full size
     print(f"jax {jax.__version__}; compiled for {', '.join(targets)} without a GPU")
     print(f"{'target':6s} {'model':20s} {'version':12s} {'temp MiB':>9s} {'kernels':>8s} {'traffic MiB':>12s} "
           f"{'HLO lines':>10s}")

@@ -131,6 +131,21 @@ def versions(apply_plain, apply_hand, params, x, tokens, labels):
     }
 
 
+def tables(b=32, length=128, features=64):
+    """``{model: versions(...)}`` for the flax and the equinox encoder on one padded batch."""
+    x, tokens, labels = batch(b, length, features)
+    model = Encoder()
+    params = model.init(jax.random.key(0), jnp.zeros((1, 4, features)))
+    eqx_model = EqxEncoder(features, jax.random.key(1))
+    eparams, static = eqx.partition(eqx_model, eqx.is_array)
+    return {
+        "flax linen encoder": versions(lambda p, v: model.apply(p, v), lambda p, v, t: model.apply(p, v, t),
+                                       params, x, tokens, labels),
+        "equinox encoder": versions(lambda p, v: jax.vmap(eqx.combine(p, static))(v),
+                                    lambda p, v, t: jax.vmap(eqx.combine(p, static))(v, t), eparams, x, tokens, labels),
+    }
+
+
 def _lower_and_compile(table, repeats):
     """``{version: (compiled, median lower s, median compile s)}``: each version lowered and compiled
     ``repeats`` times from cleared caches, the versions interleaved (one compile here varies by
@@ -214,22 +229,10 @@ def main():
     parser.add_argument("--quick", action="store_true", help="batch 8 x 32 tokens (a smoke run)")
     args = parser.parse_args()
     b, length, features = (8, 32, 16) if args.quick else (32, 128, 64)
-    x, tokens, labels = batch(b, length, features)
     print(f"batch {b} x {length} tokens x {features} features, d_model {D_MODEL}, {HEADS} heads, "
           f"{LAYERS} layers; backend {jax.default_backend()}")
-
-    model = Encoder()
-    params = model.init(jax.random.key(0), jnp.zeros((1, 4, features)))
-    flax_table = versions(lambda p, v: model.apply(p, v), lambda p, v, t: model.apply(p, v, t),
-                          params, x, tokens, labels)
-
-    eqx_model = EqxEncoder(features, jax.random.key(1))
-    eparams, static = eqx.partition(eqx_model, eqx.is_array)
-    eqx_table = versions(lambda p, v: jax.vmap(eqx.combine(p, static))(v),
-                         lambda p, v, t: jax.vmap(eqx.combine(p, static))(v, t), eparams, x, tokens, labels)
     repeats = 1 if args.quick else 3
-    results = {"flax linen encoder": measure("flax", flax_table, repeats),
-               "equinox encoder": measure("eqx", eqx_table, repeats)}
+    results = {model: measure(model, table, repeats) for model, table in tables(b, length, features).items()}
     for name, res in results.items():
         print_rows(name, res)
     plot(results)

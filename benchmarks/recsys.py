@@ -422,7 +422,7 @@ def optimizer_sweep(bandwidth, quick=False):
         }
         if fused:
             for name, compact in (("runs", True), ("positions", False)):
-                fns[name] = Stepper(functools.partial(fused_rows.fused_adam_step, lr=LR, compact=compact), fresh(),
+                fns[name] = Stepper(functools.partial(fused_rows.fused_adam_step, compact=compact), fresh(),
                                     zeros(), zeros(), jnp.zeros((), jnp.int32), args=(jnp.asarray(ids), jnp.asarray(vals)))
         t = interleaved_medians(fns, rounds=3, block=5, warmup=2)
         nbytes = 7 * uniq.size * DIM * 4

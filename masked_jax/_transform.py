@@ -513,22 +513,18 @@ class _Interpreter:
             # each slice is all valid (count n) or all masked, and the sum's mask says which: the
             # quotient is the plain one, ``sum / (n - ddof)``, a finite sum of zero-filled terms
             # where it is masked (no count, no select, no new mask)
-            out = num.data / jnp.asarray(s.n - ddof, jnp.result_type(num.data))
-            if _factors.holds_zero(num.data, num.mask):  # zero sums stay zero
-                _factors.record_value(out, num.mask, 0, True)
-            return Pair(out, num.mask)
-        dof = s.count() - ddof  # compact: the quotient's mask stays as compact as the count
-        valid = dof > 0
-        # Where it is masked the quotient is the sum itself (a finite sum of zero-filled terms, or a
-        # valid sum left without a divisor): no select at the sum's shape, only at the count's.
-        data = num.data / jnp.where(valid, dof, 1).astype(jnp.result_type(num.data))
-        if ddof == 0 and s.any:
-            # with no ddof a positive count is the sum's own validity: its mask, with no and; zero
-            # sums where it is masked stay zero (divided by 1)
-            if _factors.holds_zero(num.data, num.mask):
-                _factors.record_value(data, num.mask, 0, True)
-            return Pair(data, num.mask)
-        return Pair(data, and_masks(num.mask, valid))
+            data, mask = num.data / jnp.asarray(s.n - ddof, jnp.result_type(num.data)), num.mask
+        else:
+            dof = s.count() - ddof  # compact: the quotient's mask stays as compact as the count
+            valid = dof > 0
+            # Where it is masked the quotient is the sum itself (a finite sum of zero-filled terms,
+            # or a valid sum left without a divisor): no select at the sum's shape, only at the
+            # count's. With no ddof a positive count is the sum's own validity: its mask, no and.
+            data = num.data / jnp.where(valid, dof, 1).astype(jnp.result_type(num.data))
+            mask = num.mask if ddof == 0 and s.any else and_masks(num.mask, valid)
+        if mask is num.mask and _factors.holds_zero(num.data, num.mask):  # zero sums stay zero
+            _factors.record_value(data, mask, 0, True)
+        return Pair(data, mask)
 
     def named_call(self, eqn, params, invals):
         """A jax function's own jit call (``jnp.median``) replaced by its op's rule, its static
