@@ -21,8 +21,9 @@ run() {  # run NAME SECONDS ARGS...: one benchmark under its time limit
   timeout "$limit" $PY "$@" > "$LOG/$name.log" 2>&1
   echo "=== $name: rc $? in $((SECONDS - t0)) s"
 }
-run recsys "${RECSYS_S:-240}" benchmarks/recsys.py
+run recsys_sweep "${SWEEP_S:-150}" benchmarks/recsys.py --sweep-only  # first: the row-sparse bandwidth target
+run recsys "${RECSYS_S:-180}" benchmarks/recsys.py --no-sweep
 run maskify_models "${MASKIFY_S:-150}" benchmarks/maskify_models.py
 run jacobian "${JACOBIAN_S:-140}" benchmarks/jacobian.py
 cp benchmarks/results/*_gpu.png "$LOG/" 2>/dev/null
-for f in recsys maskify_models jacobian; do echo "##### $f"; grep -v '^\[' "$LOG/$f.log" | tail -n 45; done
+for f in recsys_sweep recsys maskify_models jacobian; do echo "##### $f"; grep -v '^\[' "$LOG/$f.log" | tail -n 45; done

@@ -11,6 +11,12 @@ read and write (their operands and outputs: an estimate of the memory traffic, c
 the program's length, and the maskify / hand-masked ratios; it saves a bar chart of the memory
 ratios to ``results/gpu_compile.png``.
 
+Then, per target, the lazy row-sparse update of an 8M x 32 float32 table (Adam; K ids drawn with
+replacement) as ``make_train_step`` runs it on a GPU, the one-call update against the fused
+kernel of ``fused_rows=True``: temporary memory and kernels. And the fused kernel compiled (Pallas
+to Triton, for the target) with each entrywise optax optimizer, on a small table: the lowering a
+CPU cannot check.
+
 It needs JAX's CUDA plugin, several GB that the project does not install. In a separate venv:
 
     python -m venv .venv-cuda
@@ -34,11 +40,15 @@ os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")  # no driver to ch
 
 import jax
 import numpy as np
+import optax
 from jax.experimental import topologies
 from jax.sharding import NamedSharding, PartitionSpec
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import maskify_models as mm  # noqa: E402
+import masked_jax as mj  # noqa: E402
+from masked_jax import optim  # noqa: E402
+from masked_jax.optim._fused import fusable, fused_update  # noqa: E402
 from _timing import RESULTS  # noqa: E402
 
 _DEVICE = """
@@ -100,11 +110,67 @@ def compiled_stats(step, args, sharding):
     """``(temporary MiB, kernels, kernel traffic MiB, HLO lines)`` of the donated ``step`` compiled
     for ``sharding``."""
     abstract = jax.tree_util.tree_map(
-        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding) if isinstance(a, jax.Array) else a, args)
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding) if isinstance(a, (jax.Array, jax.ShapeDtypeStruct)) else a, args)
     compiled = jax.jit(step, donate_argnums=(0, 1)).lower(*abstract).compile()
     text = compiled.as_text()
     kernels, traffic = kernel_traffic(text)
     return compiled.memory_analysis().temp_size_in_bytes / 2**20, kernels, traffic / 2**20, len(text.splitlines())
+
+
+FUSED_OPTIMIZERS = {
+    "sgd": lambda: optax.sgd(0.1), "momentum": lambda: optax.sgd(0.1, momentum=0.9),
+    "nesterov": lambda: optax.sgd(0.1, momentum=0.9, nesterov=True), "adam": lambda: optax.adam(1e-2),
+    "adamw": lambda: optax.adamw(1e-2, weight_decay=0.1), "adam (bf16 mu)": lambda: optax.adam(1e-2, mu_dtype="bfloat16"),
+    "adagrad": lambda: optax.adagrad(0.1), "rmsprop": lambda: optax.rmsprop(1e-2), "lion": lambda: optax.lion(1e-3),
+    "yogi": lambda: optax.yogi(1e-2), "schedule adam": lambda: optax.adam(optax.exponential_decay(1e-2, 10, 0.5)),
+    "inject adam": lambda: optax.inject_hyperparams(optax.adam)(learning_rate=1e-2),
+    "decay + momentum": lambda: optax.chain(optax.add_decayed_weights(0.1), optax.sgd(0.1, momentum=0.5)),
+    "nadam": lambda: optax.nadam(1e-2), "amsgrad": lambda: optax.amsgrad(1e-2), "adamax": lambda: optax.adamax(1e-2),
+    "adabelief": lambda: optax.adabelief(1e-2), "adadelta": lambda: optax.adadelta(1.0),
+}
+
+
+def row_sparse_update(opt, n, d, k, fused):
+    """The lazy update of an ``n x d`` table by ``k`` gradient rows, as ``make_train_step`` runs it on
+    a GPU: the one-call update, or (``fused``) the kernel of ``fused_rows=True``."""
+    def step(p, s, data, idx):
+        g = mj.row_sparse(data, idx, (n, d))
+        if fused:
+            return fused_update(opt, g, s, p, optim.apply_updates)
+        u, s = opt.update(g, s, p)
+        return optim.apply_updates(p, u), s
+
+    p = jax.ShapeDtypeStruct((n, d), np.float32)
+    return step, (p, jax.eval_shape(opt.init, p), jax.ShapeDtypeStruct((k, d), np.float32),
+                  jax.ShapeDtypeStruct((k,), np.int32))
+
+
+def fused_rows_stats(target, sharding):
+    """Print the one-call and fused row-sparse updates' temporary memory and kernels at 8M x 32,
+    and which optimizers' fused kernels compile for ``target``."""
+    n, d = 8_000_000, 32
+    for k in (1_000_000, 4_000_000):
+        stats = {}
+        for version, fused in (("one call", False), ("fused_rows", True)):
+            stats[version] = compiled_stats(*row_sparse_update(optim.lazy(optax.adam(1e-2)), n, d, k, fused), sharding)
+            temp, kernels, _, lines = stats[version]
+            print(f"{target:6s} {'lazy adam, K=' + format(k, ','):20s} {version:12s} {temp:9.2f} {kernels:8d} "
+                  f"{'':>12s} {lines:10d}", flush=True)
+        print(f"{target:6s} {'':20s} {'ratio':12s} {stats['fused_rows'][0] / stats['one call'][0]:8.3f}x "
+              f"{stats['fused_rows'][1] / stats['one call'][1]:7.2f}x (fused / one call)")
+    compiled, failed = [], []
+    for name, make in FUSED_OPTIMIZERS.items():
+        try:
+            opt = optim.lazy(make())
+            table = np.zeros((4096, 24), np.float32)
+            if not fusable(opt, mj.row_sparse(table[:1000], np.arange(1000), table.shape), opt.init(table), table):
+                raise ValueError("make_train_step would not fuse it")
+            compiled_stats(*row_sparse_update(opt, *table.shape, 1000, True), sharding)
+            compiled.append(name)
+        except Exception as e:  # noqa: BLE001 - report every optimizer's outcome
+            failed.append(f"{name} ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
+    print(f"{target}: the fused kernel compiles with {', '.join(compiled) or 'none'}"
+          + (f"; fails with {'; '.join(failed)}" if failed else ""))
 
 
 def plot(ratios):
@@ -151,6 +217,7 @@ def main():
             ratios[f"{target} {model}"] = temp / temp0
             print(f"{target:6s} {model:20s} {'ratio':12s} {temp / temp0:8.3f}x {kernels / kernels0:7.2f}x "
                   f"{traffic / traffic0:11.2f}x (temporary memory target <= 1.10x)")
+        fused_rows_stats(target, sharding)
     plot(ratios)
 
 

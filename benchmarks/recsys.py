@@ -10,6 +10,8 @@ optimizer update, parameters and state donated) of
   ``make_train_step(lazy(adam), row_sparse=...)`` (the table updated in chunks of 8192 rows);
 * ``mj_stacked_one_call``: the same with ``chunk_rows=None`` (one update of every slot the
   gradient stores);
+* ``mj_stacked_fused`` (on a CUDA GPU only): the same with ``fused_rows=True`` (one Pallas
+  kernel per table sums the duplicate rows as it updates them);
 * ``mj_separate``: 8 tables, 8 ``mj.embedding_bag`` calls, the same step;
 * ``mj_one_table``: the cost bound of stacking: one table of the same total rows, read by one
   ``mj.embedding_bag`` call with the same ids (all bags of all tables in one padded id array);
@@ -36,19 +38,18 @@ saves ``benchmarks/results/recsys.png``.
 
 On an accelerator (or with ``--sweep``) it then times lazy Adam's step alone on an 8M x 32 table
 at K = 100k, 1M and 4M ids, against the hand-written step and a fewest-bytes floor (gather,
-update, scatter on sorted distinct ids), in GB/s of touched bytes; on a GPU also against the fused
-one-kernel prototype of ``fused_rows.py``, checked first against ``lazy(adam)``.
+update, scatter on sorted distinct ids), in GB/s of touched bytes; on a CUDA GPU also the fused update
+(``make_train_step(..., fused_rows=True)``), checked first against the one-call update.
 
 Run: ``.venv/bin/python benchmarks/recsys.py`` (``--quick``: tables 100x smaller, batch 128;
 ``--reuse-memory``: rerun under a glibc malloc that keeps freed memory, as in ``optim.py``: XLA:CPU
 takes every step's temporaries as one fresh block, whose pages fault on first touch, where torch
-reuses its heap).
+reuses its heap; ``--sweep-only``: the optimizer sweep alone; ``--no-sweep``: without it).
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import sys
 
@@ -61,7 +62,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import masked_jax as mj  # noqa: E402
 from masked_jax import optim  # noqa: E402
 from masked_jax.optim._chunked import chunked_update  # noqa: E402
-import fused_rows  # noqa: E402
+from masked_jax.optim._fused import fused_update  # noqa: E402
 from _timing import interleaved_medians, print_table, result_path, save_bar_plot, torch_device  # noqa: E402
 from optim import (LR, Stepper, adam_rows, copy_bandwidth, hand_lazy_adam_step, optax_stepper,  # noqa: E402
                    reusing_memory)
@@ -70,6 +71,29 @@ ROWS = (1_000_000, 500_000, 200_000, 100_000, 50_000, 20_000, 10_000, 5_000)
 DIM, MAX_BAG, HIDDEN = 32, 20, (128, 64)
 NAMES = tuple(f"t{i}" for i in range(len(ROWS)))
 WEIGHTED = {"t0", "t1"}  # sum pooling with per-sample weights; the rest: mean pooling
+
+
+def on_cuda() -> bool:
+    """Is JAX running on an NVIDIA GPU, where ``fused_rows=True`` runs its kernel?"""
+    return jax.default_backend() == "gpu" and jax.devices()[0].platform == "gpu" and "NVIDIA" in jax.devices()[0].device_kind.upper()
+
+
+def check_fused(n=1000, k=700, steps=2, seed=0):
+    """On a CUDA GPU, compiled: the fused update equals the one-call lazy Adam update (duplicates
+    summed, untouched rows bit-identical) over ``steps`` steps; raises where it does not."""
+    rng = np.random.default_rng(seed)
+    table = jnp.asarray(rng.normal(size=(n, DIM)), jnp.float32)
+    opt = optim.lazy(optax.adam(LR))
+    one_call = jax.jit(lambda p, s, g: (lambda u, s: (optim.apply_updates(p, u), s))(*opt.update(g, s, p)))
+    fused = jax.jit(lambda p, s, g: fused_update(opt, g, s, p, optim.apply_updates))
+    got = want = (table, opt.init(table))
+    for _ in range(steps):
+        g = mj.row_sparse(jnp.asarray(rng.normal(size=(k, DIM)), jnp.float32),
+                          jnp.asarray(rng.integers(0, n // 3, size=k)), (n, DIM))  # many duplicates
+        got, want = fused(*got, g), one_call(*want, g)
+    for x, y in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6)
+    assert (np.asarray(got[0])[n // 3:] == np.asarray(table)[n // 3:]).all()
 
 
 def make_data(rows, batch, seed=0):
@@ -143,16 +167,18 @@ def mj_variants(feats, tables, mlp, labels, only=None):
     sparse = {"tables": True, "mlp": False}
     out = {}
 
-    def add(name, loss, opt, tables_value, *args, chunk_rows=8192):
+    def add(name, loss, opt, tables_value, *args, **kwargs):
         if only is not None and name not in only:
             return
         params = {"tables": tables_value, "mlp": [(jnp.array(a), jnp.array(b)) for a, b in mlp_j]}
-        out[name] = (optim.make_train_step(loss, opt, row_sparse=sparse, chunk_rows=chunk_rows), params,
-                     opt.init(params), args)
+        out[name] = (optim.make_train_step(loss, opt, row_sparse=sparse, **kwargs), params, opt.init(params), args)
 
     add("mj_stacked", stacked_loss, optim.lazy(optax.adam(LR)), jnp.asarray(stacked_np), ids, w, y)
     add("mj_stacked_one_call", stacked_loss, optim.lazy(optax.adam(LR)), jnp.asarray(stacked_np), ids, w, y,
         chunk_rows=None)
+    if on_cuda():
+        add("mj_stacked_fused", stacked_loss, optim.lazy(optax.adam(LR)), jnp.asarray(stacked_np), ids, w, y,
+            fused_rows=True)
     add("mj_separate", separate_loss, optim.lazy(optax.adam(LR)), {k: jnp.asarray(v) for k, v in tables.items()},
         ids, w, y)
     add("mj_one_table", one_table_loss, optim.lazy(optax.adam(LR)), jnp.asarray(stacked_np),
@@ -282,6 +308,9 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--reuse-memory", action="store_true",
                         help="rerun under a glibc malloc that keeps freed memory (see benchmarks/optim.py)")
+    parser.add_argument("--no-sweep", action="store_true", help="leave the optimizer sweep out (also on an accelerator)")
+    parser.add_argument("--sweep-only", action="store_true",
+                        help="time only the optimizer sweep (the 8M-row table), not the recommender step")
     parser.add_argument("--sweep", action="store_true",
                         help="also time lazy Adam's step alone on an 8M-row table at K = 100k, 1M and 4M "
                              "(always on an accelerator)")
@@ -291,6 +320,10 @@ def main(argv=None):
     batch = 128 if args.quick else 1024
     feats, tables, mlp, labels = make_data(rows, batch)
     bandwidth = copy_bandwidth()
+    if args.sweep_only:
+        print(f"backend {jax.default_backend()}, copy bandwidth {bandwidth / 1e9:.1f} GB/s")
+        optimizer_sweep(bandwidth, quick=args.quick)
+        return
     backend = jax.default_backend()
     where = f"{os.cpu_count()} cores" if backend == "cpu" else jax.devices()[0].device_kind
     print(f"backend {backend} ({where}), torch on {torch_device()}, "
@@ -340,6 +373,8 @@ def main(argv=None):
           f"catch-up / plain lazy: {t['mj_stacked_catch_up'] / t['mj_stacked']:.2f}x; "
           f"masked_adagrad / lazy(adagrad): {t['mj_stacked_adagrad'] / t['mj_stacked_lazy_adagrad']:.2f}x; "
           f"rowwise_adagrad / masked_adagrad: {t['mj_stacked_rowwise_adagrad'] / t['mj_stacked_adagrad']:.2f}x")
+    if "mj_stacked_fused" in t:
+        print(f"fused_rows=True / one-call update (stacked): {t['mj_stacked_fused'] / t['mj_stacked_one_call']:.2f}x")
 
     # the optimizer step alone, on the stacked table's row-sparse gradient
     params = {"tables": jnp.asarray(np.concatenate([tables[k] for k in NAMES])),
@@ -356,9 +391,13 @@ def main(argv=None):
     def chunked(p, s, g):  # what make_train_step runs on the CPU
         return chunked_update(opt, g, s, p, optim.apply_updates, 8192)
 
+    def fused(p, s, g):  # what make_train_step(fused_rows=True) runs on a CUDA GPU
+        return fused_update(opt, g, s, p, optim.apply_updates)
+
     table = np.asarray(params["tables"])
+    updates = [("one call", update), ("chunks of 8192 rows", chunked)] + ([("fused kernel", fused)] if on_cuda() else [])
     steppers = {name: Stepper(jax.jit(fn, donate_argnums=(0, 1)), jnp.asarray(table), opt.init(jnp.asarray(table)),
-                              args=(g,)) for name, fn in (("one call", update), ("chunks of 8192 rows", chunked))}
+                              args=(g,)) for name, fn in updates}
     times = interleaved_medians(steppers, rounds=3, block=5, warmup=2)
     nbytes = 7 * touched * DIM * 4
     for name, tu in times.items():
@@ -367,7 +406,7 @@ def main(argv=None):
               f"copy bandwidth ({bandwidth / 1e9:.1f} GB/s)")
     save_bar_plot(rows_table, result_path("recsys_reuse_memory" if reuse else "recsys"),
                   f"DLRM-like step, {len(rows)} tables, batch {batch}")
-    if args.sweep or backend != "cpu":
+    if (args.sweep or backend != "cpu") and not args.no_sweep:
         optimizer_sweep(bandwidth, quick=args.quick)
 
 
@@ -386,7 +425,7 @@ def optimizer_sweep(bandwidth, quick=False):
     (K distinct rows: gradient read; parameter, mu and nu read and written) and as a share of the
     copy bandwidth: ``lazy(adam)`` on ids with duplicates (coalescing included) and on ids
     flagged unique, the hand-written step (coalescing included), the fewest-bytes floor and, on a
-    GPU, the two forms of the fused prototype (``fused_rows.py``)."""
+    CUDA GPU, the fused update (``fused_rows=True``) on both gradients."""
     n = 200_000 if quick else 8_000_000
     ks = (10_000, 100_000) if quick else (100_000, 1_000_000, 4_000_000)
     rng = np.random.default_rng(3)
@@ -394,15 +433,15 @@ def optimizer_sweep(bandwidth, quick=False):
     opt = optim.lazy(optax.adam(LR))
     print(f"\nlazy Adam step alone, {n:,} x {DIM} float32 table; ms, and GB/s of touched bytes (share of the "
           f"{bandwidth / 1e9:.0f} GB/s copy bandwidth)")
-    fused = jax.default_backend() == "gpu"  # the Pallas (Triton) prototype of fused_rows.py
+    fused = on_cuda()
     if fused:
         try:
-            fused_rows.check(interpret=False)
-        except Exception as e:  # noqa: BLE001 - a prototype: report it and time the rest
-            print(f"fused prototype left out: {type(e).__name__}: {e}")
+            check_fused()
+        except Exception as e:  # noqa: BLE001 - report it and time the rest
+            print(f"fused update left out: {type(e).__name__}: {e}")
             fused = False
     print("| K ids | distinct | lazy(adam), duplicates | lazy(adam), unique | hand-written | floor "
-          "| fused prototype, runs listed | fused prototype, sorted positions |")
+          "| fused, duplicates | fused, unique |")
     print("|---|---|---|---|---|---|---|---|")
     for k in ks:
         ids = rng.integers(0, n, size=k).astype(np.int32)
@@ -411,24 +450,25 @@ def optimizer_sweep(bandwidth, quick=False):
         urows = rng.normal(size=(uniq.size, DIM)).astype(np.float32)
         fresh = lambda: jnp.asarray(table)  # noqa: E731  (each stepper owns its donated table)
         zeros = lambda: jnp.zeros((n, DIM), jnp.float32)  # noqa: E731
+        dup = mj.row_sparse(jnp.asarray(vals), jnp.asarray(ids), (n, DIM))
+        unique = mj.row_sparse(jnp.asarray(urows), jnp.asarray(uniq), (n, DIM), unique_indices=True)
         fns = {
-            "dup": optax_stepper(opt, fresh(), mj.row_sparse(jnp.asarray(vals), jnp.asarray(ids), (n, DIM))),
-            "unique": optax_stepper(opt, fresh(), mj.row_sparse(jnp.asarray(urows), jnp.asarray(uniq), (n, DIM),
-                                                                unique_indices=True)),
+            "dup": optax_stepper(opt, fresh(), dup),
+            "unique": optax_stepper(opt, fresh(), unique),
             "hand": Stepper(jax.jit(hand_lazy_adam_step, donate_argnums=(0, 1, 2)), fresh(), zeros(), zeros(),
                             jnp.zeros(()), args=(jnp.asarray(ids), jnp.asarray(vals))),
             "floor": Stepper(jax.jit(_floor_adam_step, donate_argnums=(0, 1, 2)), fresh(), zeros(), zeros(),
                              jnp.zeros(()), args=(jnp.asarray(uniq), jnp.asarray(urows))),
         }
         if fused:
-            for name, compact in (("runs", True), ("positions", False)):
-                fns[name] = Stepper(functools.partial(fused_rows.fused_adam_step, compact=compact), fresh(),
-                                    zeros(), zeros(), jnp.zeros((), jnp.int32), args=(jnp.asarray(ids), jnp.asarray(vals)))
+            step = jax.jit(lambda p, s, g: fused_update(opt, g, s, p, optim.apply_updates), donate_argnums=(0, 1))
+            for name, g in (("fused dup", dup), ("fused unique", unique)):
+                fns[name] = Stepper(step, fresh(), opt.init(fresh()), args=(g,))
         t = interleaved_medians(fns, rounds=3, block=5, warmup=2)
         nbytes = 7 * uniq.size * DIM * 4
-        cells = " | ".join("n/a (GPU only)" if c not in t else
+        cells = " | ".join("n/a (CUDA only)" if c not in t else
                            f"{t[c] * 1e3:.3f} ms, {nbytes / t[c] / 1e9:.0f} GB/s ({nbytes / t[c] / bandwidth:.0%})"
-                           for c in ("dup", "unique", "hand", "floor", "runs", "positions"))
+                           for c in ("dup", "unique", "hand", "floor", "fused dup", "fused unique"))
         print(f"| {k:,} | {uniq.size:,} | {cells} |", flush=True)
         del fns
 

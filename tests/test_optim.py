@@ -1119,3 +1119,106 @@ def test_entrywise_reads_captured_arrays_as_global():
             lambda p: optax.EmptyState(),
             lambda u, s, p=None, c=captured: (jax.tree_util.tree_map(lambda x: x * c, u), s))
         assert entrywise(inner, grads, inner.init(params), params) is expect
+
+
+def _fused_step(opt, interpret=True):
+    from masked_jax.optim._fused import fused_update
+
+    return jax.jit(lambda p, s, g: fused_update(opt, g, s, p, optim.apply_updates, interpret=interpret))
+
+
+def _one_call_step(opt):
+    def step(p, s, g):
+        u, s = opt.update(g, s, p)
+        return optim.apply_updates(p, u), s
+
+    return jax.jit(step)
+
+
+# entrywise optax optimizers beyond the table above, for the fused kernel's flat program
+FUSED_EXTRA = {
+    "adam_bf16_mu": lambda: optax.adam(0.05, mu_dtype=jnp.bfloat16),
+    "yogi": lambda: optax.yogi(0.05), "nadam": lambda: optax.nadam(0.05), "amsgrad": lambda: optax.amsgrad(0.05),
+    "adamax": lambda: optax.adamax(0.05), "adabelief": lambda: optax.adabelief(0.05),
+    "adadelta": lambda: optax.adadelta(1.0),
+}
+
+
+@pytest.mark.parametrize("name", [*OPTIMIZERS, *FUSED_EXTRA])
+def test_fused_table_updates_equal_the_one_call_update(name):
+    """The fused GPU update (run here in Pallas' interpreter) sums each row's duplicates inside the
+    kernel that updates the row; for every entrywise optimizer of the table its parameters and
+    state equal the one-call lazy update's over three steps of two tables with duplicates and
+    padding rows (index N), untouched rows bit-identical; the others are not fusable."""
+    from masked_jax.optim._fused import fusable
+
+    rng = np.random.default_rng(5)
+    params = {"a": jnp.asarray(rng.normal(size=(40, 4)), jnp.float32),
+              "b": jnp.asarray(rng.normal(size=(9, 4)), jnp.float32),
+              "w": jnp.asarray(rng.normal(size=(4,)), jnp.float32), "s": jnp.asarray(0.3, jnp.float32)}
+    sparse = {"a": True, "b": True, "w": False, "s": False}
+    grads = []
+    for _ in range(3):
+        a_ids = rng.integers(0, 30, size=(6, 5))
+        a_ids[0, :2] = 40  # padding rows of the gradient
+        grads.append(mj.grad(_two_table_loss, row_sparse=sparse)(params, jnp.asarray(a_ids),
+                                                                  jnp.asarray(rng.integers(0, 9, size=(7,)))))
+    opt = optim.lazy({**OPTIMIZERS, **FUSED_EXTRA}[name]())
+    expect = ENTRYWISE.get(name, True)
+    assert fusable(opt, grads[0], opt.init(params), params) is expect
+    if not expect:
+        return
+    fused, one_call = _fused_step(opt), _one_call_step(opt)
+    got, want = (params, opt.init(params)), (params, opt.init(params))
+    for g in grads:
+        got, want = fused(*got, g), one_call(*want, g)
+    _close(got, want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(got[0]["a"][30:]), np.asarray(params["a"][30:]))
+    assert got[1] is not None and jax.tree_util.tree_structure(got[1]) == jax.tree_util.tree_structure(want[1])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("unique", [False, True])
+def test_fused_update_row_shapes_dtypes_and_unique_ids(dtype, unique):
+    """Rows of any shape (here 2 x 3: six entries, padded to a power of two in the kernel), tables
+    of bfloat16, gradients promised unique (no sort) or not, more stored rows than one kernel
+    program holds: the fused update equals the one-call update, eagerly and under jit."""
+    rng = np.random.default_rng(6)
+    n, k = 300, 150
+    table = jnp.asarray(rng.normal(size=(n, 2, 3)), dtype)
+    ids = rng.choice(n - 20, size=k, replace=False) if unique else rng.integers(0, n - 20, size=k)
+    ids[:3] = n  # padding
+    g = mj.row_sparse(jnp.asarray(rng.normal(size=(k, 2, 3)), dtype), jnp.asarray(ids), (n, 2, 3),
+                      unique_indices=unique)
+    opt = optim.lazy(optax.adam(0.05, mu_dtype=jnp.bfloat16) if dtype == "bfloat16" else optax.adam(0.05))
+    from masked_jax.optim._fused import fused_update
+
+    want = _one_call_step(opt)(table, opt.init(table), g)
+    for got in (fused_update(opt, g, opt.init(table), table, optim.apply_updates, interpret=True),
+                _fused_step(opt)(table, opt.init(table), g)):
+        tol = {"rtol": 2e-2, "atol": 2e-2} if dtype == "bfloat16" else {}
+        _close(got, want, **tol)
+        assert got[0].dtype == table.dtype
+        np.testing.assert_array_equal(np.asarray(got[0][n - 20:], np.float32), np.asarray(table[n - 20:], np.float32))
+
+
+def test_train_step_fused_rows_picks_the_kernel_on_cuda_only():
+    """``make_train_step(fused_rows=True)`` puts the kernel in the step's CUDA branch, for fusable
+    optimizers only; the CPU runs the step it would run without it (equal results here); a
+    non-bool ``fused_rows`` is refused."""
+    params = {"a": jnp.asarray(np.random.default_rng(7).normal(size=(40, 4)), jnp.float32),
+              "b": jnp.ones((9, 4)), "w": jnp.ones((4,)), "s": jnp.asarray(0.3)}
+    sparse = {"a": True, "b": True, "w": False, "s": False}
+    batch = (jnp.asarray([[1, 2, 2, 5, 7]]), jnp.asarray([0, 0, 3]))
+    for inner, fusable in ((optax.adam(0.05), True), (OPTIMIZERS["clip_adam"](), False)):
+        opt = optim.lazy(inner)
+        steps = {f: optim.make_train_step(_two_table_loss, opt, row_sparse=sparse, fused_rows=f) for f in (False, True)}
+        jaxprs = {f: str(jax.make_jaxpr(s)(params, opt.init(params), *batch)) for f, s in steps.items()}
+        assert ("pallas_call" in jaxprs[True]) is fusable and "pallas_call" not in jaxprs[False]
+        out = {f: s(jax.tree_util.tree_map(jnp.array, params), opt.init(params), *batch) for f, s in steps.items()}
+        _close(out[True], out[False], rtol=0, atol=0)
+    catch_up = optim.lazy(optax.adam(0.05), catch_up=True)
+    step = optim.make_train_step(_two_table_loss, catch_up, row_sparse=sparse, fused_rows=True)
+    assert "pallas_call" not in str(jax.make_jaxpr(step)(params, catch_up.init(params), *batch))
+    with pytest.raises(ValueError, match="fused_rows must be a bool"):
+        optim.make_train_step(_two_table_loss, opt, fused_rows=1)

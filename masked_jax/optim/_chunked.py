@@ -109,7 +109,7 @@ def entrywise(inner, updates, state, params) -> bool:
     return True
 
 
-def _empty(g):
+def empty_leaf(g):
     """A gradient leaf that touches nothing, at O(1) cost: a row-sparse leaf with no stored rows
     (a scalar: masked out)."""
     shape = tuple(g.shape) if is_container(g) else np.shape(g)
@@ -119,12 +119,16 @@ def _empty(g):
     return RowSparseArray._make(shape, jnp.zeros((0,) + shape[1:], dtype), jnp.zeros((0,), jnp.int32), True)
 
 
+def row_sparse_leaves(leaves, more_than: int):
+    """The positions of the row-sparse gradient leaves that store more than ``more_than`` rows."""
+    return [i for i, g in enumerate(leaves) if isinstance(g, RowSparseArray) and g.ndim >= 1 and g.nse > more_than]
+
+
 def _tables(grads, chunk):
     """Flat gradient leaves, their tree, and the positions of the row-sparse leaves that store more
     than ``chunk`` rows (smaller ones gain nothing from a loop: one update of theirs is one chunk)."""
     leaves, treedef = jax.tree_util.tree_flatten(grads, is_leaf=is_container)
-    return leaves, treedef, [i for i, g in enumerate(leaves)
-                             if isinstance(g, RowSparseArray) and g.ndim >= 1 and g.nse > chunk]
+    return leaves, treedef, row_sparse_leaves(leaves, chunk)
 
 
 def chunkable(optimizer, grads, state, params, chunk: int) -> bool:
@@ -146,7 +150,7 @@ def chunked_update(optimizer, grads, state, params, apply, chunk: int):
     each row-sparse table updated chunk by chunk, then the other leaves and the global state."""
     leaves, treedef, tables = _tables(grads, chunk)
     ref = _Reference.of(grads)
-    empty = [_empty(g) for g in leaves]
+    empty = [empty_leaf(g) for g in leaves]
 
     def old_globals(new, old):  # per-entry state from ``new``, global state (counts) from ``old``
         if isinstance(old, LazyCatchUpState):  # and the rows' catch-up counters from ``new``

@@ -10,6 +10,7 @@ import optax
 from masked_jax._ad import value_and_grad
 from masked_jax.optim._apply import apply_updates
 from masked_jax.optim._chunked import chunkable, chunked_update
+from masked_jax.optim._fused import fusable, fused_update
 from masked_jax.optim._lazy import _check_transformation
 from masked_jax.optim._sharded import sharded_update
 
@@ -17,7 +18,7 @@ from masked_jax.optim._sharded import sharded_update
 def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation, *,
                     has_aux: bool = False, row_sparse=None, donate: bool = True, mesh=None,
                     axis: str | None = None, capacity: int | None = None,
-                    chunk_rows: int | None = 8192) -> Callable:
+                    chunk_rows: int | None = 8192, fused_rows: bool = False) -> Callable:
     """``step(params, opt_state, *batch) -> (params, opt_state, loss)``, jitted with donation.
 
     The step differentiates ``loss_fn(params, *batch)`` with :func:`mj.value_and_grad
@@ -40,6 +41,15 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation, 
     update's up to rounding. Transformations that combine entries (global-norm clipping, trust
     ratios, finiteness checks), ``MultiSteps`` and other optimizers get the one-call update;
     ``chunk_rows=None`` asks for it always.
+
+    With ``fused_rows=True``, on an NVIDIA GPU (CUDA), each row-sparse table of such an optimizer
+    is instead updated by one Pallas (Triton) kernel that also sums its duplicate rows: the ids
+    are sorted with their positions, and each kernel program sums the gradient rows of the
+    distinct rows that start in its block of sorted positions, reads their parameters and state,
+    runs the inner transformation and writes them back in place, so no coalesced gradient is
+    stored and read again. Exact for the same optimizers, whose global state must be scalars
+    (step counts); without ``catch_up``, and for tables that are plain arrays. Elsewhere (the
+    CPU, other accelerators, other optimizers, ``mesh``) the step is the one it would be without it.
 
     With ``mesh`` and ``axis``, tables sharded by rows over that mesh axis are
     updated shard by shard (:func:`sharded_update`: every device updates the rows it
@@ -65,6 +75,8 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation, 
                          "sharded over), or neither.")
     if chunk_rows is not None and (isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int) or chunk_rows < 1):
         raise ValueError(f"make_train_step: chunk_rows must be a positive int or None; got {chunk_rows!r}.")
+    if not isinstance(fused_rows, bool):
+        raise ValueError(f"make_train_step: fused_rows must be a bool; got {fused_rows!r}.")
     loss_and_grad = value_and_grad(loss_fn, has_aux=has_aux, row_sparse=row_sparse)
 
     def step(params, opt_state, *batch, **kwargs):
@@ -73,12 +85,15 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation, 
             params, opt_state = sharded_update(optimizer, grads, opt_state, params, mesh=mesh, axis=axis,
                                                capacity=capacity)
             return params, opt_state, value
+        branches = {}
         if chunk_rows is not None and chunkable(optimizer, grads, opt_state, params, chunk_rows):
             # on the CPU only: on a GPU each trip of the loop waits for the host to read its predicate
+            branches["cpu"] = lambda p, s, g: chunked_update(optimizer, g, s, p, apply_updates, chunk_rows)
+        if fused_rows and fusable(optimizer, grads, opt_state, params):
+            branches["cuda"] = lambda p, s, g: fused_update(optimizer, g, s, p, apply_updates)
+        if branches:
             params, opt_state = jax.lax.platform_dependent(
-                params, opt_state, grads,
-                cpu=lambda p, s, g: chunked_update(optimizer, g, s, p, apply_updates, chunk_rows),
-                default=lambda p, s, g: one_call(g, s, p))
+                params, opt_state, grads, default=lambda p, s, g: one_call(g, s, p), **branches)
             return params, opt_state, value
         return *one_call(grads, opt_state, params), value
 

@@ -1,0 +1,278 @@
+"""A row-sparse lazy update in one GPU kernel per table, duplicates summed inside it.
+
+The one-call lazy update of a row-sparse table with duplicate ids runs two programs: the
+duplicates are summed into a coalesced gradient, which the update then reads. Here the ids are
+sorted with their positions, and one Pallas (Triton) kernel program per block of sorted positions
+finds the distinct rows that start there, sums each one's duplicate gradient rows (read through
+the sort's permutation), reads the row's parameter and state, runs the inner transformation on
+them and writes them back in place: no coalesced gradient is stored or read. Exact for inner
+transformations that work entry by entry (:func:`~masked_jax.optim._chunked.entrywise`), whose
+global state is scalars; the global state (step counts) then advances once, as in the one-call
+update.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend.core import Literal
+
+from masked_jax._core import is_container
+from masked_jax.optim._catch_up import LazyCatchUpState
+from masked_jax.optim._chunked import _BODY, _CALLS, empty_leaf, entrywise, row_sparse_leaves
+from masked_jax.optim._lazy import LIFTS, check_update_arguments
+from masked_jax.optim._state import _map_param_shaped, _Reference
+
+BLOCK_ELEMENTS = 2048  # entries of each row block a kernel program holds (rows x padded row width)
+MAX_BLOCK_ROWS = 64
+
+
+def _owners(ref, state):
+    """Per flat leaf of ``state``: the index of the parameter leaf it is shaped like (an int), or
+    the leaf itself where it is global state (step counts)."""
+    return jax.tree_util.tree_leaves(_map_param_shaped(ref, lambda leaves: list(range(len(leaves))), state))
+
+
+def fusable(optimizer, grads, state, params) -> bool:
+    """Can :func:`fused_update` run this step: ``optimizer`` is a plain lazy lift (no catch-up, not
+    ``MultiSteps``), some gradient leaf is row-sparse and its table a plain array, the inner
+    transformation works entry by entry and its global state is scalars (decided at trace time)?"""
+    inner = LIFTS.get(getattr(optimizer, "update", None))
+    leaves, treedef = jax.tree_util.tree_flatten(grads, is_leaf=is_container)
+    tables = row_sparse_leaves(leaves, 0)
+    if (inner is None or params is None or isinstance(state, LazyCatchUpState) or not tables
+            or any(not (is_container(g) or isinstance(g, jax.Array)) for g in leaves)):
+        return False
+    check_update_arguments(inner, grads, state, params)
+    p_leaves = treedef.flatten_up_to(params)
+    owners = _owners(_Reference.of(grads), state)
+    if (any(is_container(p_leaves[i]) for i in tables)  # masked tables keep the one-call update
+            or any(not isinstance(o, int) and np.ndim(o) != 0 for o in owners)
+            or not entrywise(inner, grads, state, params)):
+        return False
+    state_leaves, state_def = jax.tree_util.tree_flatten(state)
+    try:  # every table's kernel program can be planned (shapes only)
+        for i in tables:
+            jax.eval_shape(lambda s, i=i: _prepare(inner, i, treedef, state_def, owners, leaves, s, p_leaves)[1],
+                           state_leaves)
+    except ValueError:
+        return False
+    return True
+
+
+def _pow2(x: int) -> int:
+    return 1 << max(0, int(x) - 1).bit_length()
+
+
+def _inline(jaxpr, consts, args):
+    """Evaluate ``jaxpr`` by binding its primitives, with call-like primitives (nested jits, custom
+    derivatives, checkpoints) inlined and copies dropped: traced, a flat program of the primitives
+    that compute the values, for kernel lowerings that know no calls or copies."""
+    env = dict(zip(jaxpr.constvars, consts))
+    env.update(zip(jaxpr.invars, args))
+    read = lambda v: v.val if isinstance(v, Literal) else env[v]  # noqa: E731
+    for eqn in jaxpr.eqns:
+        ins = [read(v) for v in eqn.invars]
+        name = eqn.primitive.name
+        body = next((eqn.params[k] for k in _BODY if k in eqn.params), None) if name in _CALLS else None
+        if body is not None:
+            outs = _inline(getattr(body, "jaxpr", body), getattr(body, "consts", ()), ins)
+        elif name in ("copy", "copy_p"):
+            outs = ins
+        else:
+            outs = eqn.primitive.bind(*ins, **eqn.params)
+            outs = outs if eqn.primitive.multiple_results else [outs]
+        env.update(zip(eqn.outvars, outs))
+    return [read(v) for v in jaxpr.outvars]
+
+
+class _Plan:
+    """The inner update of one table's block of rows as a flat program, split in two: the scalar
+    work that reads no row (step counts, bias corrections, schedules), run outside the kernel, and
+    the rest, run in the kernel on the rows with the scalars it needs (``hoisted``) loaded."""
+
+    def __init__(self, inner, i, treedef, state_def, owners, block_avals, known_avals):
+        n_leaves = treedef.num_leaves
+
+        def update(*flat):  # flat: gradient leaves, state leaves, parameter leaves
+            g = jax.tree_util.tree_unflatten(treedef, flat[:n_leaves])
+            state = jax.tree_util.tree_unflatten(state_def, flat[n_leaves:n_leaves + len(owners)])
+            p = jax.tree_util.tree_unflatten(treedef, flat[n_leaves + len(owners):])
+            u, new_state = inner.update(g, state, p)
+            new_leaves = jax.tree_util.tree_leaves(new_state)
+            return [treedef.flatten_up_to(u)[i]] + [new_leaves[k] for k, o in enumerate(owners)
+                                                    if isinstance(o, int) and o == i]
+
+        # the inputs: this table's rows as (block, width) blocks; everything else is known outside
+        # (other leaves as scalar stand-ins, which an entrywise update computes nothing of this
+        # table from, and the global state)
+        self.rows_at = [i, *(n_leaves + k for k, o in enumerate(owners) if isinstance(o, int) and o == i),
+                        n_leaves + len(owners) + i]
+        avals = list(known_avals)
+        for pos, aval in zip(self.rows_at, block_avals):
+            avals[pos] = aval
+        closed = jax.make_jaxpr(update)(*avals)
+        self.flat = jax.make_jaxpr(lambda *a: _inline(closed.jaxpr, closed.consts, a))(*avals)
+        self.n_inputs = len(avals)
+
+    def split(self, known_values):
+        """Run the scalar work on ``known_values`` (per input, ``None`` at the rows' positions):
+        ``(hoisted_values, in_kernel)``, where ``in_kernel(hoisted, rows)`` runs the rest."""
+        jaxpr = self.flat.jaxpr
+        env = dict(zip(jaxpr.constvars, self.flat.consts))
+        env.update((v, x) for v, x in zip(jaxpr.invars, known_values) if x is not None)
+        known = lambda v: isinstance(v, Literal) or v in env  # noqa: E731
+        read = lambda v: v.val if isinstance(v, Literal) else env[v]  # noqa: E731
+        rest = []
+        for eqn in jaxpr.eqns:
+            if all(known(v) for v in eqn.invars) and all(np.ndim(v.aval) == 0 for v in eqn.outvars):
+                outs = eqn.primitive.bind(*[read(v) for v in eqn.invars], **eqn.params)
+                env.update(zip(eqn.outvars, outs if eqn.primitive.multiple_results else [outs]))
+            else:
+                rest.append(eqn)
+        needed = {v for eqn in rest for v in eqn.invars if not isinstance(v, Literal)} | {
+            v for v in jaxpr.outvars if not isinstance(v, Literal)}
+        hoisted = [v for v in env if v in needed]
+        if any(np.ndim(env[v]) != 0 for v in hoisted):
+            raise ValueError("lazy: this transformation's update reads a non-scalar constant in every row; "
+                             "it cannot run in the fused kernel.")
+        rows_vars = [jaxpr.invars[pos] for pos in self.rows_at]
+
+        def in_kernel(hoisted_values, rows):
+            local = dict(zip(hoisted, hoisted_values))
+            local.update(zip(rows_vars, rows))
+            get = lambda v: v.val if isinstance(v, Literal) else local[v]  # noqa: E731
+            for eqn in rest:
+                outs = eqn.primitive.bind(*[get(v) for v in eqn.invars], **eqn.params)
+                local.update(zip(eqn.outvars, outs if eqn.primitive.multiple_results else [outs]))
+            return [get(v) for v in jaxpr.outvars]
+
+        return [env[v] for v in hoisted], in_kernel
+
+
+def _table_kernel(in_kernel, n_hoisted, hoisted_dtypes, n_rows_refs, n, d, block, unique):
+    """The kernel for one ``n x d`` table (as flattened rows): see the module."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plgpu
+
+    def kernel(ids_ref, perm_ref, g_ref, *refs):
+        scalar_refs, out_refs = refs[:n_hoisted], refs[n_hoisted + n_rows_refs:]  # inputs aliased to outputs
+        size = ids_ref.shape[0]
+        j = pl.program_id(0) * block + jnp.arange(block)
+        cols = jnp.arange(_pow2(d))
+        in_row = cols < d
+        ids = plgpu.load(ids_ref.at[j])
+        lead = (ids < n) & ((j == 0) | (ids != plgpu.load(ids_ref.at[jnp.maximum(j - 1, 0)])))
+
+        def gradient_rows(at, take):  # the gradient rows at sorted positions ``at``, 0 where not ``take``
+            src = plgpu.load(perm_ref.at[jnp.where(take, at, 0)], mask=take, other=0)
+            return plgpu.load(g_ref.at[src[:, None], cols[None, :]], mask=take[:, None] & in_row[None, :],
+                              other=0).astype(jnp.float32)
+
+        acc = gradient_rows(j, lead)
+        if not unique:  # a position that starts a run reads on until the id changes
+            def more(carry):
+                return jnp.max(carry[2].astype(jnp.int32)) > 0  # (Triton lowers no reduce_or)
+
+            def add(carry):
+                t, acc, going = carry
+                nxt = j + t
+                going = going & (nxt < size)
+                going = going & (plgpu.load(ids_ref.at[jnp.where(going, nxt, 0)], mask=going, other=n) == ids)
+                return t + 1, acc + gradient_rows(nxt, going), going
+
+            _, acc, _ = jax.lax.while_loop(more, add, (1, acc, lead))
+        # lanes that start no run point past the table: their masked loads and stores touch
+        # nothing (in Pallas' interpreter too, which drops such a store)
+        at = (jnp.where(lead, ids, n)[:, None], cols[None, :])
+        live = lead[:, None] & in_row[None, :]
+        rows = [plgpu.load(r.at[at], mask=live, other=0) for r in out_refs]  # parameter, then state
+        scalars = [r[0].astype(dt) for r, dt in zip(scalar_refs, hoisted_dtypes)]
+        u, *new_state = in_kernel(scalars, [acc.astype(g_ref.dtype), *rows[1:], rows[0]])
+        p = rows[0]
+        plgpu.store(out_refs[0].at[at], p + u.astype(p.dtype), mask=live)
+        for r, new in zip(out_refs[1:], new_state):
+            plgpu.store(r.at[at], new.astype(r.dtype), mask=live)
+
+    return kernel
+
+
+def _prepare(inner, i, treedef, state_def, owners, leaves, state_leaves, p_leaves):
+    """``(block, hoisted, in_kernel)`` for table ``i``: the rows a kernel program holds, and its
+    :class:`_Plan` split (the scalars it needs, computed here, and the in-kernel update)."""
+    shape = p_leaves[i].shape
+    width = _pow2(int(np.prod(shape[1:], dtype=int)))
+    block = max(1, min(MAX_BLOCK_ROWS, BLOCK_ELEMENTS // width))
+    mine = [state_leaves[k] for k, o in enumerate(owners) if isinstance(o, int) and o == i]
+    block_avals = [jax.ShapeDtypeStruct((block, width), x.dtype) for x in (leaves[i], *mine, p_leaves[i])]
+    scalar = lambda x: jnp.zeros((), x.dtype if hasattr(x, "dtype") else jnp.result_type(x))  # noqa: E731
+    known = ([scalar(x) for x in leaves] + [scalar(x) if isinstance(o, int) else x for x, o in zip(state_leaves, owners)]
+             + [scalar(x) for x in p_leaves])  # other leaves: stand-ins
+    plan = _Plan(inner, i, treedef, state_def, owners, block_avals,
+                 [jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)) for x in known])
+    for pos in plan.rows_at:
+        known[pos] = None
+    return (block, *plan.split(known))
+
+
+def _update_table(inner, i, treedef, state_def, owners, leaves, state_leaves, p_leaves, interpret):
+    """``(p, rows)``: table ``i`` and its state rows after the lazy update by its gradient, in one
+    kernel."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plgpu
+
+    g, p = leaves[i], p_leaves[i]
+    rows = [state_leaves[k] for k, o in enumerate(owners) if isinstance(o, int) and o == i]
+    shape, n, k = p.shape, p.shape[0], g.nse
+    d = int(np.prod(shape[1:], dtype=int))
+    block, hoisted, in_kernel = _prepare(inner, i, treedef, state_def, owners, leaves, state_leaves, p_leaves)
+    hoisted_dtypes = [jnp.result_type(x) for x in hoisted]
+    # scalars reach the kernel as (1,) arrays; bools as int32
+    hoisted = [jnp.reshape(x.astype(jnp.int32) if x.dtype == jnp.bool_ else x, (1,)) for x in hoisted]
+
+    ids = jnp.where(g.row_valid(), g.indices, n).astype(jnp.int32)  # padding rows at N
+    perm = jnp.arange(k, dtype=jnp.int32)
+    if not g.unique_indices:
+        ids, perm = jax.lax.sort_key_val(ids, perm)
+    size = -(-k // block) * block
+    ids = jnp.pad(ids, (0, size - k), constant_values=n)
+    tables = [p.reshape(n, d)] + [r.reshape(n, d) for r in rows]  # entry by entry: a row's shape does not matter
+    whole = lambda x: pl.BlockSpec(x.shape, lambda b: (0,) * x.ndim)  # noqa: E731
+    operands = [ids, perm, g.data.reshape(k, d), *hoisted, *tables]
+    first = len(operands) - len(tables)
+    out = pl.pallas_call(
+        _table_kernel(in_kernel, len(hoisted), hoisted_dtypes, len(tables), n, d, block, g.unique_indices),
+        out_shape=[jax.ShapeDtypeStruct(t.shape, t.dtype) for t in tables],
+        grid=(size // block,),
+        in_specs=[whole(x) for x in operands],
+        out_specs=[whole(t) for t in tables],
+        input_output_aliases={first + t: t for t in range(len(tables))},
+        interpret=interpret,
+        compiler_params=None if interpret else plgpu.CompilerParams(num_warps=4),
+    )(*operands)
+    return out[0].reshape(shape), [o.reshape(r.shape) for o, r in zip(out[1:], rows)]
+
+
+def fused_update(optimizer, grads, state, params, apply, *, interpret: bool = False):
+    """``(params, state)`` after one step of the lazy lift ``optimizer`` (see :func:`fusable`): each
+    row-sparse table updated by one kernel, then the other leaves and the global state.
+    ``interpret`` runs the kernels in Pallas' interpreter (any backend, slowly)."""
+    inner = LIFTS[optimizer.update]
+    leaves, treedef = jax.tree_util.tree_flatten(grads, is_leaf=is_container)
+    ref = _Reference.of(grads)
+    state_leaves, state_def = jax.tree_util.tree_flatten(state)
+    owners = _owners(ref, state)
+    p_leaves = treedef.flatten_up_to(params)
+    tables = row_sparse_leaves(leaves, 0)
+    for i in tables:
+        p, rows = _update_table(inner, i, treedef, state_def, owners, leaves, state_leaves, p_leaves, interpret)
+        p_leaves[i] = p
+        for k, r in zip([k for k, o in enumerate(owners) if isinstance(o, int) and o == i], rows):
+            state_leaves[k] = r
+    params = jax.tree_util.tree_unflatten(treedef, p_leaves)
+    state = jax.tree_util.tree_unflatten(state_def, state_leaves)
+    rest = [empty_leaf(g) if j in tables else g for j, g in enumerate(leaves)]  # the other leaves; global state
+    u, state = optimizer.update(jax.tree_util.tree_unflatten(treedef, rest), state, params)
+    return apply(params, u), state
+
