@@ -130,6 +130,11 @@ FUSED_OPTIMIZERS = {
 }
 
 
+# tables: shape, dtype, gradient rows flagged unique
+FUSED_TABLES = [((100_000, 4, 6), "float32", False), ((100_000, 256), "bfloat16", False),
+                ((100_000, 3), "float16", False), ((100_000,), "float32", False), ((100_000, 1000), "float32", True)]
+
+
 def row_sparse_update(opt, n, d, k, fused):
     """The lazy update of an ``n x d`` table by ``k`` gradient rows, as ``make_train_step`` runs it on
     a GPU: the one-call update, or (``fused``) the kernel of ``fused_rows=True``."""
@@ -171,6 +176,23 @@ def fused_rows_stats(target, sharding):
             failed.append(f"{name} ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
     print(f"{target}: the fused kernel compiles with {', '.join(compiled) or 'none'}"
           + (f"; fails with {'; '.join(failed)}" if failed else ""))
+    compiled, failed = [], []
+    for shape, dtype, unique in FUSED_TABLES:
+        name = f"{dtype} {shape}{' unique' if unique else ''}"
+        opt = optim.lazy(optax.adam(1e-2))
+
+        def step(p, s, data, idx, shape=shape, unique=unique):
+            return fused_update(opt, mj.row_sparse(data, idx, shape, unique_indices=unique), s, p, optim.apply_updates)
+
+        p = jax.ShapeDtypeStruct(shape, dtype)
+        try:
+            compiled_stats(step, (p, jax.eval_shape(opt.init, p), jax.ShapeDtypeStruct((5000, *shape[1:]), dtype),
+                                  jax.ShapeDtypeStruct((5000,), np.int32)), sharding)
+            compiled.append(name)
+        except Exception as e:  # noqa: BLE001 - report every table's outcome
+            failed.append(f"{name} ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
+    print(f"{target}: adam's fused kernel compiles for tables {', '.join(compiled) or 'none'}"
+          + (f"; fails for {'; '.join(failed)}" if failed else ""))
 
 
 def plot(ratios):

@@ -1172,32 +1172,34 @@ def test_fused_table_updates_equal_the_one_call_update(name):
     got, want = (params, opt.init(params)), (params, opt.init(params))
     for g in grads:
         got, want = fused(*got, g), one_call(*want, g)
-    _close(got, want, rtol=1e-5, atol=1e-6)
+    # a bfloat16 moment: the kernel computes its ops in float32 and rounds after each one
+    _close(got, want, **({"rtol": 1e-2, "atol": 1e-3} if "bf16" in name else {"rtol": 1e-5, "atol": 1e-6}))
     np.testing.assert_array_equal(np.asarray(got[0]["a"][30:]), np.asarray(params["a"][30:]))
     assert got[1] is not None and jax.tree_util.tree_structure(got[1]) == jax.tree_util.tree_structure(want[1])
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("row", [(2, 3), ()])
 @pytest.mark.parametrize("unique", [False, True])
-def test_fused_update_row_shapes_dtypes_and_unique_ids(dtype, unique):
-    """Rows of any shape (here 2 x 3: six entries, padded to a power of two in the kernel), tables
-    of bfloat16, gradients promised unique (no sort) or not, more stored rows than one kernel
-    program holds: the fused update equals the one-call update, eagerly and under jit."""
-    rng = np.random.default_rng(6)
-    n, k = 300, 150
-    table = jnp.asarray(rng.normal(size=(n, 2, 3)), dtype)
-    ids = rng.choice(n - 20, size=k, replace=False) if unique else rng.integers(0, n - 20, size=k)
-    ids[:3] = n  # padding
-    g = mj.row_sparse(jnp.asarray(rng.normal(size=(k, 2, 3)), dtype), jnp.asarray(ids), (n, 2, 3),
-                      unique_indices=unique)
-    opt = optim.lazy(optax.adam(0.05, mu_dtype=jnp.bfloat16) if dtype == "bfloat16" else optax.adam(0.05))
+def test_fused_update_row_shapes_dtypes_and_unique_ids(dtype, row, unique):
+    """Rows of any shape (2 x 3: six entries, padded to a power of two in the kernel; a vector's
+    scalars), 16-bit tables (computed in float32 in the kernel, rounded after each op), gradients
+    promised unique (no sort) or not, more stored rows than one kernel program holds: the fused
+    update equals the one-call update, eagerly and under jit."""
     from masked_jax.optim._fused import fused_update
 
+    rng = np.random.default_rng(6)
+    n, k = 300, 150
+    table = jnp.asarray(rng.normal(size=(n, *row)), dtype)
+    ids = rng.choice(n - 20, size=k, replace=False) if unique else rng.integers(0, n - 20, size=k)
+    ids[:3] = n  # padding
+    g = mj.row_sparse(jnp.asarray(rng.normal(size=(k, *row)), dtype), jnp.asarray(ids), (n, *row),
+                      unique_indices=unique)
+    opt = optim.lazy(optax.adam(0.05, mu_dtype=jnp.bfloat16) if dtype == "bfloat16" else optax.adam(0.05))
     want = _one_call_step(opt)(table, opt.init(table), g)
     for got in (fused_update(opt, g, opt.init(table), table, optim.apply_updates, interpret=True),
                 _fused_step(opt)(table, opt.init(table), g)):
-        tol = {"rtol": 2e-2, "atol": 2e-2} if dtype == "bfloat16" else {}
-        _close(got, want, **tol)
+        _close(got, want, **({} if dtype == "float32" else {"rtol": 2e-2, "atol": 2e-2}))
         assert got[0].dtype == table.dtype
         np.testing.assert_array_equal(np.asarray(got[0][n - 20:], np.float32), np.asarray(table[n - 20:], np.float32))
 

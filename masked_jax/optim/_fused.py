@@ -87,6 +87,24 @@ def _inline(jaxpr, consts, args):
     return [read(v) for v in jaxpr.outvars]
 
 
+_NARROW = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def _widen(x):
+    return x.astype(jnp.float32) if jnp.result_type(x) in _NARROW else x
+
+
+def _bind_widened(eqn, ins):
+    """The outputs of ``eqn`` on ``ins``, 16-bit floats computed in float32 and rounded back after
+    the op (what XLA's GPU backend does too): Triton lowers little arithmetic on them."""
+    if eqn.primitive.name == "convert_element_type" or not any(jnp.result_type(x) in _NARROW for x in ins):
+        outs = eqn.primitive.bind(*ins, **eqn.params)
+        return outs if eqn.primitive.multiple_results else [outs]
+    outs = eqn.primitive.bind(*[_widen(x) for x in ins], **eqn.params)
+    outs = outs if eqn.primitive.multiple_results else [outs]
+    return [o.astype(v.aval.dtype) if v.aval.dtype in _NARROW else o for o, v in zip(outs, eqn.outvars)]
+
+
 class _Plan:
     """The inner update of one table's block of rows as a flat program, split in two: the scalar
     work that reads no row (step counts, bias corrections, schedules), run outside the kernel, and
@@ -144,8 +162,7 @@ class _Plan:
             local.update(zip(rows_vars, rows))
             get = lambda v: v.val if isinstance(v, Literal) else local[v]  # noqa: E731
             for eqn in rest:
-                outs = eqn.primitive.bind(*[get(v) for v in eqn.invars], **eqn.params)
-                local.update(zip(eqn.outvars, outs if eqn.primitive.multiple_results else [outs]))
+                local.update(zip(eqn.outvars, _bind_widened(eqn, [get(v) for v in eqn.invars])))
             return [get(v) for v in jaxpr.outvars]
 
         return [env[v] for v in hoisted], in_kernel
@@ -191,7 +208,7 @@ def _table_kernel(in_kernel, n_hoisted, hoisted_dtypes, n_rows_refs, n, d, block
         scalars = [r[0].astype(dt) for r, dt in zip(scalar_refs, hoisted_dtypes)]
         u, *new_state = in_kernel(scalars, [acc.astype(g_ref.dtype), *rows[1:], rows[0]])
         p = rows[0]
-        plgpu.store(out_refs[0].at[at], p + u.astype(p.dtype), mask=live)
+        plgpu.store(out_refs[0].at[at], (_widen(p) + _widen(u.astype(p.dtype))).astype(p.dtype), mask=live)
         for r, new in zip(out_refs[1:], new_state):
             plgpu.store(r.at[at], new.astype(r.dtype), mask=live)
 
