@@ -65,6 +65,12 @@ def _pow2(x: int) -> int:
     return 1 << max(0, int(x) - 1).bit_length()
 
 
+def _bind(eqn, ins):
+    """The outputs of ``eqn``'s primitive on ``ins``, as a list."""
+    outs = eqn.primitive.bind(*ins, **eqn.params)
+    return outs if eqn.primitive.multiple_results else [outs]
+
+
 def _inline(jaxpr, consts, args):
     """Evaluate ``jaxpr`` by binding its primitives, with call-like primitives (nested jits, custom
     derivatives, checkpoints) inlined and copies dropped: traced, a flat program of the primitives
@@ -81,8 +87,7 @@ def _inline(jaxpr, consts, args):
         elif name in ("copy", "copy_p"):
             outs = ins
         else:
-            outs = eqn.primitive.bind(*ins, **eqn.params)
-            outs = outs if eqn.primitive.multiple_results else [outs]
+            outs = _bind(eqn, ins)
         env.update(zip(eqn.outvars, outs))
     return [read(v) for v in jaxpr.outvars]
 
@@ -98,10 +103,8 @@ def _bind_widened(eqn, ins):
     """The outputs of ``eqn`` on ``ins``, 16-bit floats computed in float32 and rounded back after
     the op (what XLA's GPU backend does too): Triton lowers little arithmetic on them."""
     if eqn.primitive.name == "convert_element_type" or not any(jnp.result_type(x) in _NARROW for x in ins):
-        outs = eqn.primitive.bind(*ins, **eqn.params)
-        return outs if eqn.primitive.multiple_results else [outs]
-    outs = eqn.primitive.bind(*[_widen(x) for x in ins], **eqn.params)
-    outs = outs if eqn.primitive.multiple_results else [outs]
+        return _bind(eqn, ins)
+    outs = _bind(eqn, [_widen(x) for x in ins])
     return [o.astype(v.aval.dtype) if v.aval.dtype in _NARROW else o for o, v in zip(outs, eqn.outvars)]
 
 
@@ -132,7 +135,6 @@ class _Plan:
             avals[pos] = aval
         closed = jax.make_jaxpr(update)(*avals)
         self.flat = jax.make_jaxpr(lambda *a: _inline(closed.jaxpr, closed.consts, a))(*avals)
-        self.n_inputs = len(avals)
 
     def split(self, known_values):
         """Run the scalar work on ``known_values`` (per input, ``None`` at the rows' positions):
@@ -145,8 +147,7 @@ class _Plan:
         rest = []
         for eqn in jaxpr.eqns:
             if all(known(v) for v in eqn.invars) and all(np.ndim(v.aval) == 0 for v in eqn.outvars):
-                outs = eqn.primitive.bind(*[read(v) for v in eqn.invars], **eqn.params)
-                env.update(zip(eqn.outvars, outs if eqn.primitive.multiple_results else [outs]))
+                env.update(zip(eqn.outvars, _bind(eqn, [read(v) for v in eqn.invars])))
             else:
                 rest.append(eqn)
         needed = {v for eqn in rest for v in eqn.invars if not isinstance(v, Literal)} | {
