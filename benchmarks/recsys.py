@@ -63,7 +63,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import masked_jax as mj  # noqa: E402
 from masked_jax import optim  # noqa: E402
 from masked_jax.optim._chunked import chunked_update  # noqa: E402
-from masked_jax.optim._fused import fused_update  # noqa: E402
+from masked_jax.optim._fused import KernelConfig, fused_update  # noqa: E402
 from _timing import interleaved_medians, print_table, result_path, save_bar_plot, torch_device  # noqa: E402
 from optim import (LR, Stepper, adam_rows, copy_bandwidth, hand_lazy_adam_step, optax_stepper,  # noqa: E402
                    reusing_memory)
@@ -475,6 +475,28 @@ def optimizer_sweep(bandwidth, quick=False):
                            for c in ("dup", "unique", "hand", "floor", "fused dup", "fused unique"))
         print(f"| {k:,} | {uniq.size:,} | {cells} |", flush=True)
         del fns
+    if fused:
+        fused_cuts(opt, fresh, dup, nbytes, bandwidth, k)
+
+
+# kernel cuts the fused update is timed with besides its default: (block entries, warps, rows per program)
+CUTS = [KernelConfig(1024, 64, 4), KernelConfig(4096, 128, 4), KernelConfig(2048, 64, 8), KernelConfig(4096, 128, 8),
+        KernelConfig(1024, 32, 2)]
+
+
+def fused_cuts(opt, fresh, grad, nbytes, bandwidth, k):
+    """The fused update on ``grad`` (ids with duplicates) cut in other ways (``CUTS``) against its
+    default and the one-call update, in one interleaved run."""
+    fns = {"one call": optax_stepper(opt, fresh(), grad)}
+    for cut in [KernelConfig()] + CUTS:
+        step = jax.jit(lambda p, s, g, cut=cut: fused_update(opt, g, s, p, optim.apply_updates, config=cut),
+                       donate_argnums=(0, 1))
+        fns[f"fused {tuple(cut)}"] = Stepper(step, fresh(), opt.init(fresh()), args=(grad,))
+    t = interleaved_medians(fns, rounds=3, block=5, warmup=2)
+    print(f"\nthe fused update at K = {k:,} with duplicates, cut in other ways (block entries, rows, warps; "
+          f"the first is the default):")
+    for name, tu in t.items():
+        print(f"  {name}: {tu * 1e3:.3f} ms, {nbytes / tu / 1e9:.0f} GB/s ({nbytes / tu / bandwidth:.0%})", flush=True)
 
 
 if __name__ == "__main__":

@@ -1204,6 +1204,25 @@ def test_fused_update_row_shapes_dtypes_and_unique_ids(dtype, row, unique):
         np.testing.assert_array_equal(np.asarray(got[0][n - 20:], np.float32), np.asarray(table[n - 20:], np.float32))
 
 
+@pytest.mark.parametrize("rows_per_program", [1, 2, 4, 128])
+def test_fused_update_runs_of_duplicates_across_kernel_programs(rows_per_program):
+    """However the kernel is cut (programs of 1 to 128 sorted positions), runs of one id that start
+    in one program and go on into the next ones are summed once, by the program they start in."""
+    from masked_jax.optim._fused import KernelConfig, fused_update
+
+    rng = np.random.default_rng(8)
+    n, k, d = 50, 200, 4
+    ids = np.sort(rng.integers(0, 12, size=k))[::-1].copy()  # long runs (about 17 each), across programs
+    ids[5] = n
+    g = mj.row_sparse(jnp.asarray(rng.normal(size=(k, d)), jnp.float32), jnp.asarray(ids), (n, d))
+    table = jnp.asarray(rng.normal(size=(n, d)), jnp.float32)
+    opt = optim.lazy(optax.sgd(0.1, momentum=0.9))
+    cut = KernelConfig(block_elements=rows_per_program * 4, max_block_rows=rows_per_program)
+    got = jax.jit(lambda p, s, g: fused_update(opt, g, s, p, optim.apply_updates, interpret=True, config=cut))(
+        table, opt.init(table), g)
+    _close(got, _one_call_step(opt)(table, opt.init(table), g), rtol=1e-5, atol=1e-6)
+
+
 def test_train_step_fused_rows_picks_the_kernel_on_cuda_only():
     """``make_train_step(fused_rows=True)`` puts the kernel in the step's CUDA branch, for fusable
     optimizers only; the CPU runs the step it would run without it (equal results here); a

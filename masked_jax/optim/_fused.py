@@ -13,6 +13,8 @@ update.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -24,8 +26,13 @@ from masked_jax.optim._chunked import _BODY, _CALLS, empty_leaf, entrywise, row_
 from masked_jax.optim._lazy import LIFTS, check_update_arguments
 from masked_jax.optim._state import _map_param_shaped, _Reference
 
-BLOCK_ELEMENTS = 2048  # entries of each row block a kernel program holds (rows x padded row width)
-MAX_BLOCK_ROWS = 64
+class KernelConfig(NamedTuple):
+    """How the kernel is cut: each program holds up to ``max_block_rows`` sorted positions, and up
+    to ``block_elements`` entries (rows x padded row width); ``num_warps`` per program."""
+
+    block_elements: int = 2048
+    max_block_rows: int = 64
+    num_warps: int = 4
 
 
 def _owners(ref, state):
@@ -216,12 +223,12 @@ def _table_kernel(in_kernel, n_hoisted, hoisted_dtypes, n_rows_refs, n, d, block
     return kernel
 
 
-def _prepare(inner, i, treedef, state_def, owners, leaves, state_leaves, p_leaves):
+def _prepare(inner, i, treedef, state_def, owners, leaves, state_leaves, p_leaves, config=KernelConfig()):
     """``(block, hoisted, in_kernel)`` for table ``i``: the rows a kernel program holds, and its
     :class:`_Plan` split (the scalars it needs, computed here, and the in-kernel update)."""
     shape = p_leaves[i].shape
     width = _pow2(int(np.prod(shape[1:], dtype=int)))
-    block = max(1, min(MAX_BLOCK_ROWS, BLOCK_ELEMENTS // width))
+    block = max(1, min(config.max_block_rows, config.block_elements // width))
     mine = [state_leaves[k] for k, o in enumerate(owners) if isinstance(o, int) and o == i]
     block_avals = [jax.ShapeDtypeStruct((block, width), x.dtype) for x in (leaves[i], *mine, p_leaves[i])]
     scalar = lambda x: jnp.zeros((), x.dtype if hasattr(x, "dtype") else jnp.result_type(x))  # noqa: E731
@@ -234,7 +241,7 @@ def _prepare(inner, i, treedef, state_def, owners, leaves, state_leaves, p_leave
     return (block, *plan.split(known))
 
 
-def _update_table(inner, i, treedef, state_def, owners, leaves, state_leaves, p_leaves, interpret):
+def _update_table(inner, i, treedef, state_def, owners, leaves, state_leaves, p_leaves, interpret, config):
     """``(p, rows)``: table ``i`` and its state rows after the lazy update by its gradient, in one
     kernel."""
     from jax.experimental import pallas as pl
@@ -244,7 +251,7 @@ def _update_table(inner, i, treedef, state_def, owners, leaves, state_leaves, p_
     rows = [state_leaves[k] for k, o in enumerate(owners) if isinstance(o, int) and o == i]
     shape, n, k = p.shape, p.shape[0], g.nse
     d = int(np.prod(shape[1:], dtype=int))
-    block, hoisted, in_kernel = _prepare(inner, i, treedef, state_def, owners, leaves, state_leaves, p_leaves)
+    block, hoisted, in_kernel = _prepare(inner, i, treedef, state_def, owners, leaves, state_leaves, p_leaves, config)
     hoisted_dtypes = [jnp.result_type(x) for x in hoisted]
     # scalars reach the kernel as (1,) arrays; bools as int32
     hoisted = [jnp.reshape(x.astype(jnp.int32) if x.dtype == jnp.bool_ else x, (1,)) for x in hoisted]
@@ -267,15 +274,17 @@ def _update_table(inner, i, treedef, state_def, owners, leaves, state_leaves, p_
         out_specs=[whole(t) for t in tables],
         input_output_aliases={first + t: t for t in range(len(tables))},
         interpret=interpret,
-        compiler_params=None if interpret else plgpu.CompilerParams(num_warps=4),
+        compiler_params=None if interpret else plgpu.CompilerParams(num_warps=config.num_warps),
     )(*operands)
     return out[0].reshape(shape), [o.reshape(r.shape) for o, r in zip(out[1:], rows)]
 
 
-def fused_update(optimizer, grads, state, params, apply, *, interpret: bool = False):
+def fused_update(optimizer, grads, state, params, apply, *, interpret: bool = False,
+                 config: KernelConfig = KernelConfig()):
     """``(params, state)`` after one step of the lazy lift ``optimizer`` (see :func:`fusable`): each
     row-sparse table updated by one kernel, then the other leaves and the global state.
-    ``interpret`` runs the kernels in Pallas' interpreter (any backend, slowly)."""
+    ``interpret`` runs the kernels in Pallas' interpreter (any backend, slowly); ``config`` cuts
+    them (:class:`KernelConfig`)."""
     inner = LIFTS[optimizer.update]
     leaves, treedef = jax.tree_util.tree_flatten(grads, is_leaf=is_container)
     ref = _Reference.of(grads)
@@ -284,7 +293,8 @@ def fused_update(optimizer, grads, state, params, apply, *, interpret: bool = Fa
     p_leaves = treedef.flatten_up_to(params)
     tables = row_sparse_leaves(leaves, 0)
     for i in tables:
-        p, rows = _update_table(inner, i, treedef, state_def, owners, leaves, state_leaves, p_leaves, interpret)
+        p, rows = _update_table(inner, i, treedef, state_def, owners, leaves, state_leaves, p_leaves, interpret,
+                                config)
         p_leaves[i] = p
         for k, r in zip([k for k, o in enumerate(owners) if isinstance(o, int) and o == i], rows):
             state_leaves[k] = r
