@@ -1205,6 +1205,25 @@ def test_fused_update_row_shapes_dtypes_and_unique_ids(dtype, row, unique):
         np.testing.assert_array_equal(np.asarray(got[0][n - 20:], np.float32), np.asarray(table[n - 20:], np.float32))
 
 
+def test_fused_update_of_some_tables_equals_the_one_call_update(monkeypatch):
+    """A table the kernel cannot address (here: more entries than a lowered limit allows) is
+    updated by the one-call lazy update beside the fused ones, in the same step: together they
+    equal the one-call update of both."""
+    from masked_jax.optim import _fused
+
+    monkeypatch.setattr(_fused, "MAX_ENTRIES", 100)  # "a" (160 entries) is left out, "b" (36) fused
+    rng = np.random.default_rng(9)
+    params = {"a": jnp.asarray(rng.normal(size=(40, 4)), jnp.float32),
+              "b": jnp.asarray(rng.normal(size=(9, 4)), jnp.float32),
+              "w": jnp.asarray(rng.normal(size=(4,)), jnp.float32), "s": jnp.asarray(0.3, jnp.float32)}
+    g = mj.grad(_two_table_loss, row_sparse={"a": True, "b": True, "w": False, "s": False})(
+        params, jnp.asarray(rng.integers(0, 30, size=(6, 5))), jnp.asarray(rng.integers(0, 9, size=(7,))))
+    opt = optim.lazy(optax.adam(0.05))
+    assert _fused.fused_tables(opt, g, opt.init(params), params) == [1]  # leaves a, b, s, w: "b" only
+    got = _fused_step(opt)(params, opt.init(params), g)
+    _close(got, _one_call_step(opt)(params, opt.init(params), g), rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("rows_per_program", [1, 2, 4, 128])
 def test_fused_update_runs_of_duplicates_across_kernel_programs(rows_per_program):
     """However the kernel is cut (programs of 1 to 128 sorted positions), runs of one id that start
@@ -1242,5 +1261,10 @@ def test_train_step_fused_rows_picks_the_kernel_on_cuda_only():
     catch_up = optim.lazy(optax.adam(0.05), catch_up=True)
     step = optim.make_train_step(_two_table_loss, catch_up, row_sparse=sparse, fused_rows=True)
     assert "pallas_call" not in str(jax.make_jaxpr(step)(params, catch_up.init(params), *batch))
+    # a table of 2**31 entries (traced from its shape only): the kernel's 32-bit offsets cannot address it
+    huge = {"a": jax.ShapeDtypeStruct((2**29, 4), jnp.float32), "b": params["b"], "w": params["w"], "s": params["s"]}
+    opt = optim.lazy(optax.adam(0.05))
+    step = optim.make_train_step(_two_table_loss, opt, row_sparse=sparse, fused_rows=True)
+    assert str(jax.make_jaxpr(step)(huge, jax.eval_shape(opt.init, huge), *batch)).count("pallas_call") == 1  # "b" only
     with pytest.raises(ValueError, match="fused_rows must be a bool"):
         optim.make_train_step(_two_table_loss, opt, fused_rows=1)

@@ -26,6 +26,9 @@ from masked_jax.optim._chunked import _BODY, _CALLS, empty_leaf, entrywise, row_
 from masked_jax.optim._lazy import LIFTS, check_update_arguments
 from masked_jax.optim._state import _map_param_shaped, _Reference
 
+MAX_ENTRIES = 2**31  # the kernel addresses a table's entries with 32-bit offsets
+
+
 class KernelConfig(NamedTuple):
     """How the kernel is cut: each program holds up to ``max_block_rows`` sorted positions, and up
     to ``block_elements`` entries (rows x padded row width); ``num_warps`` per program."""
@@ -41,31 +44,39 @@ def _owners(ref, state):
     return jax.tree_util.tree_leaves(_map_param_shaped(ref, lambda leaves: list(range(len(leaves))), state))
 
 
-def fusable(optimizer, grads, state, params) -> bool:
-    """Can :func:`fused_update` run this step: ``optimizer`` is a plain lazy lift (no catch-up, not
-    ``MultiSteps``), some gradient leaf is row-sparse and its table a plain array, the inner
-    transformation works entry by entry and its global state is scalars (decided at trace time)?"""
+def fused_tables(optimizer, grads, state, params) -> list:
+    """The gradient leaves :func:`fused_update` updates in a kernel (decided at trace time): none
+    unless ``optimizer`` is a plain lazy lift (no catch-up, not ``MultiSteps``) whose inner
+    transformation works entry by entry with scalar global state; then the row-sparse leaves whose
+    table is a plain array of fewer than 2**31 entries (the kernel's offsets are 32-bit)."""
     inner = LIFTS.get(getattr(optimizer, "update", None))
     leaves, treedef = jax.tree_util.tree_flatten(grads, is_leaf=is_container)
     tables = row_sparse_leaves(leaves, 0)
     if (inner is None or params is None or isinstance(state, LazyCatchUpState) or not tables
             or any(not (is_container(g) or isinstance(g, jax.Array)) for g in leaves)):
-        return False
+        return []
     check_update_arguments(inner, grads, state, params)
     p_leaves = treedef.flatten_up_to(params)
     owners = _owners(_Reference.of(grads), state)
-    if (any(is_container(p_leaves[i]) for i in tables)  # masked tables keep the one-call update
-            or any(not isinstance(o, int) and np.ndim(o) != 0 for o in owners)
-            or not entrywise(inner, grads, state, params)):
-        return False
+    if any(not isinstance(o, int) and np.ndim(o) != 0 for o in owners) or not entrywise(inner, grads, state, params):
+        return []
     state_leaves, state_def = jax.tree_util.tree_flatten(state)
-    try:  # every table's kernel program can be planned (shapes only)
-        for i in tables:
-            jax.eval_shape(lambda s, i=i: _prepare(inner, i, treedef, state_def, owners, leaves, s, p_leaves)[1],
+
+    def plans(i):  # the kernel program can be planned (shapes only)
+        try:
+            jax.eval_shape(lambda s: _prepare(inner, i, treedef, state_def, owners, leaves, s, p_leaves)[1],
                            state_leaves)
-    except ValueError:
-        return False
-    return True
+        except ValueError:
+            return False
+        return True
+
+    return [i for i in tables if not is_container(p_leaves[i])  # masked tables: the one-call update
+            and max(np.prod(p_leaves[i].shape), np.prod(leaves[i].data.shape)) < MAX_ENTRIES and plans(i)]
+
+
+def fusable(optimizer, grads, state, params) -> bool:
+    """Does :func:`fused_update` update some table of this step in a kernel (:func:`fused_tables`)?"""
+    return bool(fused_tables(optimizer, grads, state, params))
 
 
 def _pow2(x: int) -> int:
@@ -282,7 +293,8 @@ def _update_table(inner, i, treedef, state_def, owners, leaves, state_leaves, p_
 def fused_update(optimizer, grads, state, params, apply, *, interpret: bool = False,
                  config: KernelConfig = KernelConfig()):
     """``(params, state)`` after one step of the lazy lift ``optimizer`` (see :func:`fusable`): each
-    row-sparse table updated by one kernel, then the other leaves and the global state.
+    table of :func:`fused_tables` updated by one kernel, then the other leaves (the one-call lazy
+    update) and the global state.
     ``interpret`` runs the kernels in Pallas' interpreter (any backend, slowly); ``config`` cuts
     them (:class:`KernelConfig`)."""
     inner = LIFTS[optimizer.update]
@@ -291,7 +303,7 @@ def fused_update(optimizer, grads, state, params, apply, *, interpret: bool = Fa
     state_leaves, state_def = jax.tree_util.tree_flatten(state)
     owners = _owners(ref, state)
     p_leaves = treedef.flatten_up_to(params)
-    tables = row_sparse_leaves(leaves, 0)
+    tables = fused_tables(optimizer, grads, state, params)
     for i in tables:
         p, rows = _update_table(inner, i, treedef, state_def, owners, leaves, state_leaves, p_leaves, interpret,
                                 config)

@@ -48,8 +48,10 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation, 
     distinct rows that start in its block of sorted positions, reads their parameters and state,
     runs the inner transformation and writes them back in place, so no coalesced gradient is
     stored and read again. Exact for the same optimizers, whose global state must be scalars
-    (step counts); without ``catch_up``, and for tables that are plain arrays. Elsewhere (the
-    CPU, other accelerators, other optimizers, ``mesh``) the step is the one it would be without it.
+    (step counts), without ``catch_up``; for each table that is a plain array of fewer than 2**31
+    entries (the kernel's offsets are 32-bit), other tables getting the one-call update beside it.
+    Elsewhere (the CPU, other accelerators, other optimizers, ``mesh``) the step is the one it
+    would be without it.
 
     With ``mesh`` and ``axis``, tables sharded by rows over that mesh axis are
     updated shard by shard (:func:`sharded_update`: every device updates the rows it
