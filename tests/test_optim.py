@@ -1245,8 +1245,8 @@ def test_fused_update_runs_of_duplicates_across_kernel_programs(rows_per_program
 
 def test_train_step_fused_rows_picks_the_kernel_on_cuda_only():
     """``make_train_step(fused_rows=True)`` puts the kernel in the step's CUDA branch, for fusable
-    optimizers only; the CPU runs the step it would run without it (equal results here); a
-    non-bool ``fused_rows`` is refused."""
+    optimizers only; the CPU runs the step it would run without it (equal results; on a GPU, equal
+    up to rounding); a non-bool ``fused_rows`` is refused."""
     params = {"a": jnp.asarray(np.random.default_rng(7).normal(size=(40, 4)), jnp.float32),
               "b": jnp.ones((9, 4)), "w": jnp.ones((4,)), "s": jnp.asarray(0.3)}
     sparse = {"a": True, "b": True, "w": False, "s": False}
@@ -1257,7 +1257,9 @@ def test_train_step_fused_rows_picks_the_kernel_on_cuda_only():
         jaxprs = {f: str(jax.make_jaxpr(s)(params, opt.init(params), *batch)) for f, s in steps.items()}
         assert ("pallas_call" in jaxprs[True]) is fusable and "pallas_call" not in jaxprs[False]
         out = {f: s(jax.tree_util.tree_map(jnp.array, params), opt.init(params), *batch) for f, s in steps.items()}
-        _close(out[True], out[False], rtol=0, atol=0)
+        # the CPU runs the same step; a CUDA GPU runs the kernel, which sums duplicates in another order
+        exact = jax.default_backend() == "cpu"
+        _close(out[True], out[False], **({"rtol": 0, "atol": 0} if exact else {"rtol": 1e-5, "atol": 1e-6}))
     catch_up = optim.lazy(optax.adam(0.05), catch_up=True)
     step = optim.make_train_step(_two_table_loss, catch_up, row_sparse=sparse, fused_rows=True)
     assert "pallas_call" not in str(jax.make_jaxpr(step)(params, catch_up.init(params), *batch))
