@@ -44,6 +44,11 @@ def _owners(ref, state):
     return jax.tree_util.tree_leaves(_map_param_shaped(ref, lambda leaves: list(range(len(leaves))), state))
 
 
+def _owned(owners, i):
+    """The positions of the state leaves shaped like parameter leaf ``i``."""
+    return [k for k, o in enumerate(owners) if isinstance(o, int) and o == i]
+
+
 def fused_tables(optimizer, grads, state, params) -> list:
     """The gradient leaves :func:`fused_update` updates in a kernel (decided at trace time): none
     unless ``optimizer`` is a plain lazy lift (no catch-up, not ``MultiSteps``) whose inner
@@ -140,14 +145,12 @@ class _Plan:
             p = jax.tree_util.tree_unflatten(treedef, flat[n_leaves + len(owners):])
             u, new_state = inner.update(g, state, p)
             new_leaves = jax.tree_util.tree_leaves(new_state)
-            return [treedef.flatten_up_to(u)[i]] + [new_leaves[k] for k, o in enumerate(owners)
-                                                    if isinstance(o, int) and o == i]
+            return [treedef.flatten_up_to(u)[i]] + [new_leaves[k] for k in _owned(owners, i)]
 
         # the inputs: this table's rows as (block, width) blocks; everything else is known outside
         # (other leaves as scalar stand-ins, which an entrywise update computes nothing of this
         # table from, and the global state)
-        self.rows_at = [i, *(n_leaves + k for k, o in enumerate(owners) if isinstance(o, int) and o == i),
-                        n_leaves + len(owners) + i]
+        self.rows_at = [i, *(n_leaves + k for k in _owned(owners, i)), n_leaves + len(owners) + i]
         avals = list(known_avals)
         for pos, aval in zip(self.rows_at, block_avals):
             avals[pos] = aval
@@ -240,7 +243,7 @@ def _prepare(inner, i, treedef, state_def, owners, leaves, state_leaves, p_leave
     shape = p_leaves[i].shape
     width = _pow2(int(np.prod(shape[1:], dtype=int)))
     block = max(1, min(config.max_block_rows, config.block_elements // width))
-    mine = [state_leaves[k] for k, o in enumerate(owners) if isinstance(o, int) and o == i]
+    mine = [state_leaves[k] for k in _owned(owners, i)]
     block_avals = [jax.ShapeDtypeStruct((block, width), x.dtype) for x in (leaves[i], *mine, p_leaves[i])]
     scalar = lambda x: jnp.zeros((), x.dtype if hasattr(x, "dtype") else jnp.result_type(x))  # noqa: E731
     known = ([scalar(x) for x in leaves] + [scalar(x) if isinstance(o, int) else x for x, o in zip(state_leaves, owners)]
@@ -259,7 +262,7 @@ def _update_table(inner, i, treedef, state_def, owners, leaves, state_leaves, p_
     from jax.experimental.pallas import triton as plgpu
 
     g, p = leaves[i], p_leaves[i]
-    rows = [state_leaves[k] for k, o in enumerate(owners) if isinstance(o, int) and o == i]
+    rows = [state_leaves[k] for k in _owned(owners, i)]
     shape, n, k = p.shape, p.shape[0], g.nse
     d = int(np.prod(shape[1:], dtype=int))
     block, hoisted, in_kernel = _prepare(inner, i, treedef, state_def, owners, leaves, state_leaves, p_leaves, config)
@@ -308,7 +311,7 @@ def fused_update(optimizer, grads, state, params, apply, *, interpret: bool = Fa
         p, rows = _update_table(inner, i, treedef, state_def, owners, leaves, state_leaves, p_leaves, interpret,
                                 config)
         p_leaves[i] = p
-        for k, r in zip([k for k, o in enumerate(owners) if isinstance(o, int) and o == i], rows):
+        for k, r in zip(_owned(owners, i), rows):
             state_leaves[k] = r
     params = jax.tree_util.tree_unflatten(treedef, p_leaves)
     state = jax.tree_util.tree_unflatten(state_def, state_leaves)
