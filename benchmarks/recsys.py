@@ -328,12 +328,12 @@ def main(argv=None):
     reuse = reusing_memory(args.reuse_memory, __file__, argv)
     rows = tuple(max(n // 100, 50) for n in ROWS) if args.quick else ROWS
     batch = 128 if args.quick else 1024
-    feats, tables, mlp, labels = make_data(rows, batch)
     bandwidth = copy_bandwidth()
     if args.sweep_only:
         print(f"backend {jax.default_backend()}, copy bandwidth {bandwidth / 1e9:.1f} GB/s")
         optimizer_sweep(bandwidth, quick=args.quick)
         return
+    feats, tables, mlp, labels = make_data(rows, batch)
     backend = jax.default_backend()
     where = f"{os.cpu_count()} cores" if backend == "cpu" else jax.devices()[0].device_kind
     print(f"backend {backend} ({where}), torch on {torch_device()}, "
