@@ -48,8 +48,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import maskify_models as mm  # noqa: E402
 import masked_jax as mj  # noqa: E402
 from masked_jax import optim  # noqa: E402
-from masked_jax.optim._fused import fusable, fused_update  # noqa: E402
+from masked_jax.optim._fused import fusable  # noqa: E402
+from masked_jax.optim._lazy import LIFTS  # noqa: E402
 from _timing import RESULTS  # noqa: E402
+from optim import fused_step, update_step  # noqa: E402
 
 _DEVICE = """
 gpu_device_info {{
@@ -127,7 +129,7 @@ FUSED_OPTIMIZERS = {
     "decay + momentum": lambda: optax.chain(optax.add_decayed_weights(0.1), optax.sgd(0.1, momentum=0.5)),
     "nadam": lambda: optax.nadam(1e-2), "amsgrad": lambda: optax.amsgrad(1e-2), "adamax": lambda: optax.adamax(1e-2),
     "adabelief": lambda: optax.adabelief(1e-2), "adadelta": lambda: optax.adadelta(1.0),
-    "masked_adagrad": lambda: optim.masked_adagrad(0.1),  # a lazy lift already
+    "masked_adagrad": lambda: optim.masked_adagrad(0.1),
 }
 
 
@@ -136,62 +138,66 @@ FUSED_TABLES = [((100_000, 4, 6), "float32", False), ((100_000, 256), "bfloat16"
                 ((100_000, 3), "float16", False), ((100_000,), "float32", False), ((100_000, 1000), "float32", True)]
 
 
-def row_sparse_update(opt, n, d, k, fused):
-    """The lazy update of an ``n x d`` table by ``k`` gradient rows, as ``make_train_step`` runs it on
-    a GPU: the one-call update, or (``fused``) the kernel of ``fused_rows=True``."""
-    def step(p, s, data, idx):
-        g = mj.row_sparse(data, idx, (n, d))
-        if fused:
-            return fused_update(opt, g, s, p, optim.apply_updates)
-        u, s = opt.update(g, s, p)
-        return optim.apply_updates(p, u), s
+def row_sparse_update(opt, shape, k, fused, dtype="float32", unique=False):
+    """``(step, abstract arguments)``: the lazy update of a ``shape`` table by ``k`` gradient rows
+    (flagged ``unique`` or not), as ``make_train_step`` runs it on a GPU: the one-call update, or
+    (``fused``) the kernel of ``fused_rows=True``."""
+    inner = fused_step(opt) if fused else update_step(opt)
 
-    p = jax.ShapeDtypeStruct((n, d), np.float32)
-    return step, (p, jax.eval_shape(opt.init, p), jax.ShapeDtypeStruct((k, d), np.float32),
+    def step(p, s, data, idx):
+        return inner(p, s, mj.row_sparse(data, idx, shape, unique_indices=unique))
+
+    p = jax.ShapeDtypeStruct(shape, dtype)
+    return step, (p, jax.eval_shape(opt.init, p), jax.ShapeDtypeStruct((k, *shape[1:]), dtype),
                   jax.ShapeDtypeStruct((k,), np.int32))
+
+
+def _compiling(cases, sharding):
+    """``(compiled, failed)``: the names of the ``{name: make}`` cases whose ``make()`` (a fused step
+    and its arguments) compiles for ``sharding``, and of those that fail, with their errors."""
+    compiled, failed = [], []
+    for name, make in cases.items():
+        try:
+            compiled_stats(*make(), sharding)
+            compiled.append(name)
+        except Exception as e:  # noqa: BLE001 - report every case's outcome
+            failed.append(f"{name} ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
+    return compiled, failed
+
+
+def _fused_optimizer(make):
+    """A fused step of the optimizer ``make()`` (lifted by ``lazy`` unless it is a lazy lift
+    already, as ``masked_adagrad``) on a small table, checked to be one ``make_train_step`` would
+    fuse."""
+    opt = make()
+    opt = opt if LIFTS.get(opt.update) is not None else optim.lazy(opt)
+    table = np.zeros((4096, 24), np.float32)
+    if not fusable(opt, mj.row_sparse(table[:1000], np.arange(1000), table.shape), opt.init(table), table):
+        raise ValueError("make_train_step would not fuse it")
+    return row_sparse_update(opt, table.shape, 1000, True)
 
 
 def fused_rows_stats(target, sharding):
     """Print the one-call and fused row-sparse updates' temporary memory and kernels at 8M x 32,
-    and which optimizers' fused kernels compile for ``target``."""
-    n, d = 8_000_000, 32
+    and which optimizers' and tables' fused kernels compile for ``target``."""
     for k in (1_000_000, 4_000_000):
         stats = {}
         for version, fused in (("one call", False), ("fused_rows", True)):
-            stats[version] = compiled_stats(*row_sparse_update(optim.lazy(optax.adam(1e-2)), n, d, k, fused), sharding)
+            stats[version] = compiled_stats(*row_sparse_update(optim.lazy(optax.adam(1e-2)), (8_000_000, 32), k, fused),
+                                            sharding)
             temp, kernels, _, lines = stats[version]
             print(f"{target:6s} {'lazy adam, K=' + format(k, ','):20s} {version:12s} {temp:9.2f} {kernels:8d} "
                   f"{'':>12s} {lines:10d}", flush=True)
         print(f"{target:6s} {'':20s} {'ratio':12s} {stats['fused_rows'][0] / stats['one call'][0]:8.3f}x "
               f"{stats['fused_rows'][1] / stats['one call'][1]:7.2f}x (fused / one call)")
-    compiled, failed = [], []
-    for name, make in FUSED_OPTIMIZERS.items():
-        try:
-            opt = make() if name == "masked_adagrad" else optim.lazy(make())
-            table = np.zeros((4096, 24), np.float32)
-            if not fusable(opt, mj.row_sparse(table[:1000], np.arange(1000), table.shape), opt.init(table), table):
-                raise ValueError("make_train_step would not fuse it")
-            compiled_stats(*row_sparse_update(opt, *table.shape, 1000, True), sharding)
-            compiled.append(name)
-        except Exception as e:  # noqa: BLE001 - report every optimizer's outcome
-            failed.append(f"{name} ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
+    compiled, failed = _compiling({name: lambda make=make: _fused_optimizer(make)
+                                   for name, make in FUSED_OPTIMIZERS.items()}, sharding)
     print(f"{target}: the fused kernel compiles with {', '.join(compiled) or 'none'}"
           + (f"; fails with {'; '.join(failed)}" if failed else ""))
-    compiled, failed = [], []
-    for shape, dtype, unique in FUSED_TABLES:
-        name = f"{dtype} {shape}{' unique' if unique else ''}"
-        opt = optim.lazy(optax.adam(1e-2))
-
-        def step(p, s, data, idx, shape=shape, unique=unique):
-            return fused_update(opt, mj.row_sparse(data, idx, shape, unique_indices=unique), s, p, optim.apply_updates)
-
-        p = jax.ShapeDtypeStruct(shape, dtype)
-        try:
-            compiled_stats(step, (p, jax.eval_shape(opt.init, p), jax.ShapeDtypeStruct((5000, *shape[1:]), dtype),
-                                  jax.ShapeDtypeStruct((5000,), np.int32)), sharding)
-            compiled.append(name)
-        except Exception as e:  # noqa: BLE001 - report every table's outcome
-            failed.append(f"{name} ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
+    compiled, failed = _compiling({
+        f"{dtype} {shape}{' unique' if unique else ''}": lambda shape=shape, dtype=dtype, unique=unique:
+            row_sparse_update(optim.lazy(optax.adam(1e-2)), shape, 5000, True, dtype, unique)
+        for shape, dtype, unique in FUSED_TABLES}, sharding)
     print(f"{target}: adam's fused kernel compiles for tables {', '.join(compiled) or 'none'}"
           + (f"; fails for {'; '.join(failed)}" if failed else ""))
 

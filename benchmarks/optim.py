@@ -47,6 +47,7 @@ import optax
 sys.path.insert(0, os.path.dirname(__file__))
 import masked_jax as mj  # noqa: E402
 from masked_jax import optim  # noqa: E402
+from masked_jax.optim._fused import KernelConfig, fused_update  # noqa: E402
 from _timing import interleaved_medians, progress, result_path, torch_device  # noqa: E402
 
 DIM = 64
@@ -155,12 +156,25 @@ class Stepper:
         return self.carry
 
 
-def optax_stepper(opt, table, grad):
+def update_step(opt):
+    """``(p, s, g) -> (p, s)``: ``opt.update`` and ``apply_updates`` in one call (what
+    ``make_train_step`` runs without chunks or a fused kernel)."""
     def step(p, s, g):
         u, s = opt.update(g, s, p)
         return optim.apply_updates(p, u), s
 
-    return Stepper(jax.jit(step, donate_argnums=(0, 1)), table, opt.init(table), args=(grad,))
+    return step
+
+
+def fused_step(opt, config=KernelConfig()):
+    """``(p, s, g) -> (p, s)``: the fused update of ``make_train_step(..., fused_rows=True)`` on a
+    CUDA GPU, its kernel cut by ``config``."""
+    return lambda p, s, g: fused_update(opt, g, s, p, optim.apply_updates, config=config)
+
+
+def optax_stepper(opt, table, grad, step=None):
+    """A donated, jitted step (``update_step(opt)`` unless given) on ``table`` and fresh state."""
+    return Stepper(jax.jit(step or update_step(opt), donate_argnums=(0, 1)), table, opt.init(table), args=(grad,))
 
 
 def torch_stepper(make, table_np, ids, vals):

@@ -63,10 +63,10 @@ sys.path.insert(0, os.path.dirname(__file__))
 import masked_jax as mj  # noqa: E402
 from masked_jax import optim  # noqa: E402
 from masked_jax.optim._chunked import chunked_update  # noqa: E402
-from masked_jax.optim._fused import KernelConfig, fused_update  # noqa: E402
+from masked_jax.optim._fused import KernelConfig  # noqa: E402
 from _timing import interleaved_medians, print_table, result_path, save_bar_plot, torch_device  # noqa: E402
-from optim import (LR, Stepper, adam_rows, copy_bandwidth, hand_lazy_adam_step, optax_stepper,  # noqa: E402
-                   reusing_memory)
+from optim import (LR, Stepper, adam_rows, copy_bandwidth, fused_step, hand_lazy_adam_step,  # noqa: E402
+                   optax_stepper, reusing_memory, update_step)
 
 ROWS = (1_000_000, 500_000, 200_000, 100_000, 50_000, 20_000, 10_000, 5_000)
 DIM, MAX_BAG, HIDDEN = 32, 20, (128, 64)
@@ -94,8 +94,7 @@ def check_fused(n=1000, k=700, steps=2, seed=0):
     rng = np.random.default_rng(seed)
     table = jnp.asarray(rng.normal(size=(n, DIM)), jnp.float32)
     opt = optim.lazy(optax.adam(LR))
-    one_call = jax.jit(lambda p, s, g: (lambda u, s: (optim.apply_updates(p, u), s))(*opt.update(g, s, p)))
-    fused = jax.jit(lambda p, s, g: fused_update(opt, g, s, p, optim.apply_updates))
+    one_call, fused = jax.jit(update_step(opt)), jax.jit(fused_step(opt))
     got = want = (table, opt.init(table))
     for _ in range(steps):
         g = mj.row_sparse(jnp.asarray(rng.normal(size=(k, DIM)), jnp.float32),
@@ -394,20 +393,13 @@ def main(argv=None):
     touched = int(np.unique(np.asarray(g.indices)[np.asarray(g.indices) < stack.num_rows]).size)
     opt = optim.lazy(optax.adam(LR))
 
-    def update(p, s, g):
-        u, s = opt.update(g, s, p)
-        return optim.apply_updates(p, u), s
-
     def chunked(p, s, g):  # what make_train_step runs on the CPU
         return chunked_update(opt, g, s, p, optim.apply_updates, 8192)
 
-    def fused(p, s, g):  # what make_train_step(fused_rows=True) runs on a CUDA GPU
-        return fused_update(opt, g, s, p, optim.apply_updates)
-
     table = np.asarray(params["tables"])
-    updates = [("one call", update), ("chunks of 8192 rows", chunked)] + ([("fused kernel", fused)] if fused_runs() else [])
-    steppers = {name: Stepper(jax.jit(fn, donate_argnums=(0, 1)), jnp.asarray(table), opt.init(jnp.asarray(table)),
-                              args=(g,)) for name, fn in updates}
+    updates = [("one call", update_step(opt)), ("chunks of 8192 rows", chunked)] + (
+        [("fused kernel", fused_step(opt))] if fused_runs() else [])  # on a CUDA GPU with fused_rows=True
+    steppers = {name: optax_stepper(opt, jnp.asarray(table), g, fn) for name, fn in updates}
     times = interleaved_medians(steppers, rounds=3, block=5, warmup=2)
     nbytes = 7 * touched * DIM * 4
     for name, tu in times.items():
@@ -465,9 +457,8 @@ def optimizer_sweep(bandwidth, quick=False):
                              jnp.zeros(()), args=(jnp.asarray(uniq), jnp.asarray(urows))),
         }
         if fused:
-            step = jax.jit(lambda p, s, g: fused_update(opt, g, s, p, optim.apply_updates), donate_argnums=(0, 1))
             for name, g in (("fused dup", dup), ("fused unique", unique)):
-                fns[name] = Stepper(step, fresh(), opt.init(fresh()), args=(g,))
+                fns[name] = optax_stepper(opt, fresh(), g, fused_step(opt))
         t = interleaved_medians(fns, rounds=3, block=5, warmup=2)
         nbytes = 7 * uniq.size * DIM * 4
         cells = " | ".join("n/a (CUDA only)" if c not in t else
@@ -489,9 +480,7 @@ def fused_cuts(opt, fresh, grad, nbytes, bandwidth, k):
     default and the one-call update, in one interleaved run."""
     fns = {"one call": optax_stepper(opt, fresh(), grad)}
     for cut in [KernelConfig()] + CUTS:
-        step = jax.jit(lambda p, s, g, cut=cut: fused_update(opt, g, s, p, optim.apply_updates, config=cut),
-                       donate_argnums=(0, 1))
-        fns[f"fused {tuple(cut)}"] = Stepper(step, fresh(), opt.init(fresh()), args=(grad,))
+        fns[f"fused {tuple(cut)}"] = optax_stepper(opt, fresh(), grad, fused_step(opt, cut))
     t = interleaved_medians(fns, rounds=3, block=5, warmup=2)
     print(f"\nthe fused update at K = {k:,} with duplicates, cut in other ways (block entries, rows, warps; "
           f"the first is the default):")

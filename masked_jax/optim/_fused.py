@@ -88,6 +88,11 @@ def _pow2(x: int) -> int:
     return 1 << max(0, int(x) - 1).bit_length()
 
 
+def _read(env, v):
+    """The value of jaxpr variable ``v`` in ``env`` (a literal's own value)."""
+    return v.val if isinstance(v, Literal) else env[v]
+
+
 def _bind(eqn, ins):
     """The outputs of ``eqn``'s primitive on ``ins``, as a list."""
     outs = eqn.primitive.bind(*ins, **eqn.params)
@@ -100,9 +105,8 @@ def _inline(jaxpr, consts, args):
     that compute the values, for kernel lowerings that know no calls or copies."""
     env = dict(zip(jaxpr.constvars, consts))
     env.update(zip(jaxpr.invars, args))
-    read = lambda v: v.val if isinstance(v, Literal) else env[v]  # noqa: E731
     for eqn in jaxpr.eqns:
-        ins = [read(v) for v in eqn.invars]
+        ins = [_read(env, v) for v in eqn.invars]
         name = eqn.primitive.name
         body = next((eqn.params[k] for k in _BODY if k in eqn.params), None) if name in _CALLS else None
         if body is not None:
@@ -112,7 +116,7 @@ def _inline(jaxpr, consts, args):
         else:
             outs = _bind(eqn, ins)
         env.update(zip(eqn.outvars, outs))
-    return [read(v) for v in jaxpr.outvars]
+    return [_read(env, v) for v in jaxpr.outvars]
 
 
 _NARROW = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -163,12 +167,11 @@ class _Plan:
         jaxpr = self.flat.jaxpr
         env = dict(zip(jaxpr.constvars, self.flat.consts))
         env.update((v, x) for v, x in zip(jaxpr.invars, known_values) if x is not None)
-        known = lambda v: isinstance(v, Literal) or v in env  # noqa: E731
-        read = lambda v: v.val if isinstance(v, Literal) else env[v]  # noqa: E731
         rest = []
         for eqn in jaxpr.eqns:
-            if all(known(v) for v in eqn.invars) and all(np.ndim(v.aval) == 0 for v in eqn.outvars):
-                env.update(zip(eqn.outvars, _bind(eqn, [read(v) for v in eqn.invars])))
+            if (all(isinstance(v, Literal) or v in env for v in eqn.invars)
+                    and all(np.ndim(v.aval) == 0 for v in eqn.outvars)):
+                env.update(zip(eqn.outvars, _bind(eqn, [_read(env, v) for v in eqn.invars])))
             else:
                 rest.append(eqn)
         needed = {v for eqn in rest for v in eqn.invars if not isinstance(v, Literal)} | {
@@ -182,10 +185,9 @@ class _Plan:
         def in_kernel(hoisted_values, rows):
             local = dict(zip(hoisted, hoisted_values))
             local.update(zip(rows_vars, rows))
-            get = lambda v: v.val if isinstance(v, Literal) else local[v]  # noqa: E731
             for eqn in rest:
-                local.update(zip(eqn.outvars, _bind_widened(eqn, [get(v) for v in eqn.invars])))
-            return [get(v) for v in jaxpr.outvars]
+                local.update(zip(eqn.outvars, _bind_widened(eqn, [_read(local, v) for v in eqn.invars])))
+            return [_read(local, v) for v in jaxpr.outvars]
 
         return [env[v] for v in hoisted], in_kernel
 
@@ -293,20 +295,20 @@ def _update_table(inner, i, treedef, state_def, owners, leaves, state_leaves, p_
     return out[0].reshape(shape), [o.reshape(r.shape) for o, r in zip(out[1:], rows)]
 
 
-def fused_update(optimizer, grads, state, params, apply, *, interpret: bool = False,
+def fused_update(optimizer, grads, state, params, apply, *, tables=None, interpret: bool = False,
                  config: KernelConfig = KernelConfig()):
     """``(params, state)`` after one step of the lazy lift ``optimizer`` (see :func:`fusable`): each
     table of :func:`fused_tables` updated by one kernel, then the other leaves (the one-call lazy
     update) and the global state.
-    ``interpret`` runs the kernels in Pallas' interpreter (any backend, slowly); ``config`` cuts
-    them (:class:`KernelConfig`)."""
+    ``tables``: those leaves, when the caller has them already. ``interpret`` runs the kernels in
+    Pallas' interpreter (any backend, slowly); ``config`` cuts them (:class:`KernelConfig`)."""
     inner = LIFTS[optimizer.update]
     leaves, treedef = jax.tree_util.tree_flatten(grads, is_leaf=is_container)
     ref = _Reference.of(grads)
     state_leaves, state_def = jax.tree_util.tree_flatten(state)
     owners = _owners(ref, state)
     p_leaves = treedef.flatten_up_to(params)
-    tables = fused_tables(optimizer, grads, state, params)
+    tables = fused_tables(optimizer, grads, state, params) if tables is None else tables
     for i in tables:
         p, rows = _update_table(inner, i, treedef, state_def, owners, leaves, state_leaves, p_leaves, interpret,
                                 config)

@@ -10,7 +10,7 @@ import optax
 from masked_jax._ad import value_and_grad
 from masked_jax.optim._apply import apply_updates
 from masked_jax.optim._chunked import chunkable, chunked_update
-from masked_jax.optim._fused import fusable, fused_update
+from masked_jax.optim._fused import fused_tables, fused_update
 from masked_jax.optim._lazy import _check_transformation
 from masked_jax.optim._sharded import sharded_update
 
@@ -91,8 +91,9 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation, 
         if chunk_rows is not None and chunkable(optimizer, grads, opt_state, params, chunk_rows):
             # on the CPU only: on a GPU each trip of the loop waits for the host to read its predicate
             branches["cpu"] = lambda p, s, g: chunked_update(optimizer, g, s, p, apply_updates, chunk_rows)
-        if fused_rows and fusable(optimizer, grads, opt_state, params):
-            branches["cuda"] = lambda p, s, g: fused_update(optimizer, g, s, p, apply_updates)
+        tables = fused_tables(optimizer, grads, opt_state, params) if fused_rows else []
+        if tables:
+            branches["cuda"] = lambda p, s, g: fused_update(optimizer, g, s, p, apply_updates, tables=tables)
         if branches:
             params, opt_state = jax.lax.platform_dependent(
                 params, opt_state, grads, default=lambda p, s, g: one_call(g, s, p), **branches)
