@@ -1224,6 +1224,43 @@ def test_fused_update_of_some_tables_equals_the_one_call_update(monkeypatch):
     _close(got, _one_call_step(opt)(params, opt.init(params), g), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("unique", [False, True])
+def test_fused_update_stores_nothing_past_the_table(monkeypatch, unique):
+    """The kernel's masked lanes point past the table, where Pallas' interpreter drops a store that
+    a GPU would make. Here the kernel is told the table ends two rows early, so those two rows
+    stand for the memory past it: ids there are padding to the kernel, and neither they nor the
+    masked lanes may write them. The other rows equal the one-call update with those ids as
+    padding."""
+    from masked_jax.optim import _fused
+
+    guard = 2
+    real = _fused._table_kernel
+    monkeypatch.setattr(_fused, "_table_kernel",
+                        lambda in_kernel, n_hoisted, dtypes, n_refs, n, *rest: real(in_kernel, n_hoisted, dtypes,
+                                                                                      n_refs, n - guard, *rest))
+    rng = np.random.default_rng(11)
+    n, k, d = 40, 24, 3
+    ids = rng.choice(n - guard, size=k, replace=False) if unique else rng.integers(n - 6, n, size=k)
+    ids[:3] = n - 2, n - 1, n  # rows past the kernel's end (and more of them if not unique), padding
+    data = jnp.asarray(rng.normal(size=(k, d)), jnp.float32)
+    table = jnp.asarray(rng.normal(size=(n, d)), jnp.float32)
+    opt = optim.lazy(optax.adam(0.05))
+    g = mj.row_sparse(data, jnp.asarray(ids), (n, d), unique_indices=unique)
+    # moments that a stray store of a masked lane (zero in, zero out) would change
+    state = jax.tree_util.tree_map(
+        lambda x: jnp.asarray(rng.uniform(0.1, 1.0, size=x.shape), x.dtype) if np.ndim(x) == 2 else x,
+        opt.init(table))
+    cut = _fused.KernelConfig(block_elements=16, max_block_rows=4)  # several programs, masked lanes in each
+    got = jax.jit(lambda p, s, g: _fused.fused_update(opt, g, s, p, optim.apply_updates, interpret=True,
+                                                      config=cut))(table, state, g)
+    past = np.where(ids >= n - guard, n, ids)
+    want = _one_call_step(opt)(table, state, mj.row_sparse(data, jnp.asarray(past), (n, d), unique_indices=unique))
+    _close(got, want, rtol=1e-5, atol=1e-6)
+    for new, old in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves((table, state))):
+        if np.ndim(old) == 2:  # the table and adam's moments, past the kernel's end
+            np.testing.assert_array_equal(np.asarray(new[n - guard:]), np.asarray(old[n - guard:]))
+
+
 @pytest.mark.parametrize("rows_per_program", [1, 2, 4, 128])
 def test_fused_update_runs_of_duplicates_across_kernel_programs(rows_per_program):
     """However the kernel is cut (programs of 1 to 128 sorted positions), runs of one id that start
