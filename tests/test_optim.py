@@ -1261,23 +1261,42 @@ def test_fused_update_stores_nothing_past_the_table(monkeypatch, unique):
             np.testing.assert_array_equal(np.asarray(new[n - guard:]), np.asarray(old[n - guard:]))
 
 
-@pytest.mark.parametrize("rows_per_program", [1, 2, 4, 128])
-def test_fused_update_runs_of_duplicates_across_kernel_programs(rows_per_program):
-    """However the kernel is cut (programs of 1 to 128 sorted positions), runs of one id that start
-    in one program and go on into the next ones are summed once, by the program they start in."""
+def _runs(pattern, rng, n, k):
+    """``k`` ids (at most 12 distinct, plus padding ``n``) in runs of lengths set by ``pattern``."""
+    if pattern == "even":  # runs of about 17
+        return rng.permutation(np.sort(rng.integers(0, 12, size=k)))
+    if pattern == "hot":  # one id of 150 positions: a run over many programs
+        return rng.permutation(np.concatenate([np.full(150, 7), rng.integers(0, 12, size=k - 150)]))
+    lengths = [8, 16, 4, 1, 3, 32, 64]  # "aligned": runs that end where programs of 1, 2, 4 or 8 end
+    ids = np.concatenate([np.full(m, i) for i, m in enumerate(lengths)])
+    return np.concatenate([ids, np.full(k - ids.size, n)])  # padding after the last run
+
+
+@pytest.mark.parametrize("rows_per_program", [1, 2, 4, 8, 128])
+@pytest.mark.parametrize("pattern", ["even", "hot", "aligned"])
+def test_fused_update_runs_of_duplicates_across_kernel_programs(rows_per_program, pattern):
+    """However the kernel is cut (programs of 1 to 128 sorted positions), a run of one id is summed
+    once: the program it starts in reads it up to the end of its block, and adds the rest, which
+    the carry kernel sums in the later programs and a scan over blocks chains. Runs of 150 over
+    many programs, runs that end where a program ends, padding; a valid inf in one run reaches
+    that row only."""
     from masked_jax.optim._fused import KernelConfig, fused_update
 
     rng = np.random.default_rng(8)
     n, k, d = 50, 200, 4
-    ids = np.sort(rng.integers(0, 12, size=k))[::-1].copy()  # long runs (about 17 each), across programs
-    ids[5] = n
-    g = mj.row_sparse(jnp.asarray(rng.normal(size=(k, d)), jnp.float32), jnp.asarray(ids), (n, d))
+    ids = _runs(pattern, rng, n, k)
+    ids[np.flatnonzero(ids != n)[:1]] = n  # padding among the ids as well
+    data = rng.normal(size=(k, d))
+    data[np.flatnonzero(ids == 3)[-1:], 1] = np.inf  # a valid inf, in the last position of id 3's run
+    g = mj.row_sparse(jnp.asarray(data, jnp.float32), jnp.asarray(ids), (n, d))
     table = jnp.asarray(rng.normal(size=(n, d)), jnp.float32)
     opt = optim.lazy(optax.sgd(0.1, momentum=0.9))
     cut = KernelConfig(block_elements=rows_per_program * 4, max_block_rows=rows_per_program)
     got = jax.jit(lambda p, s, g: fused_update(opt, g, s, p, optim.apply_updates, interpret=True, config=cut))(
         table, opt.init(table), g)
-    _close(got, _one_call_step(opt)(table, opt.init(table), g), rtol=1e-5, atol=1e-6)
+    want = _one_call_step(opt)(table, opt.init(table), g)
+    _close(got, want, rtol=1e-5, atol=1e-5)
+    assert np.isinf(np.asarray(got[0])).sum() == 1 and not np.isnan(np.asarray(got[0])).any()
 
 
 def test_train_step_fused_rows_picks_the_kernel_on_cuda_only():
@@ -1304,6 +1323,6 @@ def test_train_step_fused_rows_picks_the_kernel_on_cuda_only():
     huge = {"a": jax.ShapeDtypeStruct((2**29, 4), jnp.float32), "b": params["b"], "w": params["w"], "s": params["s"]}
     opt = optim.lazy(optax.adam(0.05))
     step = optim.make_train_step(_two_table_loss, opt, row_sparse=sparse, fused_rows=True)
-    assert str(jax.make_jaxpr(step)(huge, jax.eval_shape(opt.init, huge), *batch)).count("pallas_call") == 1  # "b" only
+    assert str(jax.make_jaxpr(step)(huge, jax.eval_shape(opt.init, huge), *batch)).count("pallas_call") == 2  # "b" only (its carries, its update)
     with pytest.raises(ValueError, match="fused_rows must be a bool"):
         optim.make_train_step(_two_table_loss, opt, fused_rows=1)

@@ -192,38 +192,100 @@ class _Plan:
         return [env[v] for v in hoisted], in_kernel
 
 
+def _gradient_rows(perm_ref, g_ref, at, take, cols, in_row):
+    """The gradient rows (as float32) at sorted positions ``at``, 0 where not ``take``."""
+    from jax.experimental.pallas import triton as plgpu
+
+    src = plgpu.load(perm_ref.at[jnp.where(take, at, 0)], mask=take, other=0)
+    return plgpu.load(g_ref.at[src[:, None], cols[None, :]], mask=take[:, None] & in_row[None, :],
+                      other=0).astype(jnp.float32)
+
+
+def _carry_kernel(n, d, block):
+    """The kernel that sums, per block of sorted positions, the gradient rows at its start that
+    continue the run of the previous block's last id (``(1, width)`` per program; 0 if none)."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plgpu
+
+    def kernel(ids_ref, perm_ref, g_ref, out_ref):
+        b = pl.program_id(0)
+        j = b * block + jnp.arange(block)
+        cols = jnp.arange(_pow2(d))
+        prev = plgpu.load(ids_ref.at[jnp.maximum(b * block - 1, 0) + jnp.zeros((1,), jnp.int32)])
+        prev = jnp.where(b == 0, n, prev)
+        going = (plgpu.load(ids_ref.at[j]) == prev) & (prev < n)
+        rows = _gradient_rows(perm_ref, g_ref, j, going, cols, cols < d)
+        plgpu.store(out_ref.at[b + jnp.zeros((1,), jnp.int32)[:, None], cols[None, :]],
+                    jnp.sum(rows, axis=0, keepdims=True))
+
+    return kernel
+
+
+def _onward_sums(ids, perm, g, n, d, block, interpret, config):
+    """``(blocks + 1, width)`` float32: per block of sorted positions, the sum of the gradient rows
+    of the previous block's last run that lie in this block and after it (0 if it ends before).
+    The program where a run starts adds this to the rows it summed itself, so that a run of any
+    length costs no program more than one block of serial reads: the blocks' carries are summed
+    by the carry kernel in parallel, and chained by a scan over blocks."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plgpu
+
+    blocks, width = (ids.shape[0] - 1) // block, _pow2(d)
+    whole = lambda x: pl.BlockSpec(x.shape, lambda b: (0,) * x.ndim)  # noqa: E731
+    carry = pl.pallas_call(
+        _carry_kernel(n, d, block),
+        out_shape=jax.ShapeDtypeStruct((blocks, width), jnp.float32),
+        grid=(blocks,),
+        in_specs=[whole(x) for x in (ids, perm, g)],
+        out_specs=whole(jax.ShapeDtypeStruct((blocks, width), jnp.float32)),
+        interpret=interpret,
+        compiler_params=None if interpret else plgpu.CompilerParams(num_warps=config.num_warps),
+    )(ids, perm, g)
+    last = ids[block - 1:-1:block]  # each block's last id
+    prev = jnp.concatenate([jnp.full((1,), n, ids.dtype), last[:-1]])
+    whole_block = (last == prev) & (prev < n)  # the previous block's last run fills this block
+
+    def chain(later, here):  # x -> v + (f ? x : 0), composed: ``later`` first, then ``here``
+        return here[0] & later[0], here[1] + jnp.where(here[0][:, None], later[1], 0)
+
+    _, sums = jax.lax.associative_scan(chain, (whole_block[::-1], carry[::-1]))
+    return jnp.concatenate([sums[::-1], jnp.zeros((1, width), jnp.float32)])
+
+
 def _table_kernel(in_kernel, n_hoisted, hoisted_dtypes, n_rows_refs, n, d, block, unique):
     """The kernel for one ``n x d`` table (as flattened rows): see the module."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
 
     def kernel(ids_ref, perm_ref, g_ref, *refs):
+        onward_ref, refs = (None, refs) if unique else (refs[0], refs[1:])
         scalar_refs, out_refs = refs[:n_hoisted], refs[n_hoisted + n_rows_refs:]  # inputs aliased to outputs
-        size = ids_ref.shape[0]
-        j = pl.program_id(0) * block + jnp.arange(block)
+        b = pl.program_id(0)
+        j = b * block + jnp.arange(block)
         cols = jnp.arange(_pow2(d))
         in_row = cols < d
         ids = plgpu.load(ids_ref.at[j])
         lead = (ids < n) & ((j == 0) | (ids != plgpu.load(ids_ref.at[jnp.maximum(j - 1, 0)])))
+        acc = _gradient_rows(perm_ref, g_ref, j, lead, cols, in_row)
+        if not unique:  # a position that starts a run reads on to the end of the run or of the block
+            end = (b + 1) * block
 
-        def gradient_rows(at, take):  # the gradient rows at sorted positions ``at``, 0 where not ``take``
-            src = plgpu.load(perm_ref.at[jnp.where(take, at, 0)], mask=take, other=0)
-            return plgpu.load(g_ref.at[src[:, None], cols[None, :]], mask=take[:, None] & in_row[None, :],
-                              other=0).astype(jnp.float32)
-
-        acc = gradient_rows(j, lead)
-        if not unique:  # a position that starts a run reads on until the id changes
             def more(carry):
                 return jnp.max(carry[2].astype(jnp.int32)) > 0  # (Triton lowers no reduce_or)
 
             def add(carry):
                 t, acc, going = carry
                 nxt = j + t
-                going = going & (nxt < size)
+                going = going & (nxt < end)
                 going = going & (plgpu.load(ids_ref.at[jnp.where(going, nxt, 0)], mask=going, other=n) == ids)
-                return t + 1, acc + gradient_rows(nxt, going), going
+                return t + 1, acc + _gradient_rows(perm_ref, g_ref, nxt, going, cols, in_row), going
 
             _, acc, _ = jax.lax.while_loop(more, add, (1, acc, lead))
+            # the block's last run, if it goes on: the sum of its rows in the next blocks
+            after = end + jnp.zeros((1,), jnp.int32)
+            onward = lead & (ids == plgpu.load(ids_ref.at[after]))
+            acc = jnp.where(onward[:, None], acc + plgpu.load(onward_ref.at[(b + 1 + jnp.zeros((1,), jnp.int32))[:, None],
+                                                                             cols[None, :]]), acc)
         # lanes that start no run point past the table: their masked loads and stores touch
         # nothing (in Pallas' interpreter too, which drops such a store)
         at = (jnp.where(lead, ids, n)[:, None], cols[None, :])
@@ -277,10 +339,12 @@ def _update_table(inner, i, treedef, state_def, owners, leaves, state_leaves, p_
     if not g.unique_indices:
         ids, perm = jax.lax.sort_key_val(ids, perm)
     size = -(-k // block) * block
-    ids = jnp.pad(ids, (0, size - k), constant_values=n)
+    ids = jnp.pad(ids, (0, size + 1 - k), constant_values=n)  # one more: the id after each block
+    g_rows = g.data.reshape(k, d)
+    onward = [] if g.unique_indices else [_onward_sums(ids, perm, g_rows, n, d, block, interpret, config)]
     tables = [p.reshape(n, d)] + [r.reshape(n, d) for r in rows]  # entry by entry: a row's shape does not matter
     whole = lambda x: pl.BlockSpec(x.shape, lambda b: (0,) * x.ndim)  # noqa: E731
-    operands = [ids, perm, g.data.reshape(k, d), *hoisted, *tables]
+    operands = [ids, perm, g_rows, *onward, *hoisted, *tables]
     first = len(operands) - len(tables)
     out = pl.pallas_call(
         _table_kernel(in_kernel, len(hoisted), hoisted_dtypes, len(tables), n, d, block, g.unique_indices),
