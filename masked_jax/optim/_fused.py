@@ -5,7 +5,10 @@ duplicates are summed into a coalesced gradient, which the update then reads. He
 sorted with their positions, and one Pallas (Triton) kernel program per block of sorted positions
 finds the distinct rows that start there, sums each one's duplicate gradient rows (read through
 the sort's permutation), reads the row's parameter and state, runs the inner transformation on
-them and writes them back in place: no coalesced gradient is stored or read. Exact for inner
+them and writes them back in place: no coalesced gradient is stored or read. A program reads a
+run of one id only up to the end of its block; the rest of a longer run (a hot id, over many
+blocks) is summed beforehand by a light carry kernel, one row per block and all blocks in
+parallel, whose sums the run's first program adds ``block`` blocks at a time. Exact for inner
 transformations that work entry by entry (:func:`~masked_jax.optim._chunked.entrywise`), whose
 global state is scalars; the global state (step counts) then advances once, as in the one-call
 update.
@@ -203,53 +206,68 @@ def _gradient_rows(perm_ref, g_ref, at, take, cols, in_row):
 
 def _carry_kernel(n, d, block):
     """The kernel that sums, per block of sorted positions, the gradient rows at its start that
-    continue the run of the previous block's last id (``(1, width)`` per program; 0 if none)."""
+    continue the previous block's last run (a ``(1, width)`` row, 0 if none), and flags the block
+    when that run fills it."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
 
-    def kernel(ids_ref, perm_ref, g_ref, out_ref):
+    def kernel(ids_ref, perm_ref, g_ref, carry_ref, filled_ref):
         b = pl.program_id(0)
         j = b * block + jnp.arange(block)
         cols = jnp.arange(_pow2(d))
-        prev = plgpu.load(ids_ref.at[jnp.maximum(b * block - 1, 0) + jnp.zeros((1,), jnp.int32)])
-        prev = jnp.where(b == 0, n, prev)
+        here = b + jnp.zeros((1,), jnp.int32)
+        prev = plgpu.load(ids_ref.at[jnp.maximum(here * block - 1, 0)])
+        prev = jnp.where(here == 0, n, prev)
         going = (plgpu.load(ids_ref.at[j]) == prev) & (prev < n)
         rows = _gradient_rows(perm_ref, g_ref, j, going, cols, cols < d)
-        plgpu.store(out_ref.at[b + jnp.zeros((1,), jnp.int32)[:, None], cols[None, :]],
-                    jnp.sum(rows, axis=0, keepdims=True))
+        plgpu.store(carry_ref.at[here[:, None], cols[None, :]], jnp.sum(rows, axis=0, keepdims=True))
+        plgpu.store(filled_ref.at[here], jnp.min(going.astype(jnp.int32), keepdims=True))
 
     return kernel
 
 
-def _onward_sums(ids, perm, g, n, d, block, interpret, config):
-    """``(blocks + 1, width)`` float32: per block of sorted positions, the sum of the gradient rows
-    of the previous block's last run that lie in this block and after it (0 if it ends before).
-    The program where a run starts adds this to the rows it summed itself, so that a run of any
-    length costs no program more than one block of serial reads: the blocks' carries are summed
-    by the carry kernel in parallel, and chained by a scan over blocks."""
+def _carries(ids, perm, g, n, d, block, interpret, config):
+    """The carry kernel's ``(carry, filled)`` for every block of sorted positions."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
 
-    blocks, width = (ids.shape[0] - 1) // block, _pow2(d)
+    blocks = (ids.shape[0] - 1) // block
     whole = lambda x: pl.BlockSpec(x.shape, lambda b: (0,) * x.ndim)  # noqa: E731
-    carry = pl.pallas_call(
+    out = [jax.ShapeDtypeStruct((blocks, _pow2(d)), jnp.float32), jax.ShapeDtypeStruct((blocks,), jnp.int32)]
+    return pl.pallas_call(
         _carry_kernel(n, d, block),
-        out_shape=jax.ShapeDtypeStruct((blocks, width), jnp.float32),
+        out_shape=out,
         grid=(blocks,),
         in_specs=[whole(x) for x in (ids, perm, g)],
-        out_specs=whole(jax.ShapeDtypeStruct((blocks, width), jnp.float32)),
+        out_specs=[whole(x) for x in out],
         interpret=interpret,
         compiler_params=None if interpret else plgpu.CompilerParams(num_warps=config.num_warps),
     )(ids, perm, g)
-    last = ids[block - 1:-1:block]  # each block's last id
-    prev = jnp.concatenate([jnp.full((1,), n, ids.dtype), last[:-1]])
-    whole_block = (last == prev) & (prev < n)  # the previous block's last run fills this block
 
-    def chain(later, here):  # x -> v + (f ? x : 0), composed: ``later`` first, then ``here``
-        return here[0] & later[0], here[1] + jnp.where(here[0][:, None], later[1], 0)
 
-    _, sums = jax.lax.associative_scan(chain, (whole_block[::-1], carry[::-1]))
-    return jnp.concatenate([sums[::-1], jnp.zeros((1, width), jnp.float32)])
+def _run_rest(carry_ref, filled_ref, start, cols, in_row, block):
+    """``(1, width)``: the sum of a run's gradient rows from block ``start`` on (the run goes on in
+    it), from the carries of the blocks it fills and of the block where it ends, read ``block``
+    blocks at a time."""
+    from jax.experimental.pallas import triton as plgpu
+
+    blocks = filled_ref.shape[0]
+
+    def more(carry):
+        return carry[2] > 0
+
+    def add(carry):
+        first, rest, going = carry
+        at = first + jnp.arange(block)
+        inside = at < blocks
+        filled = plgpu.load(filled_ref.at[jnp.where(inside, at, 0)], mask=inside, other=0)
+        gaps = 1 - filled
+        mine = inside & (jnp.cumsum(gaps) - gaps == 0)  # the run fills every block before these
+        rows = plgpu.load(carry_ref.at[at[:, None], cols[None, :]], mask=mine[:, None] & in_row[None, :], other=0)
+        return first + block, rest + jnp.sum(rows, axis=0, keepdims=True), jnp.min(filled)
+
+    _, rest, _ = jax.lax.while_loop(more, add, (start, jnp.zeros((1, cols.shape[0]), jnp.float32), jnp.int32(1)))
+    return rest
 
 
 def _table_kernel(in_kernel, n_hoisted, hoisted_dtypes, n_rows_refs, n, d, block, unique):
@@ -258,7 +276,7 @@ def _table_kernel(in_kernel, n_hoisted, hoisted_dtypes, n_rows_refs, n, d, block
     from jax.experimental.pallas import triton as plgpu
 
     def kernel(ids_ref, perm_ref, g_ref, *refs):
-        onward_ref, refs = (None, refs) if unique else (refs[0], refs[1:])
+        carry_refs, refs = ((), refs) if unique else (refs[:2], refs[2:])
         scalar_refs, out_refs = refs[:n_hoisted], refs[n_hoisted + n_rows_refs:]  # inputs aliased to outputs
         b = pl.program_id(0)
         j = b * block + jnp.arange(block)
@@ -281,11 +299,12 @@ def _table_kernel(in_kernel, n_hoisted, hoisted_dtypes, n_rows_refs, n, d, block
                 return t + 1, acc + _gradient_rows(perm_ref, g_ref, nxt, going, cols, in_row), going
 
             _, acc, _ = jax.lax.while_loop(more, add, (1, acc, lead))
-            # the block's last run, if it goes on: the sum of its rows in the next blocks
-            after = end + jnp.zeros((1,), jnp.int32)
-            onward = lead & (ids == plgpu.load(ids_ref.at[after]))
-            acc = jnp.where(onward[:, None], acc + plgpu.load(onward_ref.at[(b + 1 + jnp.zeros((1,), jnp.int32))[:, None],
-                                                                             cols[None, :]]), acc)
+            # the block's last run, if it goes on: its rows in the next blocks
+            onward = lead & (ids == plgpu.load(ids_ref.at[end + jnp.zeros((1,), jnp.int32)]))
+            rest = jax.lax.cond(jnp.max(onward.astype(jnp.int32)) > 0,
+                                lambda: _run_rest(*carry_refs, b + 1, cols, in_row, block),
+                                lambda: jnp.zeros((1, cols.shape[0]), jnp.float32))
+            acc = jnp.where(onward[:, None], acc + rest, acc)
         # lanes that start no run point past the table: their masked loads and stores touch
         # nothing (in Pallas' interpreter too, which drops such a store)
         at = (jnp.where(lead, ids, n)[:, None], cols[None, :])
@@ -341,10 +360,10 @@ def _update_table(inner, i, treedef, state_def, owners, leaves, state_leaves, p_
     size = -(-k // block) * block
     ids = jnp.pad(ids, (0, size + 1 - k), constant_values=n)  # one more: the id after each block
     g_rows = g.data.reshape(k, d)
-    onward = [] if g.unique_indices else [_onward_sums(ids, perm, g_rows, n, d, block, interpret, config)]
+    carries = [] if g.unique_indices else _carries(ids, perm, g_rows, n, d, block, interpret, config)
     tables = [p.reshape(n, d)] + [r.reshape(n, d) for r in rows]  # entry by entry: a row's shape does not matter
     whole = lambda x: pl.BlockSpec(x.shape, lambda b: (0,) * x.ndim)  # noqa: E731
-    operands = [ids, perm, g_rows, *onward, *hoisted, *tables]
+    operands = [ids, perm, g_rows, *carries, *hoisted, *tables]
     first = len(operands) - len(tables)
     out = pl.pallas_call(
         _table_kernel(in_kernel, len(hoisted), hoisted_dtypes, len(tables), n, d, block, g.unique_indices),
