@@ -284,6 +284,12 @@ def _table_kernel(in_kernel, n_hoisted, hoisted_dtypes, n_rows_refs, n, d, block
         in_row = cols < d
         ids = plgpu.load(ids_ref.at[j])
         lead = (ids < n) & ((j == 0) | (ids != plgpu.load(ids_ref.at[jnp.maximum(j - 1, 0)])))
+        # the rows' parameter and state, loaded first: their reads overlap the gradient's. Lanes
+        # that start no run point past the table: their masked loads and stores touch nothing (in
+        # Pallas' interpreter too, which drops such a store)
+        at = (jnp.where(lead, ids, n)[:, None], cols[None, :])
+        live = lead[:, None] & in_row[None, :]
+        rows = [plgpu.load(r.at[at], mask=live, other=0) for r in out_refs]  # parameter, then state
         acc = _gradient_rows(perm_ref, g_ref, j, lead, cols, in_row)
         if not unique:  # a position that starts a run reads on to the end of the run or of the block
             end = (b + 1) * block
@@ -305,11 +311,6 @@ def _table_kernel(in_kernel, n_hoisted, hoisted_dtypes, n_rows_refs, n, d, block
                                 lambda: _run_rest(*carry_refs, b + 1, cols, in_row, block),
                                 lambda: jnp.zeros((1, cols.shape[0]), jnp.float32))
             acc = jnp.where(onward[:, None], acc + rest, acc)
-        # lanes that start no run point past the table: their masked loads and stores touch
-        # nothing (in Pallas' interpreter too, which drops such a store)
-        at = (jnp.where(lead, ids, n)[:, None], cols[None, :])
-        live = lead[:, None] & in_row[None, :]
-        rows = [plgpu.load(r.at[at], mask=live, other=0) for r in out_refs]  # parameter, then state
         scalars = [r[0].astype(dt) for r, dt in zip(scalar_refs, hoisted_dtypes)]
         u, *new_state = in_kernel(scalars, [acc.astype(g_ref.dtype), *rows[1:], rows[0]])
         p = rows[0]
