@@ -468,8 +468,8 @@ def optimizer_sweep(bandwidth, quick=False):
         print(f"| {k:,} | {uniq.size:,} | {cells} |", flush=True)
         del fns
     if fused:
-        fused_cuts(opt, fresh, dup, nbytes, bandwidth, k)
         fused_skewed(opt, fresh, n, k, rng, bandwidth)
+        fused_cuts(opt, fresh, dup, nbytes, bandwidth, k)
 
 
 # kernel cuts the fused update is timed with besides its default: (block entries, warps, rows per program)
