@@ -57,17 +57,20 @@ def _ragged_segments(n_ids: int, offsets, lengths):
             raise ValueError(f"offsets must start at 0, never decrease and stay <= len(ids) = {n_ids}; "
                              f"got {host.tolist()}.")
         starts = given
+        ok = (jnp.all(given[1:] >= given[:-1]) & (given[0] == 0) & (given[-1] <= n_ids)) if given.size else True
     else:
         if host is not None and (np.any(host < 0) or host.sum() > n_ids):
             raise ValueError(f"lengths must be >= 0 and sum to at most len(ids) = {n_ids}; got {host.tolist()}.")
         starts = jnp.cumsum(given) - given
         ends = jnp.cumsum(given)
+        ok = jnp.all(given >= 0) & (jnp.sum(given) <= n_ids)
     n_bags = given.shape[0]
     position = jnp.arange(n_ids)
     bag = jnp.searchsorted(starts, position, side="right").astype(jnp.int32) - 1
     if lengths is not None:  # ids past the end of their bag (past sum(lengths)) belong to none
         bag = jnp.where(position < ends[jnp.clip(bag, 0, n_bags - 1)], bag, n_bags)
-    return jnp.where(bag < 0, n_bags, bag), n_bags
+    # offsets or lengths that break the rules (traced, so unchecked above): every bag is empty
+    return jnp.where((bag < 0) | ~ok, n_bags, bag), n_bags
 
 
 def embedding_bag(table, ids, *, offsets=None, lengths=None, weights=None, combiner: str = "sum"):
@@ -102,8 +105,8 @@ def embedding_bag(table, ids, *, offsets=None, lengths=None, weights=None, combi
 
     Bad input raises: non-integer ids, offsets or lengths, weights of another shape, an unknown
     combiner, weights with ``max``, and (when they are concrete, as eagerly) offsets that do not
-    start at 0, decrease or pass the end, or negative lengths. Under ``jit``, offsets and lengths
-    are not checked.
+    start at 0, decrease or pass the end, or negative lengths. Under ``jit``, where they cannot
+    raise, such offsets or lengths give every bag masked: no row is read and none gets a gradient.
 
     Examples:
         >>> import jax.numpy as jnp, masked_jax as mj
@@ -191,18 +194,16 @@ class Bag:
         for m in (id_mask, w_mask):
             if m is not None:
                 counts = counts & jnp.broadcast_to(m, id_data.shape)
-        w = jnp.ones(id_data.shape, dtype) if w is None else w.astype(dtype)
-        w = jnp.where(counts, w, 0)
-        if offsets is not None or lengths is not None:
+        ragged = offsets is not None or lengths is not None
+        if ragged:
             if id_data.ndim != 1:
                 raise ValueError(f"ragged bags (offsets= or lengths=) take one-dimensional ids; got shape "
                                  f"{id_data.shape}.")
             bag, n_bags = _ragged_segments(id_data.shape[0], offsets, lengths)
+            counts = counts & (bag < n_bags)  # an id in no bag is padding: not read, no gradient
 
             def pool(x, op=jax.ops.segment_sum):
                 return op(x, bag, num_segments=n_bags)
-
-            return cls(jnp.where(counts, id_data, n), w, counts, combiner, pool, ragged=True)
         else:
             if id_data.ndim == 0:
                 raise ValueError("padded bags take ids of shape (..., L) (the last axis holds a bag); got a scalar.")
@@ -211,7 +212,9 @@ class Bag:
             def pool(x, op=jax.ops.segment_sum):
                 return jnp.max(x, axis=axis) if op is jax.ops.segment_max else jnp.sum(x, axis=axis)
 
-        return cls(jnp.where(counts, id_data, n), w, counts, combiner, pool)
+        w = jnp.ones(id_data.shape, dtype) if w is None else w.astype(dtype)
+        w = jnp.where(counts, w, 0)
+        return cls(jnp.where(counts, id_data, n), w, counts, combiner, pool, ragged=ragged)
 
     def combine(self, rows):
         """The bags' pooled rows (a ``MaskedArray``, empty bags masked) from the rows read at ``read``."""

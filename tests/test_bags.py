@@ -174,6 +174,44 @@ def test_bad_arguments_name_the_argument(call, kind, match):
         call()
 
 
+@pytest.mark.parametrize("jit", [False, True])
+def test_ids_past_the_last_ragged_bag_are_padding(jit):
+    """``lengths`` may sum to fewer than ``len(ids)``: the ids after the last bag are padding, read
+    nothing and get no gradient, so a lazy optimizer leaves their rows alone."""
+    ids, lengths = jnp.array([0, 3, 5, 7]), jnp.array([1, 1])
+
+    def loss(t):
+        return jnp.sum(mj.embedding_bag(t, ids, lengths=lengths, combiner="sum").filled(0))
+
+    grads = (jax.jit if jit else (lambda f: f))(mj.grad(loss, row_sparse=True))(TABLE)
+    stored = np.asarray(grads.indices)[np.asarray(grads.row_valid())]
+    assert sorted(stored.tolist()) == [0, 3]
+    opt = optim.lazy(optax.adam(0.1))
+    updates, _ = opt.update(grads, opt.init(TABLE), TABLE)
+    new = np.asarray(optim.apply_updates(TABLE, updates))
+    np.testing.assert_array_equal(new[[5, 7]], np.asarray(TABLE)[[5, 7]])
+    assert (new[[0, 3]] != np.asarray(TABLE)[[0, 3]]).all()
+
+
+@pytest.mark.parametrize("kind, bad, good", [
+    ("offsets", [1, 2], [0, 2]), ("offsets", [0, 2, 1], [0, 1, 1]), ("offsets", [0, 4], [0, 3]),
+    ("lengths", [-1, 2], [1, 2]), ("lengths", [2, 3], [2, 1]),
+])
+def test_offsets_and_lengths_that_break_the_rules_under_jit_mask_every_bag(kind, bad, good):
+    """Under jit they cannot raise: every bag is masked, reads no row and gets no gradient; a valid
+    argument in the same compiled function pools as it does eagerly."""
+    ids = jnp.array([0, 3, 3])
+    fn = jax.jit(lambda t, x: mj.embedding_bag(t, ids, combiner="mean", **{kind: x}))
+    out = fn(TABLE, jnp.array(bad))
+    assert not np.asarray(out.mask).any() and not np.asarray(out.data).any()
+    grads = mj.grad(lambda t: jnp.sum(fn(t, jnp.array(bad)).filled(0)), row_sparse=True)(TABLE)
+    assert np.asarray(grads.row_valid()).sum() == 0
+    want = mj.embedding_bag(TABLE, ids, combiner="mean", **{kind: jnp.array(good)})
+    got = fn(TABLE, jnp.array(good))
+    np.testing.assert_array_equal(np.asarray(got.mask), np.asarray(want.mask))
+    np.testing.assert_allclose(np.asarray(got.data), np.asarray(want.data), rtol=1e-6)
+
+
 def test_bags_in_flax_and_equinox_models_train_row_sparse():
     """A flax module and an equinox module pooling bags; a donated lazy-Adam step changes only the
     rows the bags read."""
