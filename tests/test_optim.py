@@ -1278,8 +1278,8 @@ def test_fused_update_runs_of_duplicates_across_kernel_programs(rows_per_program
     """However the kernel is cut (programs of 1 to 128 sorted positions), a run of one id is summed
     once: the program it starts in reads it up to the end of its block, and adds the rest, which
     the carry kernel sums in the later programs and a scan over blocks chains. Runs of 150 over
-    many programs, runs that end where a program ends, padding; a valid inf in one run reaches
-    that row only."""
+    many programs, runs that end where a program ends, padding (NaN in its slots); a valid inf in
+    one run reaches that row only."""
     from masked_jax.optim._fused import KernelConfig, fused_update
 
     rng = np.random.default_rng(8)
@@ -1288,6 +1288,7 @@ def test_fused_update_runs_of_duplicates_across_kernel_programs(rows_per_program
     ids[np.flatnonzero(ids != n)[:1]] = n  # padding among the ids as well
     data = rng.normal(size=(k, d))
     data[np.flatnonzero(ids == 3)[-1:], 1] = np.inf  # a valid inf, in the last position of id 3's run
+    data[ids == n] = np.nan  # padding slots hold anything: never read
     g = mj.row_sparse(jnp.asarray(data, jnp.float32), jnp.asarray(ids), (n, d))
     table = jnp.asarray(rng.normal(size=(n, d)), jnp.float32)
     opt = optim.lazy(optax.sgd(0.1, momentum=0.9))
