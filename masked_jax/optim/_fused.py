@@ -226,23 +226,25 @@ def _carry_kernel(n, d, block):
     return kernel
 
 
-def _carries(ids, perm, g, n, d, block, interpret, config):
-    """The carry kernel's ``(carry, filled)`` for every block of sorted positions."""
+def _whole_call(kernel, operands, out_shape, grid, interpret, config, aliases=None):
+    """``kernel`` over ``grid`` programs, each seeing every operand and output whole."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
 
-    blocks = (ids.shape[0] - 1) // block
-    whole = lambda x: pl.BlockSpec(x.shape, lambda b: (0,) * x.ndim)  # noqa: E731
-    out = [jax.ShapeDtypeStruct((blocks, _pow2(d)), jnp.float32), jax.ShapeDtypeStruct((blocks,), jnp.int32)]
+    whole = lambda x: pl.BlockSpec(x.shape, lambda b: (0,) * len(x.shape))  # noqa: E731
     return pl.pallas_call(
-        _carry_kernel(n, d, block),
-        out_shape=out,
-        grid=(blocks,),
-        in_specs=[whole(x) for x in (ids, perm, g)],
-        out_specs=[whole(x) for x in out],
-        interpret=interpret,
+        kernel, out_shape=out_shape, grid=grid,
+        in_specs=[whole(x) for x in operands], out_specs=[whole(x) for x in out_shape],
+        input_output_aliases=aliases or {}, interpret=interpret,
         compiler_params=None if interpret else plgpu.CompilerParams(num_warps=config.num_warps),
-    )(ids, perm, g)
+    )(*operands)
+
+
+def _carries(ids, perm, g, n, d, block, interpret, config):
+    """The carry kernel's ``(carry, filled)`` for every block of sorted positions."""
+    blocks = (ids.shape[0] - 1) // block
+    out = [jax.ShapeDtypeStruct((blocks, _pow2(d)), jnp.float32), jax.ShapeDtypeStruct((blocks,), jnp.int32)]
+    return _whole_call(_carry_kernel(n, d, block), [ids, perm, g], out, (blocks,), interpret, config)
 
 
 def _run_rest(carry_ref, filled_ref, start, cols, in_row, block):
@@ -342,9 +344,6 @@ def _prepare(inner, i, treedef, state_def, owners, leaves, state_leaves, p_leave
 def _update_table(inner, i, treedef, state_def, owners, leaves, state_leaves, p_leaves, interpret, config):
     """``(p, rows)``: table ``i`` and its state rows after the lazy update by its gradient, in one
     kernel."""
-    from jax.experimental import pallas as pl
-    from jax.experimental.pallas import triton as plgpu
-
     g, p = leaves[i], p_leaves[i]
     rows = [state_leaves[k] for k in _owned(owners, i)]
     shape, n, k = p.shape, p.shape[0], g.nse
@@ -363,19 +362,12 @@ def _update_table(inner, i, treedef, state_def, owners, leaves, state_leaves, p_
     g_rows = g.data.reshape(k, d)
     carries = [] if g.unique_indices else _carries(ids, perm, g_rows, n, d, block, interpret, config)
     tables = [p.reshape(n, d)] + [r.reshape(n, d) for r in rows]  # entry by entry: a row's shape does not matter
-    whole = lambda x: pl.BlockSpec(x.shape, lambda b: (0,) * x.ndim)  # noqa: E731
     operands = [ids, perm, g_rows, *carries, *hoisted, *tables]
     first = len(operands) - len(tables)
-    out = pl.pallas_call(
+    out = _whole_call(
         _table_kernel(in_kernel, len(hoisted), hoisted_dtypes, len(tables), n, d, block, g.unique_indices),
-        out_shape=[jax.ShapeDtypeStruct(t.shape, t.dtype) for t in tables],
-        grid=(size // block,),
-        in_specs=[whole(x) for x in operands],
-        out_specs=[whole(t) for t in tables],
-        input_output_aliases={first + t: t for t in range(len(tables))},
-        interpret=interpret,
-        compiler_params=None if interpret else plgpu.CompilerParams(num_warps=config.num_warps),
-    )(*operands)
+        operands, [jax.ShapeDtypeStruct(t.shape, t.dtype) for t in tables], (size // block,), interpret, config,
+        aliases={first + t: t for t in range(len(tables))})
     return out[0].reshape(shape), [o.reshape(r.shape) for o, r in zip(out[1:], rows)]
 
 
