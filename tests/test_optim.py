@@ -1047,6 +1047,40 @@ def test_chunked_table_updates_equal_the_one_call_update(name):
         np.testing.assert_array_equal(np.asarray(results[chunk][0]["a"][30:]), np.asarray(params["a"][30:]))
 
 
+@pytest.mark.parametrize("lr", [0.1, optax.linear_schedule(0.1, 0.01, 3)], ids=["constant", "schedule"])
+@pytest.mark.parametrize("eps_placement", ["outside", "inside"])
+def test_rowwise_adagrad_tables_in_chunks_equal_the_one_call_update(lr, eps_placement):
+    """``rowwise_adagrad`` updates each row from that row alone (its one sum per row included), so
+    ``make_train_step`` updates its tables in chunks of rows too: equal to the one-call update over
+    three steps with duplicates and partial last chunks (its schedule's count advancing once per
+    step), untouched rows and their sums bit-identical, the tables and sums updated in place."""
+    rng = np.random.default_rng(4)
+    params = {"a": jnp.asarray(rng.normal(size=(40, 4)), jnp.float32),
+              "b": jnp.asarray(rng.normal(size=(9, 4)), jnp.float32),
+              "w": jnp.asarray(rng.normal(size=(4,)), jnp.float32), "s": jnp.asarray(0.3, jnp.float32)}
+    batches = [(jnp.asarray(rng.integers(0, 30, size=(6, 5))), jnp.asarray(rng.integers(0, 9, size=(7,))))
+               for _ in range(3)]
+    opt = optim.rowwise_adagrad(lr, initial_accumulator_value=0.1, eps_placement=eps_placement)
+    sparse = {"a": True, "b": True, "w": False, "s": False}
+    results = {}
+    for chunk in (None, 2, 7, 30):
+        step = optim.make_train_step(_two_table_loss, opt, row_sparse=sparse, chunk_rows=chunk)
+        p, s = jax.tree_util.tree_map(jnp.array, params), opt.init(params)
+        hlo = _hlo(step, p, s, *batches[0])
+        assert hlo.count("while(") == (0 if chunk is None else (chunk < 30) + (chunk < 7))
+        header = hlo.splitlines()[0]
+        aliased = {int(i) for i in re.findall(r"\{\d*\}: \((\d+), \{\}, (?:may|must)-alias\)", header)}
+        assert {0, 1} | {4, 5} <= aliased  # "a", "b" and their sums (flattened: a, b, s, w, then the sums)
+        assert _table_sized(hlo, 40, 4) == []
+        for ids in batches:
+            p, s, _ = step(p, s, *ids)
+        results[chunk] = (p, s)
+    for chunk in (2, 7, 30):
+        _close(results[chunk], results[None], rtol=1e-5, atol=1e-6)
+        np.testing.assert_array_equal(np.asarray(results[chunk][0]["a"][30:]), np.asarray(params["a"][30:]))
+        np.testing.assert_array_equal(np.asarray(results[chunk][1][0].sum_of_squares["a"][30:]), np.float32(0.1))
+
+
 @pytest.mark.parametrize("name", CATCH_UP)
 def test_chunked_catch_up_equals_the_one_call_update(name):
     """With ``catch_up``, rows read now and then over five steps: the chunked tables (counters,

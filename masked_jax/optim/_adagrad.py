@@ -21,6 +21,7 @@ import optax
 from masked_jax import _validate
 from masked_jax._core import is_container
 from masked_jax.optim._lazy import lazy
+from masked_jax.optim._state import ROW_LOCAL
 from masked_jax.optim._views import data_of, view
 
 _PLACEMENTS = ("inside", "outside")
@@ -257,7 +258,9 @@ def rowwise_adagrad(learning_rate: optax.ScalarOrSchedule, initial_accumulator_v
     of shape ``(N, dim)`` the state is ``N`` numbers instead of Adagrad's ``N x dim``; each row
     moves by ``lr * g / (sqrt(s) + eps)`` with ``s`` the running sum of its gradients' mean
     squares. With masked or row-sparse gradients only the valid entries (stored rows) and their
-    rows' sums change; the rest stays bit-identical.
+    rows' sums change; the rest stays bit-identical. Since each row is updated from that row
+    alone, :func:`make_train_step` updates its row-sparse tables in chunks of rows on the CPU, as
+    it does for entry-by-entry :func:`lazy` optimizers.
 
     Args:
         learning_rate: a float or an optax schedule.
@@ -276,7 +279,9 @@ def rowwise_adagrad(learning_rate: optax.ScalarOrSchedule, initial_accumulator_v
         Array([-0.08485281, -0.11313709], dtype=float32)
     """
     _validate.learning_rate(learning_rate, "rowwise_adagrad: learning_rate")
-    return optax.chain(
+    opt = optax.chain(
         scale_by_rowwise_rss(initial_accumulator_value, eps, eps_placement),
         lazy(optax.scale_by_learning_rate(learning_rate)),
     )
+    ROW_LOCAL[opt.update] = True  # make_train_step may update a table in chunks of rows
+    return opt

@@ -21,7 +21,7 @@ from masked_jax._core import MaskedArray, is_container
 from masked_jax.layouts.rows import RowSparseArray
 from masked_jax.optim._catch_up import LazyCatchUpState
 from masked_jax.optim._lazy import LIFTS, check_update_arguments
-from masked_jax.optim._state import _map_param_shaped, _Reference
+from masked_jax.optim._state import ROW_LOCAL, _map_param_shaped, _Reference
 from masked_jax.optim._views import data_of
 
 # primitives that compute each output entry from the same entry of their operands
@@ -132,12 +132,17 @@ def _tables(grads, chunk):
 
 
 def chunkable(optimizer, grads, state, params, chunk: int) -> bool:
-    """Can :func:`chunked_update` run this step: ``optimizer`` is a plain lazy lift, some gradient
-    leaf is row-sparse with more than ``chunk`` stored rows, and the inner transformation works
-    entry by entry (decided at trace time)?"""
+    """Can :func:`chunked_update` run this step: some gradient leaf is row-sparse with more than
+    ``chunk`` stored rows, and ``optimizer`` is a plain lazy lift whose inner transformation works
+    entry by entry (decided at trace time), or updates each row from that row alone by
+    construction (``rowwise_adagrad``)?"""
     inner = LIFTS.get(getattr(optimizer, "update", None))
     leaves, _, tables = _tables(grads, chunk)
-    if inner is None or not tables or any(not (is_container(g) or isinstance(g, jax.Array)) for g in leaves):
+    if not tables or any(not (is_container(g) or isinstance(g, jax.Array)) for g in leaves):
+        return False
+    if ROW_LOCAL.get(getattr(optimizer, "update", None)):  # row by row by construction (rowwise_adagrad)
+        return True
+    if inner is None:
         return False
     if isinstance(state, LazyCatchUpState):  # catch-up works row by row around ``inner``
         state = state.inner
@@ -152,10 +157,11 @@ def chunked_update(optimizer, grads, state, params, apply, chunk: int):
     ref = _Reference.of(grads)
     empty = [empty_leaf(g) for g in leaves]
 
-    def old_globals(new, old):  # per-entry state from ``new``, global state (counts) from ``old``
+    def old_globals(new, old):  # per-entry and per-row state from ``new``, global state (counts) from ``old``
         if isinstance(old, LazyCatchUpState):  # and the rows' catch-up counters from ``new``
             return LazyCatchUpState(old_globals(new.inner, old.inner), old.step, new.last)
-        return _map_param_shaped(ref, lambda n_leaves, o_leaves: n_leaves, new, old)
+        new_leaves = lambda n_leaves, o_leaves: n_leaves  # noqa: E731
+        return _map_param_shaped(ref.rows(), new_leaves, new, _map_param_shaped(ref, new_leaves, new, old))
 
     for i in tables:  # every table in a loop over its touched rows, against the step's old global state
         g = leaves[i]._sum_duplicates()  # distinct rows first, then padding

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import weakref
 from typing import NamedTuple
 
 import jax
@@ -22,6 +23,11 @@ class _Reference(NamedTuple):
         leaves, treedef = jax.tree_util.tree_flatten(tree, is_leaf=is_container)
         return cls(treedef, tuple(np.shape(x) if not is_container(x) else x.shape for x in leaves))
 
+    def rows(self) -> "_Reference":
+        """The reference for row-shaped state: one value per row of each leaf (``(N,)`` for an
+        ``(N, ...)`` leaf; vectors and scalars keep their shape), as row-wise Adagrad's sums."""
+        return _Reference(self.treedef, tuple(s[:1] if len(s) >= 2 else s for s in self.shapes))
+
     def matches(self, node) -> bool:
         """Is ``node`` a parameter-shaped subtree of the optimizer state (e.g. adam's ``mu``)?"""
         leaves, treedef = jax.tree_util.tree_flatten(node)
@@ -40,3 +46,9 @@ def _map_param_shaped(ref: _Reference, fn, state, *rest):
         return jax.tree_util.tree_unflatten(treedef, fn(leaves, *other_leaves))
 
     return jax.tree_util.tree_map(one, state, *rest, is_leaf=ref.matches)
+
+
+# update functions of transformations that update each row of a table from that row alone (its
+# gradient, its parameter, its parameter- or row-shaped state) and scalar global state: a table
+# may be updated a block of rows at a time (``rowwise_adagrad``)
+ROW_LOCAL: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()

@@ -37,8 +37,9 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation, 
     the table and its state, updates it and scatters it back, and stops after the last touched
     row. Every temporary is then a ``chunk_rows x dim`` block that stays in cache, and the padding
     slots of the gradient are never visited (2.3-3x faster than one update of all slots from 65k
-    stored rows up, see the benchmarks), with ``catch_up`` as well. The result is the one-call
-    update's up to rounding. Transformations that combine entries (global-norm clipping, trust
+    stored rows up, see the benchmarks), with ``catch_up`` as well, and with
+    :func:`rowwise_adagrad` (which updates each row from that row alone). The result is the
+    one-call update's up to rounding. Transformations that combine entries (global-norm clipping, trust
     ratios, finiteness checks), ``MultiSteps`` and other optimizers get the one-call update;
     ``chunk_rows=None`` asks for it always.
 
