@@ -1002,6 +1002,13 @@ def test_multi_steps_row_accumulator_rejections():
 ENTRYWISE = {"clip_adam": False}  # every other optimizer of the table works entry by entry
 
 
+def _two_table_params(rng):
+    """Parameters of :func:`_two_table_loss`: tables "a" (40 x 4) and "b" (9 x 4), "w", "s"."""
+    return {"a": jnp.asarray(rng.normal(size=(40, 4)), jnp.float32),
+            "b": jnp.asarray(rng.normal(size=(9, 4)), jnp.float32),
+            "w": jnp.asarray(rng.normal(size=(4,)), jnp.float32), "s": jnp.asarray(0.3, jnp.float32)}
+
+
 def _two_table_loss(p, a_ids, b_ids):
     rows = mj.lookup(p["a"], a_ids) * p["w"] + p["s"]
     return jnp.sum(jnp.tanh(rows) ** 2) + jnp.sum(jnp.cos(mj.lookup(p["b"], b_ids)) * p["w"])
@@ -1017,9 +1024,7 @@ def test_chunked_table_updates_equal_the_one_call_update(name):
     from masked_jax.optim._chunked import entrywise
 
     rng = np.random.default_rng(3)
-    params = {"a": jnp.asarray(rng.normal(size=(40, 4)), jnp.float32),
-              "b": jnp.asarray(rng.normal(size=(9, 4)), jnp.float32),
-              "w": jnp.asarray(rng.normal(size=(4,)), jnp.float32), "s": jnp.asarray(0.3, jnp.float32)}
+    params = _two_table_params(rng)
     batches = [(jnp.asarray(rng.integers(0, 30, size=(6, 5))), jnp.asarray(rng.integers(0, 9, size=(7,))))
                for _ in range(3)]  # duplicates in every batch; rows 30.. of "a" never read
     opt = optim.lazy(OPTIMIZERS[name]())
@@ -1055,9 +1060,7 @@ def test_rowwise_adagrad_tables_in_chunks_equal_the_one_call_update(lr, eps_plac
     three steps with duplicates and partial last chunks (its schedule's count advancing once per
     step), untouched rows and their sums bit-identical, the tables and sums updated in place."""
     rng = np.random.default_rng(4)
-    params = {"a": jnp.asarray(rng.normal(size=(40, 4)), jnp.float32),
-              "b": jnp.asarray(rng.normal(size=(9, 4)), jnp.float32),
-              "w": jnp.asarray(rng.normal(size=(4,)), jnp.float32), "s": jnp.asarray(0.3, jnp.float32)}
+    params = _two_table_params(rng)
     batches = [(jnp.asarray(rng.integers(0, 30, size=(6, 5))), jnp.asarray(rng.integers(0, 9, size=(7,))))
                for _ in range(3)]
     opt = optim.rowwise_adagrad(lr, initial_accumulator_value=0.1, eps_placement=eps_placement)
@@ -1088,9 +1091,7 @@ def test_chunked_catch_up_equals_the_one_call_update(name):
     opt = optim.lazy(CATCH_UP[name][0], catch_up=True)
     sparse = {"a": True, "b": True, "w": False, "s": False}
     rng = np.random.default_rng(5)
-    params = {"a": jnp.asarray(rng.normal(size=(40, 4)), jnp.float32),
-              "b": jnp.asarray(rng.normal(size=(9, 4)), jnp.float32),
-              "w": jnp.asarray(rng.normal(size=(4,)), jnp.float32), "s": jnp.asarray(0.3, jnp.float32)}
+    params = _two_table_params(rng)
     batches = [(jnp.asarray(rng.integers(0, 30, size=(2, 5))), jnp.asarray(rng.integers(0, 9, size=(3,))))
                for _ in range(5)]
     results = {}
@@ -1187,9 +1188,7 @@ def test_fused_table_updates_equal_the_one_call_update(name):
     from masked_jax.optim._fused import fusable
 
     rng = np.random.default_rng(5)
-    params = {"a": jnp.asarray(rng.normal(size=(40, 4)), jnp.float32),
-              "b": jnp.asarray(rng.normal(size=(9, 4)), jnp.float32),
-              "w": jnp.asarray(rng.normal(size=(4,)), jnp.float32), "s": jnp.asarray(0.3, jnp.float32)}
+    params = _two_table_params(rng)
     sparse = {"a": True, "b": True, "w": False, "s": False}
     grads = []
     for _ in range(3):
@@ -1247,9 +1246,7 @@ def test_fused_update_of_some_tables_equals_the_one_call_update(monkeypatch):
 
     monkeypatch.setattr(_fused, "MAX_ENTRIES", 100)  # "a" (160 entries) is left out, "b" (36) fused
     rng = np.random.default_rng(9)
-    params = {"a": jnp.asarray(rng.normal(size=(40, 4)), jnp.float32),
-              "b": jnp.asarray(rng.normal(size=(9, 4)), jnp.float32),
-              "w": jnp.asarray(rng.normal(size=(4,)), jnp.float32), "s": jnp.asarray(0.3, jnp.float32)}
+    params = _two_table_params(rng)
     g = mj.grad(_two_table_loss, row_sparse={"a": True, "b": True, "w": False, "s": False})(
         params, jnp.asarray(rng.integers(0, 30, size=(6, 5))), jnp.asarray(rng.integers(0, 9, size=(7,))))
     opt = optim.lazy(optax.adam(0.05))
