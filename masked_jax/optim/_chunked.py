@@ -21,7 +21,7 @@ from masked_jax._core import MaskedArray, is_container
 from masked_jax.layouts.rows import RowSparseArray
 from masked_jax.optim._catch_up import LazyCatchUpState
 from masked_jax.optim._lazy import LIFTS, check_update_arguments
-from masked_jax.optim._state import ROW_LOCAL, _map_param_shaped, _Reference
+from masked_jax.optim._state import ROW_LOCAL, _local_from, _map_param_shaped, _Reference
 from masked_jax.optim._views import data_of
 
 # primitives that compute each output entry from the same entry of their operands
@@ -160,8 +160,7 @@ def chunked_update(optimizer, grads, state, params, apply, chunk: int):
     def old_globals(new, old):  # per-entry and per-row state from ``new``, global state (counts) from ``old``
         if isinstance(old, LazyCatchUpState):  # and the rows' catch-up counters from ``new``
             return LazyCatchUpState(old_globals(new.inner, old.inner), old.step, new.last)
-        new_leaves = lambda n_leaves, o_leaves: n_leaves  # noqa: E731
-        return _map_param_shaped(ref.rows(), new_leaves, new, _map_param_shaped(ref, new_leaves, new, old))
+        return _local_from(ref, new, old)
 
     for i in tables:  # every table in a loop over its touched rows, against the step's old global state
         g = leaves[i]._sum_duplicates()  # distinct rows first, then padding

@@ -13,7 +13,8 @@ rows (O(K x dim) on that device, still in place), so the capacity decides the sp
 never the result.
 
 Running the optimizer per shard is exact when it acts entry by entry (sgd,
-momentum, adam, adamw, adagrad, rmsprop, lion, schedules, ``add_decayed_weights``):
+momentum, adam, adamw, adagrad, rmsprop, lion, schedules, ``add_decayed_weights``)
+or row by row (``rowwise_adagrad``, whose per-row sums are sharded with their rows):
 rows of different shards never meet. Transformations that combine entries
 (``clip_by_global_norm``, trust ratios) would see only their shard's rows; they are
 detected by a probe and rejected.
@@ -34,7 +35,7 @@ from masked_jax._storage import SparseMasked
 from masked_jax.layouts.rows import RowSparseArray
 from masked_jax.optim._apply import apply_updates
 from masked_jax.optim._lazy import _check_transformation
-from masked_jax.optim._state import _map_param_shaped, _Reference
+from masked_jax.optim._state import _local_from, _map_local, _Reference
 
 
 class _Spec:
@@ -58,7 +59,7 @@ def _check_entrywise(optimizer) -> None:
         base, _ = optimizer.update(grad, state, params)
         for poison in (1e30, float("nan")):
             spoil = lambda x: x.at[1].set(poison) if jnp.issubdtype(x.dtype, jnp.inexact) else x  # noqa: E731
-            bad_state = _map_param_shaped(ref, lambda leaves: [spoil(x) for x in leaves], state)
+            bad_state = _map_local(ref, lambda leaves, _: [spoil(x) for x in leaves], state)
             moved, _ = optimizer.update(spoil(grad), bad_state, spoil(params))
             if not np.allclose(np.asarray(moved[0]), np.asarray(base[0]), rtol=1e-6, atol=0):
                 raise ValueError(
@@ -112,7 +113,8 @@ def sharded_update(optimizer: optax.GradientTransformation, grads, opt_state, pa
 
     Parameters whose gradient is a :class:`RowSparseArray` are tables sharded by rows
     over the mesh axis ``axis`` (their first dimension must divide evenly), as are
-    their per-entry optimizer state leaves (adam's ``mu`` and ``nu``). Every device
+    their per-entry and per-row optimizer state leaves (adam's ``mu`` and ``nu``,
+    ``rowwise_adagrad``'s one sum per row). Every device
     updates the rows it owns, in place when the caller donates, with O(K + capacity x
     dim) work and no communication: the gradient (K rows) is replicated, ids are
     routed to their owning shard, and no table is ever gathered. Other parameters
@@ -121,7 +123,8 @@ def sharded_update(optimizer: optax.GradientTransformation, grads, opt_state, pa
 
     Use it inside ``jit``, or through :func:`make_train_step` with ``mesh=``.
     The optimizer must handle row-sparse gradients (:func:`lazy` or
-    :func:`masked_adagrad`) and act entry by entry (see the module notes); one that
+    :func:`masked_adagrad`, :func:`rowwise_adagrad`) and act entry by entry or row by
+    row (see the module notes); one that
     combines rows is rejected with a ``ValueError``. The mesh should have ``Auto``
     axis types (``jax.sharding.Mesh(devices, names)``).
 
@@ -165,7 +168,8 @@ def sharded_update(optimizer: optax.GradientTransformation, grads, opt_state, pa
     _check_entrywise(optimizer)
 
     p_specs = [P(axis) if r else P() for r in rows]
-    marked = _map_param_shaped(_Reference.of(grads), lambda _: [_Spec(s) for s in p_specs], opt_state)
+    marked = _map_local(_Reference.of(grads), lambda _, per_row: [_Spec(P(*s[:1]) if per_row else s) for s in p_specs],
+                        opt_state)
     state_specs = jax.tree_util.tree_map(lambda x: x.spec if isinstance(x, _Spec) else P(), marked,
                                          is_leaf=lambda x: isinstance(x, _Spec))
     caps = [(default_capacity(g.nse, n_dev) if capacity is None else min(int(capacity), g.nse)) if r else 0
@@ -185,8 +189,8 @@ def sharded_update(optimizer: optax.GradientTransformation, grads, opt_state, pa
                 _route(g, o[0] & take, o[1], g.shape[0] // n_dev, g.nse if full else c) if r else _only_if(g, take)
                 for g, o, r, c in zip(leaves, owned, rows, caps)
             ]
-            # per-entry state from the carry, global state (step counts) from the step's input
-            st = _map_param_shaped(ref, lambda carried, _: carried, carry_state, state)
+            # per-entry and per-row state from the carry, global state (step counts) from the step's input
+            st = _local_from(ref, carry_state, state)
             updates, new_state = optimizer.update(treedef.unflatten(local), st, params)
             return apply_updates(params, updates), new_state
 
@@ -212,8 +216,9 @@ def init_sharded(optimizer: optax.GradientTransformation, params):
     ``jax.jit(optimizer.init)`` creates its zeros without looking at where the
     parameters live, so adam's ``mu`` and ``nu`` of a row-sharded table would land
     whole on one device. Here every parameter-shaped state leaf gets its
-    parameter's sharding and global state (step counts) is replicated over the same
-    mesh; the state is created in place, shard by shard. Parameters that are not
+    parameter's sharding, every row-shaped one (``rowwise_adagrad``'s sums) its
+    parameter's sharding of rows, and global state (step counts) is replicated over the
+    same mesh; the state is created in place, shard by shard. Parameters that are not
     sharded give the plain ``optimizer.init(params)``.
 
     Examples:
@@ -237,7 +242,8 @@ def init_sharded(optimizer: optax.GradientTransformation, params):
     replicated = NamedSharding(mesh, P())
     placed = [sh if sh is not None else replicated for sh in named]
     shapes = jax.eval_shape(optimizer.init, params)
-    marked = _map_param_shaped(_Reference.of(params), lambda _: [_Spec(sh) for sh in placed], shapes)
+    marked = _map_local(_Reference.of(params), lambda _, per_row: [
+        _Spec(NamedSharding(mesh, P(*sh.spec[:1])) if per_row else sh) for sh in placed], shapes)
     out = jax.tree_util.tree_map(lambda x: x.spec if isinstance(x, _Spec) else replicated, marked,
                                  is_leaf=lambda x: isinstance(x, _Spec))
     return jax.jit(optimizer.init, out_shardings=out)(params)

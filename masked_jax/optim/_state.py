@@ -48,6 +48,20 @@ def _map_param_shaped(ref: _Reference, fn, state, *rest):
     return jax.tree_util.tree_map(one, state, *rest, is_leaf=ref.matches)
 
 
+
+def _map_local(ref: _Reference, fn, state):
+    """``_map_param_shaped`` over the parameter-shaped subtrees of ``state`` and then its
+    row-shaped ones (:meth:`_Reference.rows`): ``fn(leaves, per_row)``, ``per_row`` telling which."""
+    marked = _map_param_shaped(ref, lambda leaves: fn(leaves, False), state)
+    return _map_param_shaped(ref.rows(), lambda leaves: fn(leaves, True), marked)
+
+
+def _local_from(ref: _Reference, new, old):
+    """The state with its per-entry and per-row subtrees (parameter- and row-shaped) from ``new``
+    and its global leaves (step counts) from ``old``."""
+    mine = lambda new_leaves, old_leaves: new_leaves  # noqa: E731
+    return _map_param_shaped(ref.rows(), mine, new, _map_param_shaped(ref, mine, new, old))
+
 # update functions of transformations that update each row of a table from that row alone (its
 # gradient, its parameter, its parameter- or row-shaped state) and scalar global state: a table
 # may be updated a block of rows at a time (``rowwise_adagrad``)

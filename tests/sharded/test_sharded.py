@@ -107,6 +107,7 @@ OPTIMIZERS = {
     "schedule_adam": lambda: optim.lazy(optax.adam(optax.exponential_decay(0.05, 2, 0.5))),
     "decay_sgd": lambda: optim.lazy(optax.chain(optax.add_decayed_weights(0.1), optax.sgd(0.1, momentum=0.5))),
     "masked_adagrad": lambda: optim.masked_adagrad(0.1),
+    "rowwise_adagrad": lambda: optim.rowwise_adagrad(0.1, initial_accumulator_value=0.1),  # one sum per row
 }
 N, DIM, K = 4096, 8, 96
 
@@ -181,6 +182,10 @@ def test_sharded_state_is_placed_like_the_parameters(mesh):
     assert adam.mu["w"].sharding.spec == adam.count.sharding.spec == P()
     # one device holds 1/D of each table-shaped leaf
     assert {s.data.shape for s in adam.mu["emb"].addressable_shards} == {(N // D, DIM)}
+    # row-wise Adagrad's one sum per row: sharded by rows like its table
+    sums = optim.init_sharded(optim.rowwise_adagrad(0.1), params)[0].sum_of_squares
+    assert sums["emb"].sharding.spec == P("rows") and sums["w"].sharding.spec == P()
+    assert {s.data.shape for s in sums["emb"].addressable_shards} == {(N // D,)}
     # unsharded parameters: the plain init
     plain = optim.init_sharded(optim.lazy(optax.adam(0.1)), {"emb": jnp.zeros((4, 2))})
     assert not isinstance(plain[0].mu["emb"].sharding, NamedSharding)
