@@ -151,8 +151,13 @@ def test_lazy_rejects_state_that_mixes_entries():
     params = {"w": jnp.zeros((8, 8))}
     state = opt.init(params)  # plain gradients: adafactor itself
     grads = {"w": mj.masked_array(jnp.ones((8, 8)), jnp.eye(8, dtype=bool))}
-    with pytest.raises(ValueError, match=r"cannot lift.*v_row"):
-        opt.update(grads, state, params)
+    with pytest.raises(ValueError, match=r"cannot lift.*v_row.*cannot be updated lazily\.$"):
+        opt.update(grads, state, params)  # (v_row has a row's shape; no rowwise_adagrad hint)
+    # row-wise Adagrad's sums: it is lazy by itself, also under MultiSteps
+    g = mj.row_sparse(jnp.ones((2, 8)), jnp.array([1, 1]), (8, 8))
+    for opt in (optim.lazy(optim.rowwise_adagrad(0.1)), optim.lazy(optax.MultiSteps(optim.rowwise_adagrad(0.1), 2))):
+        with pytest.raises(ValueError, match=r"sum_of_squares.*use it without lazy\(\)"):
+            opt.update({"w": g}, opt.init(params), params)
 
 
 def test_bad_arguments_are_named():

@@ -44,8 +44,15 @@ def _check_liftable(ref: _Reference, state) -> None:
                 f"parameter's shape (per-entry state, updated where the gradient is valid) nor a "
                 f"scalar (global state, e.g. a step count). State that mixes entries (factored "
                 f"moments as in adafactor, per-row norms) cannot be updated lazily."
+                + (" One value per row, as rowwise_adagrad's sums, is updated only at the rows a "
+                   "row-sparse gradient touches by rowwise_adagrad itself: use it without lazy() "
+                   "(and without MultiSteps, which would need a lazy lift around it)." if rowwise else "")
             )
 
+    from masked_jax.optim._adagrad import ScaleByRowwiseRssState  # (it imports this module)
+
+    row_state = lambda x: isinstance(x, ScaleByRowwiseRssState)  # noqa: E731
+    rowwise = any(map(row_state, jax.tree_util.tree_leaves(state, is_leaf=row_state)))
     jax.tree_util.tree_map_with_path(check, state, is_leaf=ref.matches)
 
 
