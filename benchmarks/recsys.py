@@ -90,16 +90,20 @@ def fused_runs() -> bool:
 
 def check_fused(n=1000, k=700, steps=2, seed=0):
     """On a CUDA GPU, compiled: the fused update equals the one-call lazy Adam update (duplicates
-    summed, untouched rows bit-identical) over ``steps`` steps; raises where it does not."""
+    summed, untouched rows bit-identical) over ``steps`` steps, and then over a step of ids
+    flagged unique; raises where it does not."""
     rng = np.random.default_rng(seed)
     table = jnp.asarray(rng.normal(size=(n, DIM)), jnp.float32)
     opt = optim.lazy(optax.adam(LR))
     one_call, fused = jax.jit(update_step(opt)), jax.jit(fused_step(opt))
     got = want = (table, opt.init(table))
-    for _ in range(steps):
-        ids = rng.integers(0, n // 3, size=k)  # many duplicates
-        ids[rng.permutation(k)[:300]] = 5  # and one hot id, over several kernel programs
-        g = mj.row_sparse(jnp.asarray(rng.normal(size=(k, DIM)), jnp.float32), jnp.asarray(ids), (n, DIM))
+    for step in range(steps + 1):
+        unique = step == steps
+        ids = rng.permutation(n // 3)[:k // 3] if unique else rng.integers(0, n // 3, size=k)  # many duplicates
+        if not unique:
+            ids[rng.permutation(k)[:300]] = 5  # and one hot id, over several kernel programs
+        g = mj.row_sparse(jnp.asarray(rng.normal(size=(ids.size, DIM)), jnp.float32), jnp.asarray(ids), (n, DIM),
+                          unique_indices=unique)
         got, want = fused(*got, g), one_call(*want, g)
     for x, y in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6)
