@@ -7,8 +7,8 @@ finds the distinct rows that start there, sums each one's duplicate gradient row
 the sort's permutation), reads the row's parameter and state, runs the inner transformation on
 them and writes them back in place: no coalesced gradient is stored or read. A program reads a
 run of one id only up to the end of its block; the rest of a longer run (a hot id, over many
-blocks) is summed beforehand by a light carry kernel, one row per block and all blocks in
-parallel, whose sums the run's first program adds ``block`` blocks at a time. Exact for inner
+blocks) is summed beforehand, in parallel: a light carry kernel sums each block's share of it,
+a segment sum adds the shares of each run, and the run's first program adds one row. Exact for inner
 transformations that work entry by entry (:func:`~masked_jax.optim._chunked.entrywise`), whose
 global state is scalars; the global state (step counts) then advances once, as in the one-call
 update.
@@ -206,12 +206,11 @@ def _gradient_rows(perm_ref, g_ref, at, take, cols, in_row):
 
 def _carry_kernel(n, d, block):
     """The kernel that sums, per block of sorted positions, the gradient rows at its start that
-    continue the previous block's last run (a ``(1, width)`` row, 0 if none), and flags the block
-    when that run fills it."""
+    continue the previous block's last run (a ``(1, width)`` row, 0 if none)."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
 
-    def kernel(ids_ref, perm_ref, g_ref, carry_ref, filled_ref):
+    def kernel(ids_ref, perm_ref, g_ref, carry_ref):
         b = pl.program_id(0)
         j = b * block + jnp.arange(block)
         cols = jnp.arange(_pow2(d))
@@ -221,7 +220,6 @@ def _carry_kernel(n, d, block):
         going = (plgpu.load(ids_ref.at[j]) == prev) & (prev < n)
         rows = _gradient_rows(perm_ref, g_ref, j, going, cols, cols < d)
         plgpu.store(carry_ref.at[here[:, None], cols[None, :]], jnp.sum(rows, axis=0, keepdims=True))
-        plgpu.store(filled_ref.at[here], jnp.min(going.astype(jnp.int32), keepdims=True))
 
     return kernel
 
@@ -240,36 +238,23 @@ def _whole_call(kernel, operands, out_shape, grid, interpret, config, aliases=No
     )(*operands)
 
 
-def _carries(ids, perm, g, n, d, block, interpret, config):
-    """The carry kernel's ``(carry, filled)`` for every block of sorted positions."""
-    blocks = (ids.shape[0] - 1) // block
-    out = [jax.ShapeDtypeStruct((blocks, _pow2(d)), jnp.float32), jax.ShapeDtypeStruct((blocks,), jnp.int32)]
-    return _whole_call(_carry_kernel(n, d, block), [ids, perm, g], out, (blocks,), interpret, config)
-
-
-def _run_rest(carry_ref, filled_ref, start, cols, in_row, block):
-    """``(1, width)``: the sum of a run's gradient rows from block ``start`` on (the run goes on in
-    it), from the carries of the blocks it fills and of the block where it ends, read ``block``
-    blocks at a time."""
-    from jax.experimental.pallas import triton as plgpu
-
-    blocks = filled_ref.shape[0]
-
-    def more(carry):
-        return carry[2] > 0
-
-    def add(carry):
-        first, rest, going = carry
-        at = first + jnp.arange(block)
-        inside = at < blocks
-        filled = plgpu.load(filled_ref.at[jnp.where(inside, at, 0)], mask=inside, other=0)
-        gaps = 1 - filled
-        mine = inside & (jnp.cumsum(gaps) - gaps == 0)  # the run fills every block before these
-        rows = plgpu.load(carry_ref.at[at[:, None], cols[None, :]], mask=mine[:, None] & in_row[None, :], other=0)
-        return first + block, rest + jnp.sum(rows, axis=0, keepdims=True), jnp.min(filled)
-
-    _, rest, _ = jax.lax.while_loop(more, add, (start, jnp.zeros((1, cols.shape[0]), jnp.float32), jnp.int32(1)))
-    return rest
+def _onward(ids, perm, g, n, d, block, interpret, config):
+    """``(blocks + 1, width)`` float32: row ``b`` is the sum of the gradient rows, in block ``b``
+    and after it, of the run that starts in block ``b - 1`` and goes on past its end (0 if none).
+    The carry kernel sums each block's share of the run it continues, all blocks in parallel;
+    a segment sum adds up the shares of each run, keyed by the block after the one the run starts
+    in (a running maximum over the blocks not filled by a run), so that no run, however long,
+    costs one program serial work."""
+    blocks, width = (ids.shape[0] - 1) // block, _pow2(d)
+    carry = _whole_call(_carry_kernel(n, d, block), [ids, perm, g],
+                        [jax.ShapeDtypeStruct((blocks, width), jnp.float32)], (blocks,), interpret, config)[0]
+    last = ids[block - 1:-1:block]  # each block's last id
+    prev = jnp.concatenate([jnp.full((1,), n, ids.dtype), last[:-1]])  # the run each block continues
+    filled = (last == prev) & (prev < n)  # the block holds nothing else
+    # a run starts in the last block before this one that it does not fill
+    starts = jax.lax.cummax(jnp.where(filled, 0, jnp.arange(blocks)))
+    key = jnp.where(prev < n, jnp.concatenate([jnp.zeros((1,), starts.dtype), starts[:-1]]) + 1, blocks)
+    return jax.ops.segment_sum(carry, key, num_segments=blocks + 1, indices_are_sorted=True)
 
 
 def _table_kernel(in_kernel, n_hoisted, hoisted_dtypes, n_rows_refs, n, d, block, unique):
@@ -278,7 +263,7 @@ def _table_kernel(in_kernel, n_hoisted, hoisted_dtypes, n_rows_refs, n, d, block
     from jax.experimental.pallas import triton as plgpu
 
     def kernel(ids_ref, perm_ref, g_ref, *refs):
-        carry_refs, refs = ((), refs) if unique else (refs[:2], refs[2:])
+        onward_ref, refs = (None, refs) if unique else (refs[0], refs[1:])
         scalar_refs, out_refs = refs[:n_hoisted], refs[n_hoisted + n_rows_refs:]  # inputs aliased to outputs
         b = pl.program_id(0)
         j = b * block + jnp.arange(block)
@@ -309,9 +294,7 @@ def _table_kernel(in_kernel, n_hoisted, hoisted_dtypes, n_rows_refs, n, d, block
             _, acc, _ = jax.lax.while_loop(more, add, (1, acc, lead))
             # the block's last run, if it goes on: its rows in the next blocks
             onward = lead & (ids == plgpu.load(ids_ref.at[end + jnp.zeros((1,), jnp.int32)]))
-            rest = jax.lax.cond(jnp.max(onward.astype(jnp.int32)) > 0,
-                                lambda: _run_rest(*carry_refs, b + 1, cols, in_row, block),
-                                lambda: jnp.zeros((1, cols.shape[0]), jnp.float32))
+            rest = plgpu.load(onward_ref.at[(b + 1 + jnp.zeros((1,), jnp.int32))[:, None], cols[None, :]])
             acc = jnp.where(onward[:, None], acc + rest, acc)
         scalars = [r[0].astype(dt) for r, dt in zip(scalar_refs, hoisted_dtypes)]
         u, *new_state = in_kernel(scalars, [acc.astype(g_ref.dtype), *rows[1:], rows[0]])
@@ -360,9 +343,9 @@ def _update_table(inner, i, treedef, state_def, owners, leaves, state_leaves, p_
     size = -(-k // block) * block
     ids = jnp.pad(ids, (0, size + 1 - k), constant_values=n)  # one more: the id after each block
     g_rows = g.data.reshape(k, d)
-    carries = [] if g.unique_indices else _carries(ids, perm, g_rows, n, d, block, interpret, config)
+    onward = [] if g.unique_indices else [_onward(ids, perm, g_rows, n, d, block, interpret, config)]
     tables = [p.reshape(n, d)] + [r.reshape(n, d) for r in rows]  # entry by entry: a row's shape does not matter
-    operands = [ids, perm, g_rows, *carries, *hoisted, *tables]
+    operands = [ids, perm, g_rows, *onward, *hoisted, *tables]
     first = len(operands) - len(tables)
     out = _whole_call(
         _table_kernel(in_kernel, len(hoisted), hoisted_dtypes, len(tables), n, d, block, g.unique_indices),
