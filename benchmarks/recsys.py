@@ -466,8 +466,7 @@ def optimizer_sweep(bandwidth, quick=False):
                 fns[name] = optax_stepper(opt, fresh(), g, fused_step(opt))
         t = interleaved_medians(fns, rounds=3, block=5, warmup=2)
         nbytes = 7 * uniq.size * DIM * 4
-        cells = " | ".join("n/a (CUDA only)" if c not in t else
-                           f"{t[c] * 1e3:.3f} ms, {nbytes / t[c] / 1e9:.0f} GB/s ({nbytes / t[c] / bandwidth:.0%})"
+        cells = " | ".join("n/a (CUDA only)" if c not in t else _rate(t[c], nbytes, bandwidth)
                            for c in ("dup", "unique", "hand", "floor", "fused dup", "fused unique"))
         print(f"| {k:,} | {uniq.size:,} | {cells} |", flush=True)
         del fns
@@ -476,7 +475,12 @@ def optimizer_sweep(bandwidth, quick=False):
         fused_cuts(opt, fresh, dup, nbytes, bandwidth, k)
 
 
-# kernel cuts the fused update is timed with besides its default: (block entries, warps, rows per program)
+def _rate(seconds, nbytes, bandwidth):
+    """``ms, GB/s (share of the copy bandwidth)`` of a step that must touch ``nbytes``."""
+    return f"{seconds * 1e3:.3f} ms, {nbytes / seconds / 1e9:.0f} GB/s ({nbytes / seconds / bandwidth:.0%})"
+
+
+# kernel cuts the fused update is timed with besides its default: (block entries, rows per program, warps)
 CUTS = [KernelConfig(1024, 64, 4), KernelConfig(4096, 128, 4), KernelConfig(2048, 64, 8), KernelConfig(4096, 128, 8),
         KernelConfig(1024, 32, 2)]
 
@@ -491,8 +495,7 @@ def fused_cuts(opt, fresh, grad, nbytes, bandwidth, k):
     print(f"\nthe fused update at K = {k:,} with duplicates, cut in other ways (block entries, rows, warps; "
           f"the first is the default):")
     for name, tu in t.items():
-        print(f"  {name}: {tu * 1e3:.3f} ms, {nbytes / tu / 1e9:.0f} GB/s ({nbytes / tu / bandwidth:.0%})", flush=True)
-
+        print(f"  {name}: {_rate(tu, nbytes, bandwidth)}", flush=True)
 
 
 def skewed_ids(rng, n, k, a=1.05):
@@ -512,7 +515,7 @@ def fused_skewed(opt, fresh, n, k, rng, bandwidth):
     nbytes = 7 * distinct.size * DIM * 4
     print(f"\nZipf ids (exponent 1.05), K = {k:,}: {distinct.size:,} distinct, the hottest {counts.max():,} times")
     for name, tu in t.items():
-        print(f"  {name}: {tu * 1e3:.3f} ms, {nbytes / tu / 1e9:.0f} GB/s ({nbytes / tu / bandwidth:.0%})", flush=True)
+        print(f"  {name}: {_rate(tu, nbytes, bandwidth)}", flush=True)
     print(f"  fused / one call: {t['fused'] / t['one call']:.2f}x")
 
 

@@ -283,5 +283,5 @@ def rowwise_adagrad(learning_rate: optax.ScalarOrSchedule, initial_accumulator_v
         scale_by_rowwise_rss(initial_accumulator_value, eps, eps_placement),
         lazy(optax.scale_by_learning_rate(learning_rate)),
     )
-    ROW_LOCAL[opt.update] = True  # make_train_step may update a table in chunks of rows
+    ROW_LOCAL.add(opt.update)  # make_train_step may update a table in chunks of rows
     return opt

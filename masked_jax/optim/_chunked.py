@@ -136,12 +136,13 @@ def chunkable(optimizer, grads, state, params, chunk: int) -> bool:
     ``chunk`` stored rows, and ``optimizer`` is a plain lazy lift whose inner transformation works
     entry by entry (decided at trace time), or updates each row from that row alone by
     construction (``rowwise_adagrad``)?"""
-    inner = LIFTS.get(getattr(optimizer, "update", None))
+    update = getattr(optimizer, "update", None)
     leaves, _, tables = _tables(grads, chunk)
     if not tables or any(not (is_container(g) or isinstance(g, jax.Array)) for g in leaves):
         return False
-    if ROW_LOCAL.get(getattr(optimizer, "update", None)):  # row by row by construction (rowwise_adagrad)
+    if update in ROW_LOCAL:  # row by row by construction (rowwise_adagrad)
         return True
+    inner = LIFTS.get(update)
     if inner is None:
         return False
     if isinstance(state, LazyCatchUpState):  # catch-up works row by row around ``inner``

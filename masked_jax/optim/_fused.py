@@ -204,19 +204,23 @@ def _gradient_rows(perm_ref, g_ref, at, take, cols, in_row):
                       other=0).astype(jnp.float32)
 
 
+def _one(i):
+    """A traced scalar index as a ``(1,)`` vector, the form Triton loads and stores take."""
+    return i + jnp.zeros((1,), jnp.int32)
+
+
 def _carry_kernel(n, d, block):
     """The kernel that sums, per block of sorted positions, the gradient rows at its start that
-    continue the previous block's last run (a ``(1, width)`` row, 0 if none)."""
+    continue the previous block's last run (a ``(1, width)`` row, 0 if none). It reads that
+    run's id itself: passed in, ``_onward``'s slice of the ids would cost one more XLA kernel."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
 
     def kernel(ids_ref, perm_ref, g_ref, carry_ref):
-        b = pl.program_id(0)
-        j = b * block + jnp.arange(block)
+        here = _one(pl.program_id(0))
+        j = here * block + jnp.arange(block)
         cols = jnp.arange(_pow2(d))
-        here = b + jnp.zeros((1,), jnp.int32)
-        prev = plgpu.load(ids_ref.at[jnp.maximum(here * block - 1, 0)])
-        prev = jnp.where(here == 0, n, prev)
+        prev = jnp.where(here == 0, n, plgpu.load(ids_ref.at[jnp.maximum(here * block - 1, 0)]))
         going = (plgpu.load(ids_ref.at[j]) == prev) & (prev < n)
         rows = _gradient_rows(perm_ref, g_ref, j, going, cols, cols < d)
         plgpu.store(carry_ref.at[here[:, None], cols[None, :]], jnp.sum(rows, axis=0, keepdims=True))
@@ -246,10 +250,10 @@ def _onward(ids, perm, g, n, d, block, interpret, config):
     in (a running maximum over the blocks not filled by a run), so that no run, however long,
     costs one program serial work."""
     blocks, width = (ids.shape[0] - 1) // block, _pow2(d)
-    carry = _whole_call(_carry_kernel(n, d, block), [ids, perm, g],
-                        [jax.ShapeDtypeStruct((blocks, width), jnp.float32)], (blocks,), interpret, config)[0]
     last = ids[block - 1:-1:block]  # each block's last id
     prev = jnp.concatenate([jnp.full((1,), n, ids.dtype), last[:-1]])  # the run each block continues
+    carry = _whole_call(_carry_kernel(n, d, block), [ids, perm, g],
+                        [jax.ShapeDtypeStruct((blocks, width), jnp.float32)], (blocks,), interpret, config)[0]
     filled = (last == prev) & (prev < n)  # the block holds nothing else
     # a run starts in the last block before this one that it does not fill
     starts = jax.lax.cummax(jnp.where(filled, 0, jnp.arange(blocks)))
@@ -293,8 +297,8 @@ def _table_kernel(in_kernel, n_hoisted, hoisted_dtypes, n_rows_refs, n, d, block
 
             _, acc, _ = jax.lax.while_loop(more, add, (1, acc, lead))
             # the block's last run, if it goes on: its rows in the next blocks
-            onward = lead & (ids == plgpu.load(ids_ref.at[end + jnp.zeros((1,), jnp.int32)]))
-            rest = plgpu.load(onward_ref.at[(b + 1 + jnp.zeros((1,), jnp.int32))[:, None], cols[None, :]])
+            onward = lead & (ids == plgpu.load(ids_ref.at[_one(end)]))
+            rest = plgpu.load(onward_ref.at[_one(b + 1)[:, None], cols[None, :]])
             acc = jnp.where(onward[:, None], acc + rest, acc)
         scalars = [r[0].astype(dt) for r, dt in zip(scalar_refs, hoisted_dtypes)]
         u, *new_state = in_kernel(scalars, [acc.astype(g_ref.dtype), *rows[1:], rows[0]])

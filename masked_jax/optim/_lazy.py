@@ -46,14 +46,18 @@ def _check_liftable(ref: _Reference, state) -> None:
                 f"moments as in adafactor, per-row norms) cannot be updated lazily."
                 + (" One value per row, as rowwise_adagrad's sums, is updated only at the rows a "
                    "row-sparse gradient touches by rowwise_adagrad itself: use it without lazy() "
-                   "(and without MultiSteps, which would need a lazy lift around it)." if rowwise else "")
+                   "(and without MultiSteps, which would need a lazy lift around it)." if _rowwise(state) else "")
             )
 
+    jax.tree_util.tree_map_with_path(check, state, is_leaf=ref.matches)
+
+
+def _rowwise(state) -> bool:
+    """Does ``state`` hold row-wise Adagrad's state?"""
     from masked_jax.optim._adagrad import ScaleByRowwiseRssState  # (it imports this module)
 
     row_state = lambda x: isinstance(x, ScaleByRowwiseRssState)  # noqa: E731
-    rowwise = any(map(row_state, jax.tree_util.tree_leaves(state, is_leaf=row_state)))
-    jax.tree_util.tree_map_with_path(check, state, is_leaf=ref.matches)
+    return any(map(row_state, jax.tree_util.tree_leaves(state, is_leaf=row_state)))
 
 
 def _shapes(tree):

@@ -48,7 +48,6 @@ def _map_param_shaped(ref: _Reference, fn, state, *rest):
     return jax.tree_util.tree_map(one, state, *rest, is_leaf=ref.matches)
 
 
-
 def _map_local(ref: _Reference, fn, state):
     """``_map_param_shaped`` over the parameter-shaped subtrees of ``state`` and then its
     row-shaped ones (:meth:`_Reference.rows`): ``fn(leaves, per_row)``, ``per_row`` telling which."""
@@ -62,7 +61,8 @@ def _local_from(ref: _Reference, new, old):
     mine = lambda new_leaves, old_leaves: new_leaves  # noqa: E731
     return _map_param_shaped(ref.rows(), mine, new, _map_param_shaped(ref, mine, new, old))
 
+
 # update functions of transformations that update each row of a table from that row alone (its
 # gradient, its parameter, its parameter- or row-shaped state) and scalar global state: a table
 # may be updated a block of rows at a time (``rowwise_adagrad``)
-ROW_LOCAL: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+ROW_LOCAL: "weakref.WeakSet" = weakref.WeakSet()
