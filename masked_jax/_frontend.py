@@ -173,7 +173,9 @@ class _Call:
         if self.spec.name in IDENTITY_REDUCTIONS + NAN_OVER_EMPTY and operands \
                 and _empty_reduction(operands[0], params):
             # a reduction over a zero-size slice: nothing is masked, so jnp's result, valid: the
-            # identity of a sum (prod, any, all), NaN for a mean (var, std: 0 / 0)
+            # identity of a sum (prod, any, all), NaN for a mean (var, std: 0 / 0); a sparse layout
+            # stores nothing to read then, so it is made dense without a storage fallback
+            operands = [o.todense() if isinstance(o, SparseMasked) and o.size == 0 else o for o in operands]
             out = self.dense(operands, params, where, labels)
             data = jnp.full_like(out.data, jnp.nan) if self.spec.name in NAN_OVER_EMPTY else out.data
             return MaskedArray._from_pair(data, None)

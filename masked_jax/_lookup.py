@@ -34,7 +34,7 @@ from jax.extend import core as jcore
 
 from masked_jax._core import MaskedArray, is_container, is_masked
 from masked_jax._storage import SparseMasked
-from masked_jax.layouts.rows import RowSparseArray, check_integer_indices, pad_indices
+from masked_jax.layouts.rows import RowSparseArray, check_integer_indices, pad_indices, take_rows
 
 # checkpoint's primitive: exported as remat_p by newer jax; otherwise read off a staged checkpoint
 _REMAT_P = getattr(P, "remat_p", None) or jax.make_jaxpr(jax.checkpoint(jnp.sin))(1.0).eqns[0].primitive
@@ -52,7 +52,7 @@ def _normalize_ids(ids, n: int):
 
 def _read(table, ids):
     """``table[ids]`` with out-of-range ids reading zeros (and, in a gradient, receiving nothing)."""
-    return jnp.take(table, ids, axis=0, mode="fill", fill_value=0)
+    return take_rows(table, ids)
 
 
 def lookup(table, ids):

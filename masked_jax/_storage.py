@@ -203,7 +203,8 @@ class SparseMasked(ArrayMethods, abc.ABC):
         if is_tracer(self.data) or is_tracer(self.indices) or self.indices.ndim != (1 if self.storage == "row_sparse" else 2):
             return None
         data, indices = displayable(np.asarray(self.data)), np.asarray(self.indices)
-        valid = np.asarray(self.block().mask).reshape(len(indices), -1).any(axis=1)
+        mask = np.asarray(self.block().mask)
+        valid = mask.reshape(len(indices), mask.size // max(len(indices), 1)).any(axis=1)  # no slots, or 0-wide
         out = []
         for i in edge_positions(len(indices), summarise=True):
             if i is None:

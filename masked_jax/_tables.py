@@ -53,8 +53,8 @@ class TableStack:
         if not rows:
             raise ValueError("a table stack needs at least one table.")
         self.rows = {str(k): int(v) for k, v in rows.items()}
-        if any(v <= 0 for v in self.rows.values()):
-            raise ValueError(f"every table needs at least one row; got {self.rows}.")
+        if any(v < 0 for v in self.rows.values()):
+            raise ValueError(f"row counts must be >= 0; got {self.rows}.")  # a table of 0 rows: every id is padding
         self.row_shape = tuple(int(d) for d in row_shape)
         starts = np.cumsum([0] + list(self.rows.values()))
         self.offsets = dict(zip(self.rows, (int(s) for s in starts[:-1])))

@@ -19,7 +19,8 @@ Built the way ``jax.experimental.sparse``'s ``test_util`` is: one args-maker per
   eager, under ``jit`` and under ``vmap`` (a batch of each layout in, its results out), and the
   same gradients per stored slot (exact zeros at padding). ``make test`` samples: eagerly three
   layouts per op (the two with duplicates and poisoned padding, and one more in turn), under
-  ``jit`` every layout for the first case and those two for the others; ``make test-full`` runs all;
+  ``jit`` every layout for the first case and those two for the others; ``make test-full`` runs all.
+  Operands with a zero-size axis (no rows; rows of no entries) too, eagerly, in the same layouts;
 * ``compact``: masks stored compact ((n, 1) for whole rows, (1, m) for whole columns) give the
   full-mask results and gradients, eager and under ``jit``; operands without a mask (statically
   valid) give the results of all-True masks;
@@ -444,6 +445,29 @@ def check_layouts(name):
                 assert np.all(np.isfinite(gd)), f"{name} on {kind}: gradient not finite"
                 np.testing.assert_allclose(gd, np.asarray(slot_values(lay, g_want.filled(0))), rtol=1e-9, atol=1e-12,
                                            err_msg=f"{name} on {kind}: gradient per stored slot (0 at padding)")
+        _check_zero_size_layouts(name, spec, row, dtype)
+
+
+ZERO_SIZE = ((0, 3), (4, 0))  # no rows; rows of no entries
+
+
+def _check_zero_size_layouts(name, spec, row, dtype):
+    """Operands with a zero-size axis in the sparse layouts (padding slots still poisoned) give the
+    dense result, eagerly, for the shapes the op takes (those its dense call accepts)."""
+    for shape in ZERO_SIZE:
+        try:
+            ops = operands(name, dtype, masks=(np.zeros(shape, bool),) * 2)
+        except ValueError:  # the op's maker builds operands of fixed shapes (the contractions)
+            continue
+        case = row.cases[0]
+        try:
+            want = call(name, public(name), ops, case)
+        except (ValueError, TypeError, IndexError):  # the op refuses such shapes, densely too
+            continue
+        sparse_pos = [i for i, o in enumerate(ops) if isinstance(o, mj.MaskedArray)][: 2 if spec.family == "binary" else 1]
+        for kind in eager_layouts(name):
+            lays = [layout(kind, o) if i in sparse_pos else o for i, o in enumerate(ops)]
+            assert_same(call(name, public(name), lays, case), want, row.rtol, f"{name} on {kind}, shape {shape}")
 
 
 def compact_form(mask):

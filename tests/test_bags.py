@@ -337,3 +337,30 @@ def test_filled_zero_of_a_bag_is_its_data(combiner):
                                rtol=1e-6, atol=1e-7)
     tangent = jax.jvp(lambda t: bag(t).filled(0), (table,), (jnp.ones_like(table),))[1]
     np.testing.assert_array_equal(np.asarray(tangent)[empty], 0)
+
+
+@pytest.mark.parametrize("shape", [(0, 3), (4, 0)], ids=["no_rows", "empty_rows"])
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_empty_tables_read_padding_and_get_empty_gradients(shape, jit):
+    """A table with no rows (a feature switched off) makes every id padding: `lookup` reads zeros,
+    every bag is masked and the row-sparse gradient stores no row, where `jnp.take` would raise on
+    the empty axis. Rows of no entries are read as usual."""
+    table = jnp.zeros(shape)
+    ids = jnp.array([[0, 1], [-1, 2]])
+    maybe = jax.jit if jit else (lambda f: f)
+    rows = maybe(mj.lookup)(table, ids)
+    assert rows.shape == ids.shape + shape[1:] and not np.any(np.asarray(rows))
+    for combiner in ("sum", "mean", "max"):
+        bags = maybe(lambda t, i, c=combiner: mj.embedding_bag(t, i, combiner=c))(table, ids)
+        assert bags.shape == (2,) + shape[1:]
+        assert not np.any(np.asarray(bags.mask)) or shape[0]
+    ragged = maybe(lambda t: mj.embedding_bag(t, jnp.array([0, 1, 2]), lengths=jnp.array([1, 2])))(table)
+    assert ragged.shape == (2,) + shape[1:]
+
+    def loss(t):
+        return mj.embedding_bag(t, ids, combiner="mean").filled(0.0).sum() + mj.lookup(t, ids).sum()
+
+    g = maybe(mj.grad(loss, row_sparse=True))(table)
+    assert isinstance(g, mj.RowSparseArray) and g.shape == shape
+    np.testing.assert_array_equal(g.todense().filled(0.0), jax.grad(loss)(table))
+    assert "RowSparseArray" in str(g)

@@ -730,3 +730,22 @@ def test_richardson_error_estimate_decides_what_counts_as_a_mismatch():
     assert "beyond their estimated error" in bad.failures()[0].reason and "why:" in repr(bad)
     trap = mj.check_jacobian(LEAKY["where_log_trap"][0], (_X,), semantics="masked", raise_exception=False)
     assert "breaks masked semantics" in trap.failures()[0].reason
+
+
+@pytest.mark.parametrize("kw", [{}, {"fast": True}, {"order": 2}], ids=["full", "fast", "second_order"])
+def test_empty_inputs_have_an_empty_jacobian_and_pass(kw):
+    """An input with no entries (size 0, masked or plain, alone or beside another input) adds no
+    column to the Jacobian: the check passes on the other inputs, as torch's gradcheck does."""
+    empty = mj.masked_array(jnp.zeros((2, 0)), jnp.zeros((2, 0), bool))
+    x = mj.masked_array(jnp.array([0.5, 2.0]), jnp.array([True, False]))
+    assert mj.check_jacobian(mnp.sin, (empty,), **kw).satisfies == ("dense", "masked")
+    assert mj.check_jacobian(jnp.sin, (jnp.zeros((0, 3)),), semantics="dense", **kw).satisfies == ("dense",)
+    beside = mj.check_jacobian(lambda a, b: mnp.sin(a) * 2.0 + jnp.sum(b.filled(0.0)), (x, empty), **kw)
+    alone = mj.check_jacobian(lambda a: mnp.sin(a) * 2.0, (x,), **kw)
+    assert "masked" in beside.satisfies and beside.satisfies == alone.satisfies
+    wrong = jax.custom_jvp(jnp.sin)  # a wrong first derivative, or (order 2) a wrong second one
+    scale = (lambda c: 2.0 * c) if kw.get("order", 1) == 1 else jax.lax.stop_gradient
+    wrong.defjvp(lambda p, t: (jnp.sin(p[0]), scale(jnp.cos(p[0])) * t[0]))
+    with pytest.raises(mj.JacobianError):  # the other input is still checked
+        mj.check_jacobian(lambda a, b: wrong(a) + jnp.sum(b), (jnp.array([0.5, 2.0]), jnp.zeros((0,))),
+                          semantics="dense", **kw)

@@ -193,3 +193,15 @@ def test_bad_arguments():
     r = mj.check_invariance(lambda v: mnp.sum(v, axis=1), (x,), axis=1, lengths="longer", positions="start",
                             fills="nan", transforms="jit")
     assert [c.padding for c in r.cases] == ["pad to 8 (longer) at start, nan content"]
+
+
+@pytest.mark.parametrize("shape, axis, other", [((2, 0), -1, 0), ((0, 3), -1, -1), ((2, 0, 3), 1, 2)],
+                         ids=["no_positions", "no_rows", "3d"])
+def test_inputs_with_a_zero_size_axis_are_re_padded(shape, axis, other):
+    """Inputs with no positions along the padded axis (every re-padding is pads only) or no rows
+    before it are re-padded like any other; an elementwise op and a reduction over another axis
+    are unchanged by it."""
+    x = mj.masked_array(jnp.zeros(shape), jnp.zeros(shape, bool))
+    for f in (mnp.sin, lambda v: mnp.sum(v, axis=other)):
+        report = mj.check_invariance(f, (x,), axis=axis)
+        assert report and "PASSED" in str(report)

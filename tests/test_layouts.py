@@ -431,3 +431,17 @@ def test_bcoo_axis_reductions_edge_cases():
         _warned.clear()
         _same(mnp.median(x.tostype("bcoo"), axis=0), mnp.median(x, axis=0))
     assert any("median" in str(w.message) for w in caught)
+
+
+@pytest.mark.parametrize("shape", [(0, 3), (4, 0), (0, 0), (0,)])
+@pytest.mark.parametrize("layout", ["row_sparse", "bcoo"])
+def test_zero_size_arrays_convert_print_and_compute_in_every_layout(layout, shape):
+    """Arrays with a zero-size axis (no rows, or rows of no entries) go to each layout and back,
+    print, and take elementwise ops and reductions like the dense array: nothing is stored."""
+    x = mj.masked_array(jnp.zeros(shape), jnp.zeros(shape, bool))
+    y = x.tostype(layout)
+    back = y.todense()
+    assert back.shape == shape and not np.any(np.asarray(back.mask))
+    assert type(y).__name__ in str(y) and type(y).__name__ in y._repr_html_()
+    np.testing.assert_array_equal(np.asarray((y * 2.0).todense().mask), np.zeros(shape, bool))
+    assert mnp.sum(y).shape == mnp.sum(x).shape

@@ -933,9 +933,16 @@ def test_lazy_catch_up_in_a_donated_train_step_and_rejections():
     for _ in range(3):
         params, state, loss = step(params, state, users, items, r)
     assert int(state.step) == 3 and set(np.unique(np.asarray(state.last["user"]))) <= {0, 3}
-    with pytest.raises(ValueError, match="L2 weight decay"):
-        l2 = optim.lazy(optax.chain(optax.add_decayed_weights(0.1), optax.sgd(0.1, momentum=0.9)), catch_up=True)
-        l2.update(mj.row_sparse(jnp.ones((1, 2)), jnp.array([1]), (3, 2)), l2.init(jnp.zeros((3, 2))), jnp.zeros((3, 2)))
+    rejected = {  # each with the reason its zero-gradient step has no closed form
+        "L2 weight decay": optax.chain(optax.add_decayed_weights(0.1), optax.sgd(0.1, momentum=0.9)),
+        "leaves zero .* floored": optax.adamax(0.1),  # nu -> max(b2 * nu, eps): not s -> c * s
+        "changes another": optax.amsgrad(0.1),  # the running maximum reads nu
+    }
+    for match, inner in rejected.items():
+        bad = optim.lazy(inner, catch_up=True)
+        with pytest.raises(ValueError, match=match):
+            bad.update(mj.row_sparse(jnp.ones((1, 2)), jnp.array([1]), (3, 2)), bad.init(jnp.zeros((3, 2))),
+                       jnp.zeros((3, 2)))
     with pytest.raises(ValueError, match="needs params"):
         wd = optim.lazy(optax.adamw(0.1, weight_decay=0.1), catch_up=True)
         wd.update(mj.row_sparse(jnp.ones((1, 2)), jnp.array([1]), (3, 2)), wd.init(jnp.zeros((3, 2))))
@@ -1385,3 +1392,52 @@ def test_train_step_fused_rows_picks_the_kernel_on_cuda_only():
     assert str(jax.make_jaxpr(step)(huge, jax.eval_shape(opt.init, huge), *batch)).count("pallas_call") == 2  # "b" only (its carries, its update)
     with pytest.raises(ValueError, match="fused_rows must be a bool"):
         optim.make_train_step(_two_table_loss, opt, fused_rows=1)
+
+
+EMPTY_TABLE_OPTIMIZERS = {
+    "lazy_adam": lambda: optim.lazy(optax.adam(0.1)),
+    "lazy_adamw_catch_up": lambda: optim.lazy(optax.adamw(0.1, weight_decay=0.1), catch_up=True),
+    "lazy_multi_steps": lambda: optim.lazy(optax.MultiSteps(optax.adam(0.1), 2), capacity=8),
+    "masked_adagrad": lambda: optim.masked_adagrad(0.1),
+    "rowwise_adagrad": lambda: optim.rowwise_adagrad(0.1),
+}
+
+
+@pytest.mark.parametrize("shape", [(0, 3), (4, 0)], ids=["no_rows", "empty_rows"])
+@pytest.mark.parametrize("chunk_rows", [8192, 1, None])
+@pytest.mark.parametrize("name", EMPTY_TABLE_OPTIMIZERS)
+def test_empty_tables_train_beside_others(name, chunk_rows, shape):
+    """A table with no rows, or with rows of no entries, goes through every optimizer's row-sparse
+    step (one call, in chunks, and the fused kernel in Pallas' interpreter) unchanged, and the
+    table beside it trains as it would alone."""
+    from masked_jax.optim._fused import fused_update
+
+    make = EMPTY_TABLE_OPTIMIZERS[name]
+    ids = jnp.array([[0, 1], [2, -1]])
+
+    def loss(p, ids):
+        return mj.embedding_bag(p["empty"], ids, combiner="mean").filled(0.0).sum() + jnp.sum(mj.lookup(p["t"], ids) ** 2)
+
+    def alone(p, ids):
+        return jnp.sum(mj.lookup(p["t"], ids) ** 2)
+
+    def run(loss, params):
+        opt = make()
+        step = optim.make_train_step(loss, opt, row_sparse=True, chunk_rows=chunk_rows)
+        state = opt.init(params)
+        for _ in range(3):
+            params, state, _ = step(params, state, ids)
+        return params
+
+    got = run(loss, {"empty": jnp.zeros(shape), "t": jnp.linspace(-1.0, 1.0, 12).reshape(4, 3)})
+    want = run(alone, {"t": jnp.linspace(-1.0, 1.0, 12).reshape(4, 3)})
+    assert got["empty"].shape == shape
+    np.testing.assert_array_equal(got["t"], want["t"])
+    if name == "lazy_adam":  # the fused kernel leaves the empty table to the one-call update
+        opt = make()
+        params = {"empty": jnp.zeros(shape), "t": jnp.ones((4, 3))}
+        g = mj.grad(loss, row_sparse=True)(params, ids)
+        fused, _ = _fused_step(opt)(params, opt.init(params), g)
+        one_call, _ = _one_call_step(opt)(params, opt.init(params), g)
+        assert fused["empty"].shape == shape
+        np.testing.assert_array_equal(fused["t"], one_call["t"])

@@ -159,6 +159,7 @@ def test_all_tables_are_read_with_one_gather():
     (lambda: mj.stack_tables({"a": jnp.zeros((2, 3))})[0].lookup(jnp.zeros((2, 3)), {"a": jnp.array([0.5])}),
      TypeError, "ids must be integers"),
     (lambda: mj.stack_tables({"a": jnp.zeros((2, 3))})[0].stack({"a": jnp.zeros((3, 3))}), ValueError, "must have shape"),
+    (lambda: mj.TableStack({"a": 2, "b": -1}, (3,)), ValueError, "row counts must be >= 0"),
 ])
 def test_bad_stacks_and_requests_are_rejected(call, kind, match):
     with pytest.raises(kind, match=match):
@@ -198,3 +199,43 @@ def test_fused_update_of_a_stacked_table_equals_the_one_call_update(case):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6)
     untouched = np.setdiff1d(np.arange(table.shape[0]), np.asarray(g.indices))
     assert untouched.size and (np.asarray(got[0])[untouched] == np.asarray(table)[untouched]).all()
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_a_table_of_no_rows_stacks_as_padding(jit):
+    """A table of 0 rows (a feature switched off) stacks like any other: its ids are all padding,
+    as with the table alone, and the tables beside it read, differentiate and train unchanged."""
+    tables = {**_tables(3), "off": jnp.zeros((0, D))}
+    stack, table = mj.stack_tables(tables)
+    assert table.shape == (sum(SIZES.values()), D) and stack.unstack(table)["off"].shape == (0, D)
+    ids = {**IDS, "off": jnp.array([[0, -1, 5]])}
+    bags = {"user": jnp.array([[0, 3, -1]]), "off": {"ids": jnp.array([[0, 1, -1]]), "combiner": "mean"}}
+    wrap = jax.jit if jit else (lambda f: f)
+    rows = wrap(stack.lookup)(table, ids)
+    np.testing.assert_array_equal(np.asarray(rows["off"]), np.zeros((1, 3, D)))
+    np.testing.assert_array_equal(np.asarray(rows["item"]), np.asarray(mj.lookup(tables["item"], ids["item"])))
+    pooled = wrap(lambda t: stack.embedding_bag(t, bags))(table)
+    assert not np.any(np.asarray(pooled["off"].mask))
+    np.testing.assert_array_equal(np.asarray(pooled["user"].data),
+                                  np.asarray(mj.embedding_bag(tables["user"], bags["user"]).data))
+
+    def make_loss(stack, bags):
+        def loss(table):
+            pooled = stack.embedding_bag(table, bags)
+            return _stacked_loss(stack)(table, IDS) + sum(jnp.sum(v.filled(0.0) ** 2) for v in pooled.values())
+        return loss
+
+    loss = make_loss(stack, bags)
+    g = wrap(mj.grad(loss, row_sparse=True))(table)
+    np.testing.assert_allclose(np.asarray(g.todense().filled(0)), np.asarray(jax.grad(loss)(table)), rtol=1e-6, atol=1e-7)
+    # a step equals the step of the stack without the empty table
+    opt = optim.lazy(optax.adam(0.1))
+
+    def step(loss, table):
+        return optim.make_train_step(loss, opt, row_sparse=True)(table, opt.init(table))
+
+    without, same = mj.stack_tables(_tables(3))
+    got, _, value = step(loss, table)
+    want, _, want_value = step(make_loss(without, {"user": bags["user"]}), same)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert float(value) == float(want_value)

@@ -510,7 +510,7 @@ def _with_extra(spec, extra):
     """The mask :meth:`Leaf.build` gives a ``MaskedArray`` input with pattern ``spec`` and ``extra``."""
     if extra is ALL:
         return jnp.ones_like(spec)
-    if extra is None or extra is PADDED:
+    if extra is None or extra is PADDED or spec.size == 0:  # an empty input has no entry to set
         return spec
     return spec.at[extra].set(True, mode="drop")
 

@@ -105,8 +105,8 @@ class Leaf:
     def _rows(self, values, extra):
         n = self.shape[0]
         row_size = self.size // max(n, 1)
-        block = values.reshape((n, -1))
-        stored = self.spec.reshape(n, -1).any(1) if n else np.zeros(0, bool)
+        block = values.reshape((n, row_size))
+        stored = self.spec.reshape(n, row_size).any(1)
         filler = 0  # the row whose values padding rows hold
         if extra is ALL:
             rows = jnp.arange(n)

@@ -273,7 +273,7 @@ def _kept(x, axis, xp=np):
     valid element is valid; rows: the positions of the axes before ``axis``)."""
     m = xp.moveaxis(xp.broadcast_to(xp.asarray(x.mask), x.shape), axis, -1)  # (lead..., trail..., L)
     rows = int(np.prod(x.shape[:axis], dtype=np.int64))
-    return m.reshape((rows, -1, x.shape[axis])).any(1)
+    return m.reshape((rows, int(np.prod(m.shape[len(x.shape[:axis]):-1], dtype=np.int64)), x.shape[axis])).any(1)
 
 
 def _slots(keeps, new_len, pos, rng):
@@ -322,8 +322,11 @@ def _repad(flat, padded, ax, slots, new_len, fill):
         m = np.moveaxis(mask, a, -1)
         lead = x.shape[:a]
         trail = d.shape[len(lead):-1]
-        d = d.reshape((-1,) + trail + (x.shape[a],))
-        m = m.reshape((-1,) + trail + (x.shape[a],))
+        n_rows = int(np.prod(lead, dtype=np.int64))
+        d = d.reshape((n_rows,) + trail + (x.shape[a],))
+        m = m.reshape((n_rows,) + trail + (x.shape[a],))
+        if x.shape[a] == 0:  # nothing to take: every new position is a pad (one slot to index)
+            d, m = np.zeros(d.shape[:-1] + (1,), d.dtype), np.zeros(m.shape[:-1] + (1,), bool)
         take = np.clip(src, 0, None)  # (rows, new_len)
         rows = np.arange(d.shape[0])[:, None]
         nd = np.moveaxis(np.moveaxis(d, -1, 1)[rows, take], 1, -1)  # (rows, trail..., new_len)
@@ -350,7 +353,8 @@ def _valid_outputs(out, out_axis, axis, length, kept, ks=None):
         data = leaf.data if own else jnp.asarray(leaf)
         mask = jnp.broadcast_to(leaf.mask, leaf.shape) if own else None
         a = out_axis
-        if a is None and own and data.ndim and -data.ndim <= axis < data.ndim and data.shape[axis] == length:
+        if (a is None and own and data.ndim and -data.ndim <= axis < data.ndim and data.shape[axis] == length
+                and (ks is None or ks[j] is not None)):  # as the reference decided (lengths may coincide)
             a = axis
         k = None
         if a is not None:

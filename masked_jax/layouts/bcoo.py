@@ -9,6 +9,8 @@ is static.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -171,6 +173,16 @@ class BCOOMaskedArray(SparseMasked, storage="bcoo"):
         return rows.from_masked(self.todense())
 
     @classmethod
+    def _empty(cls, dense, nse, n_batch, n_dense) -> "BCOOMaskedArray":
+        """The layout of a zero-size ``dense``: ``nse`` slots, all padding (index = the shape)."""
+        shape = dense.shape
+        n_sparse = len(shape) - n_batch - n_dense
+        batch, block = shape[:n_batch], shape[len(shape) - n_dense:]
+        data = jnp.zeros(batch + (nse,) + block, dense.dtype)
+        indices = jnp.broadcast_to(jnp.array(shape[n_batch:n_batch + n_sparse], jnp.int32), batch + (nse, n_sparse))
+        return cls.tree_unflatten(shape, (data, indices))
+
+    @classmethod
     def from_masked(cls, x, nse=None, n_batch=0, n_dense=0) -> "BCOOMaskedArray":  # type: ignore[override]
         """BCOO storage holding exactly the valid entries of ``x`` (explicit zeros included).
 
@@ -183,8 +195,10 @@ class BCOOMaskedArray(SparseMasked, storage="bcoo"):
         dense = x if isinstance(x, MaskedArray) else x.todense()
         if nse is None and is_tracer(dense.mask):
             raise ValueError("to_bcoo() under jit needs a static nse (number of stored entries).")
+        if dense.size == 0:  # nothing to store (jax's bcoo_fromdense cannot extract from an empty array)
+            return cls._empty(dense, nse or 0, n_batch, n_dense)
         if n_dense and not is_tracer(dense.mask):
-            blocks = dense.mask.reshape(dense.shape[:dense.ndim - n_dense] + (-1,))
+            blocks = dense.mask.reshape(dense.shape[:dense.ndim - n_dense] + (math.prod(dense.shape[dense.ndim - n_dense:]),))
             if not bool(jnp.all(jnp.all(blocks, -1) == jnp.any(blocks, -1))):
                 raise ValueError(
                     f"a hybrid layout (n_dense={n_dense}) stores whole dense blocks: each block over the "

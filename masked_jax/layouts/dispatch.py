@@ -29,7 +29,7 @@ from masked_jax._core import MaskedArray, _unwrap, _wrap, is_container
 from masked_jax._storage import STATE, SparseMasked
 from masked_jax.layouts.bcoo import BCOOMaskedArray
 from masked_jax.layouts import segments
-from masked_jax.layouts.rows import RowSparseArray
+from masked_jax.layouts.rows import RowSparseArray, take_rows
 from masked_jax.ops._base import Pair, normalize_axis
 
 # Their result along the stored axis would index the block, not the array.
@@ -115,7 +115,7 @@ def _rows_with_dense(spec, a, b, params):
             other = jnp.asarray(other)
             x = x.coalesce()
             if np.ndim(other) == x.ndim and other.shape[0] == x.shape[0] and x.shape[0] != 1:
-                other = jnp.take(other, x.clean_indices(), axis=0, mode="fill", fill_value=0)
+                other = take_rows(other, x.clean_indices())
             elif np.broadcast_shapes(other.shape, x.shape) != x.shape:
                 return NotImplemented
             pair = (x.block(), Pair(other, None)) if pos == 0 else (Pair(other, None), x.block())

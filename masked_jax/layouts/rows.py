@@ -9,6 +9,8 @@ everywhere (never valid, never written), like padding entries of jax's BCOO.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -168,19 +170,28 @@ class RowSparseArray(SparseMasked, storage="row_sparse"):
         if hasattr(x, "to_row_sparse"):
             return x.to_row_sparse()
         dense = x if isinstance(x, MaskedArray) else x.todense()
-        rows = jnp.any(dense.mask.reshape(dense.shape[0], -1), axis=1) if dense.ndim else None
-        if rows is None:
+        if not dense.ndim:
             raise ValueError("row-sparse storage needs at least one dimension.")
+        flat = dense.mask.reshape(dense.shape[0], math.prod(dense.shape[1:]))
+        rows = jnp.any(flat, axis=1)  # a row of no entries is not stored
         if nse is None:
             if is_tracer(rows):
                 raise ValueError("tostype('row_sparse') under jit needs a static nse (number of stored rows).")
-            full = jnp.all(dense.mask.reshape(dense.shape[0], -1), axis=1)
+            full = jnp.all(flat, axis=1) & (flat.shape[1] > 0)
             if not bool(jnp.all(full == rows)):
                 raise ValueError("row-sparse storage needs each row fully valid or fully masked.")
             nse = int(jnp.sum(rows))
         idx = jnp.nonzero(rows, size=nse, fill_value=dense.shape[0])[0].astype(jnp.int32)
-        data = jnp.take(dense.data, idx, axis=0, mode="fill", fill_value=0)
+        data = take_rows(dense.data, idx)
         return cls._make(dense.shape, data, idx, True)
+
+
+def take_rows(x, ids, fill_value=0):
+    """``x[ids]`` along axis 0, ids out of range reading ``fill_value``, also where ``x`` has no rows
+    (every id is then out of range; ``jnp.take`` refuses to read an empty axis)."""
+    if x.shape[0] == 0:
+        return jnp.full(jnp.shape(ids) + x.shape[1:], fill_value, x.dtype)
+    return jnp.take(x, ids, axis=0, mode="fill", fill_value=fill_value)
 
 
 def pad_indices(indices, n: int, min_rows: int = 2):

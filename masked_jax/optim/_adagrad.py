@@ -20,6 +20,7 @@ import optax
 
 from masked_jax import _validate
 from masked_jax._core import is_container
+from masked_jax.layouts.rows import take_rows
 from masked_jax.optim._lazy import lazy
 from masked_jax.optim._state import ROW_LOCAL
 from masked_jax.optim._views import data_of, view
@@ -237,7 +238,7 @@ def scale_by_rowwise_rss(initial_accumulator_value: float = 0.0, eps: float = 1e
             grow = jnp.mean(square, axis=axes) if axes else square
             if v.kind == "rows":
                 t = t.at[v.indices].add(grow.astype(t.dtype), mode="drop")
-                rows = jnp.take(t, v.indices, axis=0, mode="fill", fill_value=0)
+                rows = take_rows(t, v.indices)
             else:
                 t = t + grow.astype(t.dtype) if axes or v.kind == "dense" else v.add(t, grow)
                 rows = t

@@ -22,7 +22,8 @@ The closed forms are read off the inner transformation itself, at trace time, by
   and of decoupled weight decay stays exact).
 
 Transformations whose zero-gradient step is not of this form (L2 weight decay added to the
-gradient before a momentum, gradient noise, clipping by the parameter) are rejected with a
+gradient before a momentum, a state floored away from zero as adamax's, gradient noise, clipping
+by the parameter) are rejected with a
 ``ValueError`` when the first update is traced. The hyperparameters are read at step 0: with a
 learning-rate or weight-decay schedule, the catch-up uses their initial values.
 """
@@ -30,12 +31,14 @@ learning-rate or weight-decay schedule, the catch-up uses their initial values.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from masked_jax.layouts.rows import take_rows
 from masked_jax.optim._state import _map_param_shaped, _Reference
 
 _RTOL = 1e-5
@@ -112,6 +115,11 @@ def probe(inner, grads_like) -> Coefficients:
                 raise ValueError("lazy(catch_up=True): the inner transformation's state does not decay linearly at a "
                                  "zero gradient (s -> c * s); no closed form for k skipped steps.")
             decay.append([_uniform(x, "state decay") for x in one[l]])
+        _, s0 = run([0.0] * n_sub, 0.0)
+        if any(not np.allclose(x, 0, atol=1e-12) for sub in s0 for x in sub):
+            raise ValueError("lazy(catch_up=True): the inner transformation's state leaves zero at a zero gradient "
+                             "(it is floored or offset, as adamax's max(b2 * nu, eps) is); catch-up needs each state "
+                             "leaf to decay linearly, s -> c * s.")
         u1, s1 = run([0.0] * n_sub, 1.0)
         u2, _ = run([0.0] * n_sub, 2.0)
         if any(not np.allclose(x, 0, atol=1e-12) for sub in s1 for x in sub):
@@ -177,7 +185,7 @@ def rows_since(v, last, step):
     """Per row the gradient leaf's view touches: steps since the row was last current (0 for
     padding rows)."""
     if v.kind == "rows":
-        seen = jnp.take(last, v.indices, axis=0, mode="fill", fill_value=0)
+        seen = take_rows(last, v.indices)
         return jnp.where(v.indices < last.shape[0], step - seen, 0)
     return step - last
 
@@ -188,7 +196,7 @@ def touch(v, last, step):
     if v.kind == "rows":
         return last.at[v.indices].set(now, mode="drop")
     if v.kind == "masked" and last.ndim:
-        touched = jnp.any(v.mask.reshape(v.mask.shape[:1] + (-1,)), axis=1)
+        touched = jnp.any(v.mask.reshape(v.mask.shape[:1] + (math.prod(v.mask.shape[1:]),)), axis=1)
         return jnp.where(touched, now, last)
     if v.kind == "masked":
         return jnp.where(jnp.any(v.mask), now, last)

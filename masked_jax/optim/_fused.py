@@ -79,6 +79,7 @@ def fused_tables(optimizer, grads, state, params) -> list:
         return True
 
     return [i for i in tables if not is_container(p_leaves[i])  # masked tables: the one-call update
+            and 0 < np.prod(p_leaves[i].shape)  # an empty table (no rows, or rows of no entries) has nothing to update
             and max(np.prod(p_leaves[i].shape), np.prod(leaves[i].data.shape)) < MAX_ENTRIES and plans(i)]
 
 

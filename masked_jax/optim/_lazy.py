@@ -154,7 +154,8 @@ def lazy(inner: optax.GradientTransformation, *, catch_up: bool = False, capacit
     closed form and is left out; its moments and decoupled weight decay are caught up exactly.
     The closed forms are read off ``inner`` by a zero-gradient probe when the update is traced;
     a transformation whose zero-gradient step is not of that form (L2 decay added to the gradient
-    before a momentum) is rejected with a ``ValueError``. Rows are the leading axis; a masked
+    before a momentum, adamax's floored ``nu``, amsgrad's running maximum) is rejected with a
+    ``ValueError``. Rows are the leading axis; a masked
     gradient touches a row where any entry is valid (exact when rows are valid or masked whole).
     Schedules are read at step 0.
 

@@ -32,7 +32,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from masked_jax._core import MaskedArray, is_container, is_masked
 from masked_jax._storage import SparseMasked
-from masked_jax.layouts.rows import RowSparseArray
+from masked_jax.layouts.rows import RowSparseArray, take_rows
 from masked_jax.optim._apply import apply_updates
 from masked_jax.optim._lazy import _check_transformation
 from masked_jax.optim._state import _local_from, _map_local, _Reference
@@ -91,8 +91,8 @@ def _route(g: RowSparseArray, selected, local, n_local: int, capacity: int) -> R
     if capacity >= g.nse:  # every stored row; rows not selected become padding (index n_local)
         return RowSparseArray._make(shape, g.data, jnp.where(selected, local, n_local))
     pos = jnp.nonzero(selected, size=capacity, fill_value=g.nse)[0]
-    data = jnp.take(g.data, pos, axis=0, mode="fill", fill_value=0)
-    return RowSparseArray._make(shape, data, jnp.take(local, pos, mode="fill", fill_value=n_local))
+    data = take_rows(g.data, pos)
+    return RowSparseArray._make(shape, data, take_rows(local, pos, n_local))
 
 
 def _only_if(g, take):

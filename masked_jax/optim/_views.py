@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from masked_jax._core import MaskedArray, is_masked
 from masked_jax._storage import SparseMasked
-from masked_jax.layouts.rows import RowSparseArray, at_least_two_rows
+from masked_jax.layouts.rows import RowSparseArray, at_least_two_rows, take_rows
 
 
 def data_of(x):
@@ -40,7 +40,7 @@ class _View:
             return x
         if self.kind == "masked":
             return jnp.where(self.mask, x, jnp.zeros((), x.dtype))
-        return jnp.take(x, self.indices, axis=0, mode="fill", fill_value=0)
+        return take_rows(x, self.indices)
 
     def scatter(self, old, new):
         """``old`` with the touched part replaced by ``new`` (as gathered); the rest bit-identical."""
