@@ -364,3 +364,45 @@ def test_empty_tables_read_padding_and_get_empty_gradients(shape, jit):
     assert isinstance(g, mj.RowSparseArray) and g.shape == shape
     np.testing.assert_array_equal(g.todense().filled(0.0), jax.grad(loss)(table))
     assert "RowSparseArray" in str(g)
+
+
+ID_DTYPES = [jnp.int8, jnp.uint8, jnp.int16, jnp.uint16, jnp.int32, jnp.uint32]
+BIG = jnp.sin(jnp.arange(600 * 2, dtype=jnp.float32)).reshape(600, 2)  # more rows than int8/uint8 hold
+
+
+def _entry_points(stack, stacked):
+    """Every way ids reach rows, each as ``f(ids) -> array`` (ids: (2, 3), nonnegative)."""
+    return {
+        "lookup": lambda i: mj.lookup(BIG, i),
+        "bag": lambda i: mj.embedding_bag(BIG, i, combiner="mean").data,
+        "ragged_lengths": lambda i: mj.embedding_bag(BIG, i.reshape(-1), lengths=jnp.array([2, 4], i.dtype)).data,
+        "ragged_offsets": lambda i: mj.embedding_bag(BIG, i.reshape(-1), offsets=jnp.array([0, 1], i.dtype)).data,
+        "stack_lookup": lambda i: stack.lookup(stacked, {"big": i})["big"],
+        "stack_bag": lambda i: stack.embedding_bag(stacked, {"big": i})["big"].data,
+        "row_sparse_grad": lambda i: mj.grad(lambda t: jnp.sum(mj.lookup(t, i) ** 2), row_sparse=True)(BIG)
+        .todense().filled(0.0),
+        "row_sparse": lambda i: mj.row_sparse(jnp.ones((6, 2)), i.reshape(-1), BIG.shape).todense().filled(0.0),
+    }
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("dtype", ID_DTYPES, ids=lambda d: jnp.dtype(d).name)
+def test_every_id_dtype_reads_the_rows_its_values_name(dtype, jit):
+    """Ids, offsets and lengths of every integer dtype give the int32 result at every entry point,
+    with a table longer than an 8-bit id can count: a uint8 id 100 reads row 100 of a 600-row
+    table (compared with the row count in uint8, 600 wraps to 88 and the id would be padding)."""
+    stack, stacked = mj.stack_tables({"small": jnp.zeros((3, 2), BIG.dtype), "big": BIG})
+    hi = int(jnp.iinfo(dtype).max)
+    values = np.array([[100, 5, min(hi, 599)], [0, 99, 100]])
+    maybe = jax.jit if jit else (lambda f: f)
+    for name, f in _entry_points(stack, stacked).items():
+        want = f(jnp.asarray(values, jnp.int32))
+        got = maybe(f)(jnp.asarray(values, dtype))
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=f"{name} with {jnp.dtype(dtype).name} ids")
+    # lengths and offsets that pass their dtype's range when summed or compared with len(ids)
+    n = 260 if hi >= 260 else 2 * hi
+    ids = jnp.arange(n) % 600
+    for kw in ({"lengths": jnp.array([n // 2, n - n // 2], dtype)}, {"offsets": jnp.array([0, n // 2], dtype)}):
+        got = maybe(lambda i, kw=kw: mj.embedding_bag(BIG, i, **kw).data)(ids)
+        np.testing.assert_allclose(np.asarray(got), np.stack([BIG[ids[:n // 2]].sum(0), BIG[ids[n // 2:]].sum(0)]),
+                                   rtol=1e-5, err_msg=f"{list(kw)[0]} in {jnp.dtype(dtype).name}")

@@ -1441,3 +1441,37 @@ def test_empty_tables_train_beside_others(name, chunk_rows, shape):
         one_call, _ = _one_call_step(opt)(params, opt.init(params), g)
         assert fused["empty"].shape == shape
         np.testing.assert_array_equal(fused["t"], one_call["t"])
+
+
+RESTORED_OPTIMIZERS = {
+    "lazy_adam": lambda: optim.lazy(optax.adam(0.05)),
+    "lazy_adamw_catch_up": lambda: optim.lazy(optax.adamw(0.05, weight_decay=0.1), catch_up=True),
+    "lazy_multi_steps": lambda: optim.lazy(optax.MultiSteps(optax.adam(0.05), 2), capacity=8),
+    "masked_adagrad": lambda: optim.masked_adagrad(0.1),
+    "rowwise_adagrad": lambda: optim.rowwise_adagrad(0.1),
+}
+
+
+@pytest.mark.parametrize("name", RESTORED_OPTIMIZERS)
+def test_training_continues_from_a_checkpoint_of_numpy_arrays(name):
+    """flax.serialization (as other checkpoint readers) restores state and parameters as numpy
+    arrays; an eager update and apply_updates take them and continue exactly as the run that was
+    never saved."""
+    import flax.serialization
+
+    opt = RESTORED_OPTIMIZERS[name]()
+    grads = _row_grads(steps=4)
+    params, state = _run(opt, grads[:2], jit=False)
+    restored_params = flax.serialization.from_bytes(params, flax.serialization.to_bytes(params))
+    restored_state = flax.serialization.from_bytes(state, flax.serialization.to_bytes(state))
+    assert isinstance(jax.tree_util.tree_leaves(restored_state)[-1], np.ndarray)
+    want = _run_from(opt, grads[2:], params, state)
+    got = _run_from(opt, grads[2:], restored_params, restored_state)
+    _close(got, want, rtol=0, atol=0)
+
+
+def _run_from(opt, grads, params, state):
+    for g in grads:
+        u, state = opt.update(g, state, params)
+        params = optim.apply_updates(params, u)
+    return params, state

@@ -218,8 +218,9 @@ def at_least_two_rows(x: RowSparseArray) -> RowSparseArray:
 
 
 def check_integer_indices(indices, argname: str = "indices"):
-    """``indices`` as a jax integer array; a ``TypeError`` for non-integers and a ``ValueError`` for
-    concrete values that would not survive the conversion (int64 values past int32 with x64 off)."""
+    """``indices`` as a jax integer array of at least 32 bits (narrower ones widened to int32); a
+    ``TypeError`` for non-integers and a ``ValueError`` for concrete values that would not survive
+    the conversion (int64 values past int32 with x64 off)."""
     if not isinstance(indices, jax.Array) and not is_tracer(indices):
         host = np.asarray(indices)
         if _validate.dtype_kind(host.dtype) not in "iu":
@@ -234,6 +235,8 @@ def check_integer_indices(indices, argname: str = "indices"):
     indices = jnp.asarray(indices)
     if not jnp.issubdtype(indices.dtype, jnp.integer):
         raise TypeError(f"{argname} must be integers; got dtype {indices.dtype}.")
+    if indices.dtype.itemsize < 4:  # int8/16, uint8/16: compared with row counts past their range
+        indices = indices.astype(jnp.int32)  # (a uint8 id < 300 would compare as id < 44)
     return indices
 
 

@@ -237,7 +237,7 @@ def scale_by_rowwise_rss(initial_accumulator_value: float = 0.0, eps: float = 1e
             square = (data.conj() * data).real
             grow = jnp.mean(square, axis=axes) if axes else square
             if v.kind == "rows":
-                t = t.at[v.indices].add(grow.astype(t.dtype), mode="drop")
+                t = jnp.asarray(t).at[v.indices].add(grow.astype(t.dtype), mode="drop")
                 rows = take_rows(t, v.indices)
             else:
                 t = t + grow.astype(t.dtype) if axes or v.kind == "dense" else v.add(t, grow)

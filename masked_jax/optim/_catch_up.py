@@ -194,7 +194,7 @@ def touch(v, last, step):
     """The counters after this update: rows the view touches are current as of ``step + 1``."""
     now = step + 1
     if v.kind == "rows":
-        return last.at[v.indices].set(now, mode="drop")
+        return jnp.asarray(last).at[v.indices].set(now, mode="drop")
     if v.kind == "masked" and last.ndim:
         touched = jnp.any(v.mask.reshape(v.mask.shape[:1] + (math.prod(v.mask.shape[1:]),)), axis=1)
         return jnp.where(touched, now, last)

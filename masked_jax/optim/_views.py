@@ -49,7 +49,7 @@ class _View:
             return new
         if self.kind == "masked":
             return jnp.where(self.mask, new, old)
-        return old.at[self.indices].set(new, mode="drop")
+        return jnp.asarray(old).at[self.indices].set(new, mode="drop")  # numpy too (a restored checkpoint)
 
     def add(self, param, update):
         """``param + update`` on the touched part only; dtype of ``param`` kept."""
@@ -58,7 +58,7 @@ class _View:
             return param + update
         if self.kind == "masked":
             return jnp.where(self.mask, param + update, param)
-        return param.at[self.indices].add(update, mode="drop")
+        return jnp.asarray(param).at[self.indices].add(update, mode="drop")
 
     def wrap(self, u):
         """An update (as gathered) in the storage of the gradient it came from."""
