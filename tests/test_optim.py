@@ -1440,7 +1440,7 @@ def test_empty_tables_train_beside_others(name, chunk_rows, shape):
         fused, _ = _fused_step(opt)(params, opt.init(params), g)
         one_call, _ = _one_call_step(opt)(params, opt.init(params), g)
         assert fused["empty"].shape == shape
-        np.testing.assert_array_equal(fused["t"], one_call["t"])
+        _close(fused["t"], one_call["t"])  # up to rounding: the kernel sums in its own order
 
 
 RESTORED_OPTIMIZERS = {
