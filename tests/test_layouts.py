@@ -445,3 +445,19 @@ def test_zero_size_arrays_convert_print_and_compute_in_every_layout(layout, shap
     assert type(y).__name__ in str(y) and type(y).__name__ in y._repr_html_()
     np.testing.assert_array_equal(np.asarray((y * 2.0).todense().mask), np.zeros(shape, bool))
     assert mnp.sum(y).shape == mnp.sum(x).shape
+
+
+@pytest.mark.parametrize("dtype", [jnp.int8, jnp.uint8, jnp.int16, jnp.uint16], ids=lambda d: jnp.dtype(d).name)
+def test_bcoo_with_narrow_index_dtypes_on_a_long_axis(dtype):
+    """A BCOO whose indices are 8- or 16-bit, over more rows than 8 bits count, reads as the same
+    BCOO with int32 indices: padding at one past the end needs room for the shape."""
+    idx = np.array([[100], [5], [7]])
+    for data, shape in ((jnp.array([1.0, 2.0, 3.0]), (300,)), (jnp.ones((3, 2)), (300, 2))):
+        want = mj.from_bcoo(sparse.BCOO((data, jnp.asarray(idx, jnp.int32)), shape=shape))
+        got = mj.from_bcoo(sparse.BCOO((data, jnp.asarray(idx, dtype)), shape=shape))
+        for a, b in ((got.todense(), want.todense()), (mnp.sum(got, axis=0), mnp.sum(want, axis=0))):
+            a, b = (v.todense() if hasattr(v, "todense") else v for v in (a, b))
+            np.testing.assert_array_equal(np.asarray(a.mask), np.asarray(b.mask))
+            np.testing.assert_array_equal(np.asarray(a.filled(0)), np.asarray(b.filled(0)))
+        if len(shape) == 2:
+            np.testing.assert_array_equal(np.sort(np.asarray(got.tostype("row_sparse").indices)), [5, 7, 100])

@@ -85,7 +85,10 @@ class BCOOMaskedArray(SparseMasked, storage="bcoo"):
     def from_bcoo(cls, bcoo: jsparse.BCOO) -> "BCOOMaskedArray":
         if not isinstance(bcoo, jsparse.BCOO):
             raise TypeError(f"from_bcoo needs a jax.experimental.sparse.BCOO; got {type(bcoo).__name__}.")
-        return cls.tree_unflatten(bcoo.shape, (bcoo.data, bcoo.indices))
+        indices = bcoo.indices
+        if indices.dtype.itemsize < 4:  # 8- and 16-bit indices: the padding index (the shape) may not fit
+            indices = indices.astype(jnp.int32)
+        return cls.tree_unflatten(bcoo.shape, (bcoo.data, indices))
 
     def to_bcoo(self) -> jsparse.BCOO:
         """The storage as a plain BCOO (dense semantics: unspecified entries read as 0).
