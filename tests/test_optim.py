@@ -1475,3 +1475,47 @@ def _run_from(opt, grads, params, state):
         u, state = opt.update(g, state, params)
         params = optim.apply_updates(params, u)
     return params, state
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bfloat16", "float16"])
+def test_rowwise_sums_of_half_precision_tables_keep_growing(dtype):
+    """Row-wise Adagrad keeps its sums in float32 for a bfloat16 or float16 table, as FBGEMM keeps
+    its row-wise state: 600 unit mean squares sum to 600 (a bfloat16 sum stops at 256, where 256 + 1
+    rounds back to 256, and the step size would stop shrinking). The same in chunks of rows."""
+    table = jnp.zeros((4, 2), dtype)
+    opt = optim.rowwise_adagrad(0.5)
+    g = mj.row_sparse(jnp.ones((1, 2), dtype), jnp.array([1]), (4, 2))
+
+    def body(carry, _):
+        params, state = carry
+        u, state = opt.update(g, state, params)
+        return (optim.apply_updates(params, u), state), None
+
+    (params, state), _ = jax.lax.scan(body, (table, opt.init(table)), None, length=600)
+    sums = state[0].sum_of_squares
+    assert sums.dtype == jnp.float32 and float(sums[1]) == 600.0 and float(sums[0]) == 0.0
+    u, _ = opt.update(g, state, params)
+    np.testing.assert_allclose(np.asarray(u.data, np.float32), -0.5 / np.sqrt(601.0), rtol=1e-2)
+    step = optim.make_train_step(lambda t, i: jnp.sum(mj.lookup(t, i).astype(jnp.float32)), opt,
+                                 row_sparse=True, chunk_rows=1)
+    params, state = table, opt.init(table)
+    for _ in range(300):
+        params, state, _ = step(params, state, jnp.array([1, 2]))
+    assert state[0].sum_of_squares.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(state[0].sum_of_squares), [0.0, 300.0, 300.0, 0.0])
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bfloat16", "float16"])
+def test_catch_up_reads_half_precision_optimizers_in_float32(dtype):
+    """Catch-up reads an optimizer's closed forms off a probe in float32 at least: in float16 the
+    decayed weight (1 - lr * wd) * p rounds differently at p = 1 and p = 2, which looked non-linear
+    and refused adamw. The coefficients equal those of the float32 table."""
+    from masked_jax.optim._catch_up import probe
+
+    for inner in (optax.adamw(0.1, weight_decay=0.1), optax.sgd(0.1, momentum=0.9)):
+        half, full = (probe(inner, {"t": jnp.zeros((3, 2), d)}) for d in (dtype, jnp.float32))
+        assert half == full
+        opt = optim.lazy(inner, catch_up=True)
+        table = jnp.ones((3, 2), dtype)
+        u, _ = opt.update(mj.row_sparse(jnp.ones((1, 2), dtype), jnp.array([1]), (3, 2)), opt.init(table), table)
+        assert u.dtype == dtype

@@ -22,7 +22,7 @@ from masked_jax import _validate
 from masked_jax._core import is_container
 from masked_jax.layouts.rows import take_rows
 from masked_jax.optim._lazy import lazy
-from masked_jax.optim._state import ROW_LOCAL
+from masked_jax.optim._state import ROW_LOCAL, at_least_float32
 from masked_jax.optim._views import data_of, view
 
 _PLACEMENTS = ("inside", "outside")
@@ -185,7 +185,8 @@ def scale_by_rowwise_rss(initial_accumulator_value: float = 0.0, eps: float = 1e
     FBGEMM's ``EXACT_ROWWISE_ADAGRAD``: a leaf of shape ``(N, ...)`` keeps ``N`` sums, the mean
     square of each row's gradient added per step, so its state is ``prod(shape[1:])`` times
     smaller than Adagrad's. Leaves with fewer than two dimensions keep one sum per entry
-    (plain Adagrad). ``eps_placement="inside"`` takes ``1 / sqrt(s + eps)`` instead.
+    (plain Adagrad). The sums of bfloat16 and float16 leaves are float32 (a bfloat16 sum stops
+    growing at 256). ``eps_placement="inside"`` takes ``1 / sqrt(s + eps)`` instead.
 
     Gradient leaves may be ``MaskedArray`` objects (a row's sum grows by the mean over the row of
     the valid entries' squares, counting masked entries as 0; only valid entries are updated) or
@@ -215,7 +216,7 @@ def scale_by_rowwise_rss(initial_accumulator_value: float = 0.0, eps: float = 1e
         params = jax.tree_util.tree_map(data_of, params, is_leaf=is_container)
         return ScaleByRowwiseRssState(sum_of_squares=jax.tree_util.tree_map(
             lambda p: jnp.full(np.shape(p)[:1] if np.ndim(p) >= 2 else np.shape(p), initial_accumulator_value,
-                               jnp.result_type(p)), params))
+                               at_least_float32(jnp.result_type(p))), params))
 
     def update_fn(updates, state, params=None):
         del params
@@ -261,7 +262,8 @@ def rowwise_adagrad(learning_rate: optax.ScalarOrSchedule, initial_accumulator_v
     squares. With masked or row-sparse gradients only the valid entries (stored rows) and their
     rows' sums change; the rest stays bit-identical. Since each row is updated from that row
     alone, :func:`make_train_step` updates its row-sparse tables in chunks of rows on the CPU, as
-    it does for entry-by-entry :func:`lazy` optimizers.
+    it does for entry-by-entry :func:`lazy` optimizers. The sums of a bfloat16 or float16 table
+    are float32 (as FBGEMM keeps them).
 
     Args:
         learning_rate: a float or an optax schedule.
