@@ -18,6 +18,7 @@ from masked_jax._core import MaskedArray, is_container
 from masked_jax._lookup import _read
 from masked_jax._storage import SparseMasked
 from masked_jax.layouts.rows import check_integer_indices
+from masked_jax.layouts.segments import segment_total
 from masked_jax.ops._base import lowest
 
 COMBINERS = ("sum", "mean", "sqrtn", "max")
@@ -202,14 +203,14 @@ class Bag:
             bag, n_bags = _ragged_segments(id_data.shape[0], offsets, lengths)
             counts = counts & (bag < n_bags)  # an id in no bag is padding: not read, no gradient
 
-            def pool(x, op=jax.ops.segment_sum):
+            def pool(x, op=segment_total):  # sums accumulate half precision in float32
                 return op(x, bag, num_segments=n_bags)
         else:
             if id_data.ndim == 0:
                 raise ValueError("padded bags take ids of shape (..., L) (the last axis holds a bag); got a scalar.")
             axis = id_data.ndim - 1
 
-            def pool(x, op=jax.ops.segment_sum):
+            def pool(x, op=segment_total):
                 return jnp.max(x, axis=axis) if op is jax.ops.segment_max else jnp.sum(x, axis=axis)
 
         w = jnp.ones(id_data.shape, dtype) if w is None else w.astype(dtype)

@@ -406,3 +406,25 @@ def test_every_id_dtype_reads_the_rows_its_values_name(dtype, jit):
         got = maybe(lambda i, kw=kw: mj.embedding_bag(BIG, i, **kw).data)(ids)
         np.testing.assert_allclose(np.asarray(got), np.stack([BIG[ids[:n // 2]].sum(0), BIG[ids[n // 2:]].sum(0)]),
                                    rtol=1e-5, err_msg=f"{list(kw)[0]} in {jnp.dtype(dtype).name}")
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bfloat16", "float16"])
+def test_half_precision_bags_add_up_in_float32(dtype):
+    """A bag of 600 rows of ones pools to 600 padded, ragged (lengths or offsets), weighted,
+    stacked and in its row-sparse gradient's duplicates, as jnp.sum does; a bfloat16 running sum
+    would stop at 256."""
+    table = jnp.ones((1000, 2), dtype)
+    ids = jnp.arange(600) % 7  # hot rows: each read ~86 times
+    stack, stacked = mj.stack_tables({"a": table, "b": table})
+    pooled = {
+        "padded": mj.embedding_bag(table, ids[None]).data[0, 0],
+        "lengths": mj.embedding_bag(table, ids, lengths=jnp.array([600])).data[0, 0],
+        "offsets": mj.embedding_bag(table, ids, offsets=jnp.array([0])).data[0, 0],
+        "weighted": mj.embedding_bag(table, ids, lengths=jnp.array([600]), weights=jnp.ones(600, dtype)).data[0, 0],
+        "stacked": stack.embedding_bag(stacked, {"b": {"ids": ids, "lengths": jnp.array([600])}})["b"].data[0, 0],
+    }
+    for name, value in pooled.items():
+        assert float(value) == 600.0, (name, value)
+    g = mj.grad(lambda t: jnp.sum(mj.embedding_bag(t, jnp.zeros(600, jnp.int32), lengths=jnp.array([600]))
+                                  .data.astype(jnp.float32)), row_sparse=True)(table)
+    assert float(g.coalesce().data[0, 0]) == 600.0 and float(g.todense().data[0, 0]) == 600.0

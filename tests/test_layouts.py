@@ -461,3 +461,25 @@ def test_bcoo_with_narrow_index_dtypes_on_a_long_axis(dtype):
             np.testing.assert_array_equal(np.asarray(a.filled(0)), np.asarray(b.filled(0)))
         if len(shape) == 2:
             np.testing.assert_array_equal(np.sort(np.asarray(got.tostype("row_sparse").indices)), [5, 7, 100])
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bfloat16", "float16"])
+def test_half_precision_duplicates_add_up_in_float32(dtype):
+    """600 duplicates of one entry add up to 600 in every layout and by every way of summing them
+    (coalescing, densifying, reductions, applying them as an update), as jnp.sum of 600 ones does:
+    a bfloat16 running sum stops at 256, where 256 + 1 rounds back to 256."""
+    ones = jnp.ones((600, 2), dtype)
+    rows = mj.row_sparse(ones, jnp.zeros(600, jnp.int32), (10, 2))
+    entries = mj.from_bcoo(sparse.BCOO((jnp.ones(600, dtype), jnp.zeros((600, 2), jnp.int32)), shape=(10, 2)))
+    want = float(jnp.sum(ones[:, 0]))
+    assert want == 600.0
+    got = {
+        "rows coalesce": rows.coalesce().data[0, 0], "rows todense": rows.todense().data[0, 0],
+        "rows sum": mnp.sum(rows, axis=0).data[0], "rows todense, jit": jax.jit(lambda r: r.todense().data)(rows)[0, 0],
+        "bcoo coalesce": entries.coalesce().todense().data[0, 0], "bcoo todense": entries.todense().data[0, 0],
+        "bcoo sum": mnp.sum(entries, axis=0).todense().data[0],
+        "apply_updates": mj.optim.apply_updates(jnp.zeros((10, 2), dtype), rows)[0, 0],
+        "apply_updates, jit": jax.jit(mj.optim.apply_updates)(jnp.zeros((10, 2), dtype), rows)[0, 0],
+    }
+    for name, value in got.items():
+        assert value.dtype == dtype and float(value) == want, (name, value)

@@ -18,8 +18,8 @@ from jax.experimental import sparse as jsparse
 
 from masked_jax._core import MaskedArray
 from masked_jax._storage import SparseMasked, is_tracer
-from masked_jax.layouts.segments import unique_ids
-from masked_jax.ops._base import Pair
+from masked_jax.layouts.segments import segment_total, unique_ids
+from masked_jax.ops._base import Pair, accumulation_dtype
 
 
 DATA_KEY, INDICES_KEY = jax.tree_util.GetAttrKey("data"), jax.tree_util.GetAttrKey("indices")
@@ -127,8 +127,9 @@ class BCOOMaskedArray(SparseMasked, storage="bcoo"):
         """Dense-storage MaskedArray: stored entries valid (duplicates summed), the rest masked."""
         if self.dtype == jnp.bool_:  # duplicates of a bool are or-ed
             data = self.with_data(self.data.astype(jnp.int32)).to_bcoo().todense() > 0
-        else:
-            data = self.to_bcoo().todense()
+        else:  # duplicates of float16/bfloat16 add up in float32, as jnp.sum adds
+            acc = accumulation_dtype(self.dtype)
+            data = self.with_data(self.data.astype(acc)).to_bcoo().todense().astype(self.dtype)
         ones = jnp.ones(self.data.shape, jnp.int32)
         mask = jsparse.BCOO((ones, self.clean_indices()), shape=self.shape).todense() > 0
         return MaskedArray._from_pair(data, mask)
@@ -144,8 +145,8 @@ class BCOOMaskedArray(SparseMasked, storage="bcoo"):
             lin = jnp.ravel_multi_index(tuple(self.indices.T), self.shape, mode="clip")
             uniq, seg = unique_ids(jnp.where(self.entry_valid(), lin, size).astype(jnp.int32), size)
             values = jnp.where(self.entry_valid(), self.data, jnp.zeros((), self.dtype))
-            merge = jax.ops.segment_max if boolean else jax.ops.segment_sum
-            data = merge(values, seg, num_segments=self.nse)
+            merge = jax.ops.segment_max if boolean else segment_total
+            data = merge(values, seg, self.nse)
             cols = jnp.stack(jnp.unravel_index(jnp.minimum(uniq, size - 1), self.shape), -1)
             indices = jnp.where((uniq < size)[:, None], cols, jnp.array(self.shape)).astype(self.indices.dtype)
             return BCOOMaskedArray.tree_unflatten(self.shape, (data, indices))

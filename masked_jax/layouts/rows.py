@@ -19,9 +19,9 @@ from jax.experimental import sparse as jsparse
 from masked_jax import _validate
 from masked_jax._core import MaskedArray, _check_data
 from masked_jax._storage import SparseMasked, is_tracer
-from masked_jax.layouts.segments import distinct_ids, unique_ids
+from masked_jax.layouts.segments import distinct_ids, segment_total, unique_ids
 from masked_jax.layouts.bcoo import DATA_KEY, INDICES_KEY, BCOOMaskedArray
-from masked_jax.ops._base import Pair
+from masked_jax.ops._base import Pair, accumulation_dtype
 
 
 @jax.tree_util.register_pytree_with_keys_class
@@ -94,11 +94,11 @@ class RowSparseArray(SparseMasked, storage="row_sparse"):
 
     def todense(self) -> MaskedArray:
         """Dense-storage MaskedArray: stored rows valid (duplicates summed), the rest masked."""
-        zeros = jnp.zeros(self.shape, self.dtype)
+        acc = accumulation_dtype(self.dtype)  # duplicates of float16/bfloat16 add up in float32
         idx = self.clean_indices()
-        at = zeros.at[idx]
-        data = self.clean_data()
-        data = at.max(data, mode="drop") if self.dtype == jnp.bool_ else at.add(data, mode="drop")
+        at = jnp.zeros(self.shape, acc).at[idx]
+        data = self.clean_data().astype(acc)
+        data = (at.max(data, mode="drop") if self.dtype == jnp.bool_ else at.add(data, mode="drop")).astype(self.dtype)
         rows = jnp.zeros(self.shape[0], bool).at[idx].set(True, mode="drop")
         mask = jnp.broadcast_to(rows.reshape((-1,) + (1,) * (self.ndim - 1)), self.shape)
         return MaskedArray._from_pair(data, mask)
@@ -131,7 +131,7 @@ class RowSparseArray(SparseMasked, storage="row_sparse"):
         if self.dtype == jnp.bool_:  # duplicates of a bool are or-ed
             data = jax.ops.segment_max(self.data, seg, num_segments=k)
         else:
-            data = jax.ops.segment_sum(self.data, seg, num_segments=k)
+            data = segment_total(self.data, seg, k)  # float32 accumulation for half precision
         return RowSparseArray._make(self.shape, data, uniq, True)
 
     def retain(self, rows) -> "RowSparseArray":

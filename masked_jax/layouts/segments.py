@@ -26,6 +26,13 @@ from jax.experimental import sparse as jsparse
 from masked_jax.ops._base import accumulation_dtype, highest, lowest, normalize_axis
 
 
+def segment_total(values, segments, num_segments: int, **kwargs):
+    """``jax.ops.segment_sum`` that accumulates float16 and bfloat16 in float32, as ``jnp.sum``
+    does (a bfloat16 sum of 600 ones is 600, not 256), and returns the values' dtype."""
+    acc = accumulation_dtype(values.dtype)
+    return jax.ops.segment_sum(values.astype(acc), segments, num_segments, **kwargs).astype(values.dtype)
+
+
 def sorted_search(sorted_values, queries):
     """``jnp.searchsorted(sorted_values, queries)`` (left side), by the fastest method per backend.
 
@@ -115,8 +122,7 @@ class Segments:
 
     def sum(self, v):
         """Sum per segment; float16/bfloat16 accumulate in float32, as ``jnp.sum`` does."""
-        acc = accumulation_dtype(v.dtype)
-        return jax.ops.segment_sum(self.clean(v).astype(acc), self.seg, self.n_seg).astype(v.dtype)
+        return segment_total(self.clean(v), self.seg, self.n_seg)
 
     def max(self, v):
         init = lowest(v.dtype)

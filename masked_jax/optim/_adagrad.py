@@ -21,8 +21,9 @@ import optax
 from masked_jax import _validate
 from masked_jax._core import is_container
 from masked_jax.layouts.rows import take_rows
+from masked_jax.ops._base import accumulation_dtype
 from masked_jax.optim._lazy import lazy
-from masked_jax.optim._state import ROW_LOCAL, at_least_float32
+from masked_jax.optim._state import ROW_LOCAL
 from masked_jax.optim._views import data_of, view
 
 _PLACEMENTS = ("inside", "outside")
@@ -216,7 +217,7 @@ def scale_by_rowwise_rss(initial_accumulator_value: float = 0.0, eps: float = 1e
         params = jax.tree_util.tree_map(data_of, params, is_leaf=is_container)
         return ScaleByRowwiseRssState(sum_of_squares=jax.tree_util.tree_map(
             lambda p: jnp.full(np.shape(p)[:1] if np.ndim(p) >= 2 else np.shape(p), initial_accumulator_value,
-                               at_least_float32(jnp.result_type(p))), params))
+                               accumulation_dtype(jnp.result_type(p))), params))
 
     def update_fn(updates, state, params=None):
         del params

@@ -6,6 +6,7 @@ import jax
 import numpy as np
 
 from masked_jax._core import MaskedArray, is_container, is_masked
+from masked_jax.ops._base import accumulation_dtype
 from masked_jax.optim._views import data_of, view
 
 
@@ -37,7 +38,8 @@ def apply_updates(params, updates):
         if tuple(u.shape) != tuple(data.shape):
             raise ValueError(f"apply_updates: an update of shape {tuple(u.shape)} for a parameter of "
                              f"shape {tuple(data.shape)}; they must match.")
-        v, values = view(u, coalesce=False)
+        # a plain scatter-add, unless float16/bfloat16 duplicates must first add up in float32
+        v, values = view(u, coalesce=accumulation_dtype(u.dtype) != u.dtype)
         new = v.add(data, values)
         return MaskedArray._from_pair(new, p.compact_mask) if is_masked(p) else new
 

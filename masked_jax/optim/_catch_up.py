@@ -39,7 +39,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from masked_jax.layouts.rows import take_rows
-from masked_jax.optim._state import _map_param_shaped, _Reference, at_least_float32
+from masked_jax.ops._base import accumulation_dtype
+from masked_jax.optim._state import _map_param_shaped, _Reference
 
 _RTOL = 1e-5
 
@@ -81,7 +82,8 @@ def probe(inner, grads_like) -> Coefficients:
     """Read the zero-gradient step of ``inner`` off a one-row probe (see the module docstring)."""
     leaves, treedef = jax.tree_util.tree_flatten(grads_like)
     with jax.ensure_compile_time_eval():
-        shapes = [(tuple(np.shape(x)[:1] and (1,)) + tuple(np.shape(x)[1:]), at_least_float32(x.dtype))
+        # float16/bfloat16 probed in float32: their rounding makes two steps look non-linear
+        shapes = [(tuple(np.shape(x)[:1] and (1,)) + tuple(np.shape(x)[1:]), accumulation_dtype(x.dtype))
                   for x in leaves]
         zeros = treedef.unflatten([jnp.zeros(s, d) for s, d in shapes])
         ref = _Reference.of(zeros)

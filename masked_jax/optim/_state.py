@@ -7,19 +7,9 @@ import weakref
 from typing import NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from masked_jax._core import is_container
-
-
-def at_least_float32(dtype):
-    """``dtype``, with bfloat16 and float16 raised to float32: for sums that must keep growing (a
-    bfloat16 sum of unit squares stops at 256, where adding 1 rounds back) and for coefficients
-    read by comparing two steps, which their rounding would make look non-linear."""
-    if jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits < 32:
-        return jnp.dtype(jnp.float32)
-    return dtype
 
 
 class _Reference(NamedTuple):
