@@ -203,6 +203,7 @@ def stack_tables(tables: Mapping[str, jax.Array]) -> tuple[TableStack, jax.Array
     """
     if not isinstance(tables, Mapping) or not tables:
         raise TypeError("stack_tables takes a non-empty mapping {name: table of shape (N, ...)}.")
+    tables = {k: t if isinstance(t, (jax.Array, np.ndarray)) else jnp.asarray(t) for k, t in tables.items()}
     shapes = {k: tuple(np.shape(t)) for k, t in tables.items()}
     for k, s in shapes.items():
         if len(s) < 1:

@@ -39,6 +39,9 @@ def _stacked_loss(stack):
 def test_stacked_lookup_equals_separate_lookups():
     tables = _tables()
     stack, table = mj.stack_tables(tables)
+    # tables given as nested lists or numpy arrays stack alike
+    _, from_lists = mj.stack_tables({k: np.asarray(t).tolist() if k == "user" else np.asarray(t) for k, t in tables.items()})
+    np.testing.assert_array_equal(np.asarray(from_lists), np.asarray(table))
     assert table.shape == (24, D) and stack.offsets == {"user": 0, "item": 13, "genre": 20}
     rows = stack.lookup(table, IDS)
     for k in SIZES:
@@ -160,6 +163,7 @@ def test_all_tables_are_read_with_one_gather():
      TypeError, "ids must be integers"),
     (lambda: mj.stack_tables({"a": jnp.zeros((2, 3))})[0].stack({"a": jnp.zeros((3, 3))}), ValueError, "must have shape"),
     (lambda: mj.TableStack({"a": 2, "b": -1}, (3,)), ValueError, "row counts must be >= 0"),
+    (lambda: mj.stack_tables({"a": mj.masked_array(jnp.zeros((2, 3)))}), TypeError, "cannot be converted"),
 ])
 def test_bad_stacks_and_requests_are_rejected(call, kind, match):
     with pytest.raises(kind, match=match):
