@@ -1394,7 +1394,8 @@ def test_train_step_fused_rows_picks_the_kernel_on_cuda_only():
         optim.make_train_step(_two_table_loss, opt, fused_rows=1)
 
 
-EMPTY_TABLE_OPTIMIZERS = {
+# the library's own row-sparse optimizers, for properties beyond the optax table above
+ROW_OPTIMIZERS = {
     "lazy_adam": lambda: optim.lazy(optax.adam(0.1)),
     "lazy_adamw_catch_up": lambda: optim.lazy(optax.adamw(0.1, weight_decay=0.1), catch_up=True),
     "lazy_multi_steps": lambda: optim.lazy(optax.MultiSteps(optax.adam(0.1), 2), capacity=8),
@@ -1405,14 +1406,14 @@ EMPTY_TABLE_OPTIMIZERS = {
 
 @pytest.mark.parametrize("shape", [(0, 3), (4, 0)], ids=["no_rows", "empty_rows"])
 @pytest.mark.parametrize("chunk_rows", [8192, 1, None])
-@pytest.mark.parametrize("name", EMPTY_TABLE_OPTIMIZERS)
+@pytest.mark.parametrize("name", ROW_OPTIMIZERS)
 def test_empty_tables_train_beside_others(name, chunk_rows, shape):
     """A table with no rows, or with rows of no entries, goes through every optimizer's row-sparse
     step (one call, in chunks, and the fused kernel in Pallas' interpreter) unchanged, and the
     table beside it trains as it would alone."""
     from masked_jax.optim._fused import fused_update
 
-    make = EMPTY_TABLE_OPTIMIZERS[name]
+    make = ROW_OPTIMIZERS[name]
     ids = jnp.array([[0, 1], [2, -1]])
 
     def loss(p, ids):
@@ -1443,23 +1444,14 @@ def test_empty_tables_train_beside_others(name, chunk_rows, shape):
         _close(fused["t"], one_call["t"])  # up to rounding: the kernel sums in its own order
 
 
-RESTORED_OPTIMIZERS = {
-    "lazy_adam": lambda: optim.lazy(optax.adam(0.05)),
-    "lazy_adamw_catch_up": lambda: optim.lazy(optax.adamw(0.05, weight_decay=0.1), catch_up=True),
-    "lazy_multi_steps": lambda: optim.lazy(optax.MultiSteps(optax.adam(0.05), 2), capacity=8),
-    "masked_adagrad": lambda: optim.masked_adagrad(0.1),
-    "rowwise_adagrad": lambda: optim.rowwise_adagrad(0.1),
-}
-
-
-@pytest.mark.parametrize("name", RESTORED_OPTIMIZERS)
+@pytest.mark.parametrize("name", ROW_OPTIMIZERS)
 def test_training_continues_from_a_checkpoint_of_numpy_arrays(name):
     """flax.serialization (as other checkpoint readers) restores state and parameters as numpy
     arrays; an eager update and apply_updates take them and continue exactly as the run that was
     never saved."""
     import flax.serialization
 
-    opt = RESTORED_OPTIMIZERS[name]()
+    opt = ROW_OPTIMIZERS[name]()
     grads = _row_grads(steps=4)
     params, state = _run(opt, grads[:2], jit=False)
     restored_params = flax.serialization.from_bytes(params, flax.serialization.to_bytes(params))
