@@ -1511,3 +1511,49 @@ def test_catch_up_reads_half_precision_optimizers_in_float32(dtype):
         table = jnp.ones((3, 2), dtype)
         u, _ = opt.update(mj.row_sparse(jnp.ones((1, 2), dtype), jnp.array([1]), (3, 2)), opt.init(table), table)
         assert u.dtype == dtype
+
+
+def test_train_step_coalesces_a_half_precision_gradient_as_often_as_a_float32_one():
+    """apply_updates coalesces float16/bfloat16 row-sparse updates (their duplicates add up in
+    float32), but a lazy optimizer's updates hold each row once already: the training step's
+    one-call update coalesces a bfloat16 gradient as often as a float32 one, and equals the
+    result of update and apply_updates."""
+    from unittest import mock
+
+    ids = jnp.array([1, 1, 2, 7, 1])
+    original = mj.RowSparseArray._sum_duplicates
+    calls = []
+
+    def counting(self, *args, **kwargs):
+        calls.append(self.dtype)
+        return original(self, *args, **kwargs)
+
+    def loss(t, i):
+        return jnp.sum(mj.lookup(t, i).astype(jnp.float32) ** 2)
+
+    for opt in (optim.lazy(optax.adam(0.1)), optim.rowwise_adagrad(0.1)):
+        counts = {}
+        for dtype in (jnp.float32, jnp.bfloat16):
+            table = jnp.linspace(-1.0, 1.0, 40, dtype=dtype).reshape(10, 4)
+            step = optim.make_train_step(loss, opt, row_sparse=True, chunk_rows=None, donate=False)
+            calls.clear()
+            with mock.patch.object(mj.RowSparseArray, "_sum_duplicates", counting):
+                got, _, _ = step(table, opt.init(table), ids)
+            counts[dtype] = len(calls)
+            u, _ = opt.update(mj.grad(loss, row_sparse=True)(table, ids), opt.init(table), table)
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(optim.apply_updates(table, u)))
+        assert counts[jnp.bfloat16] == counts[jnp.float32] > 0
+
+
+def test_a_plain_optax_optimizer_on_row_sparse_gradients_is_told_to_use_lazy():
+    """optax updates every leaf it is handed, a row-sparse gradient's indices too: adam fails on
+    the gradient's structure, sgd turns the indices into floats. Both name optim.lazy."""
+    table = jnp.ones((5, 2))
+    for opt, where in ((optax.adam(0.1), "make_train_step"), (optax.sgd(0.1), "apply_updates")):
+        step = optim.make_train_step(lambda t, i: jnp.sum(mj.lookup(t, i)), opt, row_sparse=True)
+        with pytest.raises(TypeError, match=rf"{where}: .*optim\.lazy"):
+            step(table, opt.init(table), jnp.array([1, 3]))
+    g = mj.row_sparse(jnp.ones((2, 2)), jnp.array([1, 3]), (5, 2))
+    u, _ = optax.sgd(0.1).update(g, optax.sgd(0.1).init(g))
+    with pytest.raises(TypeError, match=r"float\d+ indices"):
+        optim.apply_updates(table, u)

@@ -8,11 +8,14 @@ import jax
 import optax
 
 from masked_jax._ad import value_and_grad
-from masked_jax.optim._apply import apply_updates
+from masked_jax._core import is_container
+from masked_jax._storage import SparseMasked
+from masked_jax.optim._apply import add_updates
 from masked_jax.optim._chunked import chunkable, chunked_update
 from masked_jax.optim._fused import fused_tables, fused_update
-from masked_jax.optim._lazy import _check_transformation
+from masked_jax.optim._lazy import LIFTS, _check_transformation
 from masked_jax.optim._sharded import sharded_update
+from masked_jax.optim._state import ROW_LOCAL
 
 
 def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation, *,
@@ -81,6 +84,11 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation, 
     if not isinstance(fused_rows, bool):
         raise ValueError(f"make_train_step: fused_rows must be a bool; got {fused_rows!r}.")
     loss_and_grad = value_and_grad(loss_fn, has_aux=has_aux, row_sparse=row_sparse)
+    # the library's lazy optimizers store each row of an update once: no duplicates to add up
+    coalesced = optimizer.update in LIFTS or optimizer.update in ROW_LOCAL
+
+    def apply_updates(params, updates):
+        return add_updates(params, updates, coalesced=coalesced)
 
     def step(params, opt_state, *batch, **kwargs):
         value, grads = loss_and_grad(params, *batch, **kwargs)
@@ -102,7 +110,17 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation, 
         return *one_call(grads, opt_state, params), value
 
     def one_call(grads, opt_state, params):
-        updates, opt_state = optimizer.update(grads, opt_state, params)
+        try:
+            updates, opt_state = optimizer.update(grads, opt_state, params)
+        except (TypeError, ValueError) as error:
+            sparse = [type(g).__name__ for g in jax.tree_util.tree_leaves(grads, is_leaf=is_container)
+                      if isinstance(g, SparseMasked)]
+            if sparse and not coalesced:  # a plain optax optimizer meets a row-sparse gradient
+                raise TypeError(f"make_train_step: the optimizer failed on {sparse[0]} gradients (row_sparse=...): "
+                                "a plain optax optimizer treats every leaf of a gradient as values, the row "
+                                "indices too. Wrap it in optim.lazy(...), which updates only the rows "
+                                f"stored. The optimizer's error: {error}") from error
+            raise
         return apply_updates(params, updates), opt_state
 
     return jax.jit(step, donate_argnums=(0, 1) if donate else ())
