@@ -91,6 +91,8 @@ def embedding_bag(table, ids, *, offsets=None, lengths=None, weights=None, combi
     gradient, also as a row-sparse gradient.
 
     ``weights`` (same shape as ``ids``) scale each id's row; a masked weight makes its id padding.
+    The result has the dtype of ``weights * row`` as jnp promotes it (float weights on an integer
+    table pool in float; float32 weights on a bfloat16 table in float32).
     ``combiner``, over the ids that count, with weights ``w`` (1 without ``weights``):
 
     * ``"sum"``: ``sum(w * row)``;
@@ -213,7 +215,9 @@ class Bag:
             def pool(x, op=segment_total):
                 return jnp.max(x, axis=axis) if op is jax.ops.segment_max else jnp.sum(x, axis=axis)
 
-        w = jnp.ones(id_data.shape, dtype) if w is None else w.astype(dtype)
+        # weights promote with the table as jnp's w * row does (an int table with float weights
+        # pools in float, a bfloat16 table with float32 weights in float32)
+        w = jnp.ones(id_data.shape, dtype) if w is None else w.astype(jnp.result_type(dtype, w.dtype))
         w = jnp.where(counts, w, 0)
         return cls(jnp.where(counts, id_data, n), w, counts, combiner, pool, ragged=ragged)
 

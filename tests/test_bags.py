@@ -428,3 +428,30 @@ def test_half_precision_bags_add_up_in_float32(dtype):
     g = mj.grad(lambda t: jnp.sum(mj.embedding_bag(t, jnp.zeros(600, jnp.int32), lengths=jnp.array([600]))
                                   .data.astype(jnp.float32)), row_sparse=True)(table)
     assert float(g.coalesce().data[0, 0]) == 600.0 and float(g.todense().data[0, 0]) == 600.0
+
+
+@pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
+@pytest.mark.parametrize("table_dtype, weight_dtype", [(jnp.int32, jnp.float32), (jnp.bfloat16, jnp.float32),
+                                                      (jnp.float32, jnp.bfloat16)], ids=["int-float", "bf16-f32", "f32-bf16"])
+def test_weights_promote_with_the_table_as_jnp_does(table_dtype, weight_dtype, combiner):
+    """Weighted bags pool in the dtype jnp gives ``weights * rows``: float weights on an integer
+    table are not truncated to integers (1.25 stayed 1), and float32 weights on a bfloat16 table
+    are not rounded to bfloat16; padded, ragged and stacked alike."""
+    table = jnp.arange(12).reshape(6, 2).astype(table_dtype)
+    ids = jnp.array([[0, 5, 2]])
+    w = jnp.array([[1.25, 0.5, 3.0]], weight_dtype)
+    rows = jnp.take(table, ids, axis=0)
+    wp = w.astype(jnp.result_type(table_dtype, weight_dtype))  # the weights in the pooling dtype
+    total = jnp.sum(wp[..., None] * rows, axis=1)
+    norm = {"sum": 1.0, "mean": jnp.sum(wp, axis=1), "sqrtn": jnp.sqrt(jnp.sum(wp * wp, axis=1))}[combiner]
+    want = total / jnp.reshape(norm, (-1, 1)) if combiner != "sum" else total
+    stack, stacked = mj.stack_tables({"t": table})
+    got = {
+        "padded": mj.embedding_bag(table, ids, weights=w, combiner=combiner),
+        "ragged": mj.embedding_bag(table, ids[0], lengths=jnp.array([3]), weights=w[0], combiner=combiner),
+        "stacked": stack.embedding_bag(stacked, {"t": {"ids": ids, "weights": w, "combiner": combiner}})["t"],
+    }
+    for name, out in got.items():
+        assert out.dtype == want.dtype, (name, out.dtype)
+        np.testing.assert_allclose(np.asarray(out.data, np.float64), np.asarray(want, np.float64), rtol=1e-6,
+                                   err_msg=name)
