@@ -272,8 +272,9 @@ def _kept(x, axis, xp=np):
     """``(rows, length)`` bool: the valid positions of each row along ``axis`` (a position with any
     valid element is valid; rows: the positions of the axes before ``axis``)."""
     m = xp.moveaxis(xp.broadcast_to(xp.asarray(x.mask), x.shape), axis, -1)  # (lead..., trail..., L)
-    rows = int(np.prod(x.shape[:axis], dtype=np.int64))
-    return m.reshape((rows, int(np.prod(m.shape[len(x.shape[:axis]):-1], dtype=np.int64)), x.shape[axis])).any(1)
+    lead = x.shape[:axis]
+    rows, trail = (int(np.prod(s, dtype=np.int64)) for s in (lead, m.shape[len(lead):-1]))
+    return m.reshape((rows, trail, x.shape[axis])).any(1)
 
 
 def _slots(keeps, new_len, pos, rng):

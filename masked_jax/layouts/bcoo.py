@@ -19,7 +19,7 @@ from jax.experimental import sparse as jsparse
 from masked_jax._core import MaskedArray
 from masked_jax._storage import SparseMasked, is_tracer
 from masked_jax.layouts.segments import segment_total, unique_ids
-from masked_jax.ops._base import Pair, accumulation_dtype
+from masked_jax.ops._base import Pair, accumulation_dtype, widened_indices
 
 
 DATA_KEY, INDICES_KEY = jax.tree_util.GetAttrKey("data"), jax.tree_util.GetAttrKey("indices")
@@ -85,10 +85,7 @@ class BCOOMaskedArray(SparseMasked, storage="bcoo"):
     def from_bcoo(cls, bcoo: jsparse.BCOO) -> "BCOOMaskedArray":
         if not isinstance(bcoo, jsparse.BCOO):
             raise TypeError(f"from_bcoo needs a jax.experimental.sparse.BCOO; got {type(bcoo).__name__}.")
-        indices = bcoo.indices
-        if indices.dtype.itemsize < 4:  # 8- and 16-bit indices: the padding index (the shape) may not fit
-            indices = indices.astype(jnp.int32)
-        return cls.tree_unflatten(bcoo.shape, (bcoo.data, indices))
+        return cls.tree_unflatten(bcoo.shape, (bcoo.data, widened_indices(bcoo.indices)))
 
     def to_bcoo(self) -> jsparse.BCOO:
         """The storage as a plain BCOO (dense semantics: unspecified entries read as 0).

@@ -21,7 +21,7 @@ from masked_jax._core import MaskedArray, _check_data
 from masked_jax._storage import SparseMasked, is_tracer
 from masked_jax.layouts.segments import distinct_ids, segment_total, unique_ids
 from masked_jax.layouts.bcoo import DATA_KEY, INDICES_KEY, BCOOMaskedArray
-from masked_jax.ops._base import Pair, accumulation_dtype
+from masked_jax.ops._base import Pair, accumulation_dtype, widened_indices
 
 
 @jax.tree_util.register_pytree_with_keys_class
@@ -235,9 +235,7 @@ def check_integer_indices(indices, argname: str = "indices"):
     indices = jnp.asarray(indices)
     if not jnp.issubdtype(indices.dtype, jnp.integer):
         raise TypeError(f"{argname} must be integers; got dtype {indices.dtype}.")
-    if indices.dtype.itemsize < 4:  # int8/16, uint8/16: compared with row counts past their range
-        indices = indices.astype(jnp.int32)  # (a uint8 id < 300 would compare as id < 44)
-    return indices
+    return widened_indices(indices)
 
 
 def _batched_rows(shape, data, indices):

@@ -237,6 +237,13 @@ def accumulation_dtype(dtype):
     return np.dtype(jnp.float32) if np.dtype(dtype) in _LOW_PRECISION else np.dtype(dtype)
 
 
+def widened_indices(indices):
+    """Integer ``indices`` of 8 or 16 bits as int32, others as they are: compared with a row count
+    or holding the padding index (the shape), they must count past their own range (a uint8 id
+    < 300 would compare as id < 44)."""
+    return indices.astype(jnp.int32) if indices.dtype.itemsize < 4 else indices
+
+
 def result_dtype(jax_fn, in_dtype, **params):
     """The dtype ``jax_fn(x, **params)`` returns for ``dtype`` data, read off ``jax.numpy`` itself
     (abstract evaluation, no computation): the oracle for ``mean``'s, ``var``'s and the cumulative
