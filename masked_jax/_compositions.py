@@ -18,6 +18,10 @@ from masked_jax._core import MaskedArray
 from masked_jax.ops._base import highest, lowest, normalize_axis
 
 
+# jax.numpy's other names for functions of the registry (the same functions, not copies)
+ALIASES = {"around": "round", "conjugate": "conj", "degrees": "rad2deg", "radians": "deg2rad"}
+
+
 def _nan_masked(x):
     x = as_masked(x)
     if not jnp.issubdtype(x.dtype, jnp.inexact):

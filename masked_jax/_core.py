@@ -564,8 +564,8 @@ def _wrap(out):
     """A rule output (Pair, list of Pairs, or a plain array) as user-facing values."""
     if isinstance(out, Pair):
         return MaskedArray._from_pair(out.data, out.mask)
-    if isinstance(out, list):
-        return [_wrap(o) for o in out]
+    if isinstance(out, (list, tuple)):
+        return type(out)(_wrap(o) for o in out)
     return out
 
 

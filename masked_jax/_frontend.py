@@ -61,6 +61,7 @@ _EXAMPLES = {
 }
 
 RETURNS = {"masked": "MaskedArray", "array": "Array", "list": "list[MaskedArray]",
+           "pair": "tuple[MaskedArray, MaskedArray]",
            "any": "MaskedArray | list[MaskedArray]"}
 _WHERE_FAMILIES = ("reductions", "normalization")
 _UNARY_DUNDERS = {"__neg__", "__pos__", "__abs__", "__invert__"}

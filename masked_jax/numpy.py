@@ -48,9 +48,9 @@ from masked_jax import _compositions  # noqa: E402
 from masked_jax._compositions import *  # noqa: E402, F403
 
 __array_api_version__ = _array_api.API_VERSION
-for _standard, _ours in _array_api.ALIASES.items():
+for _standard, _ours in {**_array_api.ALIASES, **_compositions.ALIASES}.items():
     globals()[_standard] = globals()[_ours]
-__all__ += _array_api.__all__ + list(_array_api.ALIASES) + _compositions.__all__
+__all__ += _array_api.__all__ + list(_array_api.ALIASES) + list(_compositions.ALIASES) + _compositions.__all__
 
 # The linalg extension: masked where it has a masked meaning, fully valid input only where not.
 linalg = types.SimpleNamespace(

@@ -71,6 +71,24 @@ def elementwise(np_fn):
     return quiet(ref)
 
 
+def elementwise_pair(np_fn):
+    """An op with two results (``modf``, ``divmod``): each valid where every operand is."""
+
+    def ref(*arrays, **kw):
+        outs = np_fn(*(data(a) for a in arrays), **kw)
+        ok = np.logical_and.reduce(np.broadcast_arrays(*(valid(a) for a in arrays)))
+        return list(outs), [np.broadcast_to(ok, np.shape(o)) for o in outs]
+
+    return quiet(ref)
+
+
+def _ldexp_make(rng, dtype, masks):
+    """ldexp(x, n): a float mantissa and an integer exponent."""
+    from harness import masked
+
+    return [masked(rng, dtype, masks[0], (-3.0, 3.0)), masked(rng, I32, masks[1], (-4, 4))]
+
+
 def passthrough(np_fn):
     """A shape op: the same function of the data and of the mask."""
     return quiet(lambda a, *args, **kw: (np_fn(data(a), *args, **kw), np_fn(valid(a), *args, **kw)))
@@ -225,6 +243,12 @@ UNARY = {
     "invert": Row(elementwise(np.invert), dtypes=(I32, B)),
     "deg2rad": Row(elementwise(np.deg2rad)), "rad2deg": Row(elementwise(np.rad2deg)),
     "conj": Row(elementwise(np.conj)), "real": Row(elementwise(np.real)), "imag": Row(elementwise(np.imag)),
+    "fabs": Row(elementwise(np.fabs), smooth=False), "rint": Row(elementwise(np.rint)),
+    "sinc": Row(elementwise(np.sinc)), "i0": Row(elementwise(np.i0), rtol=1e-7),
+    "spacing": Row(elementwise(np.spacing)), "angle": Row(elementwise(np.angle), cases=({}, {"deg": True})),
+    **{n: Row(elementwise(getattr(np, n))) for n in ("isneginf", "isposinf", "iscomplex", "isreal")},
+    "bitwise_count": Row(elementwise(np.bitwise_count), dtypes=(I32,), domain=((-100, 100),)),
+    "modf": Row(elementwise_pair(np.modf)), "frexp": Row(elementwise_pair(np.frexp)),
     "relu": Row(elementwise(lambda x: np.maximum(x, 0)), smooth=False),
     "gelu": Row(elementwise(lambda x: 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x**3)))),
                 rtol=1e-6),
@@ -273,6 +297,14 @@ BINARY = {
     "arctan2": Row(elementwise(np.arctan2)), "hypot": Row(elementwise(np.hypot)),
     "logaddexp": Row(elementwise(np.logaddexp)), "copysign": Row(elementwise(np.copysign), smooth=False),
     "nextafter": Row(elementwise(np.nextafter)),
+    "fmod": Row(elementwise(np.fmod), domain=((-3.0, 3.0), (0.5, 3.0)), dtypes=(F64, I32)),
+    "divmod": Row(elementwise_pair(np.divmod), domain=((-3.0, 3.0), (0.5, 3.0)), dtypes=(F64, I32), smooth=False),
+    "heaviside": Row(elementwise(np.heaviside), smooth=False),
+    "logaddexp2": Row(elementwise(np.logaddexp2)),
+    "ldexp": Row(elementwise(np.ldexp), make=_ldexp_make),
+    **{n: Row(elementwise(getattr(np, n)), dtypes=(I32,), domain=((-12, 12), (-12, 12)), jax=getattr(jnp, n))
+       for n in ("gcd", "lcm")},
+    "isclose": Row(elementwise(np.isclose), cases=({}, {"rtol": 0.5, "atol": 0.1})),
     "igamma": Row(elementwise(scipy.special.gammainc), domain=((0.5, 3.0), (0.1, 3.0)), rtol=1e-7),
     "igammac": Row(elementwise(scipy.special.gammaincc), domain=((0.5, 3.0), (0.1, 3.0)), rtol=1e-7),
     "polygamma": Row(elementwise(scipy.special.polygamma), make=_polygamma_make, rtol=1e-7),
@@ -458,6 +490,22 @@ _UNSIGNED_SHIFT = ("jax.nn shifts by max(x, initial=-inf): -inf cast to an unsig
                    "so jnp's softmax is NaN everywhere), so jnp's results there are not an oracle")
 _NO_INF = ("uint8", "uint16", "uint32", "uint64", "float8_e4m3fn")  # -inf does not survive the cast
 _DOF = "no degrees of freedom left (jnp divides by n - ddof <= 0) is masked"
+_INT_MIN = ("jnp's loop never ends on the integer minimum (its absolute value is negative), so the special "
+            "values leave it out; masked_jax computes magnitudes unsigned (tests/test_regressions.py)")
+
+
+def _without_int_min(dtype, values, masks, poison):
+    """gcd/lcm operands: the family's, with the signed minimum (on which jnp.gcd hangs) one above it."""
+    import ml_dtypes
+    import oracle
+
+    import masked_jax as mj
+
+    ops = [oracle.draw(dtype, values, masks[i], (-12, 12), seed=i, poison=poison) for i in range(2)]
+    if oracle.kind(np.dtype(dtype)) != "i":
+        return ops
+    low = ml_dtypes.iinfo(dtype).min
+    return [mj.masked_array(jnp.where(o.data == low, low + 1, o.data).astype(o.dtype), o.mask) for o in ops]
 
 
 def _oracle_refs():
@@ -503,6 +551,7 @@ def _oracle_refs():
                                                                                   axis=axis, keepdims=keepdims)),
         # 32-bit as well as 64-bit: a bitcast to another width reshapes, which jnp refuses at (4, 3)
         "bitcast_convert_type": Oracle(cases=({"new_dtype": jnp.int32}, {"new_dtype": jnp.int64})),
+        **{n: Oracle(make=_without_int_min, why=_INT_MIN) for n in ("gcd", "lcm")},
         "take": Oracle(cases=in_range, why="an out-of-range index gives a masked element, where jnp.take "
                                            "returns a fill value (NaN, or the integer minimum)"),
     }

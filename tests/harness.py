@@ -257,45 +257,59 @@ def check_jacobians(name):
     pos = diff_position(ops)
     x = ops[pos]
     for case in row.cases:
-        g = lambda v: call(name, public(name), _replace(ops, pos, v), case)  # noqa: E731
-        out = g(x)
-        jf, jr = jax.jit(lambda v: (mj.jacfwd(g)(v), mj.jacrev(g)(v)))(x)
-        out_mask = np.asarray(_dense(out).mask)
-        want_mask = out_mask.reshape(out_mask.shape + (1,) * x.ndim) & np.asarray(x.mask)
-        for jac, mode in ((jf, "jacfwd"), (jr, "jacrev")):
-            np.testing.assert_array_equal(np.asarray(jac.mask), want_mask, err_msg=f"{name} {mode} mask")
-            d = np.asarray(jac.data)
-            assert np.all(d[~want_mask] == 0), f"{name} {mode}: nonzero entries where masked"
-            assert np.all(np.isfinite(d)), f"{name} {mode}: NaN/inf in the Jacobian"
-        np.testing.assert_allclose(np.asarray(jf.data), np.asarray(jr.data), rtol=1e-9, atol=1e-12,
-                                   err_msg=f"{name}: jacfwd != jacrev")
-        if not row.smooth:
-            continue
-        eps = 1e-6
-        idx = np.flatnonzero(np.asarray(x.mask))
-        base = np.asarray(x.data)
-
-        def filled(d):
-            return _dense(g(mj.masked_array(d, x.mask))).filled(0)
-
-        steps = np.zeros((len(idx),) + base.shape)
-        steps.reshape(len(idx), -1)[np.arange(len(idx)), idx] = eps
-        plus, minus = jax.jit(jax.vmap(filled))(jnp.asarray(np.concatenate([base + steps, base - steps]))
-                              ).reshape((2, len(idx)) + out_mask.shape)
-        num = np.moveaxis(np.asarray((plus - minus) / (2 * eps)), 0, -1)  # out..., k
-        an = np.asarray(jf.data).reshape(out_mask.shape + (-1,))[..., idx]
-        num = np.where(out_mask[..., None], num, 0)
-        np.testing.assert_allclose(an, num, rtol=1e-5, atol=1e-6, err_msg=f"{name} ({case}): Jacobian != central "
-                                   "differences on valid entries")
+        whole = lambda v: call(name, public(name), _replace(ops, pos, v), case)  # noqa: E731
+        for k in range(len(_parts(whole(x)))):  # each result of a multi-result op (modf) in turn
+            _check_jacobian_of(name, lambda v, k=k: _parts(whole(v))[k], x, row, case)
 
 
-def _loss(name, case, ops, out_shape_of, pos):
-    """``v -> sum(op(..., v, ...) * w)`` for a fixed random ``w``, ``v`` at position ``pos``."""
-    w = jnp.asarray(np.random.default_rng(7).uniform(0.5, 1.5, out_shape_of))
+def _parts(out):
+    """The results of an op: a list of its results (one, or each of a pair or list)."""
+    return list(out) if isinstance(out, (list, tuple)) else [out]
+
+
+def _check_jacobian_of(name, g, x, row, case):
+    """``mj.jacfwd``/``mj.jacrev`` of ``g`` at ``x``: masked where input or output is, finite, equal
+    to each other and (``row.smooth``) to central differences on the valid entries."""
+    out = g(x)
+    jf, jr = jax.jit(lambda v: (mj.jacfwd(g)(v), mj.jacrev(g)(v)))(x)
+    out_mask = np.asarray(_dense(out).mask)
+    want_mask = out_mask.reshape(out_mask.shape + (1,) * x.ndim) & np.asarray(x.mask)
+    for jac, mode in ((jf, "jacfwd"), (jr, "jacrev")):
+        np.testing.assert_array_equal(np.asarray(jac.mask), want_mask, err_msg=f"{name} {mode} mask")
+        d = np.asarray(jac.data)
+        assert np.all(d[~want_mask] == 0), f"{name} {mode}: nonzero entries where masked"
+        assert np.all(np.isfinite(d)), f"{name} {mode}: NaN/inf in the Jacobian"
+    np.testing.assert_allclose(np.asarray(jf.data), np.asarray(jr.data), rtol=1e-9, atol=1e-12,
+                               err_msg=f"{name}: jacfwd != jacrev")
+    if not row.smooth:
+        return
+    eps = 1e-6
+    idx = np.flatnonzero(np.asarray(x.mask))
+    base = np.asarray(x.data)
+
+    def filled(d):
+        return _dense(g(mj.masked_array(d, x.mask))).filled(0)
+
+    steps = np.zeros((len(idx),) + base.shape)
+    steps.reshape(len(idx), -1)[np.arange(len(idx)), idx] = eps
+    plus, minus = jax.jit(jax.vmap(filled))(jnp.asarray(np.concatenate([base + steps, base - steps]))
+                          ).reshape((2, len(idx)) + out_mask.shape)
+    num = np.moveaxis(np.asarray((plus - minus) / (2 * eps)), 0, -1)  # out..., k
+    an = np.asarray(jf.data).reshape(out_mask.shape + (-1,))[..., idx]
+    num = np.where(out_mask[..., None], num, 0)
+    np.testing.assert_allclose(an, num, rtol=1e-5, atol=1e-6, err_msg=f"{name} ({case}): Jacobian != central "
+                               "differences on valid entries")
+
+
+def _loss(name, case, ops, out_shapes, pos):
+    """``v -> sum(op(..., v, ...) * w)`` for a fixed random ``w``, ``v`` at position ``pos`` (summed
+    over the results of a multi-result op; ``out_shapes``: the results' shapes)."""
+    rng = np.random.default_rng(7)
+    ws = [jnp.asarray(rng.uniform(0.5, 1.5, shape)) for shape in out_shapes]
 
     def loss(v):
-        out = _dense(call(name, public(name), _replace(ops, pos, v), case))
-        return mnp.sum(mnp.multiply(out, w))
+        outs = _parts(call(name, public(name), _replace(ops, pos, v), case))
+        return sum(mnp.sum(mnp.multiply(_dense(out), w)) for out, w in zip(outs, ws))
 
     return loss
 
@@ -310,7 +324,7 @@ def check_poison(name):
         want = call(name, public(name), clean, case)
         grads = "jacobians" not in spec.excluded and _float_out(want)
         pos = diff_position(clean) if grads else None
-        shape = np.shape(_dense(want).data) if grads else None
+        shape = [np.shape(_dense(p).data) for p in _parts(want)] if grads else None
 
         def run(*o):
             out = call(name, public(name), o, case)
@@ -414,7 +428,7 @@ def check_layouts(name):
             grads = "jacobians" not in spec.excluded and _float_out(want)
             pos = diff_position(ops) if grads else None
             grads = grads and pos in sparse_pos
-            shape = np.shape(_dense(want).data) if grads else None
+            shape = [np.shape(_dense(p).data) for p in _parts(want)] if grads else None
 
             def values_and_grads(ls):  # every layout, values and gradients: one program
                 vals = {k: call(name, public(name), v, case) for k, v in ls.items()}
@@ -502,7 +516,7 @@ def check_compact(name):
             if "jacobians" in spec.excluded or not _float_out(want):
                 continue
             pos = diff_position(ops)
-            shape = np.shape(_dense(want).data)
+            shape = [np.shape(_dense(p).data) for p in _parts(want)]
             g_want = mj.grad(_loss(name, case, ops, shape, pos))(ops[pos])
             g = mj.grad(_loss(name, case, small, shape, pos))(small[pos])
             np.testing.assert_allclose(np.asarray(g.filled(0)), np.asarray(g_want.filled(0)), rtol=1e-9, atol=1e-12,

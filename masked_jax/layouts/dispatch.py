@@ -21,6 +21,8 @@ Everything else densifies the sparse operands (warning once per op, or
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -48,12 +50,19 @@ def _is_scalar(x) -> bool:
 def apply(spec, operands, params, dense):
     """Run op ``spec`` on ``operands`` (some sparse) by the first sparse operand's layout rule table;
     ``dense(operands, params)`` is the dense-storage path (densifying through the storage fallback)."""
+    if spec.returns == "pair":  # divmod, modf, frexp: each part by the layout's rule for one result
+        return tuple(apply(_part(spec, i), operands, params, lambda o, p, i=i: dense(o, p)[i]) for i in range(2))
     layout = type(next(o for o in operands if is_sparse(o)))
     rule = layout.rules.get(spec.family)
     out = NotImplemented if rule is None else rule(spec, operands, params)
     if out is not NotImplemented:
         return out
     return dense(operands, params)
+
+
+def _part(spec, i):
+    """``spec`` with result ``i`` of its pair of results as its one result."""
+    return dataclasses.replace(spec, rule=lambda *args, **kwargs: spec.rule(*args, **kwargs)[i], returns="masked")
 
 
 def densify(values, name: str):

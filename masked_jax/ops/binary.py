@@ -12,7 +12,7 @@ from jax import lax
 
 from masked_jax.ops import _factors
 from masked_jax.ops._base import Pair, and_masks, fill
-from masked_jax.ops._registry import MASKIFY_ONLY, OpSpec, register
+from masked_jax.ops._registry import MASKIFY_ONLY, OpSpec, register, signature_of
 
 _POS = inspect.Parameter.POSITIONAL_ONLY
 _KW = inspect.Parameter.POSITIONAL_OR_KEYWORD
@@ -41,10 +41,10 @@ def nary(fn, safe=1, preserves=()):
         check_broadcast(getattr(fn, "__name__", "operation"), operands)
         mask = and_masks(*(o.mask for o in operands))
         if mask is None:
-            return Pair(fn(*(o.data for o in operands), **kwargs), None)
+            return _result(fn(*(o.data for o in operands), **kwargs), None)
         if not _factors.active():
             datas = [o.data for o in operands] if safe is None else [fill(o.data, mask, safe) for o in operands]
-            return Pair(fn(*datas, **kwargs), mask)
+            return _result(fn(*datas, **kwargs), mask)
         # under maskify: what each operand holds where the result is masked (a recorded value, or
         # a 0-d constant's); those at which fn and its derivatives are finite are not filled
         f = fn if not kwargs else (lambda *d: fn(*d, **kwargs))
@@ -62,6 +62,8 @@ def nary(fn, safe=1, preserves=()):
             else:
                 datas, values = [fill(o.data, mask, safe) for o in operands], [safe] * len(operands)
         out = fn(*datas, **kwargs)
+        if isinstance(out, tuple):
+            return _result(out, mask)
         if all(v is not None for v in values):
             at_safe = safe is not None and all(v == safe for v in values)
             _factors.record_value(out, mask, _factors.evaluate(f, tuple(values), dtypes, not at_safe)[0], False,
@@ -71,6 +73,11 @@ def nary(fn, safe=1, preserves=()):
     rule.__name__ = getattr(fn, "__name__", "nary")
     rule.fn = fn
     return rule
+
+
+def _result(out, mask):
+    """``out`` with ``mask``; each part of a tuple result (``divmod``) valid where the operands are."""
+    return tuple(Pair(o, mask) for o in out) if isinstance(out, tuple) else Pair(out, mask)
 
 
 def _held(p: Pair, mask):
@@ -161,6 +168,51 @@ def _ops(*dunders):
     return tuple(out)
 
 
+def _magnitudes(x1, x2):
+    """``|x1|``, ``|x2|`` in the unsigned integer type of their (promoted) width, where ``|INT_MIN|``
+    is representable, and the signed type to return to."""
+    dtype = jnp.result_type(x1, x2)
+    if not jnp.issubdtype(dtype, jnp.integer):
+        raise ValueError(f"gcd and lcm take integers; got dtype {dtype}.")
+    x1, x2 = jnp.broadcast_arrays(jnp.asarray(x1, dtype), jnp.asarray(x2, dtype))
+    if jnp.issubdtype(dtype, jnp.unsignedinteger):
+        return x1, x2, dtype
+    unsigned = jnp.dtype(f"uint{jnp.iinfo(dtype).bits}")
+    mag = [jnp.where(x < 0, 0 - lax.bitcast_convert_type(x, unsigned), lax.bitcast_convert_type(x, unsigned))
+           for x in (x1, x2)]
+    return mag[0], mag[1], dtype
+
+
+def _signed(x, dtype):
+    return x if x.dtype == dtype else lax.bitcast_convert_type(x, dtype)
+
+
+def _euclid(a, b):
+    def body(ab):
+        a, b = ab
+        a, b = jnp.where(b != 0, b, a), jnp.where(b != 0, lax.rem(a, jnp.where(b != 0, b, 1)), 0)
+        return jnp.maximum(a, b), jnp.minimum(a, b)
+
+    return lax.while_loop(lambda ab: jnp.any(ab[1] != 0), body, (jnp.maximum(a, b), jnp.minimum(a, b)))[0]
+
+
+@jax.jit
+def gcd(x1, x2):
+    """``jnp.gcd``, computed on magnitudes in the unsigned type of the same width: jnp's loop runs
+    forever on ``INT_MIN`` (whose absolute value is negative); here ``gcd(INT_MIN, 0)`` wraps to
+    ``INT_MIN``, as in numpy, and every other result equals jnp's."""
+    a, b, dtype = _magnitudes(x1, x2)
+    return _signed(_euclid(a, b), dtype)
+
+
+@jax.jit
+def lcm(x1, x2):
+    """``jnp.lcm`` on magnitudes as :func:`gcd` (the product wraps as jnp's does)."""
+    a, b, dtype = _magnitudes(x1, x2)
+    d = _euclid(a, b)
+    return _signed(jnp.where(d == 0, 0, a * (b // jnp.where(d == 0, 1, d))).astype(a.dtype), dtype)
+
+
 # name, jax function, safe value, primitives, MaskedArray operators
 BINARY = [
     ("add", jnp.add, None, (P.add_p, P.add_jaxvals_p), _ops("add")),
@@ -182,6 +234,13 @@ BINARY = [
     ("logaddexp", jnp.logaddexp, 1, (), ()),
     ("copysign", jnp.copysign, 1, (), ()),
     ("nextafter", jnp.nextafter, 1, (P.nextafter_p,), ()),
+    ("fmod", jnp.fmod, 1, (), ()),
+    ("divmod", jnp.divmod, 1, (), _ops("divmod")),
+    ("heaviside", jnp.heaviside, 1, (), ()),
+    ("logaddexp2", jnp.logaddexp2, 1, (), ()),
+    ("ldexp", jnp.ldexp, 1, (), ()),
+    ("gcd", gcd, 1, (), ()),
+    ("lcm", lcm, 1, (), ()),
     ("equal", jnp.equal, None, (P.eq_p,), ("__eq__",)),
     ("not_equal", jnp.not_equal, None, (P.ne_p,), ("__ne__",)),
     ("less", jnp.less, None, (P.lt_p,), ("__lt__",)),
@@ -205,6 +264,11 @@ _NO_JACOBIAN = {
     **dict.fromkeys(("bitwise_and", "bitwise_or", "bitwise_xor", "left_shift", "right_shift"),
                     "integer operands: no derivative"),
     "nextafter": "steps to the next float: its finite difference is not a derivative",
+    "heaviside": "a step function: no derivative where it jumps, zero elsewhere",
+    "divmod": "the quotient is a step function of the operands",
+    "ldexp": "the exponent operand is an integer: no derivative in it",
+    **dict.fromkeys(("gcd", "lcm"), "integer operands: no derivative"),
+    "isclose": "bool output: no derivative",
 }
 
 # Binary lax functions that have no jax.numpy name: reached through ``maskify`` only.
@@ -227,10 +291,11 @@ _NO_JACOBIAN.update({
 PRESERVES = {"add": (0, 1), "subtract": (0, 1), "multiply": (0, 1), "divide": (0,), "true_divide": (0,)}
 
 
-def _binary_spec(name, fn, safe, prims, methods=(), modules=("numpy",), jax_name=None):
-    return OpSpec(name=name, family="binary", rule=nary(fn, safe, PRESERVES.get(name, ())), signature=_X1X2,
-                  operands=("x1", "x2"), methods=methods, primitives=prims, safe=safe, fn=fn, modules=modules,
-                  jax_name=jax_name or f"jnp.{name}",
+def _binary_spec(name, fn, safe, prims, methods=(), modules=("numpy",), jax_name=None, signature=_X1X2):
+    operands = tuple(signature.parameters)[:2]
+    return OpSpec(name=name, family="binary", rule=nary(fn, safe, PRESERVES.get(name, ())), signature=signature,
+                  operands=operands, methods=methods, primitives=prims, safe=safe, fn=fn, modules=modules,
+                  jax_name=jax_name or f"jnp.{name}", returns="pair" if name == "divmod" else "masked",
                   excluded={**(MASKIFY_ONLY if not modules else {}),
                             **({"jacobians": _NO_JACOBIAN[name]} if name in _NO_JACOBIAN else {})})
 
@@ -239,6 +304,8 @@ for _name, _fn, _safe, _prims, _methods in BINARY:
     register(_binary_spec(_name, _fn, _safe, _prims, _methods))
 for _name, _fn, _safe, _prim in LAX_ONLY:
     register(_binary_spec(_name, _fn, _safe, (_prim,), modules=(), jax_name=f"lax.{_name}"))
+# isclose(a, b, rtol, atol, equal_nan): the tolerances are parameters, not operands
+register(_binary_spec("isclose", jnp.isclose, None, (), signature=signature_of(jnp.isclose)))
 
 register(OpSpec(
     name="where", family="binary", rule=where, fn=jnp.where, jax_name="jnp.where",

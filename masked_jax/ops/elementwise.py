@@ -29,6 +29,8 @@ def unary(fn, safe=1):
         if x.mask is None or not _factors.active():
             data = x.data if safe is None else fill(x.data, x.mask, safe)
             out = fn(data, *args, **kwargs)
+            if isinstance(out, tuple):  # modf, frexp: each part valid where x is
+                return tuple(Pair(o, x.mask) for o in out)
             return Pair(out, _width_mask(x, out))
         # under maskify: data already holding a value at which fn and its derivative are finite
         # (recorded where the mask is False) need no fill; the output's value there is recorded
@@ -40,6 +42,8 @@ def unary(fn, safe=1):
         else:
             data, value = fill(x.data, x.mask, safe), safe
         out = fn(data, *args, **kwargs)
+        if isinstance(out, tuple):
+            return tuple(Pair(o, x.mask) for o in out)
         if np.ndim(out) != np.ndim(x.data):
             return Pair(out, _width_mask(x, out))
         if value is not None:
@@ -74,7 +78,7 @@ def _with_args(fn, args, kwargs):
 
 
 def unary_spec(name, fn, safe=1, *, modules=("numpy",), methods=(), primitives=(), jax_name=None,
-               signature=None, example=None, excluded=None) -> OpSpec:
+               signature=None, example=None, excluded=None, returns="masked") -> OpSpec:
     """The spec of an elementwise op ``fn`` with sanitising value ``safe``.
 
     The public signature is ``fn``'s own where it has one (``round(a, decimals=0, out=None)``),
@@ -91,7 +95,7 @@ def unary_spec(name, fn, safe=1, *, modules=("numpy",), methods=(), primitives=(
     first = next(iter(signature.parameters))
     return OpSpec(name=name, family="elementwise", rule=unary(fn, safe), signature=signature, operands=(first,),
                   modules=modules, methods=methods, primitives=tuple(primitives), safe=safe, fn=fn,
-                  jax_name=jax_name or f"jnp.{name}", example=example, excluded=excluded or {})
+                  jax_name=jax_name or f"jnp.{name}", example=example, excluded=excluded or {}, returns=returns)
 
 
 def astype(x: Pair, dtype, copy=False, device=None) -> Pair:
@@ -153,7 +157,23 @@ UNARY = [
     ("conj", jnp.conj, None, (P.conj_p,), ("conj",)),
     ("real", jnp.real, None, (P.real_p,), ()),
     ("imag", jnp.imag, None, (P.imag_p,), ()),
+    ("fabs", jnp.fabs, 1, (), ()),
+    ("rint", jnp.rint, 0, (), ()),
+    ("sinc", jnp.sinc, 1, (), ()),
+    ("i0", jnp.i0, 0, (), ()),
+    ("spacing", jnp.spacing, 1, (), ()),
+    ("angle", jnp.angle, 1, (), ()),
+    ("isneginf", jnp.isneginf, 0, (), ()),
+    ("isposinf", jnp.isposinf, 0, (), ()),
+    ("iscomplex", jnp.iscomplex, 0, (), ()),
+    ("isreal", jnp.isreal, 0, (), ()),
+    ("bitwise_count", jnp.bitwise_count, 0, (), ()),
+    ("modf", jnp.modf, 0, (), ()),
+    ("frexp", jnp.frexp, 1, (), ()),
 ]
+
+# Two results, each valid where the operand is: ``(fractional, integral)``, ``(mantissa, exponent)``.
+PAIRS = ("modf", "frexp")
 
 # jax.nn activations: public in masked_jax.nn.
 ACTIVATIONS = [
@@ -191,8 +211,11 @@ LAX_ONLY = [
 
 # Ops whose output (or input) is not a float have no Jacobian to check.
 NO_JACOBIAN = {
-    **dict.fromkeys(("isnan", "isinf", "isfinite", "signbit", "logical_not"), "bool output: no derivative"),
-    **dict.fromkeys(("bitwise_not", "invert", "population_count", "clz"), "integer input: no derivative"),
+    **dict.fromkeys(("isnan", "isinf", "isfinite", "signbit", "logical_not", "isneginf", "isposinf", "iscomplex",
+                     "isreal"), "bool output: no derivative"),
+    **dict.fromkeys(("bitwise_not", "invert", "population_count", "clz", "bitwise_count"), "integer input: no derivative"),
+    "spacing": "the distance to the next float: a step function, its finite difference is not a derivative",
+    "frexp": "an integer exponent and a mantissa that jumps where the exponent does",
     "stop_gradient": "its derivative is zero by definition, not the finite difference",
     "copy": "the identity; checked as a value only",
     "bitcast_convert_type": "reinterprets bits: an integer result has no derivative",
@@ -200,14 +223,14 @@ NO_JACOBIAN = {
 
 _LAX_PARAMS = ("integer_pow", "convert_element_type", "reduce_precision", "bitcast_convert_type")
 
-_NOT_INTERPRETED = {
-    "imag": {"maskify": "jnp.imag of a real array is a constant zeros array: it does not depend on the input, "
-                        "so maskify has no mask to give it"},
-}
+_CONSTANT = ("of a real array is a constant array: it does not depend on the input, so maskify has no mask to "
+             "give it")
+_NOT_INTERPRETED = {name: {"maskify": f"jnp.{name} {_CONSTANT}"} for name in ("imag", "iscomplex", "isreal")}
 
 for _name, _fn, _safe, _prims, _methods in UNARY:
     register(unary_spec(_name, _fn, _safe, primitives=_prims, methods=_methods,
-                        example=_INT if _name in ("bitwise_not", "invert") else None,
+                        example=_INT if _name in ("bitwise_not", "invert", "bitwise_count") else None,
+                        returns="pair" if _name in PAIRS else "masked",
                         excluded={**({"jacobians": NO_JACOBIAN[_name]} if _name in NO_JACOBIAN else {}),
                                   **_NOT_INTERPRETED.get(_name, {})}))
 for _name, _fn, _safe, _prims in ACTIVATIONS:
