@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import html
 import math
+import re
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -351,6 +352,55 @@ class MaskedArray(ArrayMethods):
 
     def __index__(self):
         return self._scalar("index", lambda d: d.__index__())
+
+    def __format__(self, format_spec: str) -> str:
+        """``f"{x:.2f}"`` of a 0-d array: a valid value formats as jax's does, a masked one as
+        ``--`` (aligned and padded to the spec's width); an empty spec gives ``str(x)``."""
+        if not format_spec:
+            return str(self)
+        if self.ndim != 0 or _is_tracer(self._data) or _is_tracer(self._mask):
+            raise TypeError(f"unsupported format string {format_spec!r} for a MaskedArray of shape {self.shape}: "
+                            "only a concrete 0-d array takes one, as for jax arrays.")
+        if self._mask is not None and not bool(np.asarray(self._mask).reshape(())):
+            layout = re.match(r"(?:(.)?([<>=^]))?[-+ ]?z?#?(0)?(\d*)", format_spec)
+            fill, align, _, width = layout.groups()  # a masked entry is padded with the fill, never zeros
+            return format("--", f"{fill or ' '}{align or '>'}{width}")
+        return format(self._data, format_spec)
+
+    def item(self, *args):
+        """The value of one element as a Python scalar (``x.item()`` of a one-element array, or
+        ``x.item(i)`` by flat index or ``x.item(i, j)``); a masked element has no value and raises
+        ``ValueError``, as ``float(x)`` does.
+
+        Examples:
+            >>> import jax.numpy as jnp, masked_jax as mj
+            >>> x = mj.masked_array(jnp.array([1.5, 2.5]), jnp.array([True, False]))
+            >>> x.item(0)
+            1.5
+        """
+        one = self
+        if len(args) == 1:
+            one = self.reshape(-1)[args[0]]
+        elif args:
+            one = self[args]
+        if one.size != 1:
+            raise ValueError(f"item() takes one element; this array has {one.size} (pass an index).")
+        return one._scalar("item", lambda d: d.reshape(()).item())
+
+    def tolist(self):
+        """Nested Python lists of the values, ``None`` at masked entries (``numpy.ma``'s ``tolist``).
+
+        Examples:
+            >>> import jax.numpy as jnp, masked_jax as mj
+            >>> mj.masked_array(jnp.array([[1, 2], [3, 4]]), jnp.array([[True, False], [True, True]])).tolist()
+            [[1, None], [3, 4]]
+        """
+        if _is_tracer(self._data) or _is_tracer(self._mask):
+            raise TypeError("tolist() of a traced MaskedArray: its values are not known inside jit/vmap/grad.")
+        data = np.asarray(self._data)
+        out = np.asarray(data.tolist() if data.ndim == 0 else data.astype(object), dtype=object)
+        out[~np.asarray(self.mask)] = None
+        return out.tolist()
 
     def __array__(self, dtype=None, copy=None):
         raise TypeError(

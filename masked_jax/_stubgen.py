@@ -88,11 +88,18 @@ def _methods_stub() -> str:
         elif name in ("__eq__", "__ne__"):
             lines.append(f"    def {name}(self, other: object) -> MaskedArray: ...  # type: ignore[override]")
         elif name.startswith("__"):
-            lines.append(f"    def {name}(self, other: ArrayLike | MaskedArray) -> MaskedArray: ...")
+            lines.append(f"    def {name}(self, other: ArrayLike | MaskedArray) -> {_frontend.RETURNS[fn.spec.returns]}: ...")
         elif name in _frontend._VARARG_METHODS:
             lines.append(f"    def {name}(self, *args: Any, **kwargs: Any) -> MaskedArray: ...")
         else:
             sig = inspect.signature(fn)
+            rest = sig.replace(parameters=list(sig.parameters.values())[1:])
+            lines.append(f"    def {name}{render_signature(rest, first='self')}: ...")
+    for name, member in sorted(vars(ArrayMethods).items()):  # written by hand in _methods.py
+        if isinstance(member, property):
+            lines += ["    @property", f"    def {name}(self) -> {member.fget.__annotations__['return']}: ..."]
+        elif inspect.isfunction(member) and not hasattr(member, "op_name"):
+            sig = inspect.signature(member)
             rest = sig.replace(parameters=list(sig.parameters.values())[1:])
             lines.append(f"    def {name}{render_signature(rest, first='self')}: ...")
     return "\n".join(lines) + "\n"

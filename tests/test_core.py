@@ -316,3 +316,57 @@ class ChexVariantsTest(chex.TestCase):
         chex.assert_trees_all_equal_structs(grads, x)  # a gradient is a MaskedArray with x's mask
         chex.assert_trees_all_equal(grads.mask, x.mask)
         chex.assert_tree_all_finite(grads.data)
+
+
+def _layouts_of(data, mask):
+    """The operand in each storage: dense and BCOO with ``mask``, row-sparse with its whole rows valid."""
+    x = mj.masked_array(data, mask)
+    rows = mj.masked_array(data, jnp.broadcast_to(jnp.all(mask, axis=1, keepdims=True) | (jnp.arange(len(mask)) == 0)[:, None],
+                                                  mask.shape))
+    return {"dense": x, "rows": rows.tostype("row_sparse"), "bcoo": x.tostype("bcoo")}
+
+
+def test_jax_array_methods_follow_the_masked_functions_in_every_layout():
+    """The jax.Array methods that are not one registry op (real, imag, conjugate, copy, diagonal,
+    trace, nonzero, searchsorted, round(), divmod(), block_until_ready, argpartition) give the
+    masked function's result, in every layout."""
+    data = jnp.array([[1.25, -2.5, 3.0], [4.75, 5.5, -6.0], [7.0, 8.25, 9.5]])
+    mask = jnp.array([[True, False, True], [True, True, False], [False, True, True]])
+    for name, x in _layouts_of(data, mask).items():
+        dense = x.todense() if name != "dense" else x
+        for got, want in [
+            (x.real, mnp.real(dense)), (x.imag, mnp.imag(dense)), (x.conjugate(), mnp.conj(dense)),
+            (x.copy(), dense), (x.diagonal(1), mnp.diagonal(dense, 1)), (x.trace(), mnp.trace(dense)),
+            (round(x), mnp.round(dense)), (round(x, 1), mnp.round(dense, 1)),
+            (divmod(x, 2.0)[0], mnp.floor_divide(dense, 2.0)), (divmod(x, 2.0)[1], mnp.mod(dense, 2.0)),
+            (divmod(7.0, x)[1], mnp.mod(7.0, dense)), (x.block_until_ready(), dense),
+        ]:
+            got = got.todense() if hasattr(got, "todense") else got
+            np.testing.assert_array_equal(np.asarray(got.mask), np.asarray(want.mask), err_msg=name)
+            np.testing.assert_array_equal(np.asarray(got.filled(0)), np.asarray(want.filled(0)), err_msg=name)
+        for got, want in zip(x.nonzero(), jnp.nonzero(dense.mask & (data != 0))):
+            np.testing.assert_array_equal(got, want)
+    row = mj.masked_array(jnp.array([3.0, 1.0, 99.0, 2.0]), jnp.array([True, True, False, True]))
+    assert row.searchsorted(2.5).tolist() == 2
+    assert row.argpartition(1).tolist() == mnp.argpartition(row, 1).tolist()
+    assert isinstance(x.copy(), type(x)) and x.copy() is not x
+
+
+def test_item_tolist_and_format():
+    """item() and float() agree; tolist() puts None at masked entries (numpy.ma's tolist); a 0-d
+    array formats as jax's, a masked one as `--` padded to the width; a masked element has no item."""
+    x = mj.masked_array(jnp.array([[1.5, 2.0], [3.0, 4.5]]), jnp.array([[True, False], [True, True]]))
+    assert x.item(0) == 1.5 and x.item(1, 0) == 3.0 and x[1, 1].item() == 4.5
+    assert x.tolist() == [[1.5, None], [3.0, 4.5]] == x.to_numpy_ma().tolist()
+    assert mj.masked_array(jnp.array(7, jnp.int8)).tolist() == 7
+    assert mj.masked_array(jnp.array(7), jnp.array(False)).tolist() is None
+    assert f"{x[0, 0]:.3f}|{x[0, 1]:>6.1f}|{x[0, 1]:*^6}|{x[0, 1]:08.2f}" == "1.500|    --|**--**|      --"
+    assert f"{x[0, 0]}" == str(x[0, 0])
+    with pytest.raises(ValueError, match="masked element"):
+        x.item(1)
+    with pytest.raises(ValueError, match="one element"):
+        x.item()
+    with pytest.raises(TypeError, match="0-d"):
+        f"{x:.2f}"
+    with pytest.raises(TypeError, match="traced"):
+        jax.jit(lambda v: v.tolist())(x)

@@ -415,3 +415,20 @@ def test_a_bitcast_to_another_width_reshapes_the_mask_with_the_data(jit):
     compact = mj.masked_array(x.data, jnp.array([[True], [False]]))  # a (2, 1) row mask
     out = narrow(compact)
     np.testing.assert_array_equal(np.asarray(out.mask), np.broadcast_to(np.array([True, False])[:, None, None], (2, 3, 2)))
+
+
+@pytest.mark.parametrize("dtype", [jnp.int8, jnp.int16, jnp.int32, jnp.int64])
+@pytest.mark.parametrize("jit", [False, True])
+def test_gcd_and_lcm_return_on_the_integer_minimum(dtype, jit):
+    """jnp.gcd loops forever on INT_MIN (its absolute value is negative); the masked gcd and lcm
+    work on unsigned magnitudes and give numpy's answers, masked entries staying masked."""
+    low = int(jnp.iinfo(dtype).min)
+    a = mj.masked_array(jnp.array([low, low, low, 12, -12], dtype), jnp.array([True, True, True, True, False]))
+    b = jnp.array([6, 0, low, -18, 5], dtype)
+    gcd, lcm = (jax.jit(f) if jit else f for f in (mnp.gcd, mnp.lcm))
+    g, m = gcd(a, b), lcm(a, b)
+    np_a, np_b = np.asarray(a.data), np.asarray(b)
+    np.testing.assert_array_equal(np.asarray(g.data)[:4], np.gcd(np_a, np_b)[:4])
+    np.testing.assert_array_equal(np.asarray(m.data)[:4], np.lcm(np_a, np_b)[:4])
+    np.testing.assert_array_equal(np.asarray(g.mask), [True, True, True, True, False])
+    assert int(g.data[0]) == 2 and int(g.data[1]) == low

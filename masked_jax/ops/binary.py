@@ -291,11 +291,16 @@ _NO_JACOBIAN.update({
 PRESERVES = {"add": (0, 1), "subtract": (0, 1), "multiply": (0, 1), "divide": (0,), "true_divide": (0,)}
 
 
+_DIVMOD = ("x = mj.masked_array(jnp.array([7.0, 9.0]), jnp.array([True, False]))", "{mod}.divmod(x, 2.0)",
+           "(MaskedArray([3.0 --], dtype=float32), MaskedArray([1.0 --], dtype=float32))")
+
+
 def _binary_spec(name, fn, safe, prims, methods=(), modules=("numpy",), jax_name=None, signature=_X1X2):
     operands = tuple(signature.parameters)[:2]
     return OpSpec(name=name, family="binary", rule=nary(fn, safe, PRESERVES.get(name, ())), signature=signature,
                   operands=operands, methods=methods, primitives=prims, safe=safe, fn=fn, modules=modules,
                   jax_name=jax_name or f"jnp.{name}", returns="pair" if name == "divmod" else "masked",
+                  example=_DIVMOD if name == "divmod" else None,
                   excluded={**(MASKIFY_ONLY if not modules else {}),
                             **({"jacobians": _NO_JACOBIAN[name]} if name in _NO_JACOBIAN else {})})
 

@@ -173,7 +173,12 @@ UNARY = [
 ]
 
 # Two results, each valid where the operand is: ``(fractional, integral)``, ``(mantissa, exponent)``.
-PAIRS = ("modf", "frexp")
+PAIRS = {
+    "modf": ("x = mj.masked_array(jnp.array([1.5, -2.25]), jnp.array([True, False]))", "{mod}.modf(x)",
+             "(MaskedArray([0.5 --], dtype=float32), MaskedArray([1.0 --], dtype=float32))"),
+    "frexp": ("x = mj.masked_array(jnp.array([3.0, 8.0]), jnp.array([True, False]))", "{mod}.frexp(x)",
+              "(MaskedArray([0.75 --], dtype=float32), MaskedArray([2 --], dtype=int32))"),
+}
 
 # jax.nn activations: public in masked_jax.nn.
 ACTIVATIONS = [
@@ -229,7 +234,7 @@ _NOT_INTERPRETED = {name: {"maskify": f"jnp.{name} {_CONSTANT}"} for name in ("i
 
 for _name, _fn, _safe, _prims, _methods in UNARY:
     register(unary_spec(_name, _fn, _safe, primitives=_prims, methods=_methods,
-                        example=_INT if _name in ("bitwise_not", "invert", "bitwise_count") else None,
+                        example=_INT if _name in ("bitwise_not", "invert", "bitwise_count") else PAIRS.get(_name),
                         returns="pair" if _name in PAIRS else "masked",
                         excluded={**({"jacobians": NO_JACOBIAN[_name]} if _name in NO_JACOBIAN else {}),
                                   **_NOT_INTERPRETED.get(_name, {})}))

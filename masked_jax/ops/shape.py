@@ -300,7 +300,8 @@ _shape_op("argsort", argsort, jnp.argsort, methods=("argsort",), returns="array"
 _PART = "x = mj.masked_array(jnp.array([3.0, 1.0, 2.0, 0.0]), jnp.array([True, True, True, False]))"
 _shape_op("partition", partition, jnp.partition, static=_partition_static,
           example=(_PART, "{mod}.partition(x, 1)[1]", "MaskedArray(2.0, dtype=float32)"))
-_shape_op("argpartition", argpartition, jnp.argpartition, returns="array", static=_partition_static,
+_shape_op("argpartition", argpartition, jnp.argpartition, methods=("argpartition",), returns="array",
+          static=_partition_static,
           example=(_PART, "{mod}.argpartition(x, 1)", "Array([1, 2, 0, 3], dtype=int32)"),
           excluded={"jacobians": "integer output: no derivative"})
 _shape_op("getitem", getitem, None, modules=(),
