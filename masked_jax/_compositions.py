@@ -7,6 +7,7 @@ stacking and splitting family, membership and binning over valid entries, 1-d co
 from __future__ import annotations
 
 import builtins
+import math
 
 import jax
 import jax.numpy as jnp
@@ -358,6 +359,223 @@ def unique(ar, return_index: bool = False, return_inverse: bool = False, return_
     return (r.values, *extra) if extra else r.values
 
 
+def diag(v, k: int = 0) -> MaskedArray:
+    """``jax.numpy.diag``: of a 1-d array, a matrix with ``v`` on diagonal ``k`` (masked where ``v``
+    is) and valid zeros elsewhere, as ``numpy.ma.diag`` and as ``pad`` writes constants; of a 2-d
+    array, its diagonal ``k``.
+
+    Examples:
+        >>> import jax.numpy as jnp, masked_jax as mj, masked_jax.numpy as mnp
+        >>> mnp.diag(mj.masked_array(jnp.array([1.0, 2.0]), jnp.array([True, False])))
+        MaskedArray([[1.0 0.0]
+                     [0.0 --]], dtype=float32)
+    """
+    x = as_masked(v)
+    if x.ndim == 2:
+        return _diagonal(x, k, 0, 1)
+    if x.ndim != 1:
+        raise ValueError(f"diag: the input must be 1-d or 2-d; got shape {x.shape}.")
+    return MaskedArray._from_pair(jnp.diag(x.filled(0), k), ~jnp.diag(~x.mask, k))
+
+
+def diagflat(v, k: int = 0) -> MaskedArray:
+    """``diag`` of ``v`` flattened (``jax.numpy.diagflat``).
+
+    Examples:
+        >>> import jax.numpy as jnp, masked_jax as mj, masked_jax.numpy as mnp
+        >>> mnp.diagflat(mj.masked_array(jnp.array([[1.0], [2.0]]), jnp.array([[True], [False]]))).mask
+        Array([[ True,  True],
+               [ True, False]], dtype=bool)
+    """
+    return diag(_op("ravel")(as_masked(v)), k)
+
+
+def append(arr, values, axis: int | None = None) -> MaskedArray:
+    """``values`` joined to the end of ``arr`` (both flattened when ``axis`` is ``None``), masks with data.
+
+    Examples:
+        >>> import jax.numpy as jnp, masked_jax as mj, masked_jax.numpy as mnp
+        >>> mnp.append(mj.masked_array(jnp.array([1.0, 2.0]), jnp.array([True, False])), 3.0)
+        MaskedArray([1.0 -- 3.0], dtype=float32)
+    """
+    a, b = as_masked(arr), as_masked(values)
+    if axis is None:
+        a, b = _op("ravel")(a), _op("ravel")(b)
+        axis = 0
+    return _op("concatenate")([a, b], axis=axis)
+
+
+def select(condlist, choicelist, default=0) -> MaskedArray:
+    """``jax.numpy.select``: at each position the choice of the first true condition, else ``default``.
+    A masked condition leaves the position masked (whether it holds is unknown); so does a masked
+    chosen value. A constant ``default`` never makes a masked position valid (as in ``where``).
+
+    Examples:
+        >>> import jax.numpy as jnp, masked_jax as mj, masked_jax.numpy as mnp
+        >>> x = mj.masked_array(jnp.array([-2.0, 0.5, 3.0, 9.0]), jnp.array([True, True, True, False]))
+        >>> mnp.select([x < 0, x < 1], [-x, x * 10], default=x)
+        MaskedArray([2.0 5.0 3.0 --], dtype=float32)
+    """
+    if len(condlist) != len(choicelist):
+        raise ValueError(f"select: condlist and choicelist must have the same length; got {len(condlist)} "
+                         f"and {len(choicelist)}.")
+    if not condlist:
+        raise ValueError("select: condlist must not be empty.")
+    where = _op("where")
+    out = default
+    for cond, choice in zip(reversed(condlist), reversed(choicelist)):
+        c = as_masked(cond)
+        if c.dtype != jnp.bool_:
+            raise TypeError(f"select: each condition must be a bool array; got dtype {c.dtype}.")
+        # known true: the choice; known false: what comes after; masked condition: masked
+        out = where(c, choice, out)
+    return as_masked(out)
+
+
+def allclose(a, b, rtol=1e-05, atol=1e-08, equal_nan: bool = False) -> MaskedArray:
+    """Whether every jointly valid pair is close (``isclose``), reduced as ``all``: a 0-d bool array,
+    masked when no pair is jointly valid (masked entries are never compared).
+
+    Examples:
+        >>> import jax.numpy as jnp, masked_jax as mj, masked_jax.numpy as mnp
+        >>> a = mj.masked_array(jnp.array([1.0, 5.0]), jnp.array([True, False]))
+        >>> mnp.allclose(a, jnp.array([1.0, 2.0]))
+        MaskedArray(True, dtype=bool)
+    """
+    return _op("all")(_op("isclose")(a, b, rtol=rtol, atol=atol, equal_nan=equal_nan))
+
+
+def matvec(x1, x2) -> MaskedArray:
+    """Batched matrix-vector product ``x1 @ x2`` (``jax.numpy.matvec``): sums over jointly valid terms, as ``matmul``.
+
+    Examples:
+        >>> import jax.numpy as jnp, masked_jax as mj, masked_jax.numpy as mnp
+        >>> m = mj.masked_array(jnp.array([[1.0, 2.0], [3.0, 4.0]]), jnp.array([[True, False], [False, False]]))
+        >>> mnp.matvec(m, jnp.array([10.0, 20.0]))
+        MaskedArray([10.0 --], dtype=float32)
+    """
+    return _op("matmul")(x1, _op("expand_dims")(as_masked(x2), -1))[..., 0]
+
+
+def vecmat(x1, x2) -> MaskedArray:
+    """Batched vector-matrix product ``conj(x1) @ x2`` (``jax.numpy.vecmat``), as ``matmul``.
+
+    Examples:
+        >>> import jax.numpy as jnp, masked_jax as mj, masked_jax.numpy as mnp
+        >>> v = mj.masked_array(jnp.array([1.0, 2.0]), jnp.array([True, False]))
+        >>> mnp.vecmat(v, jnp.array([[1.0, 2.0], [3.0, 4.0]]))
+        MaskedArray([1.0 2.0], dtype=float32)
+    """
+    return _op("matmul")(_op("expand_dims")(_op("conj")(x1), -2), x2)[..., 0, :]
+
+
+def kron(a, b) -> MaskedArray:
+    """Kronecker product (``jax.numpy.kron``): each entry valid where both of its factors are.
+
+    Examples:
+        >>> import jax.numpy as jnp, masked_jax as mj, masked_jax.numpy as mnp
+        >>> mnp.kron(mj.masked_array(jnp.array([1.0, 2.0]), jnp.array([True, False])), jnp.array([1.0, 10.0]))
+        MaskedArray([1.0 10.0 -- --], dtype=float32)
+    """
+    x, y = as_masked(a), as_masked(b)
+    n = builtins.max(x.ndim, y.ndim)
+    x, y = (_op("reshape")(v, (1,) * (n - v.ndim) + v.shape) for v in (x, y))
+    spread_x = _op("reshape")(x, tuple(d for s in x.shape for d in (s, 1)))  # (a0, 1, a1, 1, ...)
+    spread_y = _op("reshape")(y, tuple(d for s in y.shape for d in (1, s)))  # (1, b0, 1, b1, ...)
+    return _op("reshape")(_op("multiply")(spread_x, spread_y), tuple(p * q for p, q in zip(x.shape, y.shape)))
+
+
+def ediff1d(ary, to_end=None, to_begin=None) -> MaskedArray:
+    """Differences of consecutive entries of ``ary`` flattened, valid where both are
+    (``numpy.ma.ediff1d``), with ``to_begin``/``to_end`` joined on.
+
+    Examples:
+        >>> import jax.numpy as jnp, masked_jax as mj, masked_jax.numpy as mnp
+        >>> mnp.ediff1d(mj.masked_array(jnp.array([1.0, 4.0, 9.0, 16.0]), jnp.array([True, True, False, True])))
+        MaskedArray([3.0 -- --], dtype=float32)
+    """
+    x = diff(_op("ravel")(as_masked(ary)))
+    parts = [_op("ravel")(as_masked(p)).astype(x.dtype) for p in (to_begin,) if p is not None]
+    parts += [x] + [_op("ravel")(as_masked(p)).astype(x.dtype) for p in (to_end,) if p is not None]
+    return _op("concatenate")(parts) if len(parts) > 1 else x
+
+
+def _valid_nonzero(a):
+    x = as_masked(a)
+    return x.mask & (x.data != 0)
+
+
+def argwhere(a, *, size: int | None = None, fill_value=None) -> jax.Array:
+    """Indices of the valid nonzero entries, one row each (``jax.numpy.argwhere``; a plain array:
+    an index is always defined). Without ``size`` it needs a concrete array, as in jax.numpy.
+
+    Examples:
+        >>> import jax.numpy as jnp, masked_jax as mj, masked_jax.numpy as mnp
+        >>> mnp.argwhere(mj.masked_array(jnp.array([0.0, 2.0, 3.0]), jnp.array([True, True, False])))
+        Array([[1]], dtype=int32)
+    """
+    return jnp.argwhere(_valid_nonzero(a), size=size, fill_value=fill_value)
+
+
+def flatnonzero(a, *, size: int | None = None, fill_value=None) -> jax.Array:
+    """Flat indices of the valid nonzero entries (``jax.numpy.flatnonzero``; a plain array).
+
+    Examples:
+        >>> import jax.numpy as jnp, masked_jax as mj, masked_jax.numpy as mnp
+        >>> mnp.flatnonzero(mj.masked_array(jnp.array([0.0, 2.0, 3.0]), jnp.array([True, True, False])))
+        Array([1], dtype=int32)
+    """
+    return jnp.flatnonzero(_valid_nonzero(a), size=size, fill_value=fill_value)
+
+
+def copy(a, order=None) -> MaskedArray:
+    """A copy of data and mask (``jax.numpy.copy``).
+
+    Examples:
+        >>> import jax.numpy as jnp, masked_jax as mj, masked_jax.numpy as mnp
+        >>> mnp.copy(mj.masked_array(jnp.array([1.0, 2.0]), jnp.array([True, False])))
+        MaskedArray([1.0 --], dtype=float32)
+    """
+    if order not in (None, "K", "C"):
+        raise ValueError(f"copy: only order='K' (or 'C', None) is supported, as in jax.numpy; got {order!r}.")
+    return as_masked(a).copy()
+
+
+def shape(a) -> tuple[int, ...]:
+    """The shape (``jax.numpy.shape``).
+
+    Examples:
+        >>> import masked_jax.numpy as mnp
+        >>> mnp.shape(mnp.zeros((2, 3)))
+        (2, 3)
+    """
+    return tuple(a.shape) if hasattr(a, "shape") else np.shape(a)
+
+
+def ndim(a) -> int:
+    """The number of dimensions (``jax.numpy.ndim``).
+
+    Examples:
+        >>> import masked_jax.numpy as mnp
+        >>> mnp.ndim(mnp.zeros((2, 3)))
+        2
+    """
+    return len(shape(a))
+
+
+def size(a, axis: int | None = None) -> int:
+    """The number of elements, or the length of ``axis`` (``jax.numpy.size``).
+
+    Examples:
+        >>> import masked_jax.numpy as mnp
+        >>> mnp.size(mnp.zeros((2, 3))), mnp.size(mnp.zeros((2, 3)), 1)
+        (6, 3)
+    """
+    dims = shape(a)
+    return math.prod(dims) if axis is None else dims[normalize_axis(axis, len(dims))[0]]
+
+
 __all__ = [*NAN, "diff", "diagonal", "trace", "cross", "hstack", "vstack", "dstack", "column_stack", "array_split",
            "hsplit", "vsplit", "dsplit", "isin", "digitize", "bincount", "histogram", "convolve", "correlate",
-           "interp", "unique"]
+           "interp", "unique", "diag", "diagflat", "append", "select", "allclose", "matvec", "vecmat", "kron", "ediff1d",
+           "argwhere", "flatnonzero", "copy", "shape", "ndim", "size"]

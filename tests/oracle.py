@@ -682,6 +682,21 @@ FUNCTIONS = {
     "full_like": (_one(lambda m, x: m.full_like(x, 2)), None),
     "asarray": (_one(lambda m, x: m.asarray(x)), None),
     "meshgrid": (lambda m, x, y: m.meshgrid(x[0], y[:, 0]), None),
+    "diag": (_one(lambda m, x: (m.diag(x[0], 1), m.diag(x, -1))), None),
+    "diagflat": (_one(lambda m, x: m.diagflat(x[:2])), None),
+    "append": (lambda m, x, y: (m.append(x, y), m.append(x, y[:1], axis=0)), None),
+    "select": (lambda m, x, y: m.select([x == y, x != x[0]], [x, y], default=x[1]), None),
+    "allclose": (lambda m, x, y: m.allclose(x, x + y * 0), None),
+    "matvec": (lambda m, x, y: m.matvec(x, y[0]), None),
+    "vecmat": (lambda m, x, y: m.vecmat(y[:, 0], x), None),
+    "kron": (lambda m, x, y: m.kron(x, y[:2, :2]), None),
+    "ediff1d": (_one(lambda m, x: m.ediff1d(x, to_begin=x[0, :1])), None),
+    "argwhere": (_one(lambda m, x: m.argwhere(x, size=12, fill_value=-1)), None),
+    "flatnonzero": (_one(lambda m, x: m.flatnonzero(x, size=12, fill_value=-1)), None),
+    "copy": (_one(lambda m, x: m.copy(x)), None),
+    "shape": (_one(lambda m, x: m.asarray(m.shape(x))), None),
+    "ndim": (_one(lambda m, x: m.asarray(m.ndim(x))), None),
+    "size": (_one(lambda m, x: m.asarray([m.size(x), m.size(x, -1)])), None),
 }
 # Functions of no array operand (creation, dtype queries), compared once, with their dtypes.
 CREATION = {
@@ -728,7 +743,7 @@ def check_function(name, dtype, values, jit=False):
     else:
         f = (lambda a, b: call_(mnp_module(), a, b))
         got = jax.jit(f)(x, y) if jit else f(x, y)
-    rounding = name in ("nansum", "nanmean", "nanstd", "nanvar", "nanprod", "nancumsum", "nancumprod", "vecdot",
+    rounding = name in ("nansum", "nanmean", "nanstd", "nanvar", "nanprod", "nancumsum", "nancumprod", "vecdot", "matvec", "vecmat",
                         "trace", "cumulative_sum", "cumulative_prod", "vector_norm", "matrix_norm", "convolve",
                         "correlate", "interp", "nanquantile", "nanpercentile", "nanmedian")
     g_leaves, w_leaves = _leaves(got), _leaves(want)
@@ -760,7 +775,11 @@ def mnp_module():
 # (function, dtype) pairs where jnp's result is no reference, and why (docs/semantics.md lists them)
 _NAN_TO_NO_INF = ("jnp replaces NaN by -inf (+inf), which float8_e4m3fn does not hold: the cast gives NaN again, "
                   "so jnp returns the index of a NaN")
+_COMPLEX_DOT = ("jnp's complex dot forms its real and imaginary parts as sums of real products, so a valid ±max "
+                "entry overflows there to inf - inf = NaN, where the masked contraction, summing the complex "
+                "terms by parts as jnp.sum(x * v) does, gives the signed infinity")
 FUNCTION_SKIPS = {("nanargmax", "float8_e4m3fn"): _NAN_TO_NO_INF, ("nanargmin", "float8_e4m3fn"): _NAN_TO_NO_INF,
+                  **{(n, d): _COMPLEX_DOT for n in ("matvec", "vecmat") for d in ("complex64", "complex128")},
                   ("searchsorted", "float8_e5m2"): "jnp places a NaN query after the NaN entries of a float8_e5m2 "
                                                    "array (before them for every other float type, as numpy)"}
 

@@ -253,6 +253,12 @@ PASSTHROUGH = [
     ("roll", jnp.roll, "1, 0", 3, ()),
     ("tile", jnp.tile, "2", 6, ()),
     ("repeat", jnp.repeat, "2", 6, ("repeat",)),
+    ("fliplr", jnp.fliplr, "", 3, ()),
+    ("flipud", jnp.flipud, "", 3, ()),
+    ("rot90", jnp.rot90, "", 3, ()),
+    ("rollaxis", jnp.rollaxis, "1", 3, ()),
+    ("delete", jnp.delete, "0, 0", 2, ()),
+    ("resize", jnp.resize, "(3, 2)", 4, ()),
 ]
 for _name, _fn, _args, _count, _methods in PASSTHROUGH:
     _call = "{mod}.{name}(" + ", ".join(a for a in ("x", _args) if a) + ").mask.sum()"
@@ -261,7 +267,7 @@ for _name, _fn, _args, _count, _methods in PASSTHROUGH:
 
 _shape_op("take_along_axis", take_along_axis, jnp.take_along_axis,
           example=(_X22, "{mod}.take_along_axis(x, jnp.array([[0], [1]]), 1).mask.sum()", "Array(2, dtype=int32)"))
-for _name, _fn in (("atleast_1d", jnp.atleast_1d), ("atleast_2d", jnp.atleast_2d)):
+for _name, _fn in (("atleast_1d", jnp.atleast_1d), ("atleast_2d", jnp.atleast_2d), ("atleast_3d", jnp.atleast_3d)):
     _shape_op(_name, atleast(_fn), _fn, returns="any", example=(_X22, "{mod}.%s(x).mask.sum()" % _name, "Array(3, dtype=int32)"))
 _shape_op("split", split, jnp.split, returns="list",
           excluded={"jacobians": "returns a list of slices; each is a getitem, whose Jacobian is checked"},
