@@ -122,6 +122,10 @@ def _check_data(data, argname="data"):
 
 
 def _check_mask(mask, shape):
+    if mask is np.ma.nomask:  # numpy.ma's "nothing masked" is False, which here would mask everything
+        raise ValueError("mask is numpy.ma.nomask (numpy.bool_ False), whose meaning is inverted here: masked_jax's "
+                         "mask is True = valid. Pass mask=None for every element valid, or x = mj.from_numpy_ma(a) "
+                         "for a numpy.ma array (a Python False masks every element).")
     if isinstance(mask, MaskedArray):
         raise TypeError("mask must be a bool array, not a MaskedArray.")
     try:
@@ -397,16 +401,23 @@ class MaskedArray(ArrayMethods):
         """
         if _is_tracer(self._data) or _is_tracer(self._mask):
             raise TypeError("tolist() of a traced MaskedArray: its values are not known inside jit/vmap/grad.")
-        data = np.asarray(self._data)
-        out = np.asarray(data.tolist() if data.ndim == 0 else data.astype(object), dtype=object)
-        out[~np.asarray(self.mask)] = None
-        return out.tolist()
+        def merge(values, valid):
+            return [merge(v, m) for v, m in zip(values, valid)] if isinstance(values, list) else (values if valid else None)
+
+        return merge(np.asarray(self._data).tolist(), np.asarray(self.mask).tolist())
 
     def __array__(self, dtype=None, copy=None):
         raise TypeError(
             "A MaskedArray cannot be converted to a plain array implicitly (the mask would be "
             "lost). Use x.filled(fill_value), x.data, or x.to_numpy_ma()."
         )
+
+    def __contains__(self, value) -> bool:
+        """``value in x``: whether a valid entry equals ``value`` (masked entries hold no value)."""
+        if _is_tracer(self._data) or _is_tracer(self._mask):
+            raise TypeError("`in` on a traced MaskedArray: its values are not known inside jit/vmap/grad. Use "
+                            "jnp.any(x.mask & (x.data == value)).")
+        return bool(jnp.any(self.mask & (self._data == value)))
 
     def __iter__(self):
         if self.ndim == 0:

@@ -38,6 +38,7 @@ BAD_INPUTS = [
     (lambda: mj.masked_array(object(), None), TypeError, "data must be a numeric or bool array"),
     (lambda: mj.masked_array(x3(), None), TypeError, "not a MaskedArray"),
     (lambda: mj.masked_array(jnp.zeros(3), "yes"), TypeError, "mask must"),
+    (lambda: mj.masked_array(jnp.zeros(3), np.ma.nomask), ValueError, "inverted here"),  # would mask everything
     (lambda: bool(x3()), ValueError, "more than one element"),
     (lambda: float(mj.masked_array(jnp.array(2.0), jnp.array(False))), ValueError, r"x.filled\(fill_value\)"),
     (lambda: jax.jit(lambda v: int(v))(mj.as_masked(jnp.int32(3))), TypeError, "traced"),
@@ -370,3 +371,12 @@ def test_item_tolist_and_format():
         f"{x:.2f}"
     with pytest.raises(TypeError, match="traced"):
         jax.jit(lambda v: v.tolist())(x)
+
+
+def test_in_looks_at_valid_entries_only():
+    """``v in x``: a masked entry neither matches nor stops the search (iterating would meet it)."""
+    x = mj.masked_array(jnp.array([1.0, 5.0, 2.0]), jnp.array([True, False, True]))
+    assert 2.0 in x and 1.0 in x and 5.0 not in x and 7.0 not in x
+    assert 2.0 in x.tostype("bcoo").todense()
+    with pytest.raises(TypeError, match="traced"):
+        jax.jit(lambda v: 2.0 in v)(x)
