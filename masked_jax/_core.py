@@ -366,8 +366,8 @@ class MaskedArray(ArrayMethods):
             raise TypeError(f"unsupported format string {format_spec!r} for a MaskedArray of shape {self.shape}: "
                             "only a concrete 0-d array takes one, as for jax arrays.")
         if self._mask is not None and not bool(np.asarray(self._mask).reshape(())):
-            layout = re.match(r"(?:(.)?([<>=^]))?[-+ ]?z?#?(0)?(\d*)", format_spec)
-            fill, align, _, width = layout.groups()  # a masked entry is padded with the fill, never zeros
+            layout = re.match(r"(?:(.)?([<>=^]))?[-+ ]?z?#?0?(\d*)", format_spec)
+            fill, align, width = layout.groups()  # a masked entry is padded with the fill, never zeros
             return format("--", f"{fill or ' '}{align or '>'}{width}")
         return format(self._data, format_spec)
 
