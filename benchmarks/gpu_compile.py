@@ -49,7 +49,7 @@ import maskify_models as mm  # noqa: E402
 import masked_jax as mj  # noqa: E402
 from masked_jax import optim  # noqa: E402
 from masked_jax.optim._fused import fusable  # noqa: E402
-from masked_jax.optim._lazy import LIFTS  # noqa: E402
+from masked_jax.optim._state import lazy_inner  # noqa: E402
 from _timing import RESULTS  # noqa: E402
 from optim import fused_step, update_step  # noqa: E402
 
@@ -170,7 +170,7 @@ def _fused_optimizer(make):
     already, as ``masked_adagrad``) on a small table, checked to be one ``make_train_step`` would
     fuse."""
     opt = make()
-    opt = opt if LIFTS.get(opt.update) is not None else optim.lazy(opt)
+    opt = opt if lazy_inner(opt) is not None else optim.lazy(opt)
     table = np.zeros((4096, 24), np.float32)
     if not fusable(opt, mj.row_sparse(table[:1000], np.arange(1000), table.shape), opt.init(table), table):
         raise ValueError("make_train_step would not fuse it")

@@ -18,10 +18,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from masked_jax import _lookup
+from masked_jax import embeddings
 from masked_jax._core import MaskedArray, is_masked
 from masked_jax._core import is_container as _is_container
-from masked_jax._storage import SparseMasked
+from masked_jax._core import SparseMasked
 
 
 class _NoMask:
@@ -54,8 +54,6 @@ def _rebuild(data, meta):
         return data
     if meta is _NO_MASK:
         return MaskedArray.tree_unflatten(None, (data, None))
-    if isinstance(meta, _lookup._LookupRows):  # a row_sparse table: the rows it read
-        return meta.with_data(data)
     if isinstance(meta, SparseMasked):
         return meta.with_data(data)
     return MaskedArray.tree_unflatten(None, (data, meta))
@@ -142,13 +140,13 @@ def value_and_grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: boo
     @functools.wraps(fun)
     def wrapped(*args, **kwargs):
         if row_sparse is not None and row_sparse is not False:
-            read, args = _lookup.substitute(fun, args, kwargs, _argnums_tuple(argnums, len(args)), row_sparse)
+            read, args = embeddings.substitute_rows(fun, args, kwargs, _argnums_tuple(argnums, len(args)), row_sparse)
         else:
             read = fun
         g, diff, masks, treedefs = _reader(read, args, kwargs, argnums, static=True)
         (_, (value, aux)), grads = jax.value_and_grad(
             lambda d: _loss(_with_aux(g(d), has_aux)), has_aux=True, holomorphic=holomorphic)(diff)
-        grads = _lookup.as_row_sparse(_grad_tree(grads, masks, treedefs, argnums))
+        grads = embeddings.as_row_sparse(_grad_tree(grads, masks, treedefs, argnums))
         return ((value, aux), grads) if has_aux else (value, grads)
 
     return wrapped

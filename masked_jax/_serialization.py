@@ -16,13 +16,13 @@ import sys
 
 import jax.numpy as jnp
 
+from masked_jax._core import MaskedArray
+from masked_jax.layouts import BCOOMaskedArray, RowSparseArray
+
 _MODULE = "flax.serialization"
 
 
 def _classes():
-    from masked_jax._core import MaskedArray
-    from masked_jax.layouts import BCOOMaskedArray, RowSparseArray
-
     return (MaskedArray, BCOOMaskedArray, RowSparseArray)
 
 

@@ -1,4 +1,4 @@
-"""Write the type stubs of the registry-built API: ``numpy.pyi``, ``nn.pyi`` and ``_methods.pyi``.
+"""Write the type stubs of the registry-built API: ``numpy/__init__.pyi``, ``nn.pyi`` and ``_core/_methods.pyi``.
 
 The functions of ``masked_jax.numpy`` / ``masked_jax.nn`` and the methods of every masked array
 class are built at import time from the op registry, so static tools (pyright, mypy, editors)
@@ -14,8 +14,9 @@ import pathlib
 import sys
 
 import masked_jax  # noqa: F401  (registers every op and builds the modules)
-from masked_jax import _array_api, _compositions, _frontend, nn, numpy
-from masked_jax._methods import ArrayMethods
+from masked_jax import nn, numpy
+from masked_jax.numpy import _array_api, _compositions, _frontend
+from masked_jax._core import ArrayMethods
 
 HERE = pathlib.Path(__file__).parent
 HEADER = '''# Generated from the op registry by `python -m masked_jax._stubgen`; do not edit.
@@ -65,11 +66,13 @@ def _module_stub(module, extra: str = "") -> str:
         spec = getattr(obj, "spec", None)
         if spec is not None:
             lines.append(f"def {name}{render_signature(inspect.signature(obj))}: ...")
-        elif getattr(obj, "__module__", "") == "masked_jax._core":
+        elif getattr(obj, "__module__", "").startswith("masked_jax._core"):
             reexports.append(f"from masked_jax._core import {obj.__name__} as {name}")
         elif name in _array_api.__all__ or name in _compositions.__all__:  # typed in their own source
             home = "_array_api" if name in _array_api.__all__ else "_compositions"
-            reexports.append(f"from masked_jax.{home} import {name} as {name}")
+            reexports.append(f"from masked_jax.numpy.{home} import {name} as {name}")
+        elif inspect.ismodule(obj):  # linalg, fft: real submodules, typed in their own source
+            reexports.append(f"from {obj.__name__.rsplit('.', 1)[0]} import {name} as {name}")
         elif inspect.isfunction(obj) and obj.__name__ == name:
             lines.append(f"def {name}{render_signature(inspect.signature(obj))}: ...")
         elif inspect.isfunction(obj):
@@ -95,7 +98,7 @@ def _methods_stub() -> str:
             sig = inspect.signature(fn)
             rest = sig.replace(parameters=list(sig.parameters.values())[1:])
             lines.append(f"    def {name}{render_signature(rest, first='self')}: ...")
-    for name, member in sorted(vars(ArrayMethods).items()):  # written by hand in _methods.py
+    for name, member in sorted(vars(ArrayMethods).items()):  # written by hand (_methods, _array_methods)
         if isinstance(member, property):
             lines += ["    @property", f"    def {name}(self) -> {member.fget.__annotations__['return']}: ..."]
         elif inspect.isfunction(member) and not hasattr(member, "op_name"):
@@ -106,19 +109,16 @@ def _methods_stub() -> str:
 
 
 def _namespace_extra() -> str:
-    return ("\nfrom masked_jax._array_api import __array_namespace_info__ as __array_namespace_info__\n"
+    return ("\nfrom masked_jax.numpy._array_api import __array_namespace_info__ as __array_namespace_info__\n"
             "__array_api_version__: str\n")
 
 
 def stubs() -> dict[pathlib.Path, str]:
     """Stub file -> its text, as generated from the registry now."""
-    linalg = "\nclass _Linalg:\n" + "".join(
-        f"    @staticmethod\n    def {n}{render_signature(inspect.signature(getattr(numpy.linalg, n)))}: ...\n"
-        for n in sorted(vars(numpy.linalg))) + "\nlinalg: _Linalg\n"
     return {
-        HERE / "numpy.pyi": _module_stub(numpy, linalg + _namespace_extra()),
+        HERE / "numpy" / "__init__.pyi": _module_stub(numpy, _namespace_extra()),
         HERE / "nn.pyi": _module_stub(nn),
-        HERE / "_methods.pyi": _methods_stub(),
+        HERE / "_core" / "_methods.pyi": _methods_stub(),
     }
 
 

@@ -20,8 +20,9 @@ import jax
 import jax.numpy as jnp
 
 from masked_jax import _validate
-from masked_jax import _frontend, ops
-from masked_jax._core import MaskedArray, _unwrap, _wrap
+from masked_jax import ops
+from masked_jax.numpy import _frontend
+from masked_jax._core import MaskedArray, unwrap, wrap
 
 __all__ = ["one_hot"]
 _frontend.attach("nn", globals())
@@ -43,13 +44,13 @@ def one_hot(x: Any, num_classes: int, *, dtype: Any = None, axis: int = -1) -> M
         MaskedArray([[0.0 0.0 1.0]
                      [-- -- --]], dtype=float32)
     """
-    p = _unwrap(x, "x")
+    p = unwrap(x, "x")
     num_classes = _validate.count(num_classes, "one_hot: num_classes")
     if not jnp.issubdtype(jnp.result_type(p.data), jnp.integer):
         raise TypeError(f"one_hot needs integer class indices; got dtype {jnp.result_type(p.data)}.")
     data = jax.nn.one_hot(p.data if p.mask is None else jnp.where(p.mask, p.data, 0),
                           num_classes, axis=axis, **({} if dtype is None else {"dtype": dtype}))
     if p.mask is None:
-        return _wrap(ops.Pair(data, None))
+        return wrap(ops.Pair(data, None))
     mask = jnp.broadcast_to(jnp.expand_dims(p.mask, axis), data.shape)
-    return _wrap(ops.Pair(data, mask))
+    return wrap(ops.Pair(data, mask))

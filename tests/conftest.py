@@ -86,6 +86,23 @@ def rng():
     return np.random.default_rng(0)
 
 
+# Two tiers. `make test` runs every test but the heavy ones below, which `make test-slow` runs (CI
+# runs both): the docs site build (it executes the notebooks), the demo, pyright on a user script,
+# the public Array API suite, the 8-device suite, headless Chromium renderings and the real models.
+# Every module and every registered op is still touched by `make test`, the conformance harness
+# at its documented sample (MJ_ORACLE=full: every case, `make test-full`).
+_SLOW_FILES = {"test_docs_site.py", "test_demo.py", "test_array_api_suite.py", "test_sharding.py",
+               "test_real_models.py"}
+_SLOW_TESTS = {"test_pyright_reports_no_error_on_a_user_script", "test_every_array_class_has_an_html_view_that_renders",
+               "test_html_report_renders_labelled_heatmap_in_headless_chromium"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.name in _SLOW_FILES or getattr(item, "originalname", item.name) in _SLOW_TESTS:
+            item.add_marker(pytest.mark.slow)
+
+
 # tests/sharded/ needs 8 devices, so it runs in its own process (tests/test_sharding.py starts it).
 collect_ignore = [] if os.environ.get("MASKED_JAX_SHARDED_TESTS") else ["sharded"]
 

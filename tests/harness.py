@@ -40,8 +40,8 @@ from jax.extend import core as jcore
 
 import masked_jax as mj
 import masked_jax.numpy as mnp
-from masked_jax import _frontend
-from masked_jax.layouts import BCOOMaskedArray, RowSparseArray, SparseMasked
+from masked_jax.numpy import _frontend
+from masked_jax.layouts import BCOOMaskedArray, RowSparseArray, SparseMasked, rows_from_parts
 from masked_jax.ops import REGISTRY
 from masked_jax._validate import dtype_kind
 
@@ -352,7 +352,7 @@ def _with_padding(x, data_pad, index_pad):
     data = jnp.concatenate([data, data_pad.astype(data.dtype)], axis=axis)
     indices = jnp.concatenate([indices, index_pad.astype(indices.dtype)], axis=axis)
     if isinstance(x, RowSparseArray):
-        return RowSparseArray._make(x.shape, data, indices)
+        return rows_from_parts(x.shape, data, indices)
     return BCOOMaskedArray.tree_unflatten(x.shape, (data, indices))
 
 
@@ -372,7 +372,7 @@ def layout(kind, x):
     if kind.startswith("rows"):
         r = RowSparseArray.from_masked(x)
         if dup:
-            r = RowSparseArray._make(r.shape, jnp.concatenate([r.data * 0.25, r.data * 0.75]),
+            r = rows_from_parts(r.shape, jnp.concatenate([r.data * 0.25, r.data * 0.75]),
                                      jnp.concatenate([r.indices, r.indices]))
         return _with_padding(r, _bad(x.dtype, (2, m)), jnp.array([n, -1]))
     if kind == "bcoo_batch":

@@ -31,7 +31,7 @@ import ml_dtypes
 import numpy as np
 
 import masked_jax as mj
-from masked_jax import _frontend
+from masked_jax.numpy import _frontend
 from masked_jax.layouts import SparseMasked
 from masked_jax.ops import REGISTRY
 from masked_jax._validate import dtype_kind as kind

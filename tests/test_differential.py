@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import masked_jax as mj
-from masked_jax.layouts import BCOOMaskedArray, RowSparseArray
+from masked_jax.layouts import BCOOMaskedArray, RowSparseArray, rows_from_parts
 
 import harness
 import oracle
@@ -96,7 +96,7 @@ def build(layout, x, dtype, dup, pads):
             data, idx = np.concatenate([a, b]), np.concatenate([idx, idx])
         data = np.concatenate([data, _garbage(dtype, (len(pads), m))])
         idx = np.concatenate([idx, np.asarray(pads, np.int32)]).astype(np.int32)
-        return RowSparseArray._make((n, m), jnp.asarray(data), jnp.asarray(idx))
+        return rows_from_parts((n, m), jnp.asarray(data), jnp.asarray(idx))
     b = BCOOMaskedArray.from_masked(x)
     data, idx = np.asarray(b.data), np.asarray(b.indices)
     if dup:

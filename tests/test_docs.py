@@ -11,7 +11,8 @@ import pytest
 import masked_jax as mj
 import masked_jax.nn as mnn
 import masked_jax.numpy as mnp
-from masked_jax import _array_api, optim
+from masked_jax import optim
+from masked_jax.numpy import _array_api
 
 
 def _public():

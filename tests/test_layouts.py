@@ -14,7 +14,7 @@ from jax.experimental import sparse
 import masked_jax as mj
 import masked_jax.nn as mnn
 import masked_jax.numpy as mnp
-from masked_jax._storage import STATE
+from masked_jax._core import STATE
 
 _warned = STATE.warned
 
@@ -170,7 +170,7 @@ def test_row_sparse_duplicates_unsorted_padding_and_retain():
 
 @pytest.mark.parametrize("n,k", [(0, 3), (1, 5), (2, 4), (7, 3), (64, 200), (1000, 1)])
 def test_sorted_search_is_searchsorted_looping_on_cpu_only(n, k):
-    from masked_jax.layouts.segments import sorted_search
+    from masked_jax.layouts._segments import sorted_search
 
     r = np.random.default_rng(n + k)
     values = jnp.asarray(np.sort(r.integers(0, 20, n)).astype(np.int32))  # duplicates included
@@ -269,7 +269,7 @@ def test_promised_unique_indices_in_any_order_meet_in_binary_ops():
 
 @pytest.mark.parametrize("rows,k", [(40, 64), (5000, 64), (7, 3)])  # without and with a sort (rows > 64 k)
 def test_distinct_ids_number_every_distinct_row_once(rows, k):
-    from masked_jax.layouts.segments import distinct_ids
+    from masked_jax.layouts._segments import distinct_ids
 
     rng = np.random.default_rng(rows + k)
     for trial in range(4):
@@ -285,7 +285,7 @@ def test_distinct_ids_number_every_distinct_row_once(rows, k):
             assert (seg[ids == rows] == k).all()  # padding: past the end, dropped by segment sums
     data = jnp.asarray(rng.normal(size=(k, 2)).astype(np.float32))
     g = mj.row_sparse(data, jnp.asarray(ids), (rows, 2))
-    fast, ref = g._sum_duplicates(), g.coalesce()
+    fast, ref = g.sum_duplicates(), g.coalesce()
     _same(fast.todense(), ref.todense())
 
 

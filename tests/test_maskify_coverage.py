@@ -29,8 +29,8 @@ from jax import lax
 
 import masked_jax as mj
 from harness import sub_jaxprs
-from masked_jax import _transform
-from masked_jax.ops import primitives
+from masked_jax._maskify import _interpreter as _transform
+from masked_jax._maskify import _rules as primitives
 
 F = np.float32
 POS, UNIT, ANY = (0.2, 3.0), (-0.9, 0.9), (-3.0, 3.0)

@@ -1043,7 +1043,7 @@ def test_chunked_table_updates_equal_the_one_call_update(name):
     sparse = {"a": True, "b": True, "w": False, "s": False}
     grads = mj.grad(_two_table_loss, row_sparse=sparse)(params, *batches[0])
     expect = ENTRYWISE.get(name, True)
-    assert entrywise(optim._lazy.LIFTS[opt.update], grads, opt.init(params), params) is expect
+    assert entrywise(optim._state.lazy_inner(opt), grads, opt.init(params), params) is expect
     results = {}
     for chunk in (None, 2, 7, 30):
         step = optim.make_train_step(_two_table_loss, opt, row_sparse=sparse, chunk_rows=chunk)
@@ -1411,7 +1411,6 @@ def test_empty_tables_train_beside_others(name, chunk_rows, shape):
     """A table with no rows, or with rows of no entries, goes through every optimizer's row-sparse
     step (one call, in chunks, and the fused kernel in Pallas' interpreter) unchanged, and the
     table beside it trains as it would alone."""
-    from masked_jax.optim._fused import fused_update
 
     make = ROW_OPTIMIZERS[name]
     ids = jnp.array([[0, 1], [2, -1]])
@@ -1521,7 +1520,7 @@ def test_train_step_coalesces_a_half_precision_gradient_as_often_as_a_float32_on
     from unittest import mock
 
     ids = jnp.array([1, 1, 2, 7, 1])
-    original = mj.RowSparseArray._sum_duplicates
+    original = mj.RowSparseArray.sum_duplicates
     calls = []
 
     def counting(self, *args, **kwargs):
@@ -1537,7 +1536,7 @@ def test_train_step_coalesces_a_half_precision_gradient_as_often_as_a_float32_on
             table = jnp.linspace(-1.0, 1.0, 40, dtype=dtype).reshape(10, 4)
             step = optim.make_train_step(loss, opt, row_sparse=True, chunk_rows=None, donate=False)
             calls.clear()
-            with mock.patch.object(mj.RowSparseArray, "_sum_duplicates", counting):
+            with mock.patch.object(mj.RowSparseArray, "sum_duplicates", counting):
                 got, _, _ = step(table, opt.init(table), ids)
             counts[dtype] = len(calls)
             u, _ = opt.update(mj.grad(loss, row_sparse=True)(table, ids), opt.init(table), table)

@@ -20,7 +20,7 @@ W = jnp.asarray(np.random.default_rng(0).normal(size=(3, 2)))
 def _rows_with_nan_padding():
     """Rows 0 and 2 of a 4 x 3 table stored, plus a padding row (index 4 = N) holding NaN."""
     data = jnp.array([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0], [jnp.nan] * 3])
-    return mj.RowSparseArray._make((4, 3), data, jnp.array([0, 2, 4]))
+    return mj.layouts.rows_from_parts((4, 3), data, jnp.array([0, 2, 4]))
 
 
 def _dense_of(r):
@@ -90,7 +90,7 @@ def test_a_negative_stored_index_is_padding_everywhere():
     b = mj.from_bcoo(sparse.BCOO((jnp.array([2.0, 1.0]), jnp.array([[1], [-1]])), shape=(3,)))
     assert float(mnp.sum(b).data) == 2.0 == float(mnp.sum(b.todense()).data)
     np.testing.assert_array_equal(np.asarray(b.todense().mask), [False, True, False])
-    r = mj.RowSparseArray._make((3, 1), jnp.array([[2.0], [1.0]]), jnp.array([1, -1]))
+    r = mj.layouts.rows_from_parts((3, 1), jnp.array([[2.0], [1.0]]), jnp.array([1, -1]))
     assert float(mnp.sum(r).data) == 2.0 == float(mnp.sum(r.todense()).data)
     assert float(jax.jit(lambda v: mnp.sum(v.todense()).data)(r)) == 2.0
 

@@ -13,9 +13,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import masked_jax as mj
+import masked_jax._maskify._interpreter
 import masked_jax.nn as mnn
 import masked_jax.numpy as mnp
-from masked_jax.ops import primitives
+from masked_jax._maskify import _rules as primitives
 from harness import primitive_count
 
 RNG = np.random.default_rng(3)
@@ -201,7 +202,7 @@ def test_mlp_with_layer_norm_and_cross_entropy_over_padded_sequences():
 
 # -- control flow ---------------------------------------------------------------------------------
 def test_scan_operand_counts_in_both_jax_parameter_layouts():
-    from masked_jax._transform import _scan_counts
+    from masked_jax._maskify._interpreter import _scan_counts
 
     eqn = jax.make_jaxpr(lambda u, c, xs: jax.lax.scan(lambda c, x: ((c[0] * u + x[0], c[1] * u + x), c[0]), c, xs))(
         2.0, (1.0, jnp.ones(2)), jnp.ones((3, 2))).jaxpr.eqns[-1]
@@ -548,9 +549,9 @@ def test_a_token_mask_stays_compact_through_a_dense_layer_norm_and_attention():
     seen = []
     original = mj.MaskedArray._from_pair
 
-    def spy(data, mask):
+    def spy(data, mask, **kwargs):
         seen.append(np.shape(mask))
-        return original(data, mask)
+        return original(data, mask, **kwargs)
 
     mj.MaskedArray._from_pair = staticmethod(spy)
     try:
@@ -628,7 +629,7 @@ def test_associative_scan_runs_over_valid_elements_only(jit, reverse):
         np.testing.assert_allclose(np.asarray(g_c.data[r, idx]), np.asarray(want_g[1]), rtol=1e-5, atol=1e-6)
     assert np.isfinite(np.asarray(g_m.filled(0))).all() and np.isfinite(np.asarray(g_c.filled(0))).all()
     # outside maskify, lax.associative_scan is jax's own again
-    assert lax.associative_scan is mj._transform._ASSOCIATIVE_SCAN
+    assert lax.associative_scan is masked_jax._maskify._interpreter._ASSOCIATIVE_SCAN
 
 
 def test_associative_scan_of_leaves_of_different_shapes_is_refused_by_name():

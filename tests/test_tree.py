@@ -67,7 +67,7 @@ def test_bfloat16_and_sparse_layouts_show_their_values():
     assert "entry [0, 0]: 1.0" in text and "entry [1, 1]: 1.0" in text
     many = mj.row_sparse(jnp.ones((20, 2), F32), jnp.arange(20), (30, 2))
     assert "  ..." in str(many).splitlines()
-    padded = mj.RowSparseArray._make((4, 2), jnp.ones((2, 2), F32), jnp.array([1, 4]))
+    padded = mj.layouts.rows_from_parts((4, 2), jnp.ones((2, 2), F32), jnp.array([1, 4]))
     assert "  padding: [1. 1.]" in str(padded).splitlines()
 
 

@@ -12,7 +12,8 @@ import pytest
 
 import masked_jax as mj
 import masked_jax.numpy as mnp
-from masked_jax import _frontend, optim
+from masked_jax import optim
+from masked_jax.numpy import _frontend
 from masked_jax.ops import REGISTRY
 
 import harness

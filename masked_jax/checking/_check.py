@@ -47,6 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jcore
 
+from masked_jax import _jaxpr
 from masked_jax._core import MaskedArray
 from masked_jax.checking._inputs import ALL, PADDED, SPARSE_KINDS, describe, is_leaf, output_vectors
 from masked_jax.checking._report import Check, JacobianError, JacobianReport
@@ -569,7 +570,7 @@ _TRUSTED = tuple(" at " + os.path.dirname(os.path.abspath(m.__file__)) + os.sep
 def _has_own_rules(jaxpr) -> bool:
     """Whether ``jaxpr`` (or one nested in it) calls a custom JVP or VJP rule that is not this
     library's or jax's: its printed text shows such a rule only by name."""
-    for eqn in _equations(jaxpr):
+    for eqn in _jaxpr.equations(jaxpr):
         if not eqn.primitive.name.startswith("custom_"):
             continue
         for v in eqn.params.values():
@@ -587,31 +588,13 @@ def _has_own_rules(jaxpr) -> bool:
 def _callbacks(jaxpr):
     """The host functions that ``jaxpr`` (or one nested in it) calls back (``pure_callback``,
     ``io_callback``, ``jax.debug.callback``), not custom derivative rules."""
-    for eqn in _equations(jaxpr):
+    for eqn in _jaxpr.equations(jaxpr):
         if not eqn.primitive.name.startswith("custom_"):
             for v in eqn.params.values():
                 fn = getattr(v, "callback_func", v)
                 if callable(fn) and not isinstance(v, (jcore.ClosedJaxpr, jcore.Jaxpr)) and \
                         getattr(fn, "__module__", "").split(".")[0] not in ("jax", "jaxlib"):
                     yield fn
-
-
-def _equations(jaxpr):
-    """Every equation of ``jaxpr`` and of the jaxprs in its equations' parameters (a ``cond``'s
-    branches are a tuple of them)."""
-    def nested(values):
-        for v in values:
-            if isinstance(v, jcore.ClosedJaxpr):
-                yield v.jaxpr
-            elif isinstance(v, jcore.Jaxpr):
-                yield v
-            elif isinstance(v, (tuple, list)):
-                yield from nested(v)
-
-    for eqn in jaxpr.eqns:
-        yield eqn
-        for sub in nested(eqn.params.values()):
-            yield from _equations(sub)
 
 
 def _lift_constants(closed):

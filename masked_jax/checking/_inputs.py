@@ -20,9 +20,9 @@ import numpy as np
 from jax.experimental import sparse as jsparse
 
 from masked_jax._core import MaskedArray
-from masked_jax._storage import SparseMasked
-from masked_jax.layouts.bcoo import BCOOMaskedArray
-from masked_jax.layouts.rows import RowSparseArray
+from masked_jax._core import SparseMasked
+from masked_jax.layouts import BCOOMaskedArray
+from masked_jax.layouts import RowSparseArray, rows_from_parts
 
 ALL = "all"  # ``extra`` value: every element specified
 PADDED = "padded"  # ``extra`` value: the pattern plus one padding slot (sparse kinds; see ``Leaf.build``)
@@ -120,7 +120,7 @@ class Leaf:
                 new = (r < n) & ~jnp.asarray(stored)[jnp.clip(r, 0, max(n - 1, 0))]
                 rows = jnp.concatenate([rows, jnp.where(new, r, n)[None]])
         data = block[jnp.where(rows < n, rows, filler)].reshape((rows.shape[0],) + self.shape[1:])
-        return RowSparseArray._make(self.shape, data, rows.astype(jnp.int32))
+        return rows_from_parts(self.shape, data, rows.astype(jnp.int32))
 
 
 def describe(name: str, x, dtype):

@@ -10,7 +10,7 @@ integer extremes for ``max``/``min``, -inf for ``logsumexp``) and 0 for
 Each op is registered once (bottom of the module) with its rule, its public signature
 (``jax.numpy``'s), the lax primitives it answers to in ``maskify`` and, where it has one, its
 segment kernel: the same reduction over groups of stored entries of a BCOO-backed array
-(``fn(segments, values, **params)``, see ``masked_jax.layouts.segments``). Order statistics,
+(``fn(segments, values, **params)``, see ``masked_jax.layouts._segments``). Order statistics,
 weighted averages and norms are in :mod:`masked_jax.ops.statistics`.
 """
 

@@ -17,7 +17,7 @@ Examples:
 """
 
 from masked_jax.optim._adagrad import masked_adagrad as masked_adagrad
-from masked_jax.optim._adagrad import ScaleByRowwiseRssState as ScaleByRowwiseRssState
+from masked_jax.optim._state import ScaleByRowwiseRssState as ScaleByRowwiseRssState
 from masked_jax.optim._adagrad import rowwise_adagrad as rowwise_adagrad
 from masked_jax.optim._adagrad import scale_by_rowwise_rss as scale_by_rowwise_rss
 from masked_jax.optim._adagrad import scale_by_rss as scale_by_rss

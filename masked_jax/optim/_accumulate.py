@@ -19,9 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from masked_jax._core import MaskedArray, is_container
-from masked_jax.layouts.rows import RowSparseArray
-from masked_jax.layouts.segments import distinct_ids
+from masked_jax._core import is_container, from_pair
+from masked_jax.layouts import RowSparseArray, rows_from_parts
+from masked_jax.layouts import distinct_ids
 from masked_jax.optim._views import data_of, view
 
 
@@ -75,10 +75,10 @@ def lazy_multi_steps(ms, lift) -> optax.GradientTransformation:
                                      grads, st.acc_grads)
         touched = jax.tree_util.tree_map(jnp.logical_or, state.touched, valid)
         emit = st.mini_step == k - 1
-        masked_acc = jax.tree_util.tree_map(lambda a, t, g: MaskedArray._from_pair(a.astype(g.dtype), t),
+        masked_acc = jax.tree_util.tree_map(lambda a, t, g: from_pair(a.astype(g.dtype), t),
                                             acc, touched, grads)
         u, new_inner = lazy_inner.update(masked_acc, st.inner_opt_state, params)
-        u = jax.tree_util.tree_map(lambda x: MaskedArray._from_pair(jnp.where(emit, x.data, 0), x.mask & emit),
+        u = jax.tree_util.tree_map(lambda x: from_pair(jnp.where(emit, x.data, 0), x.mask & emit),
                                    u, is_leaf=is_container)
         stepped = optax.MultiStepsState(
             mini_step=(st.mini_step + 1) % k,
@@ -92,7 +92,7 @@ def lazy_multi_steps(ms, lift) -> optax.GradientTransformation:
         new_state = jax.tree_util.tree_map(lambda old, new: jnp.where(skip, old, new),
                                            LazyMultiStepsState(st._replace(skip_state=skip_state), state.touched),
                                            LazyMultiStepsState(stepped, touched))
-        u = jax.tree_util.tree_map(lambda x: MaskedArray._from_pair(jnp.where(skip, 0, x.data), x.mask & ~skip),
+        u = jax.tree_util.tree_map(lambda x: from_pair(jnp.where(skip, 0, x.data), x.mask & ~skip),
                                    u, is_leaf=is_container)
         return u, new_state
 
@@ -135,7 +135,7 @@ def _capacities(capacity, params):
 
 
 def _empty_rows(shape, capacity, dtype):
-    return RowSparseArray._make(shape, jnp.zeros((capacity,) + tuple(shape[1:]), dtype),
+    return rows_from_parts(shape, jnp.zeros((capacity,) + tuple(shape[1:]), dtype),
                                 jnp.full((capacity,), shape[0], jnp.int32), True)
 
 
@@ -160,7 +160,7 @@ def _merge(acc, idx, data, n, capacity, acc_update, n_acc):
     merged = acc_update(new, old, n_acc=n_acc)
     fits = uniq[capacity] >= n if both.shape[0] > capacity else jnp.asarray(True)  # no distinct row past it
     keep = jnp.where(uniq[:capacity] < n, uniq[:capacity], n)
-    return RowSparseArray._make(acc.shape, merged[:capacity].astype(acc.data.dtype), keep, True), fits
+    return rows_from_parts(acc.shape, merged[:capacity].astype(acc.data.dtype), keep, True), fits
 
 
 def lazy_multi_steps_rows(ms, lift, capacity) -> optax.GradientTransformation:
@@ -229,7 +229,7 @@ def lazy_multi_steps_rows(ms, lift, capacity) -> optax.GradientTransformation:
                 values, valid = p
                 now = t | valid
                 acc_rows = jnp.where(early, a, m)
-                emitted.append(MaskedArray._from_pair(acc_rows.astype(values.dtype), jnp.where(early, t, now)))
+                emitted.append(from_pair(acc_rows.astype(values.dtype), jnp.where(early, t, now)))
                 new_acc.append(jnp.where(early, r, jnp.where(last, jnp.zeros_like(m), m)))
                 new_touched.append(jnp.where(early, valid, jnp.where(last, jnp.zeros_like(now), now)))
         # optax's skip rules (skip_not_finite, skip_large_updates) see this micro-step's values
@@ -238,9 +238,9 @@ def lazy_multi_steps_rows(ms, lift, capacity) -> optax.GradientTransformation:
 
         def gate(x):
             if isinstance(x, RowSparseArray):
-                return RowSparseArray._make(x.shape, jnp.where(emit, x.data, 0), jnp.where(emit, x.indices, x.shape[0]),
+                return rows_from_parts(x.shape, jnp.where(emit, x.data, 0), jnp.where(emit, x.indices, x.shape[0]),
                                             x.unique_indices)
-            return MaskedArray._from_pair(jnp.where(emit, x.data, 0), x.mask & emit)
+            return from_pair(jnp.where(emit, x.data, 0), x.mask & emit)
 
         u = jax.tree_util.tree_map(gate, u, is_leaf=is_container)
         stepped = RowMultiStepsState(
@@ -255,9 +255,9 @@ def lazy_multi_steps_rows(ms, lift, capacity) -> optax.GradientTransformation:
 
         def unskip(x):
             if isinstance(x, RowSparseArray):
-                return RowSparseArray._make(x.shape, jnp.where(skip, 0, x.data), jnp.where(skip, x.shape[0], x.indices),
+                return rows_from_parts(x.shape, jnp.where(skip, 0, x.data), jnp.where(skip, x.shape[0], x.indices),
                                             x.unique_indices)
-            return MaskedArray._from_pair(jnp.where(skip, 0, x.data), x.mask & ~skip)
+            return from_pair(jnp.where(skip, 0, x.data), x.mask & ~skip)
 
         return jax.tree_util.tree_map(unskip, u, is_leaf=is_container), new_state
 

@@ -11,7 +11,6 @@ FMA in one program and not the other).
 
 from __future__ import annotations
 
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -20,10 +19,10 @@ import optax
 
 from masked_jax import _validate
 from masked_jax._core import is_container
-from masked_jax.layouts.rows import take_rows
+from masked_jax.layouts import take_rows
 from masked_jax.ops._base import accumulation_dtype
 from masked_jax.optim._lazy import lazy
-from masked_jax.optim._state import ROW_LOCAL
+from masked_jax.optim._state import ScaleByRowwiseRssState, declare_row_local
 from masked_jax.optim._views import data_of, view
 
 _PLACEMENTS = ("inside", "outside")
@@ -156,21 +155,6 @@ def masked_adagrad(learning_rate: optax.ScalarOrSchedule, initial_accumulator_va
     ))
 
 
-class ScaleByRowwiseRssState(NamedTuple):
-    """State of :func:`scale_by_rowwise_rss`: per leaf, one running sum per row (shape ``(N,)``)
-    for a table of shape ``(N, ...)``, one per entry for scalars and vectors.
-
-    Examples:
-        >>> import jax.numpy as jnp
-        >>> from masked_jax import optim
-        >>> state = optim.scale_by_rowwise_rss().init({"table": jnp.zeros((1000, 64)), "bias": jnp.zeros(3)})
-        >>> state.sum_of_squares["table"].shape, state.sum_of_squares["bias"].shape
-        ((1000,), (3,))
-    """
-
-    sum_of_squares: optax.Params
-
-
 def _row_axes(ndim: int) -> tuple:
     return tuple(range(1, ndim)) if ndim >= 2 else ()
 
@@ -287,5 +271,4 @@ def rowwise_adagrad(learning_rate: optax.ScalarOrSchedule, initial_accumulator_v
         scale_by_rowwise_rss(initial_accumulator_value, eps, eps_placement),
         lazy(optax.scale_by_learning_rate(learning_rate)),
     )
-    ROW_LOCAL.add(opt.update)  # make_train_step may update a table in chunks of rows
-    return opt
+    return declare_row_local(opt)  # make_train_step may update a table in chunks of rows

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from masked_jax._core import MaskedArray, is_container, is_masked
+from masked_jax._core import is_container, is_masked, from_pair
 from masked_jax.ops._base import accumulation_dtype
 from masked_jax.optim._views import data_of, view
 
@@ -56,6 +56,6 @@ def add_updates(params, updates, *, coalesced: bool):
         # a plain scatter-add, unless float16/bfloat16 duplicates must first add up in float32
         v, values = view(u, coalesce=not coalesced and accumulation_dtype(u.dtype) != u.dtype)
         new = v.add(data, values)
-        return MaskedArray._from_pair(new, p.compact_mask) if is_masked(p) else new
+        return from_pair(new, p.compact_mask) if is_masked(p) else new
 
     return jax.tree_util.tree_map(one, params, updates, is_leaf=lambda x: x is None or is_container(x))

@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from masked_jax.layouts.rows import take_rows
+from masked_jax.layouts import take_rows
 from masked_jax.ops._base import accumulation_dtype
 from masked_jax.optim._state import _map_param_shaped, _Reference
 

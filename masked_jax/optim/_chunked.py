@@ -15,13 +15,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend.core import Literal
 
-from masked_jax._core import MaskedArray, is_container
-from masked_jax.layouts.rows import RowSparseArray
+from masked_jax import _jaxpr
+from masked_jax._core import is_container, from_pair
+from masked_jax.layouts import RowSparseArray, rows_from_parts
 from masked_jax.optim._catch_up import LazyCatchUpState
-from masked_jax.optim._lazy import LIFTS, check_update_arguments
-from masked_jax.optim._state import ROW_LOCAL, _local_from, _map_param_shaped, _Reference
+from masked_jax.optim._lazy import check_update_arguments
+from masked_jax.optim._state import is_row_local, lazy_inner, _local_from, _map_param_shaped, _Reference
 from masked_jax.optim._views import data_of
 
 # primitives that compute each output entry from the same entry of their operands
@@ -32,10 +32,6 @@ _ENTRYWISE = frozenset("""
     reduce_precision rem round rsqrt select_n sign sin sinh sqrt square sub tan tanh xor
 """.split())
 _KEEPS_ENTRIES = _ENTRYWISE | {"broadcast_in_dim"}  # broadcast_in_dim: where it keeps the shape
-# call-like primitives (their body runs once on their operands) and where they keep the body
-_CALLS = frozenset("pjit jit closed_call core_call custom_jvp_call custom_vjp_call custom_vjp_call_jaxpr "
-                   "checkpoint remat".split())
-_BODY = ("jaxpr", "call_jaxpr", "fun_jaxpr")
 
 
 class _Mixes(Exception):
@@ -51,17 +47,17 @@ def _walk(jaxpr, tags):
     env.update(zip(jaxpr.invars, tags))
 
     def tag(v):
-        if isinstance(v, Literal):
+        if _jaxpr.is_literal(v):
             return ("u",) if np.ndim(v.val) == 0 else ("g",)
         return env[v]
 
     for eqn in jaxpr.eqns:
         ins = [tag(v) for v in eqn.invars]
         shapes = [tuple(getattr(v.aval, "shape", ())) for v in eqn.invars]
-        sub = next((eqn.params[k] for k in _BODY if k in eqn.params), None) if eqn.primitive.name in _CALLS else None
+        sub = _jaxpr.call_body(eqn)
         entries = {t[1] for t in ins if t[0] == "e"}
         if sub is not None:
-            outs = _walk(getattr(sub, "jaxpr", sub), ins)
+            outs = _walk(sub[0], ins)
         elif not entries:  # equal at every entry if its operands are, and it keeps that (or gives scalars)
             scalar = all(np.ndim(o.aval) == 0 for o in eqn.outvars if hasattr(o.aval, "shape"))
             uniform = all(t[0] == "u" for t in ins) and (eqn.primitive.name in _KEEPS_ENTRIES or scalar)
@@ -115,8 +111,8 @@ def empty_leaf(g):
     shape = tuple(g.shape) if is_container(g) else np.shape(g)
     dtype = data_of(g).dtype if is_container(g) else jnp.result_type(g)
     if not shape:
-        return MaskedArray._from_pair(jnp.zeros((), dtype), jnp.zeros((), bool))
-    return RowSparseArray._make(shape, jnp.zeros((0,) + shape[1:], dtype), jnp.zeros((0,), jnp.int32), True)
+        return from_pair(jnp.zeros((), dtype), jnp.zeros((), bool))
+    return rows_from_parts(shape, jnp.zeros((0,) + shape[1:], dtype), jnp.zeros((0,), jnp.int32), True)
 
 
 def row_sparse_leaves(leaves, more_than: int):
@@ -136,13 +132,12 @@ def chunkable(optimizer, grads, state, params, chunk: int) -> bool:
     ``chunk`` stored rows, and ``optimizer`` is a plain lazy lift whose inner transformation works
     entry by entry (decided at trace time), or updates each row from that row alone by
     construction (``rowwise_adagrad``)?"""
-    update = getattr(optimizer, "update", None)
     leaves, _, tables = _tables(grads, chunk)
     if not tables or any(not (is_container(g) or isinstance(g, jax.Array)) for g in leaves):
         return False
-    if update in ROW_LOCAL:  # row by row by construction (rowwise_adagrad)
+    if is_row_local(optimizer):  # row by row by construction (rowwise_adagrad)
         return True
-    inner = LIFTS.get(update)
+    inner = lazy_inner(optimizer)
     if inner is None:
         return False
     if isinstance(state, LazyCatchUpState):  # catch-up works row by row around ``inner``
@@ -164,7 +159,7 @@ def chunked_update(optimizer, grads, state, params, apply, chunk: int):
         return _local_from(ref, new, old)
 
     for i in tables:  # every table in a loop over its touched rows, against the step's old global state
-        g = leaves[i]._sum_duplicates()  # distinct rows first, then padding
+        g = leaves[i].sum_duplicates()  # distinct rows first, then padding
         pad = -g.nse % chunk  # padding slots up to whole chunks
         data = jnp.pad(g.data, [(0, pad)] + [(0, 0)] * (g.ndim - 1))
         idx = jnp.pad(jnp.where(g.row_valid(), g.indices, g.shape[0]), (0, pad), constant_values=g.shape[0])
@@ -174,7 +169,7 @@ def chunked_update(optimizer, grads, state, params, apply, chunk: int):
 
         def body(carry, i=i, g=g, data=data, idx=idx):
             c, p, s = carry
-            rows = RowSparseArray._make(g.shape, jax.lax.dynamic_slice_in_dim(data, c * chunk, chunk),
+            rows = rows_from_parts(g.shape, jax.lax.dynamic_slice_in_dim(data, c * chunk, chunk),
                                         jax.lax.dynamic_slice_in_dim(idx, c * chunk, chunk), True)
             tree = jax.tree_util.tree_unflatten(treedef, empty[:i] + [rows] + empty[i + 1:])
             u, new = optimizer.update(tree, s, p)

@@ -21,13 +21,13 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend.core import Literal
 
+from masked_jax import _jaxpr
 from masked_jax._core import is_container
 from masked_jax.optim._catch_up import LazyCatchUpState
-from masked_jax.optim._chunked import _BODY, _CALLS, empty_leaf, entrywise, row_sparse_leaves
-from masked_jax.optim._lazy import LIFTS, check_update_arguments
-from masked_jax.optim._state import _map_param_shaped, _Reference
+from masked_jax.optim._chunked import empty_leaf, entrywise, row_sparse_leaves
+from masked_jax.optim._lazy import check_update_arguments
+from masked_jax.optim._state import lazy_inner, _map_param_shaped, _Reference
 
 MAX_ENTRIES = 2**31  # the kernel addresses a table's entries with 32-bit offsets
 
@@ -57,7 +57,7 @@ def fused_tables(optimizer, grads, state, params) -> list:
     unless ``optimizer`` is a plain lazy lift (no catch-up, not ``MultiSteps``) whose inner
     transformation works entry by entry with scalar global state; then the row-sparse leaves whose
     table is a plain array of fewer than 2**31 entries (the kernel's offsets are 32-bit)."""
-    inner = LIFTS.get(getattr(optimizer, "update", None))
+    inner = lazy_inner(optimizer)
     leaves, treedef = jax.tree_util.tree_flatten(grads, is_leaf=is_container)
     tables = row_sparse_leaves(leaves, 0)
     if (inner is None or params is None or isinstance(state, LazyCatchUpState) or not tables
@@ -92,37 +92,6 @@ def _pow2(x: int) -> int:
     return 1 << max(0, int(x) - 1).bit_length()
 
 
-def _read(env, v):
-    """The value of jaxpr variable ``v`` in ``env`` (a literal's own value)."""
-    return v.val if isinstance(v, Literal) else env[v]
-
-
-def _bind(eqn, ins):
-    """The outputs of ``eqn``'s primitive on ``ins``, as a list."""
-    outs = eqn.primitive.bind(*ins, **eqn.params)
-    return outs if eqn.primitive.multiple_results else [outs]
-
-
-def _inline(jaxpr, consts, args):
-    """Evaluate ``jaxpr`` by binding its primitives, with call-like primitives (nested jits, custom
-    derivatives, checkpoints) inlined and copies dropped: traced, a flat program of the primitives
-    that compute the values, for kernel lowerings that know no calls or copies."""
-    env = dict(zip(jaxpr.constvars, consts))
-    env.update(zip(jaxpr.invars, args))
-    for eqn in jaxpr.eqns:
-        ins = [_read(env, v) for v in eqn.invars]
-        name = eqn.primitive.name
-        body = next((eqn.params[k] for k in _BODY if k in eqn.params), None) if name in _CALLS else None
-        if body is not None:
-            outs = _inline(getattr(body, "jaxpr", body), getattr(body, "consts", ()), ins)
-        elif name in ("copy", "copy_p"):
-            outs = ins
-        else:
-            outs = _bind(eqn, ins)
-        env.update(zip(eqn.outvars, outs))
-    return [_read(env, v) for v in jaxpr.outvars]
-
-
 _NARROW = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
@@ -134,8 +103,8 @@ def _bind_widened(eqn, ins):
     """The outputs of ``eqn`` on ``ins``, 16-bit floats computed in float32 and rounded back after
     the op (what XLA's GPU backend does too): Triton lowers little arithmetic on them."""
     if eqn.primitive.name == "convert_element_type" or not any(jnp.result_type(x) in _NARROW for x in ins):
-        return _bind(eqn, ins)
-    outs = _bind(eqn, [_widen(x) for x in ins])
+        return _jaxpr.bind(eqn, ins)
+    outs = _jaxpr.bind(eqn, [_widen(x) for x in ins])
     return [o.astype(v.aval.dtype) if v.aval.dtype in _NARROW else o for o, v in zip(outs, eqn.outvars)]
 
 
@@ -163,7 +132,7 @@ class _Plan:
         for pos, aval in zip(self.rows_at, block_avals):
             avals[pos] = aval
         closed = jax.make_jaxpr(update)(*avals)
-        self.flat = jax.make_jaxpr(lambda *a: _inline(closed.jaxpr, closed.consts, a))(*avals)
+        self.flat = jax.make_jaxpr(lambda *a: _jaxpr.inline(closed.jaxpr, closed.consts, a))(*avals)
 
     def split(self, known_values):
         """Run the scalar work on ``known_values`` (per input, ``None`` at the rows' positions):
@@ -173,13 +142,13 @@ class _Plan:
         env.update((v, x) for v, x in zip(jaxpr.invars, known_values) if x is not None)
         rest = []
         for eqn in jaxpr.eqns:
-            if (all(isinstance(v, Literal) or v in env for v in eqn.invars)
+            if (all(_jaxpr.is_literal(v) or v in env for v in eqn.invars)
                     and all(np.ndim(v.aval) == 0 for v in eqn.outvars)):
-                env.update(zip(eqn.outvars, _bind(eqn, [_read(env, v) for v in eqn.invars])))
+                env.update(zip(eqn.outvars, _jaxpr.bind(eqn, [_jaxpr.read(env, v) for v in eqn.invars])))
             else:
                 rest.append(eqn)
-        needed = {v for eqn in rest for v in eqn.invars if not isinstance(v, Literal)} | {
-            v for v in jaxpr.outvars if not isinstance(v, Literal)}
+        needed = {v for eqn in rest for v in eqn.invars if not _jaxpr.is_literal(v)} | {
+            v for v in jaxpr.outvars if not _jaxpr.is_literal(v)}
         hoisted = [v for v in env if v in needed]
         if any(np.ndim(env[v]) != 0 for v in hoisted):
             raise ValueError("lazy: this transformation's update reads a non-scalar constant in every row; "
@@ -190,8 +159,8 @@ class _Plan:
             local = dict(zip(hoisted, hoisted_values))
             local.update(zip(rows_vars, rows))
             for eqn in rest:
-                local.update(zip(eqn.outvars, _bind_widened(eqn, [_read(local, v) for v in eqn.invars])))
-            return [_read(local, v) for v in jaxpr.outvars]
+                local.update(zip(eqn.outvars, _bind_widened(eqn, [_jaxpr.read(local, v) for v in eqn.invars])))
+            return [_jaxpr.read(local, v) for v in jaxpr.outvars]
 
         return [env[v] for v in hoisted], in_kernel
 
@@ -366,7 +335,7 @@ def fused_update(optimizer, grads, state, params, apply, *, tables=None, interpr
     update) and the global state.
     ``tables``: those leaves, when the caller has them already. ``interpret`` runs the kernels in
     Pallas' interpreter (any backend, slowly); ``config`` cuts them (:class:`KernelConfig`)."""
-    inner = LIFTS[optimizer.update]
+    inner = lazy_inner(optimizer)
     leaves, treedef = jax.tree_util.tree_flatten(grads, is_leaf=is_container)
     ref = _Reference.of(grads)
     state_leaves, state_def = jax.tree_util.tree_flatten(state)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import weakref
 
 import jax
 import jax.numpy as jnp
@@ -12,13 +11,8 @@ import optax
 from masked_jax._core import is_container
 from masked_jax.optim import _catch_up
 from masked_jax.optim._accumulate import lazy_multi_steps, lazy_multi_steps_rows
-from masked_jax.optim._state import _map_param_shaped, _Reference
+from masked_jax.optim._state import ScaleByRowwiseRssState, _map_param_shaped, _Reference, declare_lazy
 from masked_jax.optim._views import data_of, view
-
-
-# ``update`` function of each lift (MultiSteps' aside) -> its inner transformation, so
-# that ``make_train_step`` can recognise a lift and update its row-sparse tables in chunks
-LIFTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def _check_liftable(ref: _Reference, state) -> None:
@@ -54,8 +48,6 @@ def _check_liftable(ref: _Reference, state) -> None:
 
 def _rowwise(state) -> bool:
     """Does ``state`` hold row-wise Adagrad's state?"""
-    from masked_jax.optim._adagrad import ScaleByRowwiseRssState  # (it imports this module)
-
     row_state = lambda x: isinstance(x, ScaleByRowwiseRssState)  # noqa: E731
     return any(map(row_state, jax.tree_util.tree_leaves(state, is_leaf=row_state)))
 
@@ -90,7 +82,7 @@ def check_update_arguments(inner, updates, state, params) -> None:
             "Pass the state this optimizer's init returned for these parameters.")
 
 
-def _check_transformation(obj, argname: str) -> None:
+def check_transformation(obj, argname: str) -> None:
     if not (callable(getattr(obj, "init", None)) and callable(getattr(obj, "update", None))):
         raise TypeError(f"{argname} must be an optax.GradientTransformation (with init and update); "
                         f"got {type(obj).__name__}.")
@@ -188,7 +180,7 @@ def lazy(inner: optax.GradientTransformation, *, catch_up: bool = False, capacit
                [ 0. ,  0. ]], dtype=float32)
     """
 
-    _check_transformation(inner, "inner")
+    check_transformation(inner, "inner")
     if capacity is not None and not isinstance(inner, optax.MultiSteps):
         raise ValueError("lazy(..., capacity=...) applies to optax.MultiSteps (the rows its accumulator holds).")
     if isinstance(inner, optax.MultiSteps):
@@ -273,5 +265,4 @@ def lazy(inner: optax.GradientTransformation, *, catch_up: bool = False, capacit
             new_state = _catch_up.LazyCatchUpState(new_state, step + 1, new_last)
         return out, new_state
 
-    LIFTS[update_fn] = inner
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    return declare_lazy(optax.GradientTransformationExtraArgs(init_fn, update_fn), inner)

@@ -30,11 +30,11 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from masked_jax._core import MaskedArray, is_container, is_masked
-from masked_jax._storage import SparseMasked
-from masked_jax.layouts.rows import RowSparseArray, take_rows
+from masked_jax._core import is_container, is_masked, from_pair
+from masked_jax._core import SparseMasked
+from masked_jax.layouts import RowSparseArray, take_rows, rows_from_parts
 from masked_jax.optim._apply import apply_updates
-from masked_jax.optim._lazy import _check_transformation
+from masked_jax.optim._lazy import check_transformation
 from masked_jax.optim._state import _local_from, _map_local, _Reference
 
 
@@ -89,10 +89,10 @@ def _route(g: RowSparseArray, selected, local, n_local: int, capacity: int) -> R
     compacted into ``capacity`` rows (O(K) to find them, O(capacity x dim) to move them)."""
     shape = (n_local,) + tuple(g.shape[1:])
     if capacity >= g.nse:  # every stored row; rows not selected become padding (index n_local)
-        return RowSparseArray._make(shape, g.data, jnp.where(selected, local, n_local))
+        return rows_from_parts(shape, g.data, jnp.where(selected, local, n_local))
     pos = jnp.nonzero(selected, size=capacity, fill_value=g.nse)[0]
     data = take_rows(g.data, pos)
-    return RowSparseArray._make(shape, data, take_rows(local, pos, n_local))
+    return rows_from_parts(shape, data, take_rows(local, pos, n_local))
 
 
 def _only_if(g, take):
@@ -102,9 +102,9 @@ def _only_if(g, take):
     if isinstance(g, SparseMasked):
         g = g.todense()
     if is_masked(g):
-        return MaskedArray._from_pair(g.data, g.mask & take)
+        return from_pair(g.data, g.mask & take)
     g = jnp.asarray(g)
-    return MaskedArray._from_pair(g, jnp.broadcast_to(take, g.shape))
+    return from_pair(g, jnp.broadcast_to(take, g.shape))
 
 
 def sharded_update(optimizer: optax.GradientTransformation, grads, opt_state, params, *, mesh: Mesh,
@@ -148,7 +148,7 @@ def sharded_update(optimizer: optax.GradientTransformation, grads, opt_state, pa
         >>> table[5]
         Array([-2., -2.], dtype=float32)
     """
-    _check_transformation(optimizer, "optimizer")
+    check_transformation(optimizer, "optimizer")
     if not isinstance(mesh, Mesh):
         raise TypeError(f"mesh must be a jax.sharding.Mesh; got {type(mesh).__name__}.")
     if axis not in mesh.shape:
@@ -231,7 +231,7 @@ def init_sharded(optimizer: optax.GradientTransformation, params):
         >>> state[0].mu.sharding.spec
         P('rows',)
     """
-    _check_transformation(optimizer, "optimizer")
+    check_transformation(optimizer, "optimizer")
     leaves = jax.tree_util.tree_leaves(params, is_leaf=is_container)
     data = [x.data if is_masked(x) else x for x in leaves]
     named = [getattr(x, "sharding", None) for x in data]

@@ -3,11 +3,11 @@
 
 from __future__ import annotations
 
-import weakref
 from typing import NamedTuple
 
 import jax
 import numpy as np
+import optax
 
 from masked_jax._core import is_container
 
@@ -62,7 +62,50 @@ def _local_from(ref: _Reference, new, old):
     return _map_param_shaped(ref.rows(), mine, new, _map_param_shaped(ref, mine, new, old))
 
 
-# update functions of transformations that update each row of a table from that row alone (its
-# gradient, its parameter, its parameter- or row-shaped state) and scalar global state: a table
-# may be updated a block of rows at a time (``rowwise_adagrad``)
-ROW_LOCAL: "weakref.WeakSet" = weakref.WeakSet()
+class ScaleByRowwiseRssState(NamedTuple):
+    """State of :func:`scale_by_rowwise_rss`: per leaf, one running sum per row (shape ``(N,)``)
+    for a table of shape ``(N, ...)``, one per entry for scalars and vectors.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> from masked_jax import optim
+        >>> state = optim.scale_by_rowwise_rss().init({"table": jnp.zeros((1000, 64)), "bias": jnp.zeros(3)})
+        >>> state.sum_of_squares["table"].shape, state.sum_of_squares["bias"].shape
+        ((1000,), (3,))
+    """
+
+    sum_of_squares: optax.Params
+
+
+# What make_train_step needs to know of a transformation, declared by the factory that builds it
+# as attributes of its ``update`` function (optax's GradientTransformation is a NamedTuple of two
+# functions: it has no room for more):
+# * ``lazy(inner)`` declares ``inner``, so that a table can be updated in chunks of rows, or by
+#   the fused kernel, with ``inner``'s own update;
+# * a transformation that updates each row of a table from that row alone (its gradient, its
+#   parameter, its parameter- or row-shaped state) and scalar global state declares itself
+#   row-local (``rowwise_adagrad``): a table may be updated a block of rows at a time.
+_LAZY_INNER = "_masked_jax_lazy_inner"
+_ROW_LOCAL = "_masked_jax_row_local"
+
+
+def declare_lazy(opt, inner):
+    """Mark ``opt`` (a ``GradientTransformation``) as the lazy lift of ``inner``; returns ``opt``."""
+    setattr(opt.update, _LAZY_INNER, inner)
+    return opt
+
+
+def lazy_inner(opt):
+    """The transformation that ``opt`` lifts, if :func:`declare_lazy` marked it; else ``None``."""
+    return getattr(getattr(opt, "update", None), _LAZY_INNER, None)
+
+
+def declare_row_local(opt):
+    """Mark ``opt`` as updating each row of a table from that row alone; returns ``opt``."""
+    setattr(opt.update, _ROW_LOCAL, True)
+    return opt
+
+
+def is_row_local(opt) -> bool:
+    """Did :func:`declare_row_local` mark ``opt``?"""
+    return getattr(getattr(opt, "update", None), _ROW_LOCAL, False)

@@ -9,13 +9,13 @@ import optax
 
 from masked_jax._ad import value_and_grad
 from masked_jax._core import is_container
-from masked_jax._storage import SparseMasked
+from masked_jax._core import SparseMasked
 from masked_jax.optim._apply import add_updates
 from masked_jax.optim._chunked import chunkable, chunked_update
 from masked_jax.optim._fused import fused_tables, fused_update
-from masked_jax.optim._lazy import LIFTS, _check_transformation
+from masked_jax.optim._lazy import check_transformation
 from masked_jax.optim._sharded import sharded_update
-from masked_jax.optim._state import ROW_LOCAL
+from masked_jax.optim._state import is_row_local, lazy_inner
 
 
 def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation, *,
@@ -75,7 +75,7 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation, 
 
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable as loss_fn(params, *batch); got {type(loss_fn).__name__}.")
-    _check_transformation(optimizer, "optimizer")
+    check_transformation(optimizer, "optimizer")
     if (mesh is None) != (axis is None):
         raise ValueError("make_train_step: give both mesh and axis (the mesh axis the tables' rows are "
                          "sharded over), or neither.")
@@ -85,7 +85,7 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation, 
         raise ValueError(f"make_train_step: fused_rows must be a bool; got {fused_rows!r}.")
     loss_and_grad = value_and_grad(loss_fn, has_aux=has_aux, row_sparse=row_sparse)
     # the library's lazy optimizers store each row of an update once: no duplicates to add up
-    coalesced = optimizer.update in LIFTS or optimizer.update in ROW_LOCAL
+    coalesced = lazy_inner(optimizer) is not None or is_row_local(optimizer)
 
     def apply_updates(params, updates):
         return add_updates(params, updates, coalesced=coalesced)

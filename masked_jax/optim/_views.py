@@ -12,9 +12,9 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from masked_jax._core import MaskedArray, is_masked
-from masked_jax._storage import SparseMasked
-from masked_jax.layouts.rows import RowSparseArray, at_least_two_rows, take_rows
+from masked_jax._core import is_masked, from_pair
+from masked_jax._core import SparseMasked
+from masked_jax.layouts import RowSparseArray, at_least_two_rows, take_rows, rows_from_parts
 
 
 def data_of(x):
@@ -66,12 +66,12 @@ class _View:
         if self.kind == "dense":
             return u
         if self.kind == "masked":
-            return MaskedArray._from_pair(jnp.where(self.mask, u, zero), self.mask)
+            return from_pair(jnp.where(self.mask, u, zero), self.mask)
         u = jnp.where(self._row_mask(u.ndim), u, zero)
         # the gradient's own K and flags, so that an update has the gradient's pytree structure
         # (optax wrappers select between the two under lax.cond); slots past K are padding
         k, unique = self.stored
-        return RowSparseArray._make(self.shape, u[:k], self.indices[:k], unique)
+        return rows_from_parts(self.shape, u[:k], self.indices[:k], unique)
 
 
 def view(g, *, coalesce: bool = True):
@@ -85,7 +85,7 @@ def view(g, *, coalesce: bool = True):
     if isinstance(g, RowSparseArray):
         stored = (g.nse, g.unique_indices)
         if coalesce:
-            g = g._sum_duplicates()
+            g = g.sum_duplicates()
         g = at_least_two_rows(g)
         v = _View("rows", g.shape, indices=jnp.where(g.row_valid(), g.indices, g.shape[0]), stored=stored)
         return v, jnp.where(v._row_mask(g.ndim), g.data, jnp.zeros((), g.dtype))

@@ -16,7 +16,7 @@ import masked_jax as mj
 import masked_jax.nn as mnn
 import masked_jax.numpy as mnp
 from masked_jax import optim
-from masked_jax._storage import SparseMasked
+from masked_jax._core import SparseMasked
 
 D = 8
 

@@ -11,110 +11,111 @@ from masked_jax._core import MaskedArray
 Axis = int | Sequence[int] | None
 Shape = int | Sequence[int]
 
-from masked_jax._compositions import allclose as allclose
-from masked_jax._compositions import append as append
-from masked_jax._array_api import arange as arange
-from masked_jax._compositions import argwhere as argwhere
-from masked_jax._compositions import array_split as array_split
+from masked_jax.numpy._compositions import allclose as allclose
+from masked_jax.numpy._compositions import append as append
+from masked_jax.numpy._array_api import arange as arange
+from masked_jax.numpy._compositions import argwhere as argwhere
+from masked_jax.numpy._compositions import array_split as array_split
 from masked_jax._core import as_masked as as_masked
-from masked_jax._array_api import asarray as asarray
-from masked_jax._compositions import bincount as bincount
-from masked_jax._array_api import bool as bool
-from masked_jax._array_api import broadcast_arrays as broadcast_arrays
-from masked_jax._array_api import can_cast as can_cast
-from masked_jax._compositions import column_stack as column_stack
-from masked_jax._array_api import complex128 as complex128
-from masked_jax._array_api import complex64 as complex64
-from masked_jax._compositions import convolve as convolve
-from masked_jax._compositions import copy as copy
-from masked_jax._compositions import correlate as correlate
-from masked_jax._array_api import count_nonzero as count_nonzero
-from masked_jax._compositions import cross as cross
-from masked_jax._array_api import cumulative_prod as cumulative_prod
-from masked_jax._array_api import cumulative_sum as cumulative_sum
-from masked_jax._compositions import diag as diag
-from masked_jax._compositions import diagflat as diagflat
-from masked_jax._compositions import diagonal as diagonal
-from masked_jax._compositions import diff as diff
-from masked_jax._compositions import digitize as digitize
-from masked_jax._compositions import dsplit as dsplit
-from masked_jax._compositions import dstack as dstack
-from masked_jax._array_api import e as e
-from masked_jax._compositions import ediff1d as ediff1d
-from masked_jax._array_api import empty as empty
-from masked_jax._array_api import empty_like as empty_like
-from masked_jax._array_api import eye as eye
-from masked_jax._array_api import fft as fft
-from masked_jax._array_api import finfo as finfo
-from masked_jax._compositions import flatnonzero as flatnonzero
-from masked_jax._array_api import float32 as float32
-from masked_jax._array_api import float64 as float64
-from masked_jax._array_api import from_dlpack as from_dlpack
-from masked_jax._array_api import full as full
-from masked_jax._array_api import full_like as full_like
-from masked_jax._compositions import histogram as histogram
-from masked_jax._compositions import hsplit as hsplit
-from masked_jax._compositions import hstack as hstack
-from masked_jax._array_api import iinfo as iinfo
-from masked_jax._array_api import inf as inf
-from masked_jax._array_api import int16 as int16
-from masked_jax._array_api import int32 as int32
-from masked_jax._array_api import int64 as int64
-from masked_jax._array_api import int8 as int8
-from masked_jax._compositions import interp as interp
-from masked_jax._array_api import isdtype as isdtype
-from masked_jax._compositions import isin as isin
-from masked_jax._compositions import kron as kron
-from masked_jax._array_api import linspace as linspace
+from masked_jax.numpy._array_api import asarray as asarray
+from masked_jax.numpy._compositions import bincount as bincount
+from masked_jax.numpy._array_api import bool as bool
+from masked_jax.numpy._array_api import broadcast_arrays as broadcast_arrays
+from masked_jax.numpy._array_api import can_cast as can_cast
+from masked_jax.numpy._compositions import column_stack as column_stack
+from masked_jax.numpy._array_api import complex128 as complex128
+from masked_jax.numpy._array_api import complex64 as complex64
+from masked_jax.numpy._compositions import convolve as convolve
+from masked_jax.numpy._compositions import copy as copy
+from masked_jax.numpy._compositions import correlate as correlate
+from masked_jax.numpy._array_api import count_nonzero as count_nonzero
+from masked_jax.numpy._compositions import cross as cross
+from masked_jax.numpy._array_api import cumulative_prod as cumulative_prod
+from masked_jax.numpy._array_api import cumulative_sum as cumulative_sum
+from masked_jax.numpy._compositions import diag as diag
+from masked_jax.numpy._compositions import diagflat as diagflat
+from masked_jax.numpy._compositions import diagonal as diagonal
+from masked_jax.numpy._compositions import diff as diff
+from masked_jax.numpy._compositions import digitize as digitize
+from masked_jax.numpy._compositions import dsplit as dsplit
+from masked_jax.numpy._compositions import dstack as dstack
+from masked_jax.numpy._array_api import e as e
+from masked_jax.numpy._compositions import ediff1d as ediff1d
+from masked_jax.numpy._array_api import empty as empty
+from masked_jax.numpy._array_api import empty_like as empty_like
+from masked_jax.numpy._array_api import eye as eye
+from masked_jax.numpy import fft as fft
+from masked_jax.numpy._array_api import finfo as finfo
+from masked_jax.numpy._compositions import flatnonzero as flatnonzero
+from masked_jax.numpy._array_api import float32 as float32
+from masked_jax.numpy._array_api import float64 as float64
+from masked_jax.numpy._array_api import from_dlpack as from_dlpack
+from masked_jax.numpy._array_api import full as full
+from masked_jax.numpy._array_api import full_like as full_like
+from masked_jax.numpy._compositions import histogram as histogram
+from masked_jax.numpy._compositions import hsplit as hsplit
+from masked_jax.numpy._compositions import hstack as hstack
+from masked_jax.numpy._array_api import iinfo as iinfo
+from masked_jax.numpy._array_api import inf as inf
+from masked_jax.numpy._array_api import int16 as int16
+from masked_jax.numpy._array_api import int32 as int32
+from masked_jax.numpy._array_api import int64 as int64
+from masked_jax.numpy._array_api import int8 as int8
+from masked_jax.numpy._compositions import interp as interp
+from masked_jax.numpy._array_api import isdtype as isdtype
+from masked_jax.numpy._compositions import isin as isin
+from masked_jax.numpy._compositions import kron as kron
+from masked_jax.numpy import linalg as linalg
+from masked_jax.numpy._array_api import linspace as linspace
 from masked_jax._core import masked_array as masked_array
-from masked_jax._array_api import matrix_transpose as matrix_transpose
-from masked_jax._compositions import matvec as matvec
-from masked_jax._array_api import meshgrid as meshgrid
-from masked_jax._array_api import nan as nan
-from masked_jax._compositions import nanargmax as nanargmax
-from masked_jax._compositions import nanargmin as nanargmin
-from masked_jax._compositions import nancumprod as nancumprod
-from masked_jax._compositions import nancumsum as nancumsum
-from masked_jax._compositions import nanmax as nanmax
-from masked_jax._compositions import nanmean as nanmean
-from masked_jax._compositions import nanmedian as nanmedian
-from masked_jax._compositions import nanmin as nanmin
-from masked_jax._compositions import nanpercentile as nanpercentile
-from masked_jax._compositions import nanprod as nanprod
-from masked_jax._compositions import nanquantile as nanquantile
-from masked_jax._compositions import nanstd as nanstd
-from masked_jax._compositions import nansum as nansum
-from masked_jax._compositions import nanvar as nanvar
-from masked_jax._compositions import ndim as ndim
-from masked_jax._array_api import newaxis as newaxis
-from masked_jax._array_api import nonzero as nonzero
-from masked_jax._array_api import ones as ones
-from masked_jax._array_api import ones_like as ones_like
-from masked_jax._array_api import pi as pi
-from masked_jax._array_api import result_type as result_type
-from masked_jax._array_api import searchsorted as searchsorted
-from masked_jax._compositions import select as select
-from masked_jax._compositions import shape as shape
-from masked_jax._compositions import size as size
-from masked_jax._compositions import trace as trace
-from masked_jax._array_api import tril as tril
-from masked_jax._array_api import triu as triu
-from masked_jax._array_api import uint16 as uint16
-from masked_jax._array_api import uint32 as uint32
-from masked_jax._array_api import uint64 as uint64
-from masked_jax._array_api import uint8 as uint8
-from masked_jax._compositions import unique as unique
-from masked_jax._array_api import unique_all as unique_all
-from masked_jax._array_api import unique_counts as unique_counts
-from masked_jax._array_api import unique_inverse as unique_inverse
-from masked_jax._array_api import unique_values as unique_values
-from masked_jax._array_api import unstack as unstack
-from masked_jax._array_api import vecdot as vecdot
-from masked_jax._compositions import vecmat as vecmat
-from masked_jax._compositions import vsplit as vsplit
-from masked_jax._compositions import vstack as vstack
-from masked_jax._array_api import zeros as zeros
-from masked_jax._array_api import zeros_like as zeros_like
+from masked_jax.numpy._array_api import matrix_transpose as matrix_transpose
+from masked_jax.numpy._compositions import matvec as matvec
+from masked_jax.numpy._array_api import meshgrid as meshgrid
+from masked_jax.numpy._array_api import nan as nan
+from masked_jax.numpy._compositions import nanargmax as nanargmax
+from masked_jax.numpy._compositions import nanargmin as nanargmin
+from masked_jax.numpy._compositions import nancumprod as nancumprod
+from masked_jax.numpy._compositions import nancumsum as nancumsum
+from masked_jax.numpy._compositions import nanmax as nanmax
+from masked_jax.numpy._compositions import nanmean as nanmean
+from masked_jax.numpy._compositions import nanmedian as nanmedian
+from masked_jax.numpy._compositions import nanmin as nanmin
+from masked_jax.numpy._compositions import nanpercentile as nanpercentile
+from masked_jax.numpy._compositions import nanprod as nanprod
+from masked_jax.numpy._compositions import nanquantile as nanquantile
+from masked_jax.numpy._compositions import nanstd as nanstd
+from masked_jax.numpy._compositions import nansum as nansum
+from masked_jax.numpy._compositions import nanvar as nanvar
+from masked_jax.numpy._compositions import ndim as ndim
+from masked_jax.numpy._array_api import newaxis as newaxis
+from masked_jax.numpy._array_api import nonzero as nonzero
+from masked_jax.numpy._array_api import ones as ones
+from masked_jax.numpy._array_api import ones_like as ones_like
+from masked_jax.numpy._array_api import pi as pi
+from masked_jax.numpy._array_api import result_type as result_type
+from masked_jax.numpy._array_api import searchsorted as searchsorted
+from masked_jax.numpy._compositions import select as select
+from masked_jax.numpy._compositions import shape as shape
+from masked_jax.numpy._compositions import size as size
+from masked_jax.numpy._compositions import trace as trace
+from masked_jax.numpy._array_api import tril as tril
+from masked_jax.numpy._array_api import triu as triu
+from masked_jax.numpy._array_api import uint16 as uint16
+from masked_jax.numpy._array_api import uint32 as uint32
+from masked_jax.numpy._array_api import uint64 as uint64
+from masked_jax.numpy._array_api import uint8 as uint8
+from masked_jax.numpy._compositions import unique as unique
+from masked_jax.numpy._array_api import unique_all as unique_all
+from masked_jax.numpy._array_api import unique_counts as unique_counts
+from masked_jax.numpy._array_api import unique_inverse as unique_inverse
+from masked_jax.numpy._array_api import unique_values as unique_values
+from masked_jax.numpy._array_api import unstack as unstack
+from masked_jax.numpy._array_api import vecdot as vecdot
+from masked_jax.numpy._compositions import vecmat as vecmat
+from masked_jax.numpy._compositions import vsplit as vsplit
+from masked_jax.numpy._compositions import vstack as vstack
+from masked_jax.numpy._array_api import zeros as zeros
+from masked_jax.numpy._array_api import zeros_like as zeros_like
 def abs(x: ArrayLike | MaskedArray, /) -> MaskedArray: ...
 def absolute(x: ArrayLike | MaskedArray, /) -> MaskedArray: ...
 def acos(x: ArrayLike | MaskedArray, /) -> MaskedArray: ...
@@ -299,57 +300,5 @@ def var(a: ArrayLike | MaskedArray, axis: Axis = ..., dtype: DTypeLike | None = 
 def vdot(a: ArrayLike | MaskedArray, b: ArrayLike | MaskedArray, *, precision: Any = ..., preferred_element_type: DTypeLike | None = ...) -> MaskedArray: ...
 def where(condition: ArrayLike | MaskedArray, x: ArrayLike | MaskedArray, y: ArrayLike | MaskedArray, /) -> MaskedArray: ...
 
-class _Linalg:
-    @staticmethod
-    def cholesky(x: Any, /, *, upper: bool = ..., symmetrize_input: bool = ...) -> Any: ...
-    @staticmethod
-    def cross(x1: Any, x2: Any, /, *, axis: int = ...) -> MaskedArray: ...
-    @staticmethod
-    def det(x: Any, /) -> Any: ...
-    @staticmethod
-    def diagonal(x: Any, /, *, offset: int = ...) -> MaskedArray: ...
-    @staticmethod
-    def eigh(x: Any, /, UPLO: str | None = ..., symmetrize_input: bool = ...) -> Any: ...
-    @staticmethod
-    def eigvalsh(x: Any, /, UPLO: str | None = ..., *, symmetrize_input: bool = ...) -> Any: ...
-    @staticmethod
-    def inv(x: Any, /) -> Any: ...
-    @staticmethod
-    def matmul(a: ArrayLike | MaskedArray, b: ArrayLike | MaskedArray, *, precision: Any = ..., preferred_element_type: DTypeLike | None = ...) -> MaskedArray: ...
-    @staticmethod
-    def matrix_norm(x: Any, /, *, keepdims: builtins.bool = ..., ord: Any = ...) -> MaskedArray: ...
-    @staticmethod
-    def matrix_power(x: Any, /, n: int) -> Any: ...
-    @staticmethod
-    def matrix_rank(x: Any, /, rtol: ArrayLike | None = ..., *, hermitian: bool = ..., tol: ArrayLike | None = ...) -> Any: ...
-    @staticmethod
-    def matrix_transpose(x: Any, /) -> MaskedArray: ...
-    @staticmethod
-    def norm(x: ArrayLike | MaskedArray, ord: int | float | str | None = ..., axis: Axis = ..., keepdims: bool = ...) -> MaskedArray: ...
-    @staticmethod
-    def outer(a: ArrayLike | MaskedArray, b: ArrayLike | MaskedArray, out: None = ...) -> MaskedArray: ...
-    @staticmethod
-    def pinv(x: Any, /, rtol: ArrayLike | None = ..., hermitian: bool = ..., *, rcond: ArrayLike | None = ...) -> Any: ...
-    @staticmethod
-    def qr(x: Any, /, mode: str = ...) -> Any: ...
-    @staticmethod
-    def slogdet(x: Any, /, *, method: str | None = ...) -> Any: ...
-    @staticmethod
-    def solve(x: Any, /, b: ArrayLike) -> Any: ...
-    @staticmethod
-    def svd(x: Any, /, full_matrices: bool = ..., compute_uv: bool = ..., hermitian: bool = ..., subset_by_index: tuple[int, int] | None = ...) -> Any: ...
-    @staticmethod
-    def svdvals(x: Any, /) -> Any: ...
-    @staticmethod
-    def tensordot(a: ArrayLike | MaskedArray, b: ArrayLike | MaskedArray, axes: Any = ..., *, precision: Any = ..., preferred_element_type: DTypeLike | None = ...) -> MaskedArray: ...
-    @staticmethod
-    def trace(x: Any, /, *, offset: int = ..., dtype: Any = ...) -> MaskedArray: ...
-    @staticmethod
-    def vecdot(x1: Any, x2: Any, /, *, axis: int = ...) -> MaskedArray: ...
-    @staticmethod
-    def vector_norm(x: Any, /, *, axis: Any = ..., keepdims: builtins.bool = ..., ord: Any = ...) -> MaskedArray: ...
-
-linalg: _Linalg
-
-from masked_jax._array_api import __array_namespace_info__ as __array_namespace_info__
+from masked_jax.numpy._array_api import __array_namespace_info__ as __array_namespace_info__
 __array_api_version__: str

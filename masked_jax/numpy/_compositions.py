@@ -13,9 +13,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from masked_jax._array_api import _diagonal, _document, _fully_valid, _op, _trace, as_masked, unique_of_valid
-from masked_jax._array_api import cross as _cross_last
-from masked_jax._core import MaskedArray
+from masked_jax.numpy._array_api import _diagonal, _document, _fully_valid, _op, _trace, as_masked, unique_of_valid
+from masked_jax.numpy._array_api import cross as _cross_last
+from masked_jax._core import MaskedArray, from_pair
 from masked_jax.ops._base import highest, lowest, normalize_axis
 
 
@@ -27,7 +27,7 @@ def _nan_masked(x):
     x = as_masked(x)
     if not jnp.issubdtype(x.dtype, jnp.inexact):
         return x
-    return MaskedArray._from_pair(x.data, x.mask & ~jnp.isnan(x.data))
+    return from_pair(x.data, x.mask & ~jnp.isnan(x.data))
 
 
 def _nan_reduction(name):
@@ -35,7 +35,7 @@ def _nan_reduction(name):
         if name in ("cumsum", "cumprod"):  # as jnp: a NaN adds (multiplies) nothing, its position stays
             x = as_masked(a)
             if jnp.issubdtype(x.dtype, jnp.inexact):
-                x = MaskedArray._from_pair(jnp.where(jnp.isnan(x.data), 0 if name == "cumsum" else 1, x.data),
+                x = from_pair(jnp.where(jnp.isnan(x.data), 0 if name == "cumsum" else 1, x.data),
                                            x.compact_mask)
             return _op(name)(x, *args, **kwargs)
         return _op(name)(_nan_masked(a), *args, **kwargs)
@@ -219,7 +219,7 @@ def isin(element, test_elements, invert: bool = False) -> MaskedArray:
     """
     e, t = as_masked(element), as_masked(test_elements)
     hit = jnp.any((e.data[..., None] == t.data.ravel()) & t.mask.ravel(), axis=-1)
-    return MaskedArray._from_pair(~hit if invert else hit, e.compact_mask)
+    return from_pair(~hit if invert else hit, e.compact_mask)
 
 
 def digitize(x, bins, right: bool = False) -> MaskedArray:
@@ -234,7 +234,7 @@ def digitize(x, bins, right: bool = False) -> MaskedArray:
     """
     x = as_masked(x)
     out = jnp.digitize(x.data, _fully_valid(bins, "digitize's bins"), right=right)
-    return MaskedArray._from_pair(out, x.compact_mask)
+    return from_pair(out, x.compact_mask)
 
 
 def bincount(x, weights=None, minlength: int = 0, *, length: int | None = None) -> jax.Array:
@@ -303,7 +303,7 @@ def _convolution(fn, name):
             valid = touched < 0.5
         else:  # masked where no pair of valid entries takes part
             valid = fn(xm, km, mode=mode) > 0.5
-        return MaskedArray._from_pair(data, valid)
+        return from_pair(data, valid)
 
     return _document(conv, name, f"``jax.numpy.{name}`` with ``numpy.ma.{name}``'s masks: with ``propagate_mask`` "
                      "an output is masked when any masked entry takes part in it, without it only when no pair of "
@@ -338,7 +338,7 @@ def interp(x, xp, fp, left=None, right=None, period=None) -> MaskedArray:
     # sanitised on entry: NaN under a mask reaches neither the values nor the gradients
     xs, fs = jnp.where(ok, sx.data, 0)[take], jnp.where(ok, sf.data, 0)[take]
     out = jnp.interp(jnp.where(q.mask, q.data, xs[0]), xs, fs, left=left, right=right, period=period)
-    return MaskedArray._from_pair(out, q.mask & jnp.any(ok))
+    return from_pair(out, q.mask & jnp.any(ok))
 
 
 def unique(ar, return_index: bool = False, return_inverse: bool = False, return_counts: bool = False,
@@ -375,7 +375,7 @@ def diag(v, k: int = 0) -> MaskedArray:
         return _diagonal(x, k, 0, 1)
     if x.ndim != 1:
         raise ValueError(f"diag: the input must be 1-d or 2-d; got shape {x.shape}.")
-    return MaskedArray._from_pair(jnp.diag(x.filled(0), k), ~jnp.diag(~x.mask, k))
+    return from_pair(jnp.diag(x.filled(0), k), ~jnp.diag(~x.mask, k))
 
 
 def diagflat(v, k: int = 0) -> MaskedArray:

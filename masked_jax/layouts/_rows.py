@@ -17,10 +17,10 @@ import numpy as np
 from jax.experimental import sparse as jsparse
 
 from masked_jax import _validate
-from masked_jax._core import MaskedArray, _check_data
-from masked_jax._storage import SparseMasked, is_tracer
-from masked_jax.layouts.segments import distinct_ids, segment_total, unique_ids
-from masked_jax.layouts.bcoo import DATA_KEY, INDICES_KEY, BCOOMaskedArray
+from masked_jax._core import MaskedArray, check_data, from_pair
+from masked_jax._core import SparseMasked, is_tracer
+from masked_jax.layouts._segments import distinct_ids, segment_total, unique_ids
+from masked_jax.layouts._bcoo import DATA_KEY, INDICES_KEY, BCOOMaskedArray
 from masked_jax.ops._base import Pair, accumulation_dtype, widened_indices
 
 
@@ -58,10 +58,6 @@ class RowSparseArray(SparseMasked, storage="row_sparse"):
         obj.shape, obj.unique_indices = aux
         return obj
 
-    @classmethod
-    def _make(cls, shape, data, indices, unique_indices=False):
-        return cls.tree_unflatten((tuple(shape), bool(unique_indices)), (data, indices))
-
     _label = "row"
     dtype = property(lambda self: self.data.dtype)
     nse = property(lambda self: self.data.shape[0], doc="K, the static number of stored rows.")
@@ -81,7 +77,7 @@ class RowSparseArray(SparseMasked, storage="row_sparse"):
 
     def with_data(self, data) -> "RowSparseArray":
         shape = self.shape[:1] + tuple(data.shape[1:])
-        return RowSparseArray._make(shape, data, self.indices, self.unique_indices)
+        return rows_from_parts(shape, data, self.indices, self.unique_indices)
 
     def clean_indices(self):
         """The row indices with every padding row at ``N`` (negative indices are padding too, never
@@ -101,7 +97,7 @@ class RowSparseArray(SparseMasked, storage="row_sparse"):
         data = (at.max(data, mode="drop") if self.dtype == jnp.bool_ else at.add(data, mode="drop")).astype(self.dtype)
         rows = jnp.zeros(self.shape[0], bool).at[idx].set(True, mode="drop")
         mask = jnp.broadcast_to(rows.reshape((-1,) + (1,) * (self.ndim - 1)), self.shape)
-        return MaskedArray._from_pair(data, mask)
+        return from_pair(data, mask)
 
     def coalesce(self) -> "RowSparseArray":
         """Sum duplicate rows; indices become sorted and unique, padding (index N) last. Static K.
@@ -115,24 +111,32 @@ class RowSparseArray(SparseMasked, storage="row_sparse"):
             >>> x.indices, x.data[:, 0]
             (Array([0, 3, 4], dtype=int32), Array([2., 6., 0.], dtype=float32))
         """
-        return self._sum_duplicates(unique_ids)
+        return self.sum_duplicates(unique_ids)
 
-    def _sum_duplicates(self, method=distinct_ids) -> "RowSparseArray":
-        """Duplicate rows summed; by default the distinct rows in whatever order
-        :func:`~masked_jax.layouts.segments.distinct_ids` finds fastest (the optimizers' path:
-        they gather and scatter by index, in any order)."""
+    def sum_duplicates(self, method=distinct_ids) -> "RowSparseArray":
+        """Duplicate rows summed, each distinct row stored once, in whatever order is fastest to find.
+
+        The optimizers' path: they gather and scatter by index, in any order. :meth:`coalesce`
+        also sorts the rows. ``method`` finds the distinct ids and each stored row's segment.
+
+        Examples:
+            >>> import jax.numpy as jnp, masked_jax as mj
+            >>> x = mj.row_sparse(jnp.array([[1.0], [2.0], [5.0]]), jnp.array([3, 0, 3]), (4, 1))
+            >>> x.sum_duplicates().todense().data[:, 0]
+            Array([2., 0., 0., 6.], dtype=float32)
+        """
         if self.unique_indices:
             return self
         n, k = self.shape[0], self.nse
         idx = jnp.where(self.row_valid(), self.indices, n).astype(jnp.int32)
         if k == 0:
-            return RowSparseArray._make(self.shape, self.data, idx, True)
+            return rows_from_parts(self.shape, self.data, idx, True)
         uniq, seg = method(idx, n)
         if self.dtype == jnp.bool_:  # duplicates of a bool are or-ed
             data = jax.ops.segment_max(self.data, seg, num_segments=k)
         else:
             data = segment_total(self.data, seg, k)  # float32 accumulation for half precision
-        return RowSparseArray._make(self.shape, data, uniq, True)
+        return rows_from_parts(self.shape, data, uniq, True)
 
     def retain(self, rows) -> "RowSparseArray":
         """Keep only the stored rows whose index is in ``rows`` (MXNet ``retain``); K is unchanged,
@@ -146,7 +150,7 @@ class RowSparseArray(SparseMasked, storage="row_sparse"):
         """
         rows = jnp.asarray(rows)
         keep = jnp.isin(self.indices, rows)
-        return RowSparseArray._make(self.shape, self.data, jnp.where(keep, self.indices, self.shape[0]),
+        return rows_from_parts(self.shape, self.data, jnp.where(keep, self.indices, self.shape[0]),
                                     self.unique_indices)
 
     def to_bcoo(self) -> jsparse.BCOO:
@@ -183,7 +187,16 @@ class RowSparseArray(SparseMasked, storage="row_sparse"):
             nse = int(jnp.sum(rows))
         idx = jnp.nonzero(rows, size=nse, fill_value=dense.shape[0])[0].astype(jnp.int32)
         data = take_rows(dense.data, idx)
-        return cls._make(dense.shape, data, idx, True)
+        return rows_from_parts(dense.shape, data, idx, True)
+
+
+def rows_from_parts(shape, data, indices, unique_indices: bool = False) -> RowSparseArray:
+    """The trusted constructor: a RowSparseArray of parts that the caller built, with no checks.
+
+    For library code that made ``data`` (K, ...) and int32 ``indices`` (K,) itself; users call
+    :func:`row_sparse`, which validates them.
+    """
+    return RowSparseArray.tree_unflatten((tuple(shape), bool(unique_indices)), (data, indices))
 
 
 def take_rows(x, ids, fill_value=0):
@@ -214,7 +227,7 @@ def at_least_two_rows(x: RowSparseArray) -> RowSparseArray:
     if indices is x.indices:
         return x
     pad = jnp.zeros((indices.shape[0] - x.nse,) + x.data.shape[1:], x.dtype)
-    return RowSparseArray._make(x.shape, jnp.concatenate([x.data, pad]), indices, x.unique_indices)
+    return rows_from_parts(x.shape, jnp.concatenate([x.data, pad]), indices, x.unique_indices)
 
 
 def check_integer_indices(indices, argname: str = "indices"):
@@ -268,7 +281,7 @@ def row_sparse(data, indices, shape, *, unique_indices: bool = False) -> RowSpar
         >>> mnp.sum(g, axis=0)
         MaskedArray([4.0 6.0], dtype=float32)
     """
-    data = _check_data(data)
+    data = check_data(data)
     shape = _validate.shape(shape, "row_sparse: shape")
     indices = check_integer_indices(indices)
     if indices.ndim != 1:
@@ -289,4 +302,4 @@ def row_sparse(data, indices, shape, *, unique_indices: bool = False) -> RowSpar
         stored = host[host < shape[0]]
         if unique_indices and np.unique(stored).size != stored.size:
             raise ValueError("unique_indices=True but indices has duplicates.")
-    return RowSparseArray._make(shape, data, indices.astype(jnp.int32), unique_indices)
+    return rows_from_parts(shape, data, indices.astype(jnp.int32), unique_indices)

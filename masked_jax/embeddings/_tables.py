@@ -15,9 +15,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from masked_jax._bags import Bag
-from masked_jax._core import MaskedArray, is_container
-from masked_jax._lookup import _normalize_ids, _read
+from masked_jax.embeddings._bags import Bag
+from masked_jax._core import is_container, from_pair
+from masked_jax.embeddings._lookup import _normalize_ids, _read
 
 
 def _pairs(requests):
@@ -141,7 +141,7 @@ class TableStack:
             part = part.reshape(g.shape + self.row_shape)
             mask = None if mask is None else jnp.reshape(mask, g.shape + (1,) * len(self.row_shape))
             # masked ids read row num_rows: zeros
-            outs.append(part if mask is None else MaskedArray._from_pair(part, mask, zeroed=True))
+            outs.append(part if mask is None else from_pair(part, mask, zeroed=True))
         return rebuild(outs)
 
     def embedding_bag(self, table, requests):

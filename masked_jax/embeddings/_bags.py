@@ -14,11 +14,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from masked_jax._core import MaskedArray, is_container
-from masked_jax._lookup import _read
-from masked_jax._storage import SparseMasked
-from masked_jax.layouts.rows import check_integer_indices
-from masked_jax.layouts.segments import segment_total
+from masked_jax._core import is_container, from_pair
+from masked_jax.embeddings._lookup import _read
+from masked_jax._core import SparseMasked
+from masked_jax.layouts import check_integer_indices
+from masked_jax.layouts import segment_total
 from masked_jax.ops._base import lowest
 
 COMBINERS = ("sum", "mean", "sqrtn", "max")
@@ -178,7 +178,7 @@ class Bag:
             pooled = pooled / jnp.where(valid, norm, 1)[expand]
         pooled = jnp.where(valid[expand], pooled, 0)
         mask = valid.reshape(valid.shape + (1,) * row_ndim)
-        return [MaskedArray._from_pair(p[0], m[0], zeroed=True) for p, m in
+        return [from_pair(p[0], m[0], zeroed=True) for p, m in
                 zip(jnp.split(pooled, len(bags)), jnp.split(mask, len(bags)))]
 
     @classmethod
@@ -242,7 +242,7 @@ class Bag:
                 valid = (count > 0) & (norm != 0)
                 pooled = pooled / jnp.where(valid, norm, 1)[expand]
         pooled = jnp.where(valid[expand], pooled, 0)
-        return MaskedArray._from_pair(pooled, valid.reshape(valid.shape + (1,) * row_ndim), zeroed=True)
+        return from_pair(pooled, valid.reshape(valid.shape + (1,) * row_ndim), zeroed=True)
 
 
 __all__ = ["embedding_bag"]

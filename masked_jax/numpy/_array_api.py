@@ -12,16 +12,16 @@ from __future__ import annotations
 
 import builtins
 import inspect
-import types
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from masked_jax._core import MaskedArray, fully_valid_data
+from masked_jax._core import MaskedArray, fully_valid_data, from_pair
 from masked_jax._core import as_masked as _as_masked
-from masked_jax._storage import SparseMasked
+from masked_jax._core import SparseMasked
+from masked_jax.numpy import _frontend
 from masked_jax.ops._base import normalize_axis, result_dtype
 
 API_VERSION = "2023.12"
@@ -51,8 +51,6 @@ def as_masked(x) -> MaskedArray:
 
 def _op(name):
     """The public function of a registered op (signature binding included)."""
-    from masked_jax import _frontend
-
     return _frontend.function(name)
 
 
@@ -104,7 +102,7 @@ def asarray(obj, /, *, dtype=None, device=None, copy=None) -> MaskedArray:
     """
     if isinstance(obj, MaskedArray):
         data = jnp.asarray(obj.data, dtype=dtype, device=device, copy=copy)
-        return MaskedArray._from_pair(data, jnp.asarray(obj.mask, device=device, copy=copy))
+        return from_pair(data, jnp.asarray(obj.mask, device=device, copy=copy))
     if isinstance(obj, SparseMasked):
         return asarray(obj.todense(), dtype=dtype, device=device, copy=copy)
     if isinstance(obj, (list, tuple)):
@@ -116,7 +114,7 @@ def asarray(obj, /, *, dtype=None, device=None, copy=None) -> MaskedArray:
             data = jax.tree_util.tree_map(lambda v: v.data if _is_masked(v) else v, dense, is_leaf=_is_masked)
             mask = jax.tree_util.tree_map(lambda v: v.mask if _is_masked(v) else np.ones(np.shape(v), np.bool_),
                                           dense, is_leaf=_is_masked)
-            return MaskedArray._from_pair(jnp.asarray(data, dtype=dtype, device=device, copy=copy),
+            return from_pair(jnp.asarray(data, dtype=dtype, device=device, copy=copy),
                                           jnp.asarray(mask, device=device))
     return as_masked(jnp.asarray(obj, dtype=dtype, device=device, copy=copy))
 
@@ -156,7 +154,7 @@ def _triangle(keep, example_mask):
         x = as_masked(x)
         if x.ndim < 2:
             raise ValueError(f"{keep.__name__} needs at least 2 dimensions; got shape {x.shape}.")
-        return MaskedArray._from_pair(keep(x.data, k=k), x.compact_mask)
+        return from_pair(keep(x.data, k=k), x.compact_mask)
 
     return _document(tri, keep.__name__, f"``jax.numpy.{keep.__name__}``: zeros outside the kept triangle; the "
                      "mask is unchanged (a written zero is valid where the entry was: a constant never makes a "
@@ -182,7 +180,7 @@ def meshgrid(*arrays, indexing: str = "xy") -> list[MaskedArray]:
     arrays = [as_masked(a) for a in arrays]
     data = jnp.meshgrid(*(a.data for a in arrays), indexing=indexing)
     masks = jnp.meshgrid(*(a.mask for a in arrays), indexing=indexing)
-    return [MaskedArray._from_pair(d, m) for d, m in zip(data, masks)]
+    return [from_pair(d, m) for d, m in zip(data, masks)]
 
 
 # -- data type functions: a MaskedArray stands for its dtype ------------------------------------
@@ -416,7 +414,7 @@ def unique_of_valid(x, *, equal_nan: builtins.bool, index=True, inverse=True, co
     if inv is not None:
         full_inverse = np.zeros(x.size, np.asarray(inv).dtype)
         full_inverse[flat] = np.asarray(inv).ravel()
-        inv = MaskedArray._from_pair(jnp.asarray(full_inverse.reshape(x.shape)), x.compact_mask)
+        inv = from_pair(jnp.asarray(full_inverse.reshape(x.shape)), x.compact_mask)
     if first is not None:
         first = jnp.asarray(flat[np.asarray(first)], first.dtype)
     return UniqueAllResult(as_masked(values), first, inv, count)
@@ -499,7 +497,7 @@ def searchsorted(x1, x2, /, *, side: str = "left", sorter=None) -> MaskedArray:
         below = (below | (~jnp.isnan(v) & jnp.isnan(w))) if side == "left" else (below | jnp.isnan(w))
     out_dtype = jax.eval_shape(jnp.searchsorted, a.data, q.data).dtype
     pos = jnp.sum(below & a.mask[None, :], axis=1, dtype=out_dtype).reshape(q.shape)
-    return MaskedArray._from_pair(pos, q.compact_mask)
+    return from_pair(pos, q.compact_mask)
 
 
 # -- the inspection namespace -------------------------------------------------------------------
@@ -529,7 +527,7 @@ def diagonal(x, /, *, offset: int = 0) -> MaskedArray:
 
 def _diagonal(x, offset, axis1, axis2):
     x = as_masked(x)
-    return MaskedArray._from_pair(jnp.diagonal(x.data, offset, axis1, axis2), jnp.diagonal(x.mask, offset, axis1, axis2))
+    return from_pair(jnp.diagonal(x.data, offset, axis1, axis2), jnp.diagonal(x.mask, offset, axis1, axis2))
 
 
 def _trace(x, offset, axis1, axis2, dtype):
@@ -612,7 +610,7 @@ def cross(x1, x2, /, *, axis: int = -1) -> MaskedArray:
                          f"{a.shape} and {b.shape}.")
     valid = jnp.all(a.mask, axis=axis, keepdims=True) & jnp.all(b.mask, axis=axis, keepdims=True)
     data = jnp.cross(jnp.where(a.mask, a.data, 0), jnp.where(b.mask, b.data, 0), axis=axis)
-    return MaskedArray._from_pair(data, jnp.broadcast_to(valid, data.shape))
+    return from_pair(data, jnp.broadcast_to(valid, data.shape))
 
 
 # -- linalg and fft: decompositions and transforms have no masked meaning -----------------------
@@ -625,7 +623,7 @@ def _fully_valid(x, name):
                             "it on x.filled(value).")
 
 
-def _dense_only(fn, name):
+def dense_only(fn, name):
     def dense(x, /, *args, **kwargs):
         out = fn(_fully_valid(x, name), *(_fully_valid(a, name) for a in args),
                  **{k: _fully_valid(v, f"{name}'s {k}") for k, v in kwargs.items()})
@@ -640,18 +638,9 @@ def _dense_only(fn, name):
                      signature_of=fn)
 
 
-DENSE_ONLY_LINALG = ["cholesky", "det", "eigh", "eigvalsh", "inv", "matrix_power", "matrix_rank", "pinv", "qr",
-                     "slogdet", "solve", "svd", "svdvals"]
-DENSE_ONLY_FFT = ["fft", "ifft", "fftn", "ifftn", "rfft", "irfft", "rfftn", "irfftn", "hfft", "ihfft", "fftfreq",
-                  "rfftfreq", "fftshift", "ifftshift"]
-linalg = types.SimpleNamespace(diagonal=diagonal, trace=trace, matrix_norm=matrix_norm, cross=cross,
-                               vector_norm=vector_norm,
-                               **{n: _dense_only(getattr(jnp.linalg, n), f"linalg.{n}") for n in DENSE_ONLY_LINALG})
-fft = types.SimpleNamespace(**{n: _dense_only(getattr(jnp.fft, n), f"fft.{n}") for n in DENSE_ONLY_FFT})
-
 __all__ = CONSTANTS + DTYPES + [
     "arange", "asarray", "empty", "empty_like", "eye", "from_dlpack", "full", "full_like", "linspace", "meshgrid",
     "ones", "ones_like", "tril", "triu", "zeros", "zeros_like", "can_cast", "finfo", "iinfo", "isdtype",
     "result_type", "matrix_transpose", "vecdot", "broadcast_arrays", "unstack", "cumulative_sum", "cumulative_prod",
     "count_nonzero", "unique_all",
-    "unique_counts", "unique_inverse", "unique_values", "nonzero", "searchsorted", "fft"]
+    "unique_counts", "unique_inverse", "unique_values", "nonzero", "searchsorted"]

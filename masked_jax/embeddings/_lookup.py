@@ -30,14 +30,12 @@ import jax.extend.core.primitives as P
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.extend import core as jcore
 
-from masked_jax._core import MaskedArray, is_container, is_masked
-from masked_jax._storage import SparseMasked
-from masked_jax.layouts.rows import RowSparseArray, check_integer_indices, pad_indices, take_rows
+from masked_jax import _jaxpr
+from masked_jax._core import is_container, is_masked, from_pair
+from masked_jax._core import SparseMasked
+from masked_jax.layouts import RowSparseArray, check_integer_indices, pad_indices, take_rows, rows_from_parts
 
-# checkpoint's primitive: exported as remat_p by newer jax; otherwise read off a staged checkpoint
-_REMAT_P = getattr(P, "remat_p", None) or jax.make_jaxpr(jax.checkpoint(jnp.sin))(1.0).eqns[0].primitive
 _INLINE = (P.jit_p, P.closed_call_p)  # calls whose body is evaluated in place
 _PASS = (P.copy_p, P.device_put_p)  # identity-like ops a table may go through
 
@@ -100,9 +98,9 @@ def lookup(table, ids):
         if id_mask is None:
             return rows
         # a masked id read row n: zeros, with no gradient
-        return MaskedArray._from_pair(rows, id_mask.reshape(ids.shape + trailing), zeroed=True)
+        return from_pair(rows, id_mask.reshape(ids.shape + trailing), zeroed=True)
     mask = _read(table.mask, ids) & (ids < n).reshape(ids.shape + trailing)
-    return MaskedArray._from_pair(_read(table.data, ids), mask)
+    return from_pair(_read(table.data, ids), mask)
 
 
 def _misuse(what: str) -> TypeError:
@@ -191,16 +189,6 @@ def _row_read(eqn, shape, invals):
     return None
 
 
-def _bind(eqn, invals):
-    """Evaluate one equation on ``invals``, as ``jax.core.eval_jaxpr`` does (older jax versions
-    return the call's sub-functions with its parameters)."""
-    params = eqn.primitive.get_bind_params(eqn.params)
-    if isinstance(params, tuple):
-        subfuns, params = params
-        return eqn.primitive.bind(*subfuns, *invals, **params)
-    return eqn.primitive.bind(*invals, **params)
-
-
 class _Run:
     """One evaluation of the traced program. ``collect``: reads the tables and records the ids of
     every row read (``items``: arrays, and lists for scan and checkpoint bodies; ``ks``: which
@@ -216,22 +204,18 @@ class _Run:
         return _Run(self.tables, self.collect, queue)
 
     def eval(self, jaxpr, consts, args):
-        env = {}
-
-        def read(v):
-            return v.val if isinstance(v, jcore.Literal) else env[v]
-
-        env.update(zip(jaxpr.constvars, consts))
+        env = dict(zip(jaxpr.constvars, consts))
         env.update(zip(jaxpr.invars, args))
         for eqn in jaxpr.eqns:
-            invals = [read(v) for v in eqn.invars]
+            invals = [_jaxpr.read(env, v) for v in eqn.invars]
             if any(isinstance(x, _Ref) for x in invals):
                 outs = self.table_use(eqn, invals)
+                outs = outs if eqn.primitive.multiple_results else [outs]
             else:
                 with eqn.ctx.manager:
-                    outs = _bind(eqn, invals)
-            env.update(zip(eqn.outvars, outs if eqn.primitive.multiple_results else [outs]))
-        return [read(v) for v in jaxpr.outvars]
+                    outs = _jaxpr.bind(eqn, invals)
+            env.update(zip(eqn.outvars, outs))
+        return [_jaxpr.read(env, v) for v in jaxpr.outvars]
 
     # -- an equation that uses a table -------------------------------------------------------------
     def table_use(self, eqn, invals):
@@ -248,7 +232,7 @@ class _Run:
             return self.eval(closed.jaxpr, closed.consts, invals)
         if prim is P.scan_p:
             return self.scan(params, invals)
-        if prim is _REMAT_P:
+        if prim is _jaxpr.REMAT_P:
             return self.checkpoint(params, invals)
         if prim is P.while_p:
             raise _misuse("read inside a lax.while_loop (or fori_loop with traced bounds), whose number of "
@@ -365,7 +349,7 @@ class _LookupRows(RowSparseArray):
         return _LookupRows.tree_unflatten(self.shape, (data, self.indices))
 
     def as_row_sparse(self) -> RowSparseArray:
-        return RowSparseArray._make(self.shape, self.data, self.indices, False)
+        return rows_from_parts(self.shape, self.data, self.indices, False)
 
 
 def _flags(spec, arg):
@@ -426,7 +410,7 @@ def _rows_like(items, ks, rows, row_shape):
     return out
 
 
-def substitute(fun, args, kwargs, nums, spec):
+def substitute_rows(fun, args, kwargs, nums, spec):
     """``(fun2, args2)``: ``args`` with the selected tables replaced by the rows ``fun`` reads from
     them, and the function of those arguments that gives ``fun``'s result, each row read taking
     its rows (see the module docstring)."""

@@ -26,9 +26,8 @@ Examples:
 
 from __future__ import annotations
 
-import types
 
-from masked_jax import _frontend
+from masked_jax.numpy import _frontend
 from masked_jax._core import as_masked, masked_array  # noqa: F401
 
 __all__ = ["as_masked", "masked_array"]
@@ -39,20 +38,26 @@ __all__ += ["amax", "amin"]
 
 # The Array API standard: constants, dtypes, creation and dtype functions, the standard's names for
 # the registry's ops, and the compositions with a masked meaning.
-from masked_jax import _array_api  # noqa: E402
-from masked_jax._array_api import *  # noqa: E402, F403
-from masked_jax._array_api import __array_namespace_info__  # noqa: E402, F401
+from masked_jax.numpy import _array_api  # noqa: E402
+from masked_jax.numpy._array_api import *  # noqa: E402, F403
+from masked_jax.numpy._array_api import __array_namespace_info__  # noqa: E402, F401
 
 # Beyond the standard: jax.numpy functions whose masked meaning is a composition.
-from masked_jax import _compositions  # noqa: E402
-from masked_jax._compositions import *  # noqa: E402, F403
+from masked_jax.numpy import _compositions  # noqa: E402
+from masked_jax.numpy._compositions import *  # noqa: E402, F403
 
 __array_api_version__ = _array_api.API_VERSION
 for _standard, _ours in {**_array_api.ALIASES, **_compositions.ALIASES}.items():
     globals()[_standard] = globals()[_ours]
 __all__ += _array_api.__all__ + list(_array_api.ALIASES) + list(_compositions.ALIASES) + _compositions.__all__
 
-# The linalg extension: masked where it has a masked meaning, fully valid input only where not.
-linalg = types.SimpleNamespace(
-    matmul=matmul, vecdot=vecdot, tensordot=tensordot, matrix_transpose=matrix_transpose,  # noqa: F405, F821
-    outer=outer, norm=norm, **vars(_array_api.linalg))  # noqa: F821
+# The extensions, as real submodules (``import masked_jax.numpy.linalg`` works as for jax.numpy).
+from masked_jax.numpy import fft as fft  # noqa: E402
+from masked_jax.numpy import linalg as linalg  # noqa: E402
+
+__all__ += ["fft", "linalg"]
+
+# jax.Array's methods that are not one op of the registry, on every masked array class
+from masked_jax.numpy import _array_methods  # noqa: E402
+
+_array_methods.install()

@@ -27,11 +27,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from masked_jax._core import MaskedArray, _unwrap, _wrap, is_container
-from masked_jax._storage import STATE, SparseMasked
-from masked_jax.layouts.bcoo import BCOOMaskedArray
-from masked_jax.layouts import segments
-from masked_jax.layouts.rows import RowSparseArray, take_rows
+from masked_jax._core import MaskedArray, unwrap, wrap, is_container, from_pair
+from masked_jax._core import STATE, SparseMasked
+from masked_jax.layouts._bcoo import BCOOMaskedArray
+from masked_jax.layouts import _segments as segments
+from masked_jax.layouts._rows import RowSparseArray, take_rows, rows_from_parts
 from masked_jax.ops._base import Pair, normalize_axis
 
 # Their result along the stored axis would index the block, not the array.
@@ -92,10 +92,10 @@ def _binary_with_scalar(spec, operands, params):
     a, b = operands
     if is_sparse(a) and _is_scalar(b):
         x = a.coalesce()
-        return x.with_data(spec.rule(x.block(), _unwrap(b), **params).data)
+        return x.with_data(spec.rule(x.block(), unwrap(b), **params).data)
     if is_sparse(b) and _is_scalar(a):
         x = b.coalesce()
-        return x.with_data(spec.rule(_unwrap(a), x.block(), **params).data)
+        return x.with_data(spec.rule(unwrap(a), x.block(), **params).data)
     return NotImplemented
 
 
@@ -138,7 +138,7 @@ def _rows_intersect(rule, a, b, kwargs):
     a, b = a.coalesce(), b.coalesce()  # coalescing sorts the others
     n = a.shape[0]
     if b.nse == 0:
-        return RowSparseArray._make(a.shape, a.data, jnp.full_like(a.indices, n), True)
+        return rows_from_parts(a.shape, a.data, jnp.full_like(a.indices, n), True)
     order = jnp.argsort(b.indices) if promised else jnp.arange(b.nse)
     pos = order[jnp.clip(segments.sorted_search(b.indices[order], a.indices), 0, b.nse - 1)]
     hit = (b.indices[pos] == a.indices) & (a.indices < n)
@@ -148,7 +148,7 @@ def _rows_intersect(rule, a, b, kwargs):
     left = Pair(a.data, a.block().mask & hit_rows)
     right = Pair(b.clean_data()[pos], jnp.broadcast_to(hit_rows, a.data.shape))
     out = rule(left, right, **kwargs).data
-    return RowSparseArray._make(a.shape, out, jnp.where(hit, a.indices, n), True)
+    return rows_from_parts(a.shape, out, jnp.where(hit, a.indices, n), True)
 
 
 def _bcoo_intersect(rule, a, b, kwargs):
@@ -199,7 +199,7 @@ def rows_reduce(spec, operands, params):
     if 0 in normalize_axis(params.get("axis"), x.ndim):  # across rows: a dense result
         if spec.name in _ROW_REDUCE_ALONG_ROWS_UNSUPPORTED:
             return NotImplemented
-        return _wrap(spec.rule(x.block(), **params))
+        return wrap(spec.rule(x.block(), **params))
     if spec.name == "count":
         return NotImplemented
     return x.with_data(spec.rule(x.block(), **params).data)  # within rows: still row-sparse
@@ -220,7 +220,7 @@ def bcoo_reduce(spec, operands, params):
     if params.get("axis") is None and not params.get("keepdims"):  # whole array: a dense scalar
         if spec.name in _ROW_REDUCE_ALONG_ROWS_UNSUPPORTED:
             return NotImplemented
-        return _wrap(spec.rule(x.coalesce().block(), **params))
+        return wrap(spec.rule(x.coalesce().block(), **params))
     if spec.segment is None:
         return NotImplemented
     return segments.reduce(spec, x, **params)
@@ -260,7 +260,7 @@ def _matmul_dense(x, w):
     x = x.flatten_dense()  # BCOO cannot contract over hybrid dense dimensions
     data = x.to_bcoo() @ w
     counts = x.with_data(jnp.ones(x.data.shape, w.dtype)).to_bcoo() @ jnp.ones(w.shape, w.dtype)
-    return MaskedArray._from_pair(data, counts > 0)
+    return from_pair(data, counts > 0)
 
 
 

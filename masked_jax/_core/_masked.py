@@ -19,8 +19,8 @@ import numpy as np
 from jax.typing import ArrayLike, DTypeLike
 
 from masked_jax import ops
-from masked_jax import _storage as _layouts
-from masked_jax._methods import ArrayMethods
+from masked_jax._core import _sparse as _layouts
+from masked_jax._core._methods import ArrayMethods
 from masked_jax._validate import dtype_kind
 from masked_jax.ops._base import Pair, ranked, with_mask_tangent
 from masked_jax.ops.shape import at_update
@@ -104,7 +104,7 @@ _DATA_KEY = jax.tree_util.GetAttrKey("data")
 _MASK_KEY = jax.tree_util.GetAttrKey("mask")
 
 
-def _check_data(data, argname="data"):
+def check_data(data, argname="data"):
     if isinstance(data, MaskedArray):
         raise TypeError(f"{argname} must be an array, not a MaskedArray; pass it directly instead.")
     if isinstance(data, (str, bytes)) or (isinstance(data, np.ndarray) and dtype_kind(data.dtype) in "SUOV"):
@@ -181,7 +181,7 @@ class MaskedArray(ArrayMethods):
     __array_priority__ = 100
 
     def __init__(self, data: ArrayLike, mask: ArrayLike | None = None):
-        data = _check_data(data)
+        data = check_data(data)
         mask = None if mask is None else _check_mask(mask, data.shape)
         self._data = data
         self._mask = mask
@@ -505,6 +505,7 @@ class MaskedArray(ArrayMethods):
         if api_version not in (None, "2024.12", "2023.12", "2022.12", "2021.12"):
             raise ValueError(f"masked_jax.numpy implements the Array API 2023.12, with 2024.12's additions; "
                              f"got api_version={api_version!r}.")
+        # masked_jax.numpy is built on this module: imported on demand, as jax does for jax.numpy
         from masked_jax import numpy as mnp
 
         return mnp
@@ -547,7 +548,7 @@ class _AtRef:
         return apply("getitem", self._x, index=self._index)
 
     def _update(self, op, value, kwargs) -> MaskedArray:
-        return _wrap(at_update(_unwrap(self._x), self._index, op, _unwrap(value, "value"), **kwargs))
+        return wrap(at_update(unwrap(self._x), self._index, op, unwrap(value, "value"), **kwargs))
 
     def set(self, value: ArrayLike | MaskedArray, **kwargs) -> MaskedArray:
         return self._update("set", value, kwargs)
@@ -598,7 +599,16 @@ def _check_index(index, shape=None):
 
 
 # -- wrapping rules ----------------------------------------------------------------------------
-def _unwrap(x, argname: str = "argument") -> Pair:
+def from_pair(data, mask, *, zeroed: bool = False) -> MaskedArray:
+    """The trusted constructor for rule outputs: no dtype checks, ``mask`` broadcast to ``data``.
+
+    For library code whose data and mask come out of a rule; users call :func:`masked_array`.
+    ``zeroed``: see :meth:`MaskedArray._from_pair`.
+    """
+    return MaskedArray._from_pair(data, mask, zeroed=zeroed)
+
+
+def unwrap(x, argname: str = "argument") -> Pair:
     """A MaskedArray or array-like as a rule operand (plain arrays are fully valid)."""
     if isinstance(x, MaskedArray):
         if x._mask is not None and x._mask.dtype != jnp.bool_:
@@ -609,7 +619,7 @@ def _unwrap(x, argname: str = "argument") -> Pair:
             )
         return Pair(x._data, x._mask)
     if isinstance(x, np.ma.MaskedArray):  # numpy.ma's mask marks *invalid* entries: inverted here
-        return _unwrap(from_numpy_ma(x), argname)
+        return unwrap(from_numpy_ma(x), argname)
     if x is None or isinstance(x, (str, bytes)):
         raise TypeError(f"{argname} must be an array or MaskedArray; got {type(x).__name__}.")
     try:
@@ -621,19 +631,19 @@ def _unwrap(x, argname: str = "argument") -> Pair:
     return Pair(arr, None)
 
 
-def _wrap(out):
+def wrap(out):
     """A rule output (Pair, list of Pairs, or a plain array) as user-facing values."""
     if isinstance(out, Pair):
         return MaskedArray._from_pair(out.data, out.mask)
     if isinstance(out, (list, tuple)):
-        return type(out)(_wrap(o) for o in out)
+        return type(out)(wrap(o) for o in out)
     return out
 
 
 def apply(name: str, *operands, **params):
     """Apply registered op ``name``'s rule to MaskedArray / array operands and wrap the result."""
     rule = ops.REGISTRY[name].rule
-    return _wrap(rule(*(_unwrap(o, f"operand {i}") for i, o in enumerate(operands)), **params))
+    return wrap(rule(*(unwrap(o, f"operand {i}") for i, o in enumerate(operands)), **params))
 
 
 def is_operand(x) -> bool:
@@ -665,7 +675,7 @@ def masked_array(data: ArrayLike, mask: ArrayLike | None = None, *, dtype: DType
         >>> mj.masked_array(jnp.ones((2, 3)), jnp.array([True, False, True])).mask.shape
         (2, 3)
     """
-    data = _check_data(data)
+    data = check_data(data)
     if dtype is not None:
         data = data.astype(dtype)
     return MaskedArray(data, mask)
@@ -683,7 +693,7 @@ def as_masked(a: ArrayLike | MaskedArray) -> MaskedArray:
         return a
     if isinstance(a, np.ma.MaskedArray):
         return from_numpy_ma(a)
-    return MaskedArray(_check_data(a, "a"))
+    return MaskedArray(check_data(a, "a"))
 
 
 def from_numpy_ma(a: np.ndarray) -> MaskedArray:
@@ -699,8 +709,8 @@ def from_numpy_ma(a: np.ndarray) -> MaskedArray:
         raise TypeError(f"a must be a numpy.ma.MaskedArray or ndarray; got {type(a).__name__}.")
     data = np.ma.getdata(a)
     if np.ma.getmask(a) is np.ma.nomask:  # numpy.ma's "no mask": statically valid
-        return MaskedArray(_check_data(data, "a"))
-    return MaskedArray(_check_data(data, "a"), jnp.asarray(~np.ma.getmaskarray(a)))
+        return MaskedArray(check_data(data, "a"))
+    return MaskedArray(check_data(data, "a"), jnp.asarray(~np.ma.getmaskarray(a)))
 
 
 def is_container(x: Any) -> bool:

@@ -3,7 +3,7 @@
 ``maskify(fun)(*args)`` traces ``fun`` on the data of its arguments, then evaluates the jaxpr with
 values that are :class:`~masked_jax.ops._base.Pair` ``(data, mask)``: an equation none of whose
 operands is masked binds its primitive as usual; otherwise the primitive's masked rule from
-:mod:`masked_jax.ops.primitives` runs (the same semantics as ``masked_jax.numpy``). Control flow
+:mod:`masked_jax._maskify._rules` runs (the same semantics as ``masked_jax.numpy``). Control flow
 (``jit``, ``cond``, ``while``, ``scan``, ``custom_jvp`` / ``custom_vjp`` calls, ``checkpoint``) is
 interpreted recursively, masks riding along in the carries.
 
@@ -27,10 +27,14 @@ import numpy as np
 from jax import lax
 from jax.extend import core as jcore
 
-from masked_jax._core import MaskedArray
-from masked_jax._storage import SparseMasked
+from masked_jax import _jaxpr
+from masked_jax._core import MaskedArray, from_pair
+from masked_jax._core import SparseMasked
+from masked_jax import nn as mnn
+from masked_jax import numpy as mnp
 from masked_jax._validate import dtype_kind
-from masked_jax.ops import _factors, normalization, primitives
+from masked_jax._maskify import _rules as primitives
+from masked_jax.ops import _factors, normalization
 from masked_jax.ops._base import (Pair, and_masks, compact_or_ones, count_valid, fill, materialize, ranked,
                                   uniform_along)
 
@@ -38,8 +42,7 @@ import jax.extend.core.primitives as P
 
 # Call-like primitives whose body is interpreted with the masks riding along.
 # checkpoint's primitive: exported as remat_p by newer jax; otherwise read off a staged checkpoint
-_REMAT_P = getattr(P, "remat_p", None) or primitives.staged_primitive(None, jax.checkpoint(jnp.sin), 1.0)
-_CALLS = frozenset((P.jit_p, P.closed_call_p, P.call_p, P.custom_jvp_call_p, P.custom_vjp_call_p, _REMAT_P))
+_CALLS = _jaxpr.CALL_PRIMITIVES
 _LOOPS = frozenset((P.cond_p, P.while_p, P.scan_p))
 
 
@@ -181,7 +184,7 @@ def _is_masked_leaf(x):
 
 def _wrap(p: Pair):
     # a plain output is a jax array, as jax's own functions return (a literal output is a numpy value)
-    return jnp.asarray(p.data) if p.mask is None else MaskedArray._from_pair(p.data, p.mask)
+    return jnp.asarray(p.data) if p.mask is None else from_pair(p.data, p.mask)
 
 
 def _moved_count(prim, params, count, shape):
@@ -274,7 +277,7 @@ class _Interpreter:
         literal = {v for v, lit in zip(jaxpr.invars, literal_args or ()) if lit}
 
         def read(v):
-            if isinstance(v, jcore.Literal):
+            if _jaxpr.is_literal(v):
                 return Pair(v.val, None)
             return env[v]
 
@@ -300,7 +303,7 @@ class _Interpreter:
                 skip.update(chain)
                 env[jaxpr.eqns[chain[-1]].outvars[0]] = out
                 continue
-            is_literal = [isinstance(v, jcore.Literal) or v in literal for v in eqn.invars]
+            is_literal = [_jaxpr.is_literal(v) or v in literal for v in eqn.invars]
             if all(is_literal) and not eqn.effects:
                 literal.update(eqn.outvars)
             if eqn.primitive is P.select_n_p and any(p.mask is not None for p in invals):
@@ -379,7 +382,7 @@ class _Interpreter:
         """``sum(x * w) / sum(w)`` (``jnp.average(x, weights=w)``) -> the weight total over the
         positions where ``x * w`` is valid: the masked weighted mean of ``masked_jax.numpy.average``,
         masked where those weights sum to 0."""
-        if eqn.primitive is not P.div_p or any(isinstance(v, jcore.Literal) for v in eqn.invars):
+        if eqn.primitive is not P.div_p or any(_jaxpr.is_literal(v) for v in eqn.invars):
             return None
         (num_var, num_chain), (den_var, den_chain) = (self._root(v) for v in eqn.invars)
         num_eq, den_eq = self.producer.get(num_var), self.producer.get(den_var)
@@ -437,12 +440,12 @@ class _Interpreter:
             return k is not None
 
         def minus_inf(v, before):  # jnp.max's initial: a literal, or a constant converted in the body
-            if isinstance(v, jcore.Literal):
+            if _jaxpr.is_literal(v):
                 return np.ndim(v.val) == 0 and float(v.val) == -np.inf
             src = next((e for e in eqns[:before] if v in e.outvars), None)
             if src is not None and src.primitive is P.convert_element_type_p:
                 v = src.invars[0]
-                if isinstance(v, jcore.Literal):
+                if _jaxpr.is_literal(v):
                     return np.ndim(v.val) == 0 and float(v.val) == -np.inf
             value = self.env.get(v)
             return value is not None and value.mask is None and _concrete_scalar(value.data) == -np.inf
@@ -648,8 +651,6 @@ def _inside_public_call(fun_name, user, err):
     """The message for a primitive without a masked meaning met inside ``user`` (a jax function):
     the user-level function first, the masked function to call instead where there is one, the
     primitive's detail last."""
-    from masked_jax import nn as mnn, numpy as mnp
-
     short = user.split(".")[-1]
     module = mnn if user.startswith("jax.nn") else mnp
     instead = (f" Call masked_jax.{module.__name__.split('.')[-1]}.{short}, its masked version, directly"
@@ -680,17 +681,17 @@ def _literal_constants(jaxpr, literal, env):
             inputs.append(v)
     for eqn in jaxpr.eqns:
         if (eqn.primitive.multiple_results or eqn.effects or len(eqn.outvars) != 1
-                or not all(isinstance(v, jcore.Literal) or v in seen for v in eqn.invars)):
+                or not all(_jaxpr.is_literal(v) or v in seen for v in eqn.invars)):
             continue
         group.append(eqn)
         seen.add(eqn.outvars[0])
     if len(group) < 2:
         return {}
-    lits = [v for e in group for v in e.invars if isinstance(v, jcore.Literal)]
+    lits = [v for e in group for v in e.invars if _jaxpr.is_literal(v)]
     names = {v: i for i, v in enumerate(inputs + [e.outvars[0] for e in group])}
     lit_at = iter(range(len(names), len(names) + len(lits)))
     structure = tuple((e.primitive, tuple(sorted(e.params.items())),
-                       tuple(("l", next(lit_at)) if isinstance(v, jcore.Literal) else ("v", names[v])
+                       tuple(("l", next(lit_at)) if _jaxpr.is_literal(v) else ("v", names[v])
                              for v in e.invars)) for e in group)
     values = [env[v].data for v in inputs] + [v.val for v in lits]
     avals = tuple(jax.typeof(x) for x in values[:len(inputs)]) + tuple(v.aval for v in lits)
@@ -726,14 +727,14 @@ def _run_constants(structure, n_inputs, *values):
 
 def _known(v, table) -> bool:
     """Is variable ``v`` a key of ``table``? (Literals are unhashable and never are.)"""
-    return not isinstance(v, jcore.Literal) and v in table
+    return not _jaxpr.is_literal(v) and v in table
 
 
 def _uses(jaxpr):
     """How many times each variable is read (by an equation or as an output)."""
     counts = {}
     for v in [v for e in jaxpr.eqns for v in e.invars] + list(jaxpr.outvars):
-        if not isinstance(v, jcore.Literal):
+        if not _jaxpr.is_literal(v):
             counts[v] = counts.get(v, 0) + 1
     return counts
 

@@ -3,7 +3,7 @@
 For every :class:`~masked_jax.ops._registry.OpSpec` this module builds one public function with
 the op's real signature (``inspect.signature`` and ``help()`` show ``jax.numpy``'s parameter
 names and defaults), installs it in ``masked_jax.numpy`` and/or ``masked_jax.nn``, and binds the
-op's methods and operators on :class:`~masked_jax._methods.ArrayMethods`, the base of every
+op's methods and operators on :class:`~masked_jax._core.ArrayMethods`, the base of every
 masked array class. A registration made later (a new op) is installed the same way at once.
 
 A call binds its arguments to the signature, unwraps operands into ``Pair`` objects (a plain array is
@@ -19,11 +19,10 @@ import inspect
 import jax.numpy as jnp
 
 from masked_jax import _validate, ops
-from masked_jax._core import _unwrap, _wrap, fully_valid_data, is_operand
-from masked_jax._methods import ArrayMethods
-from masked_jax._storage import SparseMasked
-from masked_jax.layouts import dispatch
-from masked_jax._core import MaskedArray
+from masked_jax._core import unwrap, wrap, fully_valid_data, is_operand, from_pair
+from masked_jax._core import ArrayMethods
+from masked_jax._core import SparseMasked
+from masked_jax import layouts as dispatch
 from masked_jax.ops._base import Pair, and_masks, normalize_axis
 from masked_jax.ops.reductions import IDENTITY_REDUCTIONS, NAN_OVER_EMPTY, empty_slices
 from masked_jax.ops._registry import ANNOTATIONS, OPERAND, OpSpec, on_register
@@ -179,7 +178,7 @@ class _Call:
             operands = [o.todense() if isinstance(o, SparseMasked) and o.size == 0 else o for o in operands]
             out = self.dense(operands, params, where, labels)
             data = jnp.full_like(out.data, jnp.nan) if self.spec.name in NAN_OVER_EMPTY else out.data
-            return MaskedArray._from_pair(data, None)
+            return from_pair(data, None)
         if where is None and not any(params.get(n) is not None for n in self.spec.optional_operands) \
                 and any(isinstance(o, SparseMasked) for o in operands):
             return dispatch.apply(self.spec, operands, params, self.dense)
@@ -198,7 +197,7 @@ class _Call:
     def dense(self, operands, params, where=None, labels=None):
         operands = dispatch.densify(operands, self.spec.name)
         labels = labels or [f"operand {i}" for i in range(len(operands))]
-        pairs = [_unwrap(o, f"{self.qualname}: {label}") for label, o in zip(labels, operands)]
+        pairs = [unwrap(o, f"{self.qualname}: {label}") for label, o in zip(labels, operands)]
         if where is not None:
             w = _as_mask(where, self.qualname)
             x = pairs[0]
@@ -207,10 +206,10 @@ class _Call:
         for name in self.spec.optional_operands:
             if params.get(name) is not None:
                 (value,) = dispatch.densify([params[name]], self.spec.name)
-                params[name] = _unwrap(value, f"{self.qualname}: {name}")
+                params[name] = unwrap(value, f"{self.qualname}: {name}")
         if self.spec.sequence:
-            return _wrap(self.spec.rule(pairs, **params))
-        return _wrap(self.spec.rule(*pairs, **params))
+            return wrap(self.spec.rule(pairs, **params))
+        return wrap(self.spec.rule(*pairs, **params))
 
 
 def _empty_reduction(x, params) -> bool:

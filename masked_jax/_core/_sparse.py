@@ -1,6 +1,7 @@
 """Storage shared by all layouts: the sparse-layout protocol (an abstract base class), conversions by
-storage name, and the storage-fallback state (strict mode, warned ops) as one object. Kept outside
-``layouts/`` so that ``_core`` can use it without an import cycle."""
+storage name, and the storage-fallback state (strict mode, warned ops) as one object. The layouts
+themselves (``masked_jax.layouts``) subclass :class:`SparseMasked`; ``MaskedArray`` converts to them
+through :attr:`SparseMasked.LAYOUTS`, by storage name."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from typing import Any, ClassVar
 import jax
 import numpy as np
 
-from masked_jax._methods import ArrayMethods
+from masked_jax._core._methods import ArrayMethods
 from masked_jax._validate import dtype_kind
 
 
@@ -32,7 +33,7 @@ class StorageFallbackWarning(UserWarning):
         ...     with mj.strict_storage():  # an error instead of the warning
         ...         mnp.atleast_2d(x)
         Traceback (most recent call last):
-        masked_jax._storage.StorageFallbackError: atleast_2d has no sparse rule for row_sparse storage and ...
+        masked_jax.StorageFallbackError: atleast_2d has no sparse rule for row_sparse storage and ...
     """
 
 
@@ -49,6 +50,10 @@ class StorageFallbackError(TypeError):
         ...         print("transpose" in str(err))
         True
     """
+
+
+# public as masked_jax.StorageFallbackWarning / StorageFallbackError: tracebacks name them so
+StorageFallbackWarning.__module__ = StorageFallbackError.__module__ = "masked_jax"
 
 
 class StorageState(threading.local):

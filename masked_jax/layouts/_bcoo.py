@@ -16,9 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import sparse as jsparse
 
-from masked_jax._core import MaskedArray
-from masked_jax._storage import SparseMasked, is_tracer
-from masked_jax.layouts.segments import segment_total, unique_ids
+from masked_jax._core import MaskedArray, from_pair
+from masked_jax._core import SparseMasked, is_tracer
+from masked_jax.layouts._segments import segment_total, unique_ids
 from masked_jax.ops._base import Pair, accumulation_dtype, widened_indices
 
 
@@ -129,7 +129,7 @@ class BCOOMaskedArray(SparseMasked, storage="bcoo"):
             data = self.with_data(self.data.astype(acc)).to_bcoo().todense().astype(self.dtype)
         ones = jnp.ones(self.data.shape, jnp.int32)
         mask = jsparse.BCOO((ones, self.clean_indices()), shape=self.shape).todense() > 0
-        return MaskedArray._from_pair(data, mask)
+        return from_pair(data, mask)
 
     def coalesce(self) -> "BCOOMaskedArray":
         """Sum duplicate entries (static nse; freed slots become padding)."""
@@ -170,7 +170,7 @@ class BCOOMaskedArray(SparseMasked, storage="bcoo"):
         """Row-sparse view when the layout is one sparse dimension + dense ones; else via dense."""
         rows = SparseMasked.LAYOUTS["row_sparse"]
         if self.n_batch == 0 and self.n_sparse == 1:
-            return rows._make(self.shape, self.data, self.indices[:, 0])
+            return rows.tree_unflatten((tuple(self.shape), False), (self.data, self.indices[:, 0]))
         return rows.from_masked(self.todense())
 
     @classmethod

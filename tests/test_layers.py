@@ -1,0 +1,157 @@
+"""The package's layers, as docs/architecture.md draws them, kept by its imports.
+
+Every import is counted, also one inside a function. A module imports only from its own layer or
+below, never from a sibling package of its layer, and the module graph has no cycle. An import
+inside a function is allowed only where a comment on that line or the line above says why.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import re
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "masked_jax"
+
+# low to high; siblings in one layer must not import each other
+LAYERS = [
+    ["masked_jax._validate", "masked_jax._jaxpr"],
+    ["masked_jax.ops"],
+    ["masked_jax._core"],
+    ["masked_jax.layouts"],
+    ["masked_jax.numpy"],
+    ["masked_jax.nn"],
+    ["masked_jax.embeddings", "masked_jax._maskify"],
+    ["masked_jax._ad"],
+    ["masked_jax.optim", "masked_jax.checking"],
+    ["masked_jax._serialization"],
+    ["masked_jax"],  # the public facade: re-exports only
+    ["masked_jax._stubgen", "masked_jax.demo"],  # tools written against the public API
+]
+# the one import that points up, as jax's does: an array's __array_namespace__ is the numpy
+# package, which is built on the array types
+UPWARD = {("masked_jax._core._masked", "masked_jax.numpy")}
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    out = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _target(name: str) -> str:
+    """The module an import of ``name`` lands on (a name inside a module: that module)."""
+    while name not in MODULES:
+        name = name.rsplit(".", 1)[0]
+    return name
+
+
+def _imports(name: str, path: pathlib.Path):
+    """(imported module, line number, at module level?) for each internal import of a module."""
+    tree = ast.parse(path.read_text())
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    top = {id(n) for n in tree.body}
+    top |= {id(n) for stmt in tree.body if isinstance(stmt, (ast.If, ast.Try)) for n in ast.walk(stmt)}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+            names = [f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base for a in node.names]
+        else:
+            continue
+        if isinstance(node, ast.If) or any(n.startswith("masked_jax") for n in names) is False:
+            continue
+        type_checking = False
+        for stmt in ast.walk(tree):
+            if isinstance(stmt, ast.If) and "TYPE_CHECKING" in ast.unparse(stmt.test) and any(
+                    n is node for n in ast.walk(stmt)):
+                type_checking = True
+        if type_checking:
+            continue
+        for n in names:
+            if n == "masked_jax" or n.startswith("masked_jax."):
+                yield _target(n), node.lineno, id(node) in top
+
+
+def _layer(module: str) -> tuple[int, str]:
+    best = None
+    for i, layer in enumerate(LAYERS):
+        for pkg in layer:
+            if module == pkg or module.startswith(pkg + "."):
+                if best is None or len(pkg) > len(best[1]):
+                    best = (i, pkg)
+    assert best is not None, f"{module} is in no layer: add it to LAYERS and docs/architecture.md"
+    return best
+
+
+GRAPH = {m: sorted({t for t, _, _ in _imports(m, p) if t != m}) for m, p in MODULES.items()}
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_imports_point_down_the_layers(module):
+    level, home = _layer(module)
+    for target in GRAPH[module]:
+        if (module, target) in UPWARD:
+            continue
+        t_level, t_home = _layer(target)
+        assert t_level < level or t_home == home, (
+            f"{module} (layer {level}, {home}) imports {target} (layer {t_level}, {t_home}): "
+            "a module imports from its own package or from a lower layer only")
+
+
+def test_the_module_graph_has_no_cycle():
+    edges = {m: [t for t in ts if (m, t) not in UPWARD] for m, ts in GRAPH.items()}
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(m):
+        state[m] = 1
+        stack.append(m)
+        for t in edges[m]:
+            if state.get(t) == 1:
+                cycle = stack[stack.index(t):] + [t]
+                raise AssertionError("import cycle: " + " -> ".join(cycle))
+            if t not in state:
+                visit(t)
+        stack.pop()
+        state[m] = 2
+
+    for m in sorted(edges):
+        if m not in state:
+            visit(m)
+
+
+def test_every_import_inside_a_function_says_why():
+    missing = []
+    for module, path in MODULES.items():
+        lines = path.read_text().splitlines()
+        for _, lineno, at_top in _imports(module, path):
+            if at_top:
+                continue
+            here, above = lines[lineno - 1], lines[lineno - 2] if lineno > 1 else ""
+            if "#" not in here and not above.strip().startswith("#"):
+                missing.append(f"{path.relative_to(ROOT)}:{lineno}")
+    assert not missing, f"imports inside functions without a comment that says why: {missing}"
+
+
+def test_the_architecture_page_lists_every_module():
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    listed = set(re.findall(r"`(masked_jax/[\w/]+\.pyi?)`", text)) | {
+        f"masked_jax/{m}" for m in re.findall(r"^\s+([\w/]+\.py)\b", text, re.M)}
+    files = {str(p.relative_to(ROOT)) for p in PACKAGE.rglob("*.py")}
+    missing = sorted(f for f in files if f not in listed and not f.endswith("__init__.py"))
+    assert not missing, f"docs/architecture.md does not list: {missing}"
+    stale = sorted(f for f in listed if f.endswith(".py") and f not in files)
+    assert not stale, f"docs/architecture.md lists modules that do not exist: {stale}"
