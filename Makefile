@@ -10,7 +10,7 @@ RUNTIME_STAMP := $(VENV)/.installed-runtime
 
 DOCS_STAMP := $(VENV)/.installed-docs
 
-.PHONY: demo browser test test-full test-package array-api-suite docs notebooks bench bench-gpu-compile clean
+.PHONY: demo browser lint test test-slow test-full test-package array-api-suite docs notebooks bench bench-gpu-compile clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -39,11 +39,25 @@ browser:
 		{ SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); $$SUDO apt-get update -qq && \
 		  DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium >/dev/null; }
 
-test: $(STAMP) browser
-	JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(PY) -m pytest tests -n $${MJ_TEST_WORKERS:-auto} --dist worksteal
+# ruff's lint and format check, and the layers contract (no import cycle, imports point down the
+# layers, docs/architecture.md lists every module). The same hooks: .pre-commit-config.yaml.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	JAX_PLATFORMS=cpu $(PY) -m pytest -q -p no:cacheprovider tests/test_layers.py
+
+# The test loop: every test but the heavy tier (marker `slow`, declared in pyproject.toml).
+test: $(STAMP)
+	JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(PY) -m pytest tests -m "not slow" -n $${MJ_TEST_WORKERS:-auto} --dist worksteal
+
+# The heavy tier: the docs site build (it runs the notebooks), the demo, pyright on a user script,
+# the public Array API suite, the 8-device suite, headless Chromium renderings, the real models.
+test-slow: $(STAMP) browser
+	JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(PY) -m pytest tests -m slow -n $${MJ_TEST_WORKERS:-auto} --dist worksteal
 
 # The heavier sweeps: every (op, dtype, value set, mask, eager/jit) case of the jnp oracle, and
-# more hypothesis examples. `make test` runs a documented sample of the oracle (see docs/semantics.md).
+# more hypothesis examples, over both tiers. `make test` runs a documented sample of the oracle
+# (see docs/semantics.md).
 test-full: $(STAMP) browser
 	MJ_ORACLE=full MJ_HYPOTHESIS_EXAMPLES=$${MJ_HYPOTHESIS_EXAMPLES:-20} JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} \
 		$(PY) -m pytest tests -n $${MJ_TEST_WORKERS:-auto} --dist worksteal

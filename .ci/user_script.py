@@ -31,9 +31,11 @@ updates, _ = opt.update(mj.masked_array(jnp.ones((2, 3)), jnp.asarray(mask)), op
 moved = np.asarray(optim.apply_updates(params, updates)) != 1.0
 assert moved.tolist() == mask.tolist(), moved
 
+
 # A jitted embedding step with row-sparse gradients and a donated table.
 def loss_fn(p, ids):
     return jnp.mean((mj.lookup(p["table"], ids) - 1.0) ** 2)
+
 
 step = optim.make_train_step(loss_fn, optim.lazy(optax.adam(0.1)), row_sparse=True)
 p = {"table": jnp.zeros((1000, 8))}
@@ -51,5 +53,7 @@ np.testing.assert_allclose(probs.filled(0.0)[0], [1 / (1 + np.e**2), 0.0, np.e**
 report = mj.check_jacobian(lambda v: mnn.softmax(v, axis=1), (x,), raise_exception=False)
 assert report.satisfies == ("masked",), report
 
-print(f"masked_jax {mj.__version__} with jax {jax.__version__}, optax {optax.__version__}, "
-      f"numpy {np.__version__}: the user script passed")
+print(
+    f"masked_jax {mj.__version__} with jax {jax.__version__}, optax {optax.__version__}, "
+    f"numpy {np.__version__}: the user script passed"
+)

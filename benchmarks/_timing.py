@@ -18,8 +18,11 @@ def progress(items, label):
     items = list(items)
     start = time.perf_counter()
     for i, item in enumerate(items, 1):
-        print(f"[{i}/{len(items)}] {label}: {item} ({time.perf_counter() - start:.0f} s elapsed)",
-              file=sys.stderr, flush=True)
+        print(
+            f"[{i}/{len(items)}] {label}: {item} ({time.perf_counter() - start:.0f} s elapsed)",
+            file=sys.stderr,
+            flush=True,
+        )
         yield item
     print(f"[done] {label} in {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
 
@@ -80,14 +83,20 @@ def print_table(title, rows, baseline_cols):
     """``rows``: {op: {impl: seconds}}; prints ms medians and ratios impl/masked_jax."""
     impls = list(next(iter(rows.values())).keys())
     print(f"\n{title}")
-    head = "| op | " + " | ".join(f"{i} (ms)" for i in impls) + " | " + " | ".join(
-        f"{b} / masked_jax" for b in baseline_cols) + " |"
+    head = (
+        "| op | "
+        + " | ".join(f"{i} (ms)" for i in impls)
+        + " | "
+        + " | ".join(f"{b} / masked_jax" for b in baseline_cols)
+        + " |"
+    )
     print(head)
     print("|" + "---|" * (1 + len(impls) + len(baseline_cols)))
     for op, res in rows.items():
         ms = " | ".join(f"{res[i] * 1e3:.2f}" if res.get(i) is not None else "n/a" for i in impls)
         ratios = " | ".join(
-            f"{res[b] / res['masked_jax']:.2f}x" if res.get(b) is not None else "n/a" for b in baseline_cols)
+            f"{res[b] / res['masked_jax']:.2f}x" if res.get(b) is not None else "n/a" for b in baseline_cols
+        )
         print(f"| {op} | {ms} | {ratios} |")
 
 

@@ -46,12 +46,13 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import maskify_models as mm  # noqa: E402
+from _timing import RESULTS  # noqa: E402
+from optim import fused_step, update_step  # noqa: E402
+
 import masked_jax as mj  # noqa: E402
 from masked_jax import optim  # noqa: E402
 from masked_jax.optim._fused import fusable  # noqa: E402
 from masked_jax.optim._state import lazy_inner  # noqa: E402
-from _timing import RESULTS  # noqa: E402
-from optim import fused_step, update_step  # noqa: E402
 
 _DEVICE = """
 gpu_device_info {{
@@ -79,8 +80,21 @@ def sharding_for(target):
     return NamedSharding(topologies.make_mesh(topology, (1,), ("x",)), PartitionSpec())
 
 
-_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4,
-          "f64": 8, "s64": 8, "u64": 8}
+_BYTES = {
+    "pred": 1,
+    "s8": 1,
+    "u8": 1,
+    "bf16": 2,
+    "f16": 2,
+    "s16": 2,
+    "u16": 2,
+    "f32": 4,
+    "s32": 4,
+    "u32": 4,
+    "f64": 8,
+    "s64": 8,
+    "u64": 8,
+}
 
 
 def _nbytes(shape_text):
@@ -95,7 +109,7 @@ def kernel_traffic(hlo_text):
     """``(kernels, bytes)``: the entry computation's kernels (fusions and library calls) and the
     bytes of their operands and outputs, an estimate of the memory traffic that ignores caches."""
     shapes, kernels, traffic = {}, 0, 0
-    for line in hlo_text[hlo_text.index("\nENTRY "):].splitlines():
+    for line in hlo_text[hlo_text.index("\nENTRY ") :].splitlines():
         m = re.match(r"\s*(?:ROOT )?%(\S+) = (.*?) ([\w-]+)\((.*)", line)
         if not m:
             continue
@@ -112,7 +126,13 @@ def compiled_stats(step, args, sharding):
     """``(temporary MiB, kernels, kernel traffic MiB, HLO lines)`` of the donated ``step`` compiled
     for ``sharding``."""
     abstract = jax.tree_util.tree_map(
-        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding) if isinstance(a, (jax.Array, jax.ShapeDtypeStruct)) else a, args)
+        lambda a: (
+            jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)
+            if isinstance(a, (jax.Array, jax.ShapeDtypeStruct))
+            else a
+        ),
+        args,
+    )
     compiled = jax.jit(step, donate_argnums=(0, 1)).lower(*abstract).compile()
     text = compiled.as_text()
     kernels, traffic = kernel_traffic(text)
@@ -120,22 +140,36 @@ def compiled_stats(step, args, sharding):
 
 
 FUSED_OPTIMIZERS = {
-    "sgd": lambda: optax.sgd(0.1), "momentum": lambda: optax.sgd(0.1, momentum=0.9),
-    "nesterov": lambda: optax.sgd(0.1, momentum=0.9, nesterov=True), "adam": lambda: optax.adam(1e-2),
-    "adamw": lambda: optax.adamw(1e-2, weight_decay=0.1), "adam (bf16 mu)": lambda: optax.adam(1e-2, mu_dtype="bfloat16"),
-    "adagrad": lambda: optax.adagrad(0.1), "rmsprop": lambda: optax.rmsprop(1e-2), "lion": lambda: optax.lion(1e-3),
-    "yogi": lambda: optax.yogi(1e-2), "schedule adam": lambda: optax.adam(optax.exponential_decay(1e-2, 10, 0.5)),
+    "sgd": lambda: optax.sgd(0.1),
+    "momentum": lambda: optax.sgd(0.1, momentum=0.9),
+    "nesterov": lambda: optax.sgd(0.1, momentum=0.9, nesterov=True),
+    "adam": lambda: optax.adam(1e-2),
+    "adamw": lambda: optax.adamw(1e-2, weight_decay=0.1),
+    "adam (bf16 mu)": lambda: optax.adam(1e-2, mu_dtype="bfloat16"),
+    "adagrad": lambda: optax.adagrad(0.1),
+    "rmsprop": lambda: optax.rmsprop(1e-2),
+    "lion": lambda: optax.lion(1e-3),
+    "yogi": lambda: optax.yogi(1e-2),
+    "schedule adam": lambda: optax.adam(optax.exponential_decay(1e-2, 10, 0.5)),
     "inject adam": lambda: optax.inject_hyperparams(optax.adam)(learning_rate=1e-2),
     "decay + momentum": lambda: optax.chain(optax.add_decayed_weights(0.1), optax.sgd(0.1, momentum=0.5)),
-    "nadam": lambda: optax.nadam(1e-2), "amsgrad": lambda: optax.amsgrad(1e-2), "adamax": lambda: optax.adamax(1e-2),
-    "adabelief": lambda: optax.adabelief(1e-2), "adadelta": lambda: optax.adadelta(1.0),
+    "nadam": lambda: optax.nadam(1e-2),
+    "amsgrad": lambda: optax.amsgrad(1e-2),
+    "adamax": lambda: optax.adamax(1e-2),
+    "adabelief": lambda: optax.adabelief(1e-2),
+    "adadelta": lambda: optax.adadelta(1.0),
     "masked_adagrad": lambda: optim.masked_adagrad(0.1),
 }
 
 
 # tables: shape, dtype, gradient rows flagged unique
-FUSED_TABLES = [((100_000, 4, 6), "float32", False), ((100_000, 256), "bfloat16", False),
-                ((100_000, 3), "float16", False), ((100_000,), "float32", False), ((100_000, 1000), "float32", True)]
+FUSED_TABLES = [
+    ((100_000, 4, 6), "float32", False),
+    ((100_000, 256), "bfloat16", False),
+    ((100_000, 3), "float16", False),
+    ((100_000,), "float32", False),
+    ((100_000, 1000), "float32", True),
+]
 
 
 def row_sparse_update(opt, shape, k, fused, dtype="float32", unique=False):
@@ -148,8 +182,12 @@ def row_sparse_update(opt, shape, k, fused, dtype="float32", unique=False):
         return inner(p, s, mj.row_sparse(data, idx, shape, unique_indices=unique))
 
     p = jax.ShapeDtypeStruct(shape, dtype)
-    return step, (p, jax.eval_shape(opt.init, p), jax.ShapeDtypeStruct((k, *shape[1:]), dtype),
-                  jax.ShapeDtypeStruct((k,), np.int32))
+    return step, (
+        p,
+        jax.eval_shape(opt.init, p),
+        jax.ShapeDtypeStruct((k, *shape[1:]), dtype),
+        jax.ShapeDtypeStruct((k,), np.int32),
+    )
 
 
 def _compiling(cases, sharding):
@@ -183,23 +221,39 @@ def fused_rows_stats(target, sharding):
     for k in (1_000_000, 4_000_000):
         stats = {}
         for version, fused in (("one call", False), ("fused_rows", True)):
-            stats[version] = compiled_stats(*row_sparse_update(optim.lazy(optax.adam(1e-2)), (8_000_000, 32), k, fused),
-                                            sharding)
+            stats[version] = compiled_stats(
+                *row_sparse_update(optim.lazy(optax.adam(1e-2)), (8_000_000, 32), k, fused), sharding
+            )
             temp, kernels, _, lines = stats[version]
-            print(f"{target:6s} {'lazy adam, K=' + format(k, ','):20s} {version:12s} {temp:9.2f} {kernels:8d} "
-                  f"{'':>12s} {lines:10d}", flush=True)
-        print(f"{target:6s} {'':20s} {'ratio':12s} {stats['fused_rows'][0] / stats['one call'][0]:8.3f}x "
-              f"{stats['fused_rows'][1] / stats['one call'][1]:7.2f}x (fused / one call)")
-    compiled, failed = _compiling({name: lambda make=make: _fused_optimizer(make)
-                                   for name, make in FUSED_OPTIMIZERS.items()}, sharding)
-    print(f"{target}: the fused kernel compiles with {', '.join(compiled) or 'none'}"
-          + (f"; fails with {'; '.join(failed)}" if failed else ""))
-    compiled, failed = _compiling({
-        f"{dtype} {shape}{' unique' if unique else ''}": lambda shape=shape, dtype=dtype, unique=unique:
-            row_sparse_update(optim.lazy(optax.adam(1e-2)), shape, 5000, True, dtype, unique)
-        for shape, dtype, unique in FUSED_TABLES}, sharding)
-    print(f"{target}: adam's fused kernel compiles for tables {', '.join(compiled) or 'none'}"
-          + (f"; fails for {'; '.join(failed)}" if failed else ""))
+            print(
+                f"{target:6s} {'lazy adam, K=' + format(k, ','):20s} {version:12s} {temp:9.2f} {kernels:8d} "
+                f"{'':>12s} {lines:10d}",
+                flush=True,
+            )
+        print(
+            f"{target:6s} {'':20s} {'ratio':12s} {stats['fused_rows'][0] / stats['one call'][0]:8.3f}x "
+            f"{stats['fused_rows'][1] / stats['one call'][1]:7.2f}x (fused / one call)"
+        )
+    compiled, failed = _compiling(
+        {name: lambda make=make: _fused_optimizer(make) for name, make in FUSED_OPTIMIZERS.items()}, sharding
+    )
+    print(
+        f"{target}: the fused kernel compiles with {', '.join(compiled) or 'none'}"
+        + (f"; fails with {'; '.join(failed)}" if failed else "")
+    )
+    compiled, failed = _compiling(
+        {
+            f"{dtype} {shape}{' unique' if unique else ''}": lambda shape=shape, dtype=dtype, unique=unique: (
+                row_sparse_update(optim.lazy(optax.adam(1e-2)), shape, 5000, True, dtype, unique)
+            )
+            for shape, dtype, unique in FUSED_TABLES
+        },
+        sharding,
+    )
+    print(
+        f"{target}: adam's fused kernel compiles for tables {', '.join(compiled) or 'none'}"
+        + (f"; fails for {'; '.join(failed)}" if failed else "")
+    )
 
 
 def plot(ratios):
@@ -229,8 +283,10 @@ def main():
     targets = list(TARGETS) if args.target == "all" else [args.target]
     built = mm.tables()  # at the benchmark's full size
     print(f"jax {jax.__version__}; compiled for {', '.join(targets)} without a GPU")
-    print(f"{'target':6s} {'model':20s} {'version':12s} {'temp MiB':>9s} {'kernels':>8s} {'traffic MiB':>12s} "
-          f"{'HLO lines':>10s}")
+    print(
+        f"{'target':6s} {'model':20s} {'version':12s} {'temp MiB':>9s} {'kernels':>8s} {'traffic MiB':>12s} "
+        f"{'HLO lines':>10s}"
+    )
     ratios = {}
     for target in targets:
         sharding = sharding_for(target)
@@ -240,12 +296,16 @@ def main():
                 jax.clear_caches()
                 stats[version] = compiled_stats(step, step_args, sharding)
                 temp, kernels, traffic, lines = stats[version]
-                print(f"{target:6s} {model:20s} {version:12s} {temp:9.2f} {kernels:8d} {traffic:12.1f} {lines:10d}",
-                      flush=True)
+                print(
+                    f"{target:6s} {model:20s} {version:12s} {temp:9.2f} {kernels:8d} {traffic:12.1f} {lines:10d}",
+                    flush=True,
+                )
             (temp, kernels, traffic, _), (temp0, kernels0, traffic0, _) = stats["maskify"], stats["hand-masked"]
             ratios[f"{target} {model}"] = temp / temp0
-            print(f"{target:6s} {model:20s} {'ratio':12s} {temp / temp0:8.3f}x {kernels / kernels0:7.2f}x "
-                  f"{traffic / traffic0:11.2f}x (temporary memory target <= 1.10x)")
+            print(
+                f"{target:6s} {model:20s} {'ratio':12s} {temp / temp0:8.3f}x {kernels / kernels0:7.2f}x "
+                f"{traffic / traffic0:11.2f}x (temporary memory target <= 1.10x)"
+            )
         fused_rows_stats(target, sharding)
     plot(ratios)
 

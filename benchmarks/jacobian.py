@@ -59,10 +59,11 @@ import numpy as np  # noqa: E402
 from jax.test_util import check_grads  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
+from _timing import interleaved_medians, progress, result_path, save_bar_plot, torch_device  # noqa: E402
+
 import masked_jax as mj  # noqa: E402
 import masked_jax.numpy as mnp  # noqa: E402
 from masked_jax.checking import _check  # noqa: E402
-from _timing import interleaved_medians, progress, result_path, save_bar_plot, torch_device  # noqa: E402
 
 
 def functions(n, rng):
@@ -73,7 +74,7 @@ def functions(n, rng):
         return jnp.sum(jnp.tanh(aj @ x))
 
     def jax_elementwise(x):
-        return jnp.sin(x) * jnp.exp(-x**2) + jnp.log1p(x**2)
+        return jnp.sin(x) * jnp.exp(-(x**2)) + jnp.log1p(x**2)
 
     import torch
 
@@ -83,9 +84,12 @@ def functions(n, rng):
         return torch.tanh(at @ x).sum()
 
     def torch_elementwise(x):
-        return torch.sin(x) * torch.exp(-x**2) + torch.log1p(x**2)
+        return torch.sin(x) * torch.exp(-(x**2)) + torch.log1p(x**2)
 
-    return {"sum(tanh(A @ x))": (jax_matvec, torch_matvec), "sin*exp+log1p (n outputs)": (jax_elementwise, torch_elementwise)}
+    return {
+        "sum(tanh(A @ x))": (jax_matvec, torch_matvec),
+        "sin*exp+log1p (n outputs)": (jax_elementwise, torch_elementwise),
+    }
 
 
 def main(argv=None):
@@ -121,15 +125,22 @@ def main(argv=None):
                 "jax check_grads": lambda: check_grads(fj, (x,), order=1, modes=["rev"]),
             }
             rounds = 8 if n >= 400 else 5  # n = 400: the headline ratio, more samples (torch ~0.1 s a call)
-            res = interleaved_medians({k: _returns_none(v) for k, v in impls.items()}, rounds=rounds, block=3, warmup=1, settle=1)
+            res = interleaved_medians(
+                {k: _returns_none(v) for k, v in impls.items()}, rounds=rounds, block=3, warmup=1, settle=1
+            )
             rows[f"{name} n={n}"] = res
             compile_rows[f"{name} n={n}"] = (t_compile_full, t_compile_fast)
     if rows:
         _print(rows, compile_rows)
-        save_bar_plot(rows, result_path("jacobian"), f"Jacobian checks, cached (float64, {jax.default_backend().upper()})")
+        save_bar_plot(
+            rows, result_path("jacobian"), f"Jacobian checks, cached (float64, {jax.default_backend().upper()})"
+        )
     lat = latency(sizes, trials=3 if args.quick else 7)
-    save_bar_plot(lat, result_path("jacobian_latency"),
-                  f"Jacobian checks, first call on a new function (float64, {jax.default_backend().upper()})")
+    save_bar_plot(
+        lat,
+        result_path("jacobian_latency"),
+        f"Jacobian checks, first call on a new function (float64, {jax.default_backend().upper()})",
+    )
     return rows, lat
 
 
@@ -152,6 +163,7 @@ def latency(sizes, trials):
     rows = {}
     for n in progress(sizes, "latency, input size"):
         for kind in KINDS:
+
             def make(seed, kind=kind, n=n, code=None):
                 """(masked_jax function, args, torch function, torch input) for a new function; ``code``:
                 an index into the compositions of :data:`CODE` for new code instead."""
@@ -163,16 +175,27 @@ def latency(sizes, trials):
                 if kind == KINDS[0]:
                     a = r.normal(size=(n, n)) / np.sqrt(n)
                     aj, at = jnp.asarray(a), torch.from_numpy(a).to(torch_device())
-                    return ((lambda v: jnp.sum(jnp.tanh(g(aj @ v)))), (jnp.asarray(x),),
-                            (lambda v: torch.tanh(at @ v).sum()), x)
+                    return (
+                        (lambda v: jnp.sum(jnp.tanh(g(aj @ v)))),
+                        (jnp.asarray(x),),
+                        (lambda v: torch.tanh(at @ v).sum()),
+                        x,
+                    )
                 if kind == KINDS[1]:
-                    return ((lambda v: jnp.sin(c * v) * jnp.exp(-v**2) + jnp.log1p(g(v)**2)), (jnp.asarray(x),),
-                            (lambda v: torch.sin(c * v) * torch.exp(-v**2) + torch.log1p(v**2)), x)
+                    return (
+                        (lambda v: jnp.sin(c * v) * jnp.exp(-(v**2)) + jnp.log1p(g(v) ** 2)),
+                        (jnp.asarray(x),),
+                        (lambda v: torch.sin(c * v) * torch.exp(-(v**2)) + torch.log1p(v**2)),
+                        x,
+                    )
                 m = r.uniform(size=n) < 0.7
                 mt = torch.from_numpy(m).to(torch_device())
-                return ((lambda v: mnp.sin(c * v) * mnp.exp(-v**2) + mnp.log1p(g(v)**2)),
-                        (mj.masked_array(jnp.asarray(x), jnp.asarray(m)),),
-                        (lambda v: (torch.sin(c * v) * torch.exp(-v**2) + torch.log1p(v**2)) * mt), x)
+                return (
+                    (lambda v: mnp.sin(c * v) * mnp.exp(-(v**2)) + mnp.log1p(g(v) ** 2)),
+                    (mj.masked_array(jnp.asarray(x), jnp.asarray(m)),),
+                    (lambda v: (torch.sin(c * v) * torch.exp(-(v**2)) + torch.log1p(v**2)) * mt),
+                    x,
+                )
 
             def first_call(seed, code=None):
                 f, a, _, _ = make(seed, code=code)
@@ -189,15 +212,27 @@ def latency(sizes, trials):
             _check.wait_for_compiles()
             xt = torch.tensor(x, requires_grad=True, device=torch_device())
             fj_dense = f if kind != KINDS[2] else (lambda v, m=a[0].mask, f=f: f(mj.masked_array(v, m)).data)
-            timed = interleaved_medians({
-                "masked_jax repeat": lambda: mj.check_jacobian(f, a) and None,
-                "torch gradcheck": lambda: torch.autograd.gradcheck(ft, (xt,)) and None,
-                "torch fast_mode": lambda: torch.autograd.gradcheck(ft, (xt,), fast_mode=True) and None,
-                "jax check_grads": lambda: check_grads(fj_dense, (a[0].data if hasattr(a[0], "data") else a[0],),
-                                                       order=1, modes=["rev"]),
-            }, rounds=3, block=3, warmup=1, settle=1)
-            rows[f"{kind} n={n}"] = {"masked_jax cold": cold, "masked_jax new function": new,
-                                     "masked_jax new code": new_code, "masked_jax re-run cell": rerun, **timed}
+            timed = interleaved_medians(
+                {
+                    "masked_jax repeat": lambda: mj.check_jacobian(f, a) and None,
+                    "torch gradcheck": lambda: torch.autograd.gradcheck(ft, (xt,)) and None,
+                    "torch fast_mode": lambda: torch.autograd.gradcheck(ft, (xt,), fast_mode=True) and None,
+                    "jax check_grads": lambda: check_grads(
+                        fj_dense, (a[0].data if hasattr(a[0], "data") else a[0],), order=1, modes=["rev"]
+                    ),
+                },
+                rounds=3,
+                block=3,
+                warmup=1,
+                settle=1,
+            )
+            rows[f"{kind} n={n}"] = {
+                "masked_jax cold": cold,
+                "masked_jax new function": new,
+                "masked_jax new code": new_code,
+                "masked_jax re-run cell": rerun,
+                **timed,
+            }
     _print_latency(rows)
     return rows
 
@@ -205,14 +240,18 @@ def latency(sizes, trials):
 def _print_latency(rows):
     print(f"\nlatency on {jax.default_backend()}, float64, check_jacobian defaults; medians in ms")
     impls = list(next(iter(rows.values())))
-    print("| function | " + " | ".join(impls) + " | gradcheck / new function | gradcheck / new code | "
-          "gradcheck / repeat |")
+    print(
+        "| function | " + " | ".join(impls) + " | gradcheck / new function | gradcheck / new code | "
+        "gradcheck / repeat |"
+    )
     print("|---|" + "---|" * (len(impls) + 3))
     for key, res in rows.items():
         cells = " | ".join(f"{res[i] * 1e3:.1f}" for i in impls)
-        print(f"| {key} | {cells} | {res['torch gradcheck'] / res['masked_jax new function']:.1f}x | "
-              f"{res['torch gradcheck'] / res['masked_jax new code']:.2f}x | "
-              f"{res['torch gradcheck'] / res['masked_jax repeat']:.0f}x |")
+        print(
+            f"| {key} | {cells} | {res['torch gradcheck'] / res['masked_jax new function']:.1f}x | "
+            f"{res['torch gradcheck'] / res['masked_jax new code']:.2f}x | "
+            f"{res['torch gradcheck'] / res['masked_jax repeat']:.0f}x |"
+        )
 
 
 def _returns_none(fn):
@@ -224,17 +263,23 @@ def _returns_none(fn):
 
 def _print(rows, compile_rows):
     dev = jax.devices()[0].device_kind
-    print(f"\nbackend {jax.default_backend()} ({dev}), torch on {torch_device()}, float64; medians in ms "
-          "(cached: the compiled check reused)")
+    print(
+        f"\nbackend {jax.default_backend()} ({dev}), torch on {torch_device()}, float64; medians in ms "
+        "(cached: the compiled check reused)"
+    )
     impls = list(next(iter(rows.values())))
-    print("| function | " + " | ".join(impls) + " | gradcheck / masked_jax | fast_mode / masked_jax fast |"
-          " masked_jax compile (full, fast) |")
+    print(
+        "| function | " + " | ".join(impls) + " | gradcheck / masked_jax | fast_mode / masked_jax fast |"
+        " masked_jax compile (full, fast) |"
+    )
     print("|---|" + "---|" * (len(impls) + 3))
     for key, res in rows.items():
         cells = " | ".join(f"{res[i] * 1e3:.2f}" for i in impls)
         cf, cq = compile_rows[key]
-        print(f"| {key} | {cells} | {res['torch gradcheck'] / res['masked_jax']:.1f}x | "
-              f"{res['torch fast_mode'] / res['masked_jax fast']:.2f}x | {cf * 1e3:.0f}, {cq * 1e3:.0f} ms |")
+        print(
+            f"| {key} | {cells} | {res['torch gradcheck'] / res['masked_jax']:.1f}x | "
+            f"{res['torch fast_mode'] / res['masked_jax fast']:.2f}x | {cf * 1e3:.0f}, {cq * 1e3:.0f} ms |"
+        )
 
 
 if __name__ == "__main__":

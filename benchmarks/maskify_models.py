@@ -30,9 +30,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from _timing import interleaved_medians, result_path
 
 import masked_jax as mj
-from _timing import interleaved_medians, result_path
 
 LAYERS, D_MODEL, HEADS, CLASSES = 2, 128, 4, 10
 
@@ -122,6 +122,7 @@ def versions(apply_plain, apply_hand, params, x, tokens, labels):
             value, g = jax.value_and_grad(loss)(p, *batch)
             updates, s = opt.update(g, s, p)
             return optax.apply_updates(p, updates), s, value
+
         return step
 
     state = opt.init(params)
@@ -139,10 +140,17 @@ def tables(b=32, length=128, features=64):
     eqx_model = EqxEncoder(features, jax.random.key(1))
     eparams, static = eqx.partition(eqx_model, eqx.is_array)
     return {
-        "flax linen encoder": versions(lambda p, v: model.apply(p, v), lambda p, v, t: model.apply(p, v, t),
-                                       params, x, tokens, labels),
-        "equinox encoder": versions(lambda p, v: jax.vmap(eqx.combine(p, static))(v),
-                                    lambda p, v, t: jax.vmap(eqx.combine(p, static))(v, t), eparams, x, tokens, labels),
+        "flax linen encoder": versions(
+            lambda p, v: model.apply(p, v), lambda p, v, t: model.apply(p, v, t), params, x, tokens, labels
+        ),
+        "equinox encoder": versions(
+            lambda p, v: jax.vmap(eqx.combine(p, static))(v),
+            lambda p, v, t: jax.vmap(eqx.combine(p, static))(v, t),
+            eparams,
+            x,
+            tokens,
+            labels,
+        ),
     }
 
 
@@ -168,7 +176,7 @@ def measure(name, table, repeats=3):
     out = {}
     steps = {}
     built = _lower_and_compile(table, repeats)
-    for version, (step, args, forward, fargs) in table.items():
+    for version, (_step, args, forward, fargs) in table.items():
         compiled, t_lower, t_compile = built[version]
         mem = compiled.memory_analysis()
         temp = getattr(mem, "temp_size_in_bytes", float("nan"))
@@ -186,8 +194,13 @@ def measure(name, table, repeats=3):
             return value
 
         steps[version] = run
-        out[version] = {"lower s": t_lower, "compile s": t_compile, "temp MiB": temp / 2**20,
-                        "HLO lines": hlo_lines, "eager first call s": t_eager}
+        out[version] = {
+            "lower s": t_lower,
+            "compile s": t_compile,
+            "temp MiB": temp / 2**20,
+            "HLO lines": hlo_lines,
+            "eager first call s": t_eager,
+        }
     times = interleaved_medians(steps, rounds=5, block=4, warmup=2)
     for version in table:
         out[version] = {"step ms": 1e3 * times[version], **out[version]}
@@ -229,8 +242,10 @@ def main():
     parser.add_argument("--quick", action="store_true", help="batch 8 x 32 tokens (a smoke run)")
     args = parser.parse_args()
     b, length, features = (8, 32, 16) if args.quick else (32, 128, 64)
-    print(f"batch {b} x {length} tokens x {features} features, d_model {D_MODEL}, {HEADS} heads, "
-          f"{LAYERS} layers; backend {jax.default_backend()}")
+    print(
+        f"batch {b} x {length} tokens x {features} features, d_model {D_MODEL}, {HEADS} heads, "
+        f"{LAYERS} layers; backend {jax.default_backend()}"
+    )
     repeats = 1 if args.quick else 3
     results = {model: measure(model, table, repeats) for model, table in tables(b, length, features).items()}
     for name, res in results.items():

@@ -22,10 +22,11 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
+from _timing import RESULTS, interleaved_medians, print_table, progress, save_bar_plot  # noqa: E402
+
 import masked_jax as mj  # noqa: E402
 import masked_jax.nn as mnn  # noqa: E402
 import masked_jax.numpy as mnp  # noqa: E402
-from _timing import RESULTS, interleaved_medians, print_table, progress, save_bar_plot  # noqa: E402
 
 
 # -- hand-written jnp.where baselines (what a careful user writes today) ---------------------------
@@ -79,11 +80,12 @@ def torch_impls(x, m, w):
         return {}, {}, None
     td, tm, tw = torch.from_numpy(x), torch.from_numpy(m), torch.from_numpy(w)
     mt = masked_tensor(td, tm)
-    mtensor = {"softmax": lambda: torch.softmax(mt, -1), "sum": lambda: mt.sum(-1),
-               "mean": lambda: mt.mean(-1)}
-    functional = {"softmax": lambda: torch.masked.softmax(td, -1, mask=tm),
-                  "sum": lambda: torch.masked.sum(td, -1, mask=tm),
-                  "mean": lambda: torch.masked.mean(td, -1, mask=tm)}
+    mtensor = {"softmax": lambda: torch.softmax(mt, -1), "sum": lambda: mt.sum(-1), "mean": lambda: mt.mean(-1)}
+    functional = {
+        "softmax": lambda: torch.masked.softmax(td, -1, mask=tm),
+        "sum": lambda: torch.masked.sum(td, -1, mask=tm),
+        "mean": lambda: torch.masked.mean(td, -1, mask=tm),
+    }
 
     def autograd():
         leaf = masked_tensor(td.clone(), tm, requires_grad=True)
@@ -110,8 +112,11 @@ def main(argv=None):
     np_ma = numpy_ma_impls(a)
 
     ours = {"softmax": lambda: mj_softmax(xm), "sum": lambda: mj_sum(xm), "mean": lambda: mj_mean(xm)}
-    where = {"softmax": lambda: where_softmax(xj, mj_mask), "sum": lambda: where_sum(xj, mj_mask),
-             "mean": lambda: where_mean(xj, mj_mask)}
+    where = {
+        "softmax": lambda: where_softmax(xj, mj_mask),
+        "sum": lambda: where_sum(xj, mj_mask),
+        "mean": lambda: where_mean(xj, mj_mask),
+    }
     rows = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch.masked prototype warnings
@@ -127,26 +132,41 @@ def main(argv=None):
         batch, length = (4, 32) if args.quick else (32, 128)
         keys = rng.random((batch, 1, length)) > 0.3
         p = mj.masked_array(jnp.asarray(rng.random((batch, length, length)), jnp.float32), jnp.asarray(keys))
-        v = mj.masked_array(jnp.asarray(rng.normal(size=(batch, length, 32)), jnp.float32),
-                            jnp.asarray(np.swapaxes(keys, 1, 2)))
-        np.testing.assert_allclose(np.asarray(mj_vmatmul(p, v).filled(0)),
-                                   np.asarray(where_vmatmul(p.data, p.mask, v.data, v.mask)), rtol=1e-5, atol=1e-5)
+        v = mj.masked_array(
+            jnp.asarray(rng.normal(size=(batch, length, 32)), jnp.float32), jnp.asarray(np.swapaxes(keys, 1, 2))
+        )
+        np.testing.assert_allclose(
+            np.asarray(mj_vmatmul(p, v).filled(0)),
+            np.asarray(where_vmatmul(p.data, p.mask, v.data, v.mask)),
+            rtol=1e-5,
+            atol=1e-5,
+        )
         rows["vmapped matmul"] = interleaved_medians(
-            {"masked_jax": lambda: mj_vmatmul(p, v), "jnp.where": lambda: where_vmatmul(p.data, p.mask, v.data, v.mask)},
-            rounds=repeats)
+            {
+                "masked_jax": lambda: mj_vmatmul(p, v),
+                "jnp.where": lambda: where_vmatmul(p.data, p.mask, v.data, v.mask),
+            },
+            rounds=repeats,
+        )
     for res in rows.values():
         for name in ("masked_jax", "jnp.where", "numpy.ma", "MaskedTensor", "torch.masked.*"):
             res.setdefault(name, None)
         order = ["masked_jax", "jnp.where", "numpy.ma", "MaskedTensor", "torch.masked.*"]
         res.update({k: res.pop(k) for k in order})
     # Results agree before we compare speed.
-    np.testing.assert_allclose(np.asarray(mj_softmax(xm).filled()), np.asarray(where_softmax(xj, mj_mask)) * m, rtol=1e-5, atol=1e-7)
-    np.testing.assert_allclose(np.asarray(mj_grad(xj, mj_mask, wj)), np.asarray(where_grad(xj, mj_mask, wj)), rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(mj_softmax(xm).filled()), np.asarray(where_softmax(xj, mj_mask)) * m, rtol=1e-5, atol=1e-7
+    )
+    np.testing.assert_allclose(
+        np.asarray(mj_grad(xj, mj_mask, wj)), np.asarray(where_grad(xj, mj_mask, wj)), rtol=1e-4, atol=1e-6
+    )
 
-    print(f"shape {shape}, ~50% valid, float32, backend {jax.default_backend()}, "
-          f"devices {jax.devices()}")
-    print_table("Median time (ms); ratio = baseline / masked_jax (> 1: masked_jax faster)", rows,
-                ["jnp.where", "numpy.ma", "MaskedTensor", "torch.masked.*"])
+    print(f"shape {shape}, ~50% valid, float32, backend {jax.default_backend()}, devices {jax.devices()}")
+    print_table(
+        "Median time (ms); ratio = baseline / masked_jax (> 1: masked_jax faster)",
+        rows,
+        ["jnp.where", "numpy.ma", "MaskedTensor", "torch.masked.*"],
+    )
     save_bar_plot(rows, os.path.join(RESULTS, "ops.png"), f"masked ops on {shape} float32")
     return rows
 

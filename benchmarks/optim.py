@@ -45,10 +45,11 @@ import numpy as np
 import optax
 
 sys.path.insert(0, os.path.dirname(__file__))
+from _timing import interleaved_medians, progress, result_path, torch_device  # noqa: E402
+
 import masked_jax as mj  # noqa: E402
 from masked_jax import optim  # noqa: E402
 from masked_jax.optim._fused import KernelConfig, fused_update  # noqa: E402
-from _timing import interleaved_medians, progress, result_path, torch_device  # noqa: E402
 
 DIM = 64
 LR = 1e-2
@@ -60,8 +61,11 @@ def reusing_memory(requested: bool, script: str, argv) -> bool:
     not, re-execute ``script`` with it (malloc reads its tunables at process start)."""
     reuse = all(os.environ.get(k) == v for k, v in REUSE_MEMORY_ENV.items())
     if requested and not reuse:
-        os.execve(sys.executable, [sys.executable, os.path.abspath(script), *(argv or sys.argv[1:])],
-                  {**os.environ, **REUSE_MEMORY_ENV})
+        os.execve(
+            sys.executable,
+            [sys.executable, os.path.abspath(script), *(argv or sys.argv[1:])],
+            {**os.environ, **REUSE_MEMORY_ENV},
+        )
     return reuse
 
 
@@ -102,8 +106,8 @@ def adam_rows(m_rows, v_rows, g, count, b1=0.9, b2=0.999, eps=1e-8):
     """Adam on gathered rows (``count``: the step, from 1): the parameter update and the new moments."""
     m_rows = b1 * m_rows + (1 - b1) * g
     v_rows = b2 * v_rows + (1 - b2) * g * g
-    m_hat = m_rows / (1 - b1 ** count)
-    v_hat = v_rows / (1 - b2 ** count)
+    m_hat = m_rows / (1 - b1**count)
+    v_hat = v_rows / (1 - b2**count)
     return -LR * m_hat / (jnp.sqrt(v_hat) + eps), m_rows, v_rows
 
 
@@ -159,6 +163,7 @@ class Stepper:
 def update_step(opt):
     """``(p, s, g) -> (p, s)``: ``opt.update`` and ``apply_updates`` in one call (what
     ``make_train_step`` runs without chunks or a fused kernel)."""
+
     def step(p, s, g):
         u, s = opt.update(g, s, p)
         return optim.apply_updates(p, u), s
@@ -184,8 +189,7 @@ def torch_stepper(make, table_np, ids, vals):
     param = torch.nn.Parameter(torch.tensor(table_np, device=dev))
     opt = make([param])
     with torch.sparse.check_sparse_tensor_invariants():
-        grad = torch.sparse_coo_tensor(torch.tensor(ids, device=dev)[None], torch.tensor(vals, device=dev),
-                                       param.shape)
+        grad = torch.sparse_coo_tensor(torch.tensor(ids, device=dev)[None], torch.tensor(vals, device=dev), param.shape)
 
     def step():
         param.grad = grad
@@ -210,12 +214,20 @@ def run(n, k, bandwidth, with_torch=True, rounds=3):
     fns = {
         "masked_adagrad": optax_stepper(optim.masked_adagrad(LR), fresh(), grad),
         "lazy_adam": optax_stepper(optim.lazy(optax.adam(LR)), fresh(), grad),
-        "hand_scatter_adam": Stepper(jax.jit(hand_lazy_adam_step, donate_argnums=(0, 1, 2)),
-                                     fresh(), jnp.zeros((n, DIM)), jnp.zeros((n, DIM)), jnp.zeros(()),
-                                     args=(jnp.asarray(ids), jnp.asarray(vals))),
-        "hand_scatter_adagrad": Stepper(jax.jit(hand_adagrad_step, donate_argnums=(0, 1)),
-                                        fresh(), jnp.full((n, DIM), 0.1, jnp.float32),
-                                        args=(jnp.asarray(ids), jnp.asarray(vals))),
+        "hand_scatter_adam": Stepper(
+            jax.jit(hand_lazy_adam_step, donate_argnums=(0, 1, 2)),
+            fresh(),
+            jnp.zeros((n, DIM)),
+            jnp.zeros((n, DIM)),
+            jnp.zeros(()),
+            args=(jnp.asarray(ids), jnp.asarray(vals)),
+        ),
+        "hand_scatter_adagrad": Stepper(
+            jax.jit(hand_adagrad_step, donate_argnums=(0, 1)),
+            fresh(),
+            jnp.full((n, DIM), 0.1, jnp.float32),
+            args=(jnp.asarray(ids), jnp.asarray(vals)),
+        ),
         "dense_adagrad": optax_stepper(optax.adagrad(LR), fresh(), dense_grad),
         "dense_adam": optax_stepper(optax.adam(LR), fresh(), dense_grad),
     }
@@ -236,8 +248,11 @@ def run(n, k, bandwidth, with_torch=True, rounds=3):
 def main(argv=None):
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--reuse-memory", action="store_true",
-                        help="rerun under a glibc malloc that keeps freed memory (see the module notes)")
+    parser.add_argument(
+        "--reuse-memory",
+        action="store_true",
+        help="rerun under a glibc malloc that keeps freed memory (see the module notes)",
+    )
     args = parser.parse_args(argv)
     reuse = reusing_memory(args.reuse_memory, __file__, argv)
     sizes = (20_000, 200_000) if args.quick else (200_000, 2_000_000)
@@ -246,29 +261,46 @@ def main(argv=None):
     bandwidth = copy_bandwidth()
     backend = jax.default_backend()
     where = f"{os.cpu_count()} cores" if backend == "cpu" else jax.devices()[0].device_kind
-    print(f"backend {backend} ({where}), torch on {torch_device()}, copy bandwidth {bandwidth / 1e9:.1f} GB/s, "
-          f"malloc {'reusing freed memory' if reuse else 'glibc default'}")
+    print(
+        f"backend {backend} ({where}), torch on {torch_device()}, copy bandwidth {bandwidth / 1e9:.1f} GB/s, "
+        f"malloc {'reusing freed memory' if reuse else 'glibc default'}"
+    )
     results = {(n, k): run(n, k, bandwidth) for n, k in progress([(n, k) for n in sizes for k in ks], "(N, K)")}
-    cols = ["masked_adagrad", "lazy_adam", "hand_scatter_adagrad", "hand_scatter_adam", "dense_adagrad",
-            "dense_adam", "torch_adagrad", "torch_sparse_adam", "bound_adam"]
+    cols = [
+        "masked_adagrad",
+        "lazy_adam",
+        "hand_scatter_adagrad",
+        "hand_scatter_adam",
+        "dense_adagrad",
+        "dense_adam",
+        "torch_adagrad",
+        "torch_sparse_adam",
+        "bound_adam",
+    ]
     print("\nmedian ms per step (update + apply, jit, donated)")
-    print("| N | K | " + " | ".join(cols) + " | dense_adam / lazy_adam | dense_adagrad / masked_adagrad | "
-          "dense / hand (adagrad, adam) | masked_adagrad / hand | lazy_adam / hand | "
-          "torch_adagrad / masked_adagrad | torch_sparse_adam / lazy_adam |")
+    print(
+        "| N | K | " + " | ".join(cols) + " | dense_adam / lazy_adam | dense_adagrad / masked_adagrad | "
+        "dense / hand (adagrad, adam) | masked_adagrad / hand | lazy_adam / hand | "
+        "torch_adagrad / masked_adagrad | torch_sparse_adam / lazy_adam |"
+    )
     print("|" + "---|" * (len(cols) + 9))
     for (n, k), t in results.items():
         ms = " | ".join(f"{t[c] * 1e3:.3f}" for c in cols)
-        print(f"| {n:,} | {k:,} | {ms} | {t['dense_adam'] / t['lazy_adam']:.0f}x | "
-              f"{t['dense_adagrad'] / t['masked_adagrad']:.0f}x | "
-              f"{t['dense_adagrad'] / t['hand_scatter_adagrad']:.0f}x, {t['dense_adam'] / t['hand_scatter_adam']:.0f}x | "
-              f"{t['masked_adagrad'] / t['hand_scatter_adagrad']:.2f}x | "
-              f"{t['lazy_adam'] / t['hand_scatter_adam']:.2f}x | "
-              f"{t['torch_adagrad'] / t['masked_adagrad']:.1f}x | {t['torch_sparse_adam'] / t['lazy_adam']:.1f}x |")
+        print(
+            f"| {n:,} | {k:,} | {ms} | {t['dense_adam'] / t['lazy_adam']:.0f}x | "
+            f"{t['dense_adagrad'] / t['masked_adagrad']:.0f}x | "
+            f"{t['dense_adagrad'] / t['hand_scatter_adagrad']:.0f}x, {t['dense_adam'] / t['hand_scatter_adam']:.0f}x | "
+            f"{t['masked_adagrad'] / t['hand_scatter_adagrad']:.2f}x | "
+            f"{t['lazy_adam'] / t['hand_scatter_adam']:.2f}x | "
+            f"{t['torch_adagrad'] / t['masked_adagrad']:.1f}x | {t['torch_sparse_adam'] / t['lazy_adam']:.1f}x |"
+        )
     lo, hi = sizes
     print(f"\nstep time growth N={lo:,} -> N={hi:,} (same K)")
     for k in ks:
-        print(f"  K={k:,}: masked_adagrad {results[(hi, k)]['masked_adagrad'] / results[(lo, k)]['masked_adagrad']:.2f}x,"
-              f" lazy_adam {results[(hi, k)]['lazy_adam'] / results[(lo, k)]['lazy_adam']:.2f}x")
+        print(
+            f"  K={k:,}: masked_adagrad {results[(hi, k)]['masked_adagrad'] / results[(lo, k)]['masked_adagrad']:.2f}x,"
+            f" lazy_adam {results[(hi, k)]['lazy_adam'] / results[(lo, k)]['lazy_adam']:.2f}x"
+        )
     plot(results, sizes, ks, result_path("optim_reuse_memory" if reuse else "optim"))
 
 
@@ -282,8 +314,13 @@ def plot(results, sizes, ks, path):
     fig, axes = plt.subplots(1, len(sizes), figsize=(11, 4), sharey=True)
     for ax, n in zip(axes, sizes):
         for impl in next(iter(results.values())):
-            ax.plot(ks, [results[(n, k)][impl] * 1e3 for k in ks], marker="o", label=impl,
-                    linestyle="--" if impl.startswith("bound") else "-")
+            ax.plot(
+                ks,
+                [results[(n, k)][impl] * 1e3 for k in ks],
+                marker="o",
+                label=impl,
+                linestyle="--" if impl.startswith("bound") else "-",
+            )
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xlabel("K (touched rows)")

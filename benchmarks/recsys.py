@@ -60,13 +60,23 @@ import numpy as np
 import optax
 
 sys.path.insert(0, os.path.dirname(__file__))
+from _timing import interleaved_medians, print_table, result_path, save_bar_plot, torch_device  # noqa: E402
+from optim import (
+    LR,
+    Stepper,
+    adam_rows,
+    copy_bandwidth,
+    fused_step,
+    hand_lazy_adam_step,  # noqa: E402
+    optax_stepper,
+    reusing_memory,
+    update_step,
+)
+
 import masked_jax as mj  # noqa: E402
 from masked_jax import optim  # noqa: E402
 from masked_jax.optim._chunked import chunked_update  # noqa: E402
 from masked_jax.optim._fused import KernelConfig  # noqa: E402
-from _timing import interleaved_medians, print_table, result_path, save_bar_plot, torch_device  # noqa: E402
-from optim import (LR, Stepper, adam_rows, copy_bandwidth, fused_step, hand_lazy_adam_step,  # noqa: E402
-                   optax_stepper, reusing_memory, update_step)
 
 ROWS = (1_000_000, 500_000, 200_000, 100_000, 50_000, 20_000, 10_000, 5_000)
 DIM, MAX_BAG, HIDDEN = 32, 20, (128, 64)
@@ -99,15 +109,19 @@ def check_fused(n=1000, k=700, steps=2, seed=0):
     got = want = (table, opt.init(table))
     for step in range(steps + 1):
         unique = step == steps
-        ids = rng.permutation(n // 3)[:k // 3] if unique else rng.integers(0, n // 3, size=k)  # many duplicates
+        ids = rng.permutation(n // 3)[: k // 3] if unique else rng.integers(0, n // 3, size=k)  # many duplicates
         if not unique:
             ids[rng.permutation(k)[:300]] = 5  # and one hot id, over several kernel programs
-        g = mj.row_sparse(jnp.asarray(rng.normal(size=(ids.size, DIM)), jnp.float32), jnp.asarray(ids), (n, DIM),
-                          unique_indices=unique)
+        g = mj.row_sparse(
+            jnp.asarray(rng.normal(size=(ids.size, DIM)), jnp.float32),
+            jnp.asarray(ids),
+            (n, DIM),
+            unique_indices=unique,
+        )
         got, want = fused(*got, g), one_call(*want, g)
     for x, y in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6)
-    assert (np.asarray(got[0])[n // 3:] == np.asarray(table)[n // 3:]).all()
+    assert (np.asarray(got[0])[n // 3 :] == np.asarray(table)[n // 3 :]).all()
 
 
 def make_data(rows, batch, seed=0):
@@ -122,8 +136,10 @@ def make_data(rows, batch, seed=0):
         feats[name] = (ids, w)
     tables = {name: (0.05 * rng.normal(size=(n, DIM))).astype(np.float32) for name, n in zip(NAMES, rows)}
     sizes = (len(NAMES) * DIM,) + HIDDEN + (1,)
-    mlp = [((rng.normal(size=(a, b)) / np.sqrt(a)).astype(np.float32), np.zeros(b, np.float32))
-           for a, b in zip(sizes[:-1], sizes[1:])]
+    mlp = [
+        ((rng.normal(size=(a, b)) / np.sqrt(a)).astype(np.float32), np.zeros(b, np.float32))
+        for a, b in zip(sizes[:-1], sizes[1:])
+    ]
     labels = (rng.random(batch) < 0.3).astype(np.float32)
     return feats, tables, mlp, labels
 
@@ -141,8 +157,10 @@ def bce(logits, y):
 
 
 def _requests(ids, w):
-    return {k: {"ids": ids[k], **({"weights": w[k], "combiner": "sum"} if k in WEIGHTED else {"combiner": "mean"})}
-            for k in NAMES}
+    return {
+        k: {"ids": ids[k], **({"weights": w[k], "combiner": "sum"} if k in WEIGHTED else {"combiner": "mean"})}
+        for k in NAMES
+    }
 
 
 def mj_variants(feats, tables, mlp, labels, only=None):
@@ -158,8 +176,15 @@ def mj_variants(feats, tables, mlp, labels, only=None):
         return bce(mlp_apply(p["mlp"], jnp.concatenate([pooled[k].filled(0) for k in NAMES], -1)), y)
 
     def separate_loss(p, ids, w, y):
-        pooled = [mj.embedding_bag(p["tables"][k], ids[k], weights=w[k] if k in WEIGHTED else None,
-                                   combiner="sum" if k in WEIGHTED else "mean") for k in NAMES]
+        pooled = [
+            mj.embedding_bag(
+                p["tables"][k],
+                ids[k],
+                weights=w[k] if k in WEIGHTED else None,
+                combiner="sum" if k in WEIGHTED else "mean",
+            )
+            for k in NAMES
+        ]
         return bce(mlp_apply(p["mlp"], jnp.concatenate([x.filled(0) for x in pooled], -1)), y)
 
     # one table, the same ids: every bag of every table in one (batch * 8, L) id array; the mean
@@ -168,13 +193,17 @@ def mj_variants(feats, tables, mlp, labels, only=None):
     all_ids = np.stack([np.where(feats[k][0] >= 0, feats[k][0] + o, -1) for k, o in zip(NAMES, offsets)], 1)
     count = np.maximum((all_ids >= 0).sum(-1, keepdims=True), 1)
     all_w = np.stack([feats[k][1] if k in WEIGHTED else np.ones_like(feats[k][1]) for k in NAMES], 1)
-    all_w = np.where(np.isin(np.arange(len(NAMES)), [NAMES.index(k) for k in WEIGHTED])[None, :, None],
-                     all_w, all_w / count).astype(np.float32)
+    all_w = np.where(
+        np.isin(np.arange(len(NAMES)), [NAMES.index(k) for k in WEIGHTED])[None, :, None], all_w, all_w / count
+    ).astype(np.float32)
     batch = labels.shape[0]
 
     def one_table_loss(p, all_ids, all_w, y):
-        pooled = mj.embedding_bag(p["tables"], all_ids.reshape(batch * len(NAMES), MAX_BAG),
-                                  weights=all_w.reshape(batch * len(NAMES), MAX_BAG))
+        pooled = mj.embedding_bag(
+            p["tables"],
+            all_ids.reshape(batch * len(NAMES), MAX_BAG),
+            weights=all_w.reshape(batch * len(NAMES), MAX_BAG),
+        )
         return bce(mlp_apply(p["mlp"], pooled.filled(0).reshape(batch, len(NAMES) * DIM)), y)
 
     stacked_np = np.concatenate([tables[k] for k in NAMES])
@@ -188,23 +217,72 @@ def mj_variants(feats, tables, mlp, labels, only=None):
         out[name] = (optim.make_train_step(loss, opt, row_sparse=sparse, **kwargs), params, opt.init(params), args)
 
     add("mj_stacked", stacked_loss, optim.lazy(optax.adam(LR)), jnp.asarray(stacked_np), ids, w, y)
-    add("mj_stacked_one_call", stacked_loss, optim.lazy(optax.adam(LR)), jnp.asarray(stacked_np), ids, w, y,
-        chunk_rows=None)
+    add(
+        "mj_stacked_one_call",
+        stacked_loss,
+        optim.lazy(optax.adam(LR)),
+        jnp.asarray(stacked_np),
+        ids,
+        w,
+        y,
+        chunk_rows=None,
+    )
     if fused_runs():
-        add("mj_stacked_fused", stacked_loss, optim.lazy(optax.adam(LR)), jnp.asarray(stacked_np), ids, w, y,
-            fused_rows=True)
-    add("mj_separate", separate_loss, optim.lazy(optax.adam(LR)), {k: jnp.asarray(v) for k, v in tables.items()},
-        ids, w, y)
-    add("mj_one_table", one_table_loss, optim.lazy(optax.adam(LR)), jnp.asarray(stacked_np),
-        jnp.asarray(all_ids), jnp.asarray(all_w), y)
-    add("mj_stacked_catch_up", stacked_loss, optim.lazy(optax.adam(LR), catch_up=True), jnp.asarray(stacked_np),
-        ids, w, y)
-    add("mj_stacked_adagrad", stacked_loss, optim.masked_adagrad(LR, initial_accumulator_value=0.0, eps=1e-10,
-                                                                 eps_placement="outside"),
-        jnp.asarray(stacked_np), ids, w, y)
-    add("mj_stacked_lazy_adagrad", stacked_loss,
+        add(
+            "mj_stacked_fused",
+            stacked_loss,
+            optim.lazy(optax.adam(LR)),
+            jnp.asarray(stacked_np),
+            ids,
+            w,
+            y,
+            fused_rows=True,
+        )
+    add(
+        "mj_separate",
+        separate_loss,
+        optim.lazy(optax.adam(LR)),
+        {k: jnp.asarray(v) for k, v in tables.items()},
+        ids,
+        w,
+        y,
+    )
+    add(
+        "mj_one_table",
+        one_table_loss,
+        optim.lazy(optax.adam(LR)),
+        jnp.asarray(stacked_np),
+        jnp.asarray(all_ids),
+        jnp.asarray(all_w),
+        y,
+    )
+    add(
+        "mj_stacked_catch_up",
+        stacked_loss,
+        optim.lazy(optax.adam(LR), catch_up=True),
+        jnp.asarray(stacked_np),
+        ids,
+        w,
+        y,
+    )
+    add(
+        "mj_stacked_adagrad",
+        stacked_loss,
+        optim.masked_adagrad(LR, initial_accumulator_value=0.0, eps=1e-10, eps_placement="outside"),
+        jnp.asarray(stacked_np),
+        ids,
+        w,
+        y,
+    )
+    add(
+        "mj_stacked_lazy_adagrad",
+        stacked_loss,
         optim.lazy(optax.chain(optim.scale_by_rss(0.0, 1e-10, "outside"), optax.scale_by_learning_rate(LR))),
-        jnp.asarray(stacked_np), ids, w, y)
+        jnp.asarray(stacked_np),
+        ids,
+        w,
+        y,
+    )
     add("mj_stacked_rowwise_adagrad", stacked_loss, optim.rowwise_adagrad(LR), jnp.asarray(stacked_np), ids, w, y)
     return out, stacked_loss, stack, (ids, w, y), (jnp.asarray(all_ids), jnp.asarray(all_w))
 
@@ -250,8 +328,10 @@ class HandTrain:
 
 def dense_variant(stacked_loss, tables, mlp, data):
     opt = optax.adam(LR)
-    params = {"tables": jnp.asarray(np.concatenate([tables[k] for k in NAMES])),
-              "mlp": [(jnp.asarray(a), jnp.asarray(b)) for a, b in mlp]}
+    params = {
+        "tables": jnp.asarray(np.concatenate([tables[k] for k in NAMES])),
+        "mlp": [(jnp.asarray(a), jnp.asarray(b)) for a, b in mlp],
+    }
 
     def step(p, s, *data):
         loss, g = jax.value_and_grad(stacked_loss)(p, *data)
@@ -285,8 +365,11 @@ def torch_variant(feats, tables, mlp, labels, adagrad=False):
         layers += [lin] + ([torch.nn.ReLU()] if i < len(mlp) - 1 else [])
     net = torch.nn.Sequential(*layers)
     y = torch.tensor(labels, device=dev)
-    emb_opt = (torch.optim.Adagrad(bags.parameters(), lr=LR) if adagrad
-               else torch.optim.SparseAdam(list(bags.parameters()), lr=LR))
+    emb_opt = (
+        torch.optim.Adagrad(bags.parameters(), lr=LR)
+        if adagrad
+        else torch.optim.SparseAdam(list(bags.parameters()), lr=LR)
+    )
     mlp_opt = torch.optim.Adam(net.parameters(), lr=LR)
     losses = []
 
@@ -320,14 +403,24 @@ class Train:
 def main(argv=None):
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--reuse-memory", action="store_true",
-                        help="rerun under a glibc malloc that keeps freed memory (see benchmarks/optim.py)")
-    parser.add_argument("--no-sweep", action="store_true", help="leave the optimizer sweep out (also on an accelerator)")
-    parser.add_argument("--sweep-only", action="store_true",
-                        help="time only the optimizer sweep (the 8M-row table), not the recommender step")
-    parser.add_argument("--sweep", action="store_true",
-                        help="also time lazy Adam's step alone on an 8M-row table at K = 100k, 1M and 4M "
-                             "(always on an accelerator)")
+    parser.add_argument(
+        "--reuse-memory",
+        action="store_true",
+        help="rerun under a glibc malloc that keeps freed memory (see benchmarks/optim.py)",
+    )
+    parser.add_argument(
+        "--no-sweep", action="store_true", help="leave the optimizer sweep out (also on an accelerator)"
+    )
+    parser.add_argument(
+        "--sweep-only",
+        action="store_true",
+        help="time only the optimizer sweep (the 8M-row table), not the recommender step",
+    )
+    parser.add_argument(
+        "--sweep",
+        action="store_true",
+        help="also time lazy Adam's step alone on an 8M-row table at K = 100k, 1M and 4M (always on an accelerator)",
+    )
     args = parser.parse_args(argv)
     reuse = reusing_memory(args.reuse_memory, __file__, argv)
     rows = tuple(max(n // 100, 50) for n in ROWS) if args.quick else ROWS
@@ -340,9 +433,11 @@ def main(argv=None):
     feats, tables, mlp, labels = make_data(rows, batch)
     backend = jax.default_backend()
     where = f"{os.cpu_count()} cores" if backend == "cpu" else jax.devices()[0].device_kind
-    print(f"backend {backend} ({where}), torch on {torch_device()}, "
-          f"malloc {'reusing freed memory' if reuse else 'glibc default'}, copy bandwidth {bandwidth / 1e9:.1f} GB/s; "
-          f"{len(rows)} tables, {sum(rows):,} rows x {DIM}, batch {batch}, bags of 1-{MAX_BAG} ids")
+    print(
+        f"backend {backend} ({where}), torch on {torch_device()}, "
+        f"malloc {'reusing freed memory' if reuse else 'glibc default'}, copy bandwidth {bandwidth / 1e9:.1f} GB/s; "
+        f"{len(rows)} tables, {sum(rows):,} rows x {DIM}, batch {batch}, bags of 1-{MAX_BAG} ids"
+    )
     import torch
 
     if torch_device() == "cpu":
@@ -370,29 +465,48 @@ def main(argv=None):
     assert spread < 1e-4, f"the variants disagree on the first loss (spread {spread:.2e})"
     t = interleaved_medians(fns, rounds=3, block=3, warmup=1, settle=1)
     rows_table = {"train step": {"masked_jax": t["mj_stacked"], **t}}
-    print_table("median ms per training step (forward, backward, update; jit, donated)", rows_table,
-                ["mj_stacked_one_call", "mj_separate", "mj_one_table", "mj_stacked_catch_up", "hand_jax", "dense_optax",
-                 "torch_sparse_adam"])
-    print(f"\ntwo instances of one program: stacked {t['mj_stacked'] / t['mj_stacked (twin)']:.2f}x, one table "
-          f"{t['mj_one_table'] / t['mj_one_table (twin)']:.2f}x; stacked / one table, each pairing of instances: "
-          + ", ".join(f"{t[a] / t[b]:.2f}x" for a in ("mj_stacked", "mj_stacked (twin)")
-                      for b in ("mj_one_table", "mj_one_table (twin)")))
-    print(f"stacked / one table of the same rows and ids: {t['mj_stacked'] / t['mj_one_table']:.2f}x; "
-          f"separate / stacked: {t['mj_separate'] / t['mj_stacked']:.2f}x; "
-          f"one-call update / chunked (stacked): {t['mj_stacked_one_call'] / t['mj_stacked']:.2f}x; "
-          f"stacked / hand-written JAX: {t['mj_stacked'] / t['hand_jax']:.2f}x; "
-          f"dense optax / stacked: {t['dense_optax'] / t['mj_stacked']:.1f}x; "
-          f"torch SparseAdam / stacked: {t['torch_sparse_adam'] / t['mj_stacked']:.2f}x; "
-          f"torch sparse Adagrad / stacked masked_adagrad: {t['torch_sparse_adagrad'] / t['mj_stacked_adagrad']:.2f}x; "
-          f"catch-up / plain lazy: {t['mj_stacked_catch_up'] / t['mj_stacked']:.2f}x; "
-          f"masked_adagrad / lazy(adagrad): {t['mj_stacked_adagrad'] / t['mj_stacked_lazy_adagrad']:.2f}x; "
-          f"rowwise_adagrad / masked_adagrad: {t['mj_stacked_rowwise_adagrad'] / t['mj_stacked_adagrad']:.2f}x")
+    print_table(
+        "median ms per training step (forward, backward, update; jit, donated)",
+        rows_table,
+        [
+            "mj_stacked_one_call",
+            "mj_separate",
+            "mj_one_table",
+            "mj_stacked_catch_up",
+            "hand_jax",
+            "dense_optax",
+            "torch_sparse_adam",
+        ],
+    )
+    print(
+        f"\ntwo instances of one program: stacked {t['mj_stacked'] / t['mj_stacked (twin)']:.2f}x, one table "
+        f"{t['mj_one_table'] / t['mj_one_table (twin)']:.2f}x; stacked / one table, each pairing of instances: "
+        + ", ".join(
+            f"{t[a] / t[b]:.2f}x"
+            for a in ("mj_stacked", "mj_stacked (twin)")
+            for b in ("mj_one_table", "mj_one_table (twin)")
+        )
+    )
+    print(
+        f"stacked / one table of the same rows and ids: {t['mj_stacked'] / t['mj_one_table']:.2f}x; "
+        f"separate / stacked: {t['mj_separate'] / t['mj_stacked']:.2f}x; "
+        f"one-call update / chunked (stacked): {t['mj_stacked_one_call'] / t['mj_stacked']:.2f}x; "
+        f"stacked / hand-written JAX: {t['mj_stacked'] / t['hand_jax']:.2f}x; "
+        f"dense optax / stacked: {t['dense_optax'] / t['mj_stacked']:.1f}x; "
+        f"torch SparseAdam / stacked: {t['torch_sparse_adam'] / t['mj_stacked']:.2f}x; "
+        f"torch sparse Adagrad / stacked masked_adagrad: {t['torch_sparse_adagrad'] / t['mj_stacked_adagrad']:.2f}x; "
+        f"catch-up / plain lazy: {t['mj_stacked_catch_up'] / t['mj_stacked']:.2f}x; "
+        f"masked_adagrad / lazy(adagrad): {t['mj_stacked_adagrad'] / t['mj_stacked_lazy_adagrad']:.2f}x; "
+        f"rowwise_adagrad / masked_adagrad: {t['mj_stacked_rowwise_adagrad'] / t['mj_stacked_adagrad']:.2f}x"
+    )
     if "mj_stacked_fused" in t:
         print(f"fused_rows=True / one-call update (stacked): {t['mj_stacked_fused'] / t['mj_stacked_one_call']:.2f}x")
 
     # the optimizer step alone, on the stacked table's row-sparse gradient
-    params = {"tables": jnp.asarray(np.concatenate([tables[k] for k in NAMES])),
-              "mlp": [(jnp.asarray(a), jnp.asarray(b)) for a, b in mlp]}
+    params = {
+        "tables": jnp.asarray(np.concatenate([tables[k] for k in NAMES])),
+        "mlp": [(jnp.asarray(a), jnp.asarray(b)) for a, b in mlp],
+    }
     grads = jax.jit(mj.grad(stacked_loss, row_sparse={"tables": True, "mlp": False}))(params, *data)
     g = grads["tables"]
     touched = int(np.unique(np.asarray(g.indices)[np.asarray(g.indices) < stack.num_rows]).size)
@@ -403,16 +517,22 @@ def main(argv=None):
 
     table = np.asarray(params["tables"])
     updates = [("one call", update_step(opt)), ("chunks of 8192 rows", chunked)] + (
-        [("fused kernel", fused_step(opt))] if fused_runs() else [])  # on a CUDA GPU with fused_rows=True
+        [("fused kernel", fused_step(opt))] if fused_runs() else []
+    )  # on a CUDA GPU with fused_rows=True
     steppers = {name: optax_stepper(opt, jnp.asarray(table), g, fn) for name, fn in updates}
     times = interleaved_medians(steppers, rounds=3, block=5, warmup=2)
     nbytes = 7 * touched * DIM * 4
     for name, tu in times.items():
-        print(f"optimizer step alone, {name} (lazy Adam, {g.nse:,} stored rows, {touched:,} distinct): "
-              f"{tu * 1e3:.2f} ms, {nbytes / tu / 1e9:.2f} GB/s of touched bytes = {nbytes / tu / bandwidth:.0%} of the "
-              f"copy bandwidth ({bandwidth / 1e9:.1f} GB/s)")
-    save_bar_plot(rows_table, result_path("recsys_reuse_memory" if reuse else "recsys"),
-                  f"DLRM-like step, {len(rows)} tables, batch {batch}")
+        print(
+            f"optimizer step alone, {name} (lazy Adam, {g.nse:,} stored rows, {touched:,} distinct): "
+            f"{tu * 1e3:.2f} ms, {nbytes / tu / 1e9:.2f} GB/s of touched bytes = {nbytes / tu / bandwidth:.0%} of the "
+            f"copy bandwidth ({bandwidth / 1e9:.1f} GB/s)"
+        )
+    save_bar_plot(
+        rows_table,
+        result_path("recsys_reuse_memory" if reuse else "recsys"),
+        f"DLRM-like step, {len(rows)} tables, batch {batch}",
+    )
     if (args.sweep or backend != "cpu") and not args.no_sweep:
         optimizer_sweep(bandwidth, quick=args.quick)
 
@@ -438,11 +558,15 @@ def optimizer_sweep(bandwidth, quick=False):
     rng = np.random.default_rng(3)
     table = (0.05 * rng.normal(size=(n, DIM))).astype(np.float32)
     opt = optim.lazy(optax.adam(LR))
-    print(f"\nlazy Adam step alone, {n:,} x {DIM} float32 table; ms, and GB/s of touched bytes (share of the "
-          f"{bandwidth / 1e9:.0f} GB/s copy bandwidth)")
+    print(
+        f"\nlazy Adam step alone, {n:,} x {DIM} float32 table; ms, and GB/s of touched bytes (share of the "
+        f"{bandwidth / 1e9:.0f} GB/s copy bandwidth)"
+    )
     fused = fused_runs()
-    print("| K ids | distinct | lazy(adam), duplicates | lazy(adam), unique | hand-written | floor "
-          "| fused, duplicates | fused, unique |")
+    print(
+        "| K ids | distinct | lazy(adam), duplicates | lazy(adam), unique | hand-written | floor "
+        "| fused, duplicates | fused, unique |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for k in ks:
         ids = rng.integers(0, n, size=k).astype(np.int32)
@@ -456,18 +580,32 @@ def optimizer_sweep(bandwidth, quick=False):
         fns = {
             "dup": optax_stepper(opt, fresh(), dup),
             "unique": optax_stepper(opt, fresh(), unique),
-            "hand": Stepper(jax.jit(hand_lazy_adam_step, donate_argnums=(0, 1, 2)), fresh(), zeros(), zeros(),
-                            jnp.zeros(()), args=(jnp.asarray(ids), jnp.asarray(vals))),
-            "floor": Stepper(jax.jit(_floor_adam_step, donate_argnums=(0, 1, 2)), fresh(), zeros(), zeros(),
-                             jnp.zeros(()), args=(jnp.asarray(uniq), jnp.asarray(urows))),
+            "hand": Stepper(
+                jax.jit(hand_lazy_adam_step, donate_argnums=(0, 1, 2)),
+                fresh(),
+                zeros(),
+                zeros(),
+                jnp.zeros(()),
+                args=(jnp.asarray(ids), jnp.asarray(vals)),
+            ),
+            "floor": Stepper(
+                jax.jit(_floor_adam_step, donate_argnums=(0, 1, 2)),
+                fresh(),
+                zeros(),
+                zeros(),
+                jnp.zeros(()),
+                args=(jnp.asarray(uniq), jnp.asarray(urows)),
+            ),
         }
         if fused:
             for name, g in (("fused dup", dup), ("fused unique", unique)):
                 fns[name] = optax_stepper(opt, fresh(), g, fused_step(opt))
         t = interleaved_medians(fns, rounds=3, block=5, warmup=2)
         nbytes = 7 * uniq.size * DIM * 4
-        cells = " | ".join("n/a (CUDA only)" if c not in t else _rate(t[c], nbytes, bandwidth)
-                           for c in ("dup", "unique", "hand", "floor", "fused dup", "fused unique"))
+        cells = " | ".join(
+            "n/a (CUDA only)" if c not in t else _rate(t[c], nbytes, bandwidth)
+            for c in ("dup", "unique", "hand", "floor", "fused dup", "fused unique")
+        )
         print(f"| {k:,} | {uniq.size:,} | {cells} |", flush=True)
         del fns
     if fused:
@@ -481,8 +619,13 @@ def _rate(seconds, nbytes, bandwidth):
 
 
 # kernel cuts the fused update is timed with besides its default: (block entries, rows per program, warps)
-CUTS = [KernelConfig(1024, 64, 4), KernelConfig(4096, 128, 4), KernelConfig(2048, 64, 8), KernelConfig(4096, 128, 8),
-        KernelConfig(1024, 32, 2)]
+CUTS = [
+    KernelConfig(1024, 64, 4),
+    KernelConfig(4096, 128, 4),
+    KernelConfig(2048, 64, 8),
+    KernelConfig(4096, 128, 8),
+    KernelConfig(1024, 32, 2),
+]
 
 
 def fused_cuts(opt, fresh, grad, nbytes, bandwidth, k):
@@ -492,8 +635,10 @@ def fused_cuts(opt, fresh, grad, nbytes, bandwidth, k):
     for cut in [KernelConfig()] + CUTS:
         fns[f"fused {tuple(cut)}"] = optax_stepper(opt, fresh(), grad, fused_step(opt, cut))
     t = interleaved_medians(fns, rounds=3, block=5, warmup=2)
-    print(f"\nthe fused update at K = {k:,} with duplicates, cut in other ways (block entries, rows, warps; "
-          f"the first is the default):")
+    print(
+        f"\nthe fused update at K = {k:,} with duplicates, cut in other ways (block entries, rows, warps; "
+        f"the first is the default):"
+    )
     for name, tu in t.items():
         print(f"  {name}: {_rate(tu, nbytes, bandwidth)}", flush=True)
 
@@ -510,8 +655,12 @@ def fused_skewed(opt, fresh, n, k, rng, bandwidth):
     ids = skewed_ids(rng, n, k)
     grad = mj.row_sparse(jnp.asarray(rng.normal(size=(k, DIM)), jnp.float32), jnp.asarray(ids), (n, DIM))
     distinct, counts = np.unique(ids, return_counts=True)
-    t = interleaved_medians({"one call": optax_stepper(opt, fresh(), grad),
-                             "fused": optax_stepper(opt, fresh(), grad, fused_step(opt))}, rounds=3, block=5, warmup=2)
+    t = interleaved_medians(
+        {"one call": optax_stepper(opt, fresh(), grad), "fused": optax_stepper(opt, fresh(), grad, fused_step(opt))},
+        rounds=3,
+        block=5,
+        warmup=2,
+    )
     nbytes = 7 * distinct.size * DIM * 4
     print(f"\nZipf ids (exponent 1.05), K = {k:,}: {distinct.size:,} distinct, the hottest {counts.max():,} times")
     for name, tu in t.items():

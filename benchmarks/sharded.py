@@ -34,12 +34,14 @@ def child(n_rows: int, devices: int) -> dict:
     import jax.numpy as jnp
     import numpy as np
     import optax
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     sys.path.insert(0, os.path.dirname(__file__))
+    from _timing import interleaved_medians
+
     import masked_jax as mj
     from masked_jax import optim
-    from _timing import interleaved_medians
 
     assert jax.device_count() == devices
     mesh = Mesh(np.array(jax.devices()), ("rows",))
@@ -63,12 +65,17 @@ def child(n_rows: int, devices: int) -> dict:
         updates, state = opt.update(g, state, params)
         return optim.apply_updates(params, updates), state
 
-    variants = {"one device" if devices == 1 else "plain jit (XLA SPMD)": (
-        jax.jit(update_only, donate_argnums=(0, 1)), optim.make_train_step(loss, opt, row_sparse={"table": True, "w": False}))}
+    variants = {
+        "one device" if devices == 1 else "plain jit (XLA SPMD)": (
+            jax.jit(update_only, donate_argnums=(0, 1)),
+            optim.make_train_step(loss, opt, row_sparse={"table": True, "w": False}),
+        )
+    }
     if devices > 1:
         variants["sharded_update"] = (
             jax.jit(lambda p, s, g: optim.sharded_update(opt, g, s, p, mesh=mesh, axis="rows"), donate_argnums=(0, 1)),
-            optim.make_train_step(loss, opt, row_sparse={"table": True, "w": False}, mesh=mesh, axis="rows"))
+            optim.make_train_step(loss, opt, row_sparse={"table": True, "w": False}, mesh=mesh, axis="rows"),
+        )
     grads = {"table": grad, "w": jnp.zeros(DIM, jnp.float32)}
     out = {}
     for name, (update, step) in variants.items():
@@ -90,10 +97,13 @@ def child(n_rows: int, devices: int) -> dict:
         times.update(interleaved_medians({"step": run_step}, rounds=5, block=5, warmup=2))
         p, s = box.pop("s")
         dev0 = jax.devices()[0]
-        resident = sum(sh.data.nbytes for x in jax.tree_util.tree_leaves((p, s))
-                       for sh in x.addressable_shards if sh.device == dev0)
-        out[name] = {"update_ms": times["update"] * 1e3, "step_ms": times["step"] * 1e3,
-                     "device_gib": resident / 2**30}
+        resident = sum(
+            sh.data.nbytes
+            for x in jax.tree_util.tree_leaves((p, s))
+            for sh in x.addressable_shards
+            if sh.device == dev0
+        )
+        out[name] = {"update_ms": times["update"] * 1e3, "step_ms": times["step"] * 1e3, "device_gib": resident / 2**30}
         del p, s
     return out
 
@@ -110,10 +120,13 @@ def main(argv=None):
     n_rows = 1 << 20 if args.quick else 8 << 20
     results = {}
     for devices in (1, 8):
-        env = dict(os.environ, JAX_PLATFORMS="cpu",
-                   XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
-        proc = subprocess.run([sys.executable, __file__, "--child", str(devices), "--rows", str(n_rows)],
-                              env=env, capture_output=True, text=True)
+        env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+        proc = subprocess.run(
+            [sys.executable, __file__, "--child", str(devices), "--rows", str(n_rows)],
+            env=env,
+            capture_output=True,
+            text=True,
+        )
         if proc.returncode:
             raise RuntimeError(proc.stdout[-4000:] + proc.stderr[-4000:])
         line = next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))
@@ -121,11 +134,15 @@ def main(argv=None):
             results[f"{devices} dev, {name}"] = res
     base = results["1 dev, one device"]
     print(f"\nlazy(optax.adam) on a {n_rows:,} x {DIM} float32 table, K = {K} ids; CPU, medians")
-    print("| configuration | optimizer step (ms) | train step (ms) | train step vs 1 device | params + state per device (GiB) |")
+    print(
+        "| configuration | optimizer step (ms) | train step (ms) | train step vs 1 device | params + state per device (GiB) |"
+    )
     print("|---|---|---|---|---|")
     for name, res in results.items():
-        print(f"| {name} | {res['update_ms']:.2f} | {res['step_ms']:.2f} | {res['step_ms'] / base['step_ms']:.2f}x | "
-              f"{res['device_gib']:.3f} |")
+        print(
+            f"| {name} | {res['update_ms']:.2f} | {res['step_ms']:.2f} | {res['step_ms'] / base['step_ms']:.2f}x | "
+            f"{res['device_gib']:.3f} |"
+        )
     _plot(results, n_rows)
     return results
 

@@ -12,16 +12,15 @@ nothing, so its cotangent is dropped.
 from __future__ import annotations
 
 import functools
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from masked_jax import embeddings
-from masked_jax._core import MaskedArray, is_masked
+from masked_jax._core import MaskedArray, SparseMasked, is_masked
 from masked_jax._core import is_container as _is_container
-from masked_jax._core import SparseMasked
 
 
 class _NoMask:
@@ -79,7 +78,9 @@ def _argnums_tuple(argnums, nargs):
     nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
     for a in nums:
         if not -nargs <= a < nargs:
-            raise ValueError(f"argnums {argnums} is out of range for a function called with {nargs} positional arguments.")
+            raise ValueError(
+                f"argnums {argnums} is out of range for a function called with {nargs} positional arguments."
+            )
     return tuple(a % nargs for a in nums)
 
 
@@ -111,8 +112,14 @@ def _grad_tree(grads, masks, treedefs, argnums):
     return per_arg[0] if isinstance(argnums, int) else tuple(per_arg)
 
 
-def value_and_grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False,
-                   holomorphic: bool = False, *, row_sparse=None) -> Callable:
+def value_and_grad(
+    fun: Callable,
+    argnums: int | Sequence[int] = 0,
+    has_aux: bool = False,
+    holomorphic: bool = False,
+    *,
+    row_sparse=None,
+) -> Callable:
     """``jax.value_and_grad`` that differentiates the data of masked arguments.
 
     ``fun`` returns a scalar array or a 0-d ``MaskedArray`` (a masked loss
@@ -145,7 +152,8 @@ def value_and_grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: boo
             read = fun
         g, diff, masks, treedefs = _reader(read, args, kwargs, argnums, static=True)
         (_, (value, aux)), grads = jax.value_and_grad(
-            lambda d: _loss(_with_aux(g(d), has_aux)), has_aux=True, holomorphic=holomorphic)(diff)
+            lambda d: _loss(_with_aux(g(d), has_aux)), has_aux=True, holomorphic=holomorphic
+        )(diff)
         grads = embeddings.as_row_sparse(_grad_tree(grads, masks, treedefs, argnums))
         return ((value, aux), grads) if has_aux else (value, grads)
 
@@ -168,8 +176,14 @@ def _loss(pair):
     return loss, (out, aux)
 
 
-def grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False,
-         holomorphic: bool = False, *, row_sparse=None) -> Callable:
+def grad(
+    fun: Callable,
+    argnums: int | Sequence[int] = 0,
+    has_aux: bool = False,
+    holomorphic: bool = False,
+    *,
+    row_sparse=None,
+) -> Callable:
     """``jax.grad`` with respect to the data of masked arguments; gradients carry the primal mask.
 
     ``row_sparse`` asks for row-sparse gradients of tables read by lookups, as in
@@ -181,8 +195,7 @@ def grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False,
         >>> mj.grad(lambda x: mnp.sum(x ** 2))(x)
         MaskedArray([2.0 -- 6.0], dtype=float32)
     """
-    vg = value_and_grad(fun, argnums=argnums, has_aux=has_aux, holomorphic=holomorphic,
-                        row_sparse=row_sparse)
+    vg = value_and_grad(fun, argnums=argnums, has_aux=has_aux, holomorphic=holomorphic, row_sparse=row_sparse)
 
     @functools.wraps(fun)
     def wrapped(*args, **kwargs):
@@ -201,8 +214,8 @@ def _jacobian(jax_jac, fun, argnums, has_aux, holomorphic):
         def h(d):
             out, aux = _with_aux(g(d), has_aux)
             out = jax.tree_util.tree_map(  # Jacobians are laid out densely
-                lambda o: o.todense() if isinstance(o, SparseMasked) else o, out,
-                is_leaf=_is_container)
+                lambda o: o.todense() if isinstance(o, SparseMasked) else o, out, is_leaf=_is_container
+            )
             datas, masks, treedef = _split(out)
             out_info["masks"], out_info["treedef"] = masks, treedef
             filled = [x if m is None else jnp.where(m, x, jnp.zeros((), x.dtype)) for x, m in zip(datas, masks)]
@@ -240,8 +253,9 @@ def _jac_block(j, m_out, m_in):
     return _as_gradient(j, mask)
 
 
-def jacfwd(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False,
-           holomorphic: bool = False) -> Callable:
+def jacfwd(
+    fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False, holomorphic: bool = False
+) -> Callable:
     """``jax.jacfwd`` over masked data: block ``[out..., in...]`` is valid where both are valid.
 
     Examples:
@@ -254,8 +268,9 @@ def jacfwd(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = Fals
     return _jacobian(jax.jacfwd, fun, argnums, has_aux, holomorphic)
 
 
-def jacrev(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False,
-           holomorphic: bool = False) -> Callable:
+def jacrev(
+    fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False, holomorphic: bool = False
+) -> Callable:
     """``jax.jacrev`` over masked data; same layout and masks as :func:`jacfwd`.
 
     Examples:
@@ -269,8 +284,9 @@ def jacrev(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = Fals
     return _jacobian(jax.jacrev, fun, argnums, has_aux, holomorphic)
 
 
-def hessian(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False,
-            holomorphic: bool = False) -> Callable:
+def hessian(
+    fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False, holomorphic: bool = False
+) -> Callable:
     """Second derivatives over masked data (``jacfwd(jacrev(fun))``), valid on the valid subspace.
 
     Examples:

@@ -30,8 +30,9 @@ REMAT_P = getattr(P, "remat_p", None) or jax.make_jaxpr(jax.checkpoint(jnp.sin))
 # call-like primitives, whose body runs once on their operands
 CALL_PRIMITIVES = frozenset((P.jit_p, P.closed_call_p, P.call_p, P.custom_jvp_call_p, P.custom_vjp_call_p, REMAT_P))
 # the same by name, for passes that see the primitives of other jax versions (pjit, core_call, ...)
-CALL_NAMES = frozenset("pjit jit closed_call core_call custom_jvp_call custom_vjp_call custom_vjp_call_jaxpr "
-                       "checkpoint remat".split()) | {p.name for p in CALL_PRIMITIVES}
+CALL_NAMES = frozenset(
+    "pjit jit closed_call core_call custom_jvp_call custom_vjp_call custom_vjp_call_jaxpr checkpoint remat".split()
+) | {p.name for p in CALL_PRIMITIVES}
 # where a call keeps its body, in the order they are looked for
 BODY_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
 

@@ -15,11 +15,11 @@ import sys
 
 import masked_jax  # noqa: F401  (registers every op and builds the modules)
 from masked_jax import nn, numpy
-from masked_jax.numpy import _array_api, _compositions, _frontend
 from masked_jax._core import ArrayMethods
+from masked_jax.numpy import _array_api, _compositions, _frontend
 
 HERE = pathlib.Path(__file__).parent
-HEADER = '''# Generated from the op registry by `python -m masked_jax._stubgen`; do not edit.
+HEADER = """# Generated from the op registry by `python -m masked_jax._stubgen`; do not edit.
 from __future__ import annotations
 
 from typing import Any, Sequence
@@ -31,7 +31,7 @@ from masked_jax._core import MaskedArray
 
 Axis = int | Sequence[int] | None
 Shape = int | Sequence[int]
-'''
+"""
 
 
 def _param(p: inspect.Parameter) -> str:
@@ -91,7 +91,9 @@ def _methods_stub() -> str:
         elif name in ("__eq__", "__ne__"):
             lines.append(f"    def {name}(self, other: object) -> MaskedArray: ...  # type: ignore[override]")
         elif name.startswith("__"):
-            lines.append(f"    def {name}(self, other: ArrayLike | MaskedArray) -> {_frontend.RETURNS[fn.spec.returns]}: ...")
+            lines.append(
+                f"    def {name}(self, other: ArrayLike | MaskedArray) -> {_frontend.RETURNS[fn.spec.returns]}: ..."
+            )
         elif name in _frontend._VARARG_METHODS:
             lines.append(f"    def {name}(self, *args: Any, **kwargs: Any) -> MaskedArray: ...")
         else:
@@ -109,8 +111,10 @@ def _methods_stub() -> str:
 
 
 def _namespace_extra() -> str:
-    return ("\nfrom masked_jax.numpy._array_api import __array_namespace_info__ as __array_namespace_info__\n"
-            "__array_api_version__: str\n")
+    return (
+        "\nfrom masked_jax.numpy._array_api import __array_namespace_info__ as __array_namespace_info__\n"
+        "__array_api_version__: str\n"
+    )
 
 
 def stubs() -> dict[pathlib.Path, str]:

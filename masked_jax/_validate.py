@@ -29,8 +29,13 @@ def dtype_kind(dtype) -> str:
     dtype = np.dtype(dtype)
     if dtype.kind != "V":
         return dtype.kind
-    for kind, family in (("b", jax.numpy.bool_), ("u", jax.numpy.unsignedinteger), ("i", jax.numpy.signedinteger),
-                         ("f", jax.numpy.floating), ("c", jax.numpy.complexfloating)):
+    for kind, family in (
+        ("b", jax.numpy.bool_),
+        ("u", jax.numpy.unsignedinteger),
+        ("i", jax.numpy.signedinteger),
+        ("f", jax.numpy.floating),
+        ("c", jax.numpy.complexfloating),
+    ):
         if jax.numpy.issubdtype(dtype, family):
             return kind
     return "V"
@@ -88,8 +93,9 @@ def learning_rate(value, argname: str = "learning_rate") -> Any:
         return value
     arr = np.asarray(value) if not isinstance(value, (str, bytes)) else None
     if arr is None or dtype_kind(arr.dtype) not in "iuf" or arr.ndim:
-        raise TypeError(f"{argname} must be a number or an optax schedule (a function of the step count); "
-                        f"got {value!r}.")
+        raise TypeError(
+            f"{argname} must be a number or an optax schedule (a function of the step count); got {value!r}."
+        )
     if not np.isfinite(float(arr)):
         raise ValueError(f"{argname} must be finite; got {value!r}.")
     return value

@@ -41,8 +41,10 @@ def masked_optax_chain() -> None:
     print("1. A masked optax chain")
     print("   The gradient is valid at three entries (the Adagrad tutorial of torch.masked):")
     params = jnp.array([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
-    grad = mj.masked_array(jnp.array([[0.5, jnp.nan, 0.1], [jnp.nan, jnp.nan, 0.2]]),
-                           jnp.array([[True, False, True], [False, False, True]]))
+    grad = mj.masked_array(
+        jnp.array([[0.5, jnp.nan, 0.1], [jnp.nan, jnp.nan, 0.2]]),
+        jnp.array([[True, False, True], [False, False, True]]),
+    )
     opt = optim.lazy(optax.chain(optax.clip_by_global_norm(1.0), optax.adam(0.1)))  # norms over valid entries
     state = opt.init(params)
     updates, state = opt.update(grad, state, params)
@@ -84,8 +86,10 @@ def embedding_training(steps: int = 30) -> None:
 
     t_sparse = _median_step_ms(step, params, state, ids_all[0])
     t_dense = _median_step_ms(dense_step, table, dense_opt.init(table), ids_all[0])
-    print(f"   step time, {n:,} x {dim} table, {batch} ids: row-sparse {t_sparse:.2f} ms, dense adam "
-          f"{t_dense:.2f} ms ({t_dense / t_sparse:.1f}x)\n")
+    print(
+        f"   step time, {n:,} x {dim} table, {batch} ids: row-sparse {t_sparse:.2f} ms, dense adam "
+        f"{t_dense:.2f} ms ({t_dense / t_sparse:.1f}x)\n"
+    )
 
 
 def jacobian_check() -> None:
@@ -94,10 +98,12 @@ def jacobian_check() -> None:
 
     report = mj.check_jacobian(lambda v: mj.nn.softmax(v), (x,), raise_exception=False)
     print("   mnn.softmax on a masked input satisfies:", " and ".join(report.satisfies) or "neither")
-    leaky = mj.check_jacobian(lambda v: mj.masked_array(jax.nn.softmax(v.data), v.mask), (x,),
-                              raise_exception=False)
-    print("   jax.nn.softmax of the data (masked entries leak in) satisfies:",
-          " and ".join(leaky.satisfies) or "neither", "\n")
+    leaky = mj.check_jacobian(lambda v: mj.masked_array(jax.nn.softmax(v.data), v.mask), (x,), raise_exception=False)
+    print(
+        "   jax.nn.softmax of the data (masked entries leak in) satisfies:",
+        " and ".join(leaky.satisfies) or "neither",
+        "\n",
+    )
 
 
 def maskify_model() -> None:
@@ -122,8 +128,9 @@ def maskify_model() -> None:
 def main() -> None:
     print(f"masked_jax {mj.__version__} on {jax.default_backend()}")
     print("Mask convention: True = valid (numpy.ma uses the opposite, and conversions invert it).")
-    x = mj.masked_array(jnp.array([[1.0, jnp.nan, 3.0], [4.0, 5.0, -jnp.inf]]),
-                        jnp.array([[True, False, True], [False, False, False]]))
+    x = mj.masked_array(
+        jnp.array([[1.0, jnp.nan, 3.0], [4.0, 5.0, -jnp.inf]]), jnp.array([[True, False, True], [False, False, False]])
+    )
     print("mean over rows    ", mnp.mean(x, axis=1), " <- a fully masked row is masked, not NaN\n")
     masked_optax_chain()
     embedding_training()

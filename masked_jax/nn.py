@@ -19,10 +19,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from masked_jax import _validate
-from masked_jax import ops
-from masked_jax.numpy import _frontend
+from masked_jax import _validate, ops
 from masked_jax._core import MaskedArray, unwrap, wrap
+from masked_jax.numpy import _frontend
 
 __all__ = ["one_hot"]
 _frontend.attach("nn", globals())
@@ -48,8 +47,12 @@ def one_hot(x: Any, num_classes: int, *, dtype: Any = None, axis: int = -1) -> M
     num_classes = _validate.count(num_classes, "one_hot: num_classes")
     if not jnp.issubdtype(jnp.result_type(p.data), jnp.integer):
         raise TypeError(f"one_hot needs integer class indices; got dtype {jnp.result_type(p.data)}.")
-    data = jax.nn.one_hot(p.data if p.mask is None else jnp.where(p.mask, p.data, 0),
-                          num_classes, axis=axis, **({} if dtype is None else {"dtype": dtype}))
+    data = jax.nn.one_hot(
+        p.data if p.mask is None else jnp.where(p.mask, p.data, 0),
+        num_classes,
+        axis=axis,
+        **({} if dtype is None else {"dtype": dtype}),
+    )
     if p.mask is None:
         return wrap(ops.Pair(data, None))
     mask = jnp.broadcast_to(jnp.expand_dims(p.mask, axis), data.shape)

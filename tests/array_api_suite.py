@@ -35,8 +35,12 @@ def _origin() -> Path | None:
     """The local checkout this one was cloned from, if any (a clone in a temporary directory finds
     the suite beside its origin)."""
     try:
-        url = subprocess.run(["git", "-C", str(ROOT), "config", "--get", "remote.origin.url"], capture_output=True,
-                             text=True, check=False).stdout.strip()
+        url = subprocess.run(
+            ["git", "-C", str(ROOT), "config", "--get", "remote.origin.url"],
+            capture_output=True,
+            text=True,
+            check=False,
+        ).stdout.strip()
     except OSError:
         return None
     return Path(url) if url and Path(url).is_dir() else None
@@ -48,30 +52,54 @@ def suite_dir(given: str | None) -> Path:
     if not given and not (path / "array_api_tests").is_dir() and _origin() is not None:
         path = _beside(_origin().resolve())
     if not (path / "array_api_tests").is_dir():
-        raise SystemExit(f"no Array API test suite at {path}: clone data-apis/array-api-tests (see "
-                         "docs/semantics.md for the commit) and pass --suite or set ARRAY_API_TESTS_DIR.")
+        raise SystemExit(
+            f"no Array API test suite at {path}: clone data-apis/array-api-tests (see "
+            "docs/semantics.md for the commit) and pass --suite or set ARRAY_API_TESTS_DIR."
+        )
     return path
 
 
 def run(module: str, suite: Path, targets, max_examples: int, workers: int) -> dict[str, str]:
     """``{test id: outcome}`` of the suite's ``targets`` run against ``module``."""
-    env = {**os.environ, "ARRAY_API_TESTS_MODULE": module, "ARRAY_API_TESTS_VERSION": "2023.12",
-           "JAX_ENABLE_X64": "1", "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu"),
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "ARRAY_API_TESTS_MODULE": module,
+        "ARRAY_API_TESTS_VERSION": "2023.12",
+        "JAX_ENABLE_X64": "1",
+        "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu"),
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "report.json"
         # No hypothesis deadline: a first call's compile time on a loaded machine is not conformance
         # (under the 800 ms default, jax.numpy itself fails unique_* and others at random). One seed
         # for both modules: they draw the same examples, so a difference is the module's.
-        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--max-examples", str(max_examples),
-               "--hypothesis-disable-deadline", f"--hypothesis-seed={SEED}", "--json-report", f"--json-report-file={report}", "--disable-warnings", "-o", "addopts="]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "--max-examples",
+            str(max_examples),
+            "--hypothesis-disable-deadline",
+            f"--hypothesis-seed={SEED}",
+            "--json-report",
+            f"--json-report-file={report}",
+            "--disable-warnings",
+            "-o",
+            "addopts=",
+        ]
         if workers > 1:
             cmd += ["-n", str(workers)]
-        subprocess.run(cmd + list(targets), cwd=suite, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                       check=False)
+        subprocess.run(
+            cmd + list(targets), cwd=suite, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False
+        )
         if not report.exists():
-            raise SystemExit(f"the suite wrote no report for {module} (does `pytest {' '.join(targets)}` "
-                             f"collect in {suite}?)")
+            raise SystemExit(
+                f"the suite wrote no report for {module} (does `pytest {' '.join(targets)}` collect in {suite}?)"
+            )
         tests = json.loads(report.read_text())["tests"]
     return {t["nodeid"]: t["outcome"] for t in tests}
 
@@ -114,11 +142,14 @@ def main(argv=None) -> int:
     lost = [t for t in lost if t not in unreliable]
     for m in MODULES:
         outcomes = results[m].values()
-        print(f"{m}: {sum(o == 'passed' for o in outcomes)} passed, {sum(o == 'failed' for o in outcomes)} failed, "
-              f"{sum(o == 'skipped' for o in outcomes)} skipped")
+        print(
+            f"{m}: {sum(o == 'passed' for o in outcomes)} passed, {sum(o == 'failed' for o in outcomes)} failed, "
+            f"{sum(o == 'skipped' for o in outcomes)} skipped"
+        )
     if unreliable:
-        print(f"failed by masked_jax.numpy, and by jax.numpy too when run again ({RERUNS} more runs): "
-              f"{len(unreliable)}")
+        print(
+            f"failed by masked_jax.numpy, and by jax.numpy too when run again ({RERUNS} more runs): {len(unreliable)}"
+        )
         for t in unreliable:
             print(f"  {t}")
     print(f"passed by jax.numpy and not by masked_jax.numpy: {len(lost)}")

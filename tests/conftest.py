@@ -11,13 +11,17 @@ import shutil
 # before jax is imported, so that the suite's subprocesses (notebooks, the 8-device suite, the
 # Array API suite) share it. No size limit for jax to enforce (its limit rescans the directory
 # at every write); pytest_configure empties the directory once it passes CACHE_LIMIT instead.
-_CACHE_DIR = os.environ.get("MJ_TEST_COMPILE_CACHE",
-                            os.path.join(os.path.expanduser("~"), ".cache", "masked_jax", "xla-tests"))
+_CACHE_DIR = os.environ.get(
+    "MJ_TEST_COMPILE_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "masked_jax", "xla-tests")
+)
 _CACHE_ON = _CACHE_DIR not in ("", "0")
 CACHE_LIMIT = 2 << 30
 # jax's options for it: every program is cached, however small or quick to compile
-_CACHE_OPTIONS = {"jax_compilation_cache_dir": _CACHE_DIR, "jax_persistent_cache_min_compile_time_secs": 0.0,
-                  "jax_persistent_cache_min_entry_size_bytes": -1}
+_CACHE_OPTIONS = {
+    "jax_compilation_cache_dir": _CACHE_DIR,
+    "jax_persistent_cache_min_compile_time_secs": 0.0,
+    "jax_persistent_cache_min_entry_size_bytes": -1,
+}
 if _CACHE_ON:
     for _name, _value in _CACHE_OPTIONS.items():
         os.environ.setdefault(_name.upper(), str(_value))
@@ -63,10 +67,27 @@ settings.load_profile("default")
 # tests, the Jacobian checker's and the embeddings' tests) check semantics, not speed: they compile
 # with XLA's optimization passes off, which made the layouts checks about a sixth faster and the
 # checker's a quarter. MJ_XLA_OPTIMIZE=1 compiles them as users do, with every pass on.
-_FAST_COMPILE = {"test_conformance.py", "test_differential.py", "test_layouts.py", "test_real_models.py", "test_ad.py",
-                 "test_registry.py", "test_linalg.py", "test_transform.py", "test_maskify_coverage.py",
-                 "test_regressions.py", "test_array_api.py", "test_tree.py", "test_nn.py", "test_numpy_ma.py",
-                 "test_checking.py", "test_invariance.py", "test_bags.py", "test_tables.py", "test_lookup.py"}
+_FAST_COMPILE = {
+    "test_conformance.py",
+    "test_differential.py",
+    "test_layouts.py",
+    "test_real_models.py",
+    "test_ad.py",
+    "test_registry.py",
+    "test_linalg.py",
+    "test_transform.py",
+    "test_maskify_coverage.py",
+    "test_regressions.py",
+    "test_array_api.py",
+    "test_tree.py",
+    "test_nn.py",
+    "test_numpy_ma.py",
+    "test_checking.py",
+    "test_invariance.py",
+    "test_bags.py",
+    "test_tables.py",
+    "test_lookup.py",
+}
 
 
 @pytest.fixture(autouse=True)
@@ -91,10 +112,18 @@ def rng():
 # the public Array API suite, the 8-device suite, headless Chromium renderings and the real models.
 # Every module and every registered op is still touched by `make test`, the conformance harness
 # at its documented sample (MJ_ORACLE=full: every case, `make test-full`).
-_SLOW_FILES = {"test_docs_site.py", "test_demo.py", "test_array_api_suite.py", "test_sharding.py",
-               "test_real_models.py"}
-_SLOW_TESTS = {"test_pyright_reports_no_error_on_a_user_script", "test_every_array_class_has_an_html_view_that_renders",
-               "test_html_report_renders_labelled_heatmap_in_headless_chromium"}
+_SLOW_FILES = {
+    "test_docs_site.py",
+    "test_demo.py",
+    "test_array_api_suite.py",
+    "test_sharding.py",
+    "test_real_models.py",
+}
+_SLOW_TESTS = {
+    "test_pyright_reports_no_error_on_a_user_script",
+    "test_every_array_class_has_an_html_view_that_renders",
+    "test_html_report_renders_labelled_heatmap_in_headless_chromium",
+}
 
 
 def pytest_collection_modifyitems(config, items):
@@ -114,11 +143,16 @@ _LAYOUT_SUBCASES = 6 * 3  # six layouts x (eager, jit, gradient per stored slot)
 
 def _sampled_out():
     import harness
+
     from masked_jax.ops import REGISTRY
     from masked_jax.ops._registry import CHECKS
 
-    return sum(1 for name in REGISTRY for check in CHECKS
-               if check not in REGISTRY[name].excluded and not harness.in_sample(name, check))
+    return sum(
+        1
+        for name in REGISTRY
+        for check in CHECKS
+        if check not in REGISTRY[name].excluded and not harness.in_sample(name, check)
+    )
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -130,15 +164,20 @@ def pytest_terminal_summary(terminalreporter):
             if key == "maskify_outcome" and report.when == "call":
                 outcomes[value] = outcomes.get(value, 0) + 1
     if outcomes:
-        failed = sum("test_masked_reference_or_maskify_error" in r.nodeid for r in terminalreporter.stats.get("failed", []))
+        failed = sum(
+            "test_masked_reference_or_maskify_error" in r.nodeid for r in terminalreporter.stats.get("failed", [])
+        )
         terminalreporter.write_sep("-", "maskify coverage")
-        terminalreporter.write_line(f"functions equal to their masked reference (eager and jit): {outcomes.get('equal', 0)}; "
-                                    f"raising MaskifyError: {outcomes.get('MaskifyError', 0)}; failed: {failed}")
+        terminalreporter.write_line(
+            f"functions equal to their masked reference (eager and jit): {outcomes.get('equal', 0)}; "
+            f"raising MaskifyError: {outcomes.get('MaskifyError', 0)}; failed: {failed}"
+        )
     passed = [r.nodeid for r in terminalreporter.stats.get("passed", []) if "::test_conformance[" in r.nodeid]
     failed = [r.nodeid for r in terminalreporter.stats.get("failed", []) if "::test_conformance[" in r.nodeid]
     if not passed and not failed:
         return
     from conformance_table import ROWS
+
     from masked_jax.ops import REGISTRY
 
     by_check, sub, oracle_cases = {}, 0, 0
@@ -157,9 +196,11 @@ def pytest_terminal_summary(terminalreporter):
     terminalreporter.write_line(
         f"{len(REGISTRY)} registered ops; (op, check) cases passed: {len(passed)}, failed: {len(failed)}, "
         f"excluded in the registry: {excluded}"
-        + (f"; left to `make test-full` (MJ_ORACLE=full): {_sampled_out()}" if _sampled_out() else ""))
+        + (f"; left to `make test-full` (MJ_ORACLE=full): {_sampled_out()}" if _sampled_out() else "")
+    )
     terminalreporter.write_line("per check: " + ", ".join(f"{c} {n}" for c, n in sorted(by_check.items())))
     terminalreporter.write_line(f"sub-cases run (table cases x dtypes / transforms / poisons / layouts): {sub}")
     terminalreporter.write_line(
         f"jnp-oracle cases (ops x dtypes x value sets x full/partial mask x poison x eager/jit): {oracle_cases}"
-        + ("" if os.environ.get("MJ_ORACLE") == "full" else " (the sample; MJ_ORACLE=full runs all)"))
+        + ("" if os.environ.get("MJ_ORACLE") == "full" else " (the sample; MJ_ORACLE=full runs all)")
+    )

@@ -36,17 +36,16 @@ import warnings
 import jax
 import jax.numpy as jnp
 import numpy as np
+import oracle
+from conformance_table import ROWS
 from jax.extend import core as jcore
 
 import masked_jax as mj
 import masked_jax.numpy as mnp
-from masked_jax.numpy import _frontend
-from masked_jax.layouts import BCOOMaskedArray, RowSparseArray, SparseMasked, rows_from_parts
-from masked_jax.ops import REGISTRY
 from masked_jax._validate import dtype_kind
-
-from conformance_table import ROWS
-import oracle
+from masked_jax.layouts import BCOOMaskedArray, RowSparseArray, SparseMasked, rows_from_parts
+from masked_jax.numpy import _frontend
+from masked_jax.ops import REGISTRY
 
 MASK_A = np.array([[1, 0, 1], [1, 1, 1], [0, 0, 0], [0, 1, 1]], bool)  # partial, full and empty rows
 MASK_B = np.array([[1, 1, 0], [0, 1, 1], [1, 0, 1], [1, 1, 1]], bool)
@@ -129,10 +128,12 @@ def public(name):
 
 def repoison(ops, value):
     """``ops`` with every float MaskedArray's masked-out data replaced by ``value``."""
+
     def one(o):
         if isinstance(o, mj.MaskedArray) and jnp.issubdtype(o.dtype, jnp.floating):
             return mj.masked_array(jnp.where(o.mask, o.data, jnp.asarray(value, o.dtype)), o.mask)
         return o
+
     return [one(o) for o in ops]
 
 
@@ -183,8 +184,9 @@ def assert_same(got, want, rtol=1e-9, what=""):
         g, w = np.where(wv, gd, 0), np.where(wv, wd, 0)
         if jnp.issubdtype(g.dtype, jnp.inexact) or jnp.issubdtype(w.dtype, jnp.inexact):
             real = np.complex128 if np.iscomplexobj(g) or np.iscomplexobj(w) else np.float64
-            np.testing.assert_allclose(g.astype(real), w.astype(real), rtol=rtol, atol=rtol,
-                                       equal_nan=True, err_msg=f"{what}: data differs")
+            np.testing.assert_allclose(
+                g.astype(real), w.astype(real), rtol=rtol, atol=rtol, equal_nan=True, err_msg=f"{what}: data differs"
+            )
         else:
             np.testing.assert_array_equal(g, w, err_msg=f"{what}: data differs")
 
@@ -279,8 +281,9 @@ def _check_jacobian_of(name, g, x, row, case):
         d = np.asarray(jac.data)
         assert np.all(d[~want_mask] == 0), f"{name} {mode}: nonzero entries where masked"
         assert np.all(np.isfinite(d)), f"{name} {mode}: NaN/inf in the Jacobian"
-    np.testing.assert_allclose(np.asarray(jf.data), np.asarray(jr.data), rtol=1e-9, atol=1e-12,
-                               err_msg=f"{name}: jacfwd != jacrev")
+    np.testing.assert_allclose(
+        np.asarray(jf.data), np.asarray(jr.data), rtol=1e-9, atol=1e-12, err_msg=f"{name}: jacfwd != jacrev"
+    )
     if not row.smooth:
         return
     eps = 1e-6
@@ -292,13 +295,15 @@ def _check_jacobian_of(name, g, x, row, case):
 
     steps = np.zeros((len(idx),) + base.shape)
     steps.reshape(len(idx), -1)[np.arange(len(idx)), idx] = eps
-    plus, minus = jax.jit(jax.vmap(filled))(jnp.asarray(np.concatenate([base + steps, base - steps]))
-                          ).reshape((2, len(idx)) + out_mask.shape)
+    plus, minus = jax.jit(jax.vmap(filled))(jnp.asarray(np.concatenate([base + steps, base - steps]))).reshape(
+        (2, len(idx)) + out_mask.shape
+    )
     num = np.moveaxis(np.asarray((plus - minus) / (2 * eps)), 0, -1)  # out..., k
     an = np.asarray(jf.data).reshape(out_mask.shape + (-1,))[..., idx]
     num = np.where(out_mask[..., None], num, 0)
-    np.testing.assert_allclose(an, num, rtol=1e-5, atol=1e-6, err_msg=f"{name} ({case}): Jacobian != central "
-                               "differences on valid entries")
+    np.testing.assert_allclose(
+        an, num, rtol=1e-5, atol=1e-6, err_msg=f"{name} ({case}): Jacobian != central differences on valid entries"
+    )
 
 
 def _loss(name, case, ops, out_shapes, pos):
@@ -332,8 +337,12 @@ def check_poison(name):
 
         if case is row.cases[0]:  # eagerly too (values): the same answer as with a finite fill
             for poison in POISONS:
-                assert_same(call(name, public(name), repoison(clean, poison), case), want, row.rtol,
-                            f"{name} eagerly with {poison} under the mask")
+                assert_same(
+                    call(name, public(name), repoison(clean, poison), case),
+                    want,
+                    row.rtol,
+                    f"{name} eagerly with {poison} under the mask",
+                )
         run = jax.jit(run)
         want, g_want = run(*clean)
         for poison in POISONS:
@@ -372,20 +381,27 @@ def layout(kind, x):
     if kind.startswith("rows"):
         r = RowSparseArray.from_masked(x)
         if dup:
-            r = rows_from_parts(r.shape, jnp.concatenate([r.data * 0.25, r.data * 0.75]),
-                                     jnp.concatenate([r.indices, r.indices]))
+            r = rows_from_parts(
+                r.shape, jnp.concatenate([r.data * 0.25, r.data * 0.75]), jnp.concatenate([r.indices, r.indices])
+            )
         return _with_padding(r, _bad(x.dtype, (2, m)), jnp.array([n, -1]))
     if kind == "bcoo_batch":
         b = BCOOMaskedArray.from_masked(x, nse=m + 1, n_batch=1)
-        return BCOOMaskedArray.tree_unflatten(b.shape, (jnp.where(b.block().mask, b.data, _bad(x.dtype, b.data.shape)),
-                                                        jnp.where(b.entry_valid()[..., None], b.indices, -1)))
+        return BCOOMaskedArray.tree_unflatten(
+            b.shape,
+            (
+                jnp.where(b.block().mask, b.data, _bad(x.dtype, b.data.shape)),
+                jnp.where(b.entry_valid()[..., None], b.indices, -1),
+            ),
+        )
     if kind == "bcoo_hybrid":
         b = BCOOMaskedArray.from_masked(x, nse=n, n_dense=1)
         return _with_padding(b, _bad(x.dtype, (2, m)), jnp.array([[n], [-2]]))
     b = BCOOMaskedArray.from_masked(x)
     if dup:
-        b = BCOOMaskedArray.tree_unflatten(b.shape, (jnp.concatenate([b.data * 0.5, b.data * 0.5]),
-                                                     jnp.concatenate([b.indices, b.indices])))
+        b = BCOOMaskedArray.tree_unflatten(
+            b.shape, (jnp.concatenate([b.data * 0.5, b.data * 0.5]), jnp.concatenate([b.indices, b.indices]))
+        )
     return _with_padding(b, _bad(x.dtype, (2,)), jnp.array([[n, 0], [-1, 1]]))
 
 
@@ -424,7 +440,9 @@ def check_layouts(name):
             if c == 0:  # eagerly: every layout in `make test-full`; in `make test` the layouts with duplicates
                 # and poisoned padding and one more, in turn by op (under jit every layout runs, below)
                 for kind in eager_layouts(name):
-                    assert_same(call(name, public(name), lays[kind], case), want, row.rtol, f"{name} on {kind} ({case})")
+                    assert_same(
+                        call(name, public(name), lays[kind], case), want, row.rtol, f"{name} on {kind} ({case})"
+                    )
             grads = "jacobians" not in spec.excluded and _float_out(want)
             pos = diff_position(ops) if grads else None
             grads = grads and pos in sparse_pos
@@ -432,7 +450,9 @@ def check_layouts(name):
 
             def values_and_grads(ls):  # every layout, values and gradients: one program
                 vals = {k: call(name, public(name), v, case) for k, v in ls.items()}
-                return vals, {k: mj.grad(_loss(name, case, v, shape, pos))(v[pos]) for k, v in ls.items()} if grads else {}
+                return vals, {
+                    k: mj.grad(_loss(name, case, v, shape, pos))(v[pos]) for k, v in ls.items()
+                } if grads else {}
 
             # every layout in the first case's program; later cases (other axes, parameters) run the
             # layouts with duplicates and poisoned padding in `make test`, every layout in `make test-full`
@@ -442,7 +462,8 @@ def check_layouts(name):
                 assert_same(got, want, row.rtol, f"{name} on {kind} under jit ({case})")
             if c == 0 and vmaps_layouts(name):  # vmap over a batch of a layout (in), its layout out: one program
                 batched = jax.jit(jax.vmap(lambda ls: {k: call(name, public(name), v, case) for k, v in ls.items()}))(
-                    _stack([{k: lays[k] for k in VMAP_LAYOUTS}] * 2))
+                    _stack([{k: lays[k] for k in VMAP_LAYOUTS}] * 2)
+                )
                 for kind, got in batched.items():
                     for i in range(2):
                         assert_same(_index(got, i), want, row.rtol, f"{name} on {kind} under vmap[{i}] ({case})")
@@ -450,15 +471,25 @@ def check_layouts(name):
                 continue
             g_want = mj.grad(_loss(name, case, ops, shape, pos))(ops[pos])
             if c == 0:  # eagerly too, on the layouts with duplicates and poisoned padding
-                g_all = {**g_all, **{f"{k} (eager)": mj.grad(_loss(name, case, lays[k], shape, pos))(lays[k][pos])
-                                     for k in ("bcoo_dup", "rows_dup")}}
+                g_all = {
+                    **g_all,
+                    **{
+                        f"{k} (eager)": mj.grad(_loss(name, case, lays[k], shape, pos))(lays[k][pos])
+                        for k in ("bcoo_dup", "rows_dup")
+                    },
+                }
             for kind, g in g_all.items():
                 lay = lays[kind.split(" ")[0]][pos]
                 assert type(g) is type(lay), f"{name} on {kind}: gradient in {type(g).__name__}"
                 gd = np.asarray(g.data)
                 assert np.all(np.isfinite(gd)), f"{name} on {kind}: gradient not finite"
-                np.testing.assert_allclose(gd, np.asarray(slot_values(lay, g_want.filled(0))), rtol=1e-9, atol=1e-12,
-                                           err_msg=f"{name} on {kind}: gradient per stored slot (0 at padding)")
+                np.testing.assert_allclose(
+                    gd,
+                    np.asarray(slot_values(lay, g_want.filled(0))),
+                    rtol=1e-9,
+                    atol=1e-12,
+                    err_msg=f"{name} on {kind}: gradient per stored slot (0 at padding)",
+                )
         _check_zero_size_layouts(name, spec, row, dtype)
 
 
@@ -478,7 +509,9 @@ def _check_zero_size_layouts(name, spec, row, dtype):
             want = call(name, public(name), ops, case)
         except (ValueError, TypeError, IndexError):  # the op refuses such shapes, densely too
             continue
-        sparse_pos = [i for i, o in enumerate(ops) if isinstance(o, mj.MaskedArray)][: 2 if spec.family == "binary" else 1]
+        sparse_pos = [i for i, o in enumerate(ops) if isinstance(o, mj.MaskedArray)][
+            : 2 if spec.family == "binary" else 1
+        ]
         for kind in eager_layouts(name):
             lays = [layout(kind, o) if i in sparse_pos else o for i, o in enumerate(ops)]
             assert_same(call(name, public(name), lays, case), want, row.rtol, f"{name} on {kind}, shape {shape}")
@@ -511,16 +544,25 @@ def check_compact(name):
             assert_same(call(name, public(name), small, case), want, row.rtol, f"{name} with compact masks ({case})")
             if c:
                 continue
-            assert_same(jax.jit(lambda o: call(name, public(name), o, case))(small), want, row.rtol,
-                        f"{name} with compact masks under jit ({case})")
+            assert_same(
+                jax.jit(lambda o: call(name, public(name), o, case))(small),
+                want,
+                row.rtol,
+                f"{name} with compact masks under jit ({case})",
+            )
             if "jacobians" in spec.excluded or not _float_out(want):
                 continue
             pos = diff_position(ops)
             shape = [np.shape(_dense(p).data) for p in _parts(want)]
             g_want = mj.grad(_loss(name, case, ops, shape, pos))(ops[pos])
             g = mj.grad(_loss(name, case, small, shape, pos))(small[pos])
-            np.testing.assert_allclose(np.asarray(g.filled(0)), np.asarray(g_want.filled(0)), rtol=1e-9, atol=1e-12,
-                                       err_msg=f"{name} with compact masks: gradient")
+            np.testing.assert_allclose(
+                np.asarray(g.filled(0)),
+                np.asarray(g_want.filled(0)),
+                rtol=1e-9,
+                atol=1e-12,
+                err_msg=f"{name} with compact masks: gradient",
+            )
     assert compact_seen, f"{name}: no operand of its row took a compact mask"
     # statically valid operands (no mask stored, compact_mask None) are the all-True full masks
     full = np.ones_like(MASK_A)
@@ -529,9 +571,15 @@ def check_compact(name):
     assert any(isinstance(o, mj.MaskedArray) and o.compact_mask is None for o in bare), name
     for case in row.cases:
         want = call(name, public(name), ops, case)
-        assert_same(call(name, public(name), bare, case), want, row.rtol, f"{name} with statically valid operands ({case})")
-        assert_same(jax.jit(lambda o: call(name, public(name), o, case))(bare), want, row.rtol,
-                    f"{name} with statically valid operands under jit ({case})")
+        assert_same(
+            call(name, public(name), bare, case), want, row.rtol, f"{name} with statically valid operands ({case})"
+        )
+        assert_same(
+            jax.jit(lambda o: call(name, public(name), o, case))(bare),
+            want,
+            row.rtol,
+            f"{name} with statically valid operands under jit ({case})",
+        )
 
 
 def check_maskify(name):
@@ -550,8 +598,16 @@ def check_oracle(name):
     return oracle.check_oracle(name)
 
 
-CHECKS = {"reference": check_reference, "oracle": check_oracle, "transforms": check_transforms, "jacobians": check_jacobians,
-          "poison": check_poison, "layouts": check_layouts, "compact": check_compact, "maskify": check_maskify}
+CHECKS = {
+    "reference": check_reference,
+    "oracle": check_oracle,
+    "transforms": check_transforms,
+    "jacobians": check_jacobians,
+    "poison": check_poison,
+    "layouts": check_layouts,
+    "compact": check_compact,
+    "maskify": check_maskify,
+}
 
 
 def sub_jaxprs(params):
@@ -572,5 +628,8 @@ def primitive_count(jaxpr, name, shape=None):
     """How many equations of primitive ``name`` (with an output of ``shape``, if given) a jaxpr runs,
     inner jaxprs included (a jitted ``jnp.where`` is printed once however often it is called)."""
     jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
-    return sum(int(e.primitive.name == name and (shape is None or tuple(e.outvars[0].aval.shape) == tuple(shape)))
-               + sum(primitive_count(j, name, shape) for j in sub_jaxprs(e.params)) for e in jaxpr.eqns)
+    return sum(
+        int(e.primitive.name == name and (shape is None or tuple(e.outvars[0].aval.shape) == tuple(shape)))
+        + sum(primitive_count(j, name, shape) for j in sub_jaxprs(e.params))
+        for e in jaxpr.eqns
+    )

@@ -10,16 +10,15 @@ reference masks are numpy.ma's (True = invalid) and the helpers invert them.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
+from conformance_table import quiet  # noqa: F401  (re-exported for the numpy.ma tests)
 from hypothesis import strategies as st
+from strategies import ALL, FLOATS, NUMERIC, axes
 
 import masked_jax.nn as mnn
 import masked_jax.numpy as mnp
-
-from conformance_table import quiet  # noqa: F401  (re-exported for the numpy.ma tests)
-from strategies import ALL, FLOATS, NUMERIC, axes
 
 INT_BOOL = (np.int32, np.bool_)
 
@@ -38,8 +37,6 @@ class Op:
 
     def __repr__(self):
         return self.name
-
-
 
 
 # numpy.ma's shift functions do not broadcast their masks: use numpy with numpy.ma's mask rule.
@@ -65,22 +62,45 @@ def _ma_or_np(name):
 POS = (0.1, 3.0)
 UNIT = (-0.9, 0.9)
 UNARY_SPECS = {
-    "abs": {}, "negative": {}, "positive": {}, "sign": {}, "square": {},
-    "exp": dict(dtypes=FLOATS), "exp2": dict(dtypes=FLOATS), "expm1": dict(dtypes=FLOATS),
-    "log": dict(dtypes=FLOATS, domain=POS), "log1p": dict(dtypes=FLOATS, domain=POS),
-    "log2": dict(dtypes=FLOATS, domain=POS), "log10": dict(dtypes=FLOATS, domain=POS),
-    "sqrt": dict(dtypes=FLOATS, domain=POS), "cbrt": dict(dtypes=FLOATS),
+    "abs": {},
+    "negative": {},
+    "positive": {},
+    "sign": {},
+    "square": {},
+    "exp": dict(dtypes=FLOATS),
+    "exp2": dict(dtypes=FLOATS),
+    "expm1": dict(dtypes=FLOATS),
+    "log": dict(dtypes=FLOATS, domain=POS),
+    "log1p": dict(dtypes=FLOATS, domain=POS),
+    "log2": dict(dtypes=FLOATS, domain=POS),
+    "log10": dict(dtypes=FLOATS, domain=POS),
+    "sqrt": dict(dtypes=FLOATS, domain=POS),
+    "cbrt": dict(dtypes=FLOATS),
     "reciprocal": dict(dtypes=FLOATS, domain=(0.5, 3.0)),
-    "sin": dict(dtypes=FLOATS), "cos": dict(dtypes=FLOATS), "tan": dict(dtypes=FLOATS, domain=(-1.2, 1.2)),
-    "arcsin": dict(dtypes=FLOATS, domain=UNIT), "arccos": dict(dtypes=FLOATS, domain=UNIT),
-    "arctan": dict(dtypes=FLOATS), "sinh": dict(dtypes=FLOATS), "cosh": dict(dtypes=FLOATS),
-    "tanh": dict(dtypes=FLOATS), "arcsinh": dict(dtypes=FLOATS),
-    "arccosh": dict(dtypes=FLOATS, domain=(1.1, 3.0)), "arctanh": dict(dtypes=FLOATS, domain=UNIT),
-    "floor": dict(dtypes=FLOATS), "ceil": dict(dtypes=FLOATS), "round": dict(dtypes=FLOATS),
-    "trunc": dict(dtypes=FLOATS), "deg2rad": dict(dtypes=FLOATS), "rad2deg": dict(dtypes=FLOATS),
-    "isnan": dict(dtypes=FLOATS), "isinf": dict(dtypes=FLOATS), "isfinite": dict(dtypes=FLOATS),
+    "sin": dict(dtypes=FLOATS),
+    "cos": dict(dtypes=FLOATS),
+    "tan": dict(dtypes=FLOATS, domain=(-1.2, 1.2)),
+    "arcsin": dict(dtypes=FLOATS, domain=UNIT),
+    "arccos": dict(dtypes=FLOATS, domain=UNIT),
+    "arctan": dict(dtypes=FLOATS),
+    "sinh": dict(dtypes=FLOATS),
+    "cosh": dict(dtypes=FLOATS),
+    "tanh": dict(dtypes=FLOATS),
+    "arcsinh": dict(dtypes=FLOATS),
+    "arccosh": dict(dtypes=FLOATS, domain=(1.1, 3.0)),
+    "arctanh": dict(dtypes=FLOATS, domain=UNIT),
+    "floor": dict(dtypes=FLOATS),
+    "ceil": dict(dtypes=FLOATS),
+    "round": dict(dtypes=FLOATS),
+    "trunc": dict(dtypes=FLOATS),
+    "deg2rad": dict(dtypes=FLOATS),
+    "rad2deg": dict(dtypes=FLOATS),
+    "isnan": dict(dtypes=FLOATS),
+    "isinf": dict(dtypes=FLOATS),
+    "isfinite": dict(dtypes=FLOATS),
     "nan_to_num": dict(dtypes=FLOATS),
-    "logical_not": dict(dtypes=ALL), "bitwise_not": dict(dtypes=INT_BOOL),
+    "logical_not": dict(dtypes=ALL),
+    "bitwise_not": dict(dtypes=INT_BOOL),
     "invert": dict(dtypes=INT_BOOL),
 }
 
@@ -104,18 +124,35 @@ NN_UNARY = {
 # -- binary -----------------------------------------------------------------------------------
 NONZERO = (0.5, 3.0)
 BINARY_SPECS = {
-    "add": dict(dtypes=ALL[:-1]), "subtract": {}, "multiply": dict(dtypes=ALL),
-    "divide": dict(domain2=NONZERO), "true_divide": dict(domain2=NONZERO),
-    "floor_divide": dict(domain2=NONZERO), "mod": dict(domain2=NONZERO),
+    "add": dict(dtypes=ALL[:-1]),
+    "subtract": {},
+    "multiply": dict(dtypes=ALL),
+    "divide": dict(domain2=NONZERO),
+    "true_divide": dict(domain2=NONZERO),
+    "floor_divide": dict(domain2=NONZERO),
+    "mod": dict(domain2=NONZERO),
     "remainder": dict(domain2=NONZERO),
-    "power": dict(dtypes=FLOATS, domain=(0.5, 2.0)), "float_power": dict(dtypes=FLOATS, domain=(0.5, 2.0)),
-    "maximum": dict(dtypes=ALL), "minimum": dict(dtypes=ALL), "fmax": {}, "fmin": {},
-    "arctan2": dict(dtypes=FLOATS), "hypot": dict(dtypes=FLOATS), "logaddexp": dict(dtypes=FLOATS),
+    "power": dict(dtypes=FLOATS, domain=(0.5, 2.0)),
+    "float_power": dict(dtypes=FLOATS, domain=(0.5, 2.0)),
+    "maximum": dict(dtypes=ALL),
+    "minimum": dict(dtypes=ALL),
+    "fmax": {},
+    "fmin": {},
+    "arctan2": dict(dtypes=FLOATS),
+    "hypot": dict(dtypes=FLOATS),
+    "logaddexp": dict(dtypes=FLOATS),
     "copysign": dict(dtypes=FLOATS),
-    "equal": dict(dtypes=ALL), "not_equal": dict(dtypes=ALL), "less": {}, "less_equal": {},
-    "greater": {}, "greater_equal": {},
-    "logical_and": dict(dtypes=ALL), "logical_or": dict(dtypes=ALL), "logical_xor": dict(dtypes=ALL),
-    "bitwise_and": dict(dtypes=INT_BOOL), "bitwise_or": dict(dtypes=INT_BOOL),
+    "equal": dict(dtypes=ALL),
+    "not_equal": dict(dtypes=ALL),
+    "less": {},
+    "less_equal": {},
+    "greater": {},
+    "greater_equal": {},
+    "logical_and": dict(dtypes=ALL),
+    "logical_or": dict(dtypes=ALL),
+    "logical_xor": dict(dtypes=ALL),
+    "bitwise_and": dict(dtypes=INT_BOOL),
+    "bitwise_or": dict(dtypes=INT_BOOL),
     "bitwise_xor": dict(dtypes=INT_BOOL),
     "left_shift": dict(dtypes=(np.int32,), domain=(0, 3), domain2=(0, 3)),
     "right_shift": dict(dtypes=(np.int32,), domain=(0, 3), domain2=(0, 3)),
@@ -171,8 +208,11 @@ def _median_ref(a, axis=None, keepdims=False):
 
 
 def _quantile_kwargs(draw, ndim):
-    return {"q": draw(st.sampled_from([0.0, 0.25, 0.5, 0.9, 1.0])),
-            "axis": draw(axes(ndim, allow_tuple=False)), "keepdims": draw(st.booleans())}
+    return {
+        "q": draw(st.sampled_from([0.0, 0.25, 0.5, 0.9, 1.0])),
+        "axis": draw(axes(ndim, allow_tuple=False)),
+        "keepdims": draw(st.booleans()),
+    }
 
 
 def _quantile_ref(a, q, axis=None, keepdims=False):

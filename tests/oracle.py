@@ -29,19 +29,43 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
-
-import masked_jax as mj
-from masked_jax.numpy import _frontend
-from masked_jax.layouts import SparseMasked
-from masked_jax.ops import REGISTRY
-from masked_jax._validate import dtype_kind as kind
-
 from conformance_table import ROWS, oracle_rows, quiet
 
+import masked_jax as mj
+from masked_jax._validate import dtype_kind as kind
+from masked_jax.layouts import SparseMasked
+from masked_jax.numpy import _frontend
+from masked_jax.ops import REGISTRY
+
 # Every dtype of the matrix (x64 is on in the test process: the 64-bit ones run too).
-DTYPES = ("bool", "int4", "int8", "int16", "int32", "int64", "uint4", "uint8", "uint16", "uint32", "uint64",
-          "float8_e4m3fn", "float8_e5m2", "float16", "bfloat16", "float32", "float64", "complex64", "complex128")
-_ML_DTYPES = ("int4", "uint4", "bfloat16", "float8_e4m3fn", "float8_e5m2")  # jax's types that numpy names through ml_dtypes
+DTYPES = (
+    "bool",
+    "int4",
+    "int8",
+    "int16",
+    "int32",
+    "int64",
+    "uint4",
+    "uint8",
+    "uint16",
+    "uint32",
+    "uint64",
+    "float8_e4m3fn",
+    "float8_e5m2",
+    "float16",
+    "bfloat16",
+    "float32",
+    "float64",
+    "complex64",
+    "complex128",
+)
+_ML_DTYPES = (
+    "int4",
+    "uint4",
+    "bfloat16",
+    "float8_e4m3fn",
+    "float8_e5m2",
+)  # jax's types that numpy names through ml_dtypes
 SHAPE = (4, 3)
 MASK = np.array([[1, 0, 1], [1, 1, 1], [0, 0, 0], [0, 1, 1]], bool)  # partial, full and empty rows
 MASK2 = np.array([[1, 1, 0], [0, 1, 1], [1, 0, 1], [1, 1, 1]], bool)
@@ -51,14 +75,45 @@ POISON = (np.nan, np.inf)  # under the mask, in turn
 # them by |got - want| <= SUM_ULPS * n * eps * max(|x|) * size (n: the slice length). This is the
 # one list of such differences (the docs quote it).
 SUM_ULPS = 4
-_ORDER = ("summation order: value and count are reduced in one variadic reduction, which XLA orders "
-          "differently from jnp's separate reductions (and a masked sum skips masked terms)")
-_FMA = ("the linear interpolation a*w0 + b*w1 may be contracted by XLA into a fused multiply-add in one "
-        "program and not in the other (1 ulp)")
-ROUNDING = {**{name: _ORDER for name in ("sum", "mean", "var", "std", "average", "norm", "cov", "corrcoef",
-                                         "logsumexp", "logmeanexp", "softmax", "log_softmax", "softmin", "normalize", "cumsum",
-                                         "cumprod", "prod", "matmul", "dot", "vdot", "inner", "tensordot", "einsum")},
-            **{name: _FMA for name in ("quantile", "percentile", "median")}}
+_ORDER = (
+    "summation order: value and count are reduced in one variadic reduction, which XLA orders "
+    "differently from jnp's separate reductions (and a masked sum skips masked terms)"
+)
+_FMA = (
+    "the linear interpolation a*w0 + b*w1 may be contracted by XLA into a fused multiply-add in one "
+    "program and not in the other (1 ulp)"
+)
+ROUNDING = {
+    **{
+        name: _ORDER
+        for name in (
+            "sum",
+            "mean",
+            "var",
+            "std",
+            "average",
+            "norm",
+            "cov",
+            "corrcoef",
+            "logsumexp",
+            "logmeanexp",
+            "softmax",
+            "log_softmax",
+            "softmin",
+            "normalize",
+            "cumsum",
+            "cumprod",
+            "prod",
+            "matmul",
+            "dot",
+            "vdot",
+            "inner",
+            "tensordot",
+            "einsum",
+        )
+    },
+    **{name: _FMA for name in ("quantile", "percentile", "median")},
+}
 SUMMATION_ORDER = set(ROUNDING)
 
 
@@ -81,8 +136,10 @@ def special_values(dtype) -> np.ndarray:
         return np.array(vals, dtype)
     real = np.float32 if dtype == np.complex64 else np.float64 if dtype.kind == "c" else dtype
     info = ml_dtypes.finfo(real) if real not in (np.float32, np.float64, np.float16) else np.finfo(real)
-    vals = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, float(info.max), float(info.min),
-                     float(info.tiny), 1.0, -1.5, 2.5, 0.5], np.float64).astype(real)
+    vals = np.array(
+        [0.0, -0.0, np.inf, -np.inf, np.nan, float(info.max), float(info.min), float(info.tiny), 1.0, -1.5, 2.5, 0.5],
+        np.float64,
+    ).astype(real)
     if dtype.kind == "c":
         return (vals + 1j * np.roll(vals, 3)).astype(dtype)
     return vals
@@ -166,9 +223,11 @@ def _close(got, want, scale, ulps):
 
 
 JIT_ULPS = 2
-JIT_ROUNDING = ("under jit XLA fuses an elementwise function with its neighbours and may pick another "
-                f"vectorised approximation of it (tanh, rsqrt, erf, exp ...): floats within {JIT_ULPS} ulp; eagerly bit "
-                "for bit")
+JIT_ROUNDING = (
+    "under jit XLA fuses an elementwise function with its neighbours and may pick another "
+    f"vectorised approximation of it (tanh, rsqrt, erf, exp ...): floats within {JIT_ULPS} ulp; eagerly bit "
+    "for bit"
+)
 
 
 def assert_equal_to_jnp(got, want, what, *, valid=None, order_bound=None, undefined_masked=False, ulps=0):
@@ -186,15 +245,20 @@ def assert_equal_to_jnp(got, want, what, *, valid=None, order_bound=None, undefi
         ww = weak if isinstance(weak, bool) else _weak(wd)
         assert gw == ww, f"{tag}: weak_type={gw}, jnp gives weak_type={ww}"
         assert gd.shape == wd.shape, f"{tag}: shape {gd.shape}, jnp gives {wd.shape}"
-        v = np.ones(gd.shape, bool) if valid is None else np.broadcast_to(valid[k] if isinstance(valid, list)
-                                                                         else valid, gd.shape)
+        v = (
+            np.ones(gd.shape, bool)
+            if valid is None
+            else np.broadcast_to(valid[k] if isinstance(valid, list) else valid, gd.shape)
+        )
         if gm is not None:
             gm = np.asarray(jnp.broadcast_to(gm, gd.shape))
             if undefined_masked:
                 with np.errstate(all="ignore"):
                     v = v & (gm | np.isfinite(np.asarray(wd).astype(np.complex128)))
             missing = v & ~gm
-            assert not missing.any(), f"{tag}: masked where jnp's result is defined, at {np.argwhere(missing)[:4].tolist()}"
+            assert not missing.any(), (
+                f"{tag}: masked where jnp's result is defined, at {np.argwhere(missing)[:4].tolist()}"
+            )
         gd, wd = np.asarray(gd), np.asarray(wd)
         if order_bound is not None and kind(gd.dtype) in "fc":
             ok = _close(gd, wd, order_bound[0], SUM_ULPS * max(order_bound[1], 1))
@@ -208,8 +272,10 @@ def assert_equal_to_jnp(got, want, what, *, valid=None, order_bound=None, undefi
         bad = v & ~ok
         if bad.any():
             at = tuple(np.argwhere(bad)[0])
-            raise AssertionError(f"{tag}: {int(bad.sum())} of {int(v.sum())} values differ from jnp; first at {at}: "
-                                 f"got {gd[at]!r}, jnp gives {wd[at]!r}")
+            raise AssertionError(
+                f"{tag}: {int(bad.sum())} of {int(v.sum())} values differ from jnp; first at {at}: "
+                f"got {gd[at]!r}, jnp gives {wd[at]!r}"
+            )
 
 
 # -- the references -------------------------------------------------------------------------------------
@@ -312,8 +378,8 @@ def _plain(ops):
 def check_full(name, dtype, values, case, jit=False, scalar=False):
     ops = operands(name, dtype, values, full=True, scalar=scalar)
     fn = _frontend.function(name)
-    f = (lambda *o: call(name, fn, o, case))
-    g = (lambda *o: call(name, jnp_fn(name), o, case))
+    f = lambda *o: call(name, fn, o, case)
+    g = lambda *o: call(name, jnp_fn(name), o, case)
     if jit:
         f, g = jax.jit(f), jax.jit(g)
     with warnings.catch_warnings():
@@ -323,9 +389,16 @@ def check_full(name, dtype, values, case, jit=False, scalar=False):
     bound, scale = None, _scale(ops)
     if name in SUMMATION_ORDER:
         bound = (scale * np.size(_plain(ops)[0]), np.size(_plain(ops)[0]))
-    what = f"{name}({np_dtype(dtype)}, {values}, full mask{', scalar' if scalar else ''}, {case}{', jit' if jit else ''})"
-    check = functools.partial(assert_equal_to_jnp, what=what, order_bound=bound,
-                              undefined_masked=_undefined_masked(name), ulps=(JIT_ULPS, scale) if jit else 0)
+    what = (
+        f"{name}({np_dtype(dtype)}, {values}, full mask{', scalar' if scalar else ''}, {case}{', jit' if jit else ''})"
+    )
+    check = functools.partial(
+        assert_equal_to_jnp,
+        what=what,
+        order_bound=bound,
+        undefined_masked=_undefined_masked(name),
+        ulps=(JIT_ULPS, scale) if jit else 0,
+    )
     try:
         check(got, want)
     except AssertionError as err:
@@ -354,7 +427,7 @@ def check_partial(name, dtype, values, case, jit=False, poison=np.nan):
         return
     ops = operands(name, dtype, values, full=False, poison=poison)
     fn = _frontend.function(name)
-    f = (lambda *o: call(name, fn, o, case))
+    f = lambda *o: call(name, fn, o, case)
     if jit:
         f = jax.jit(f)
     with warnings.catch_warnings():
@@ -365,8 +438,15 @@ def check_partial(name, dtype, values, case, jit=False, poison=np.nan):
     if name in SUMMATION_ORDER:
         bound = (scale * np.size(_plain(ops)[0]), np.size(_plain(ops)[0]))
     what = f"{name}({np_dtype(dtype)}, {values}, partial mask, {poison} under it, {case}{', jit' if jit else ''})"
-    assert_equal_to_jnp(got, want, what, valid=valid, order_bound=bound, undefined_masked=_undefined_masked(name),
-                        ulps=(JIT_ULPS, scale) if jit else 0)
+    assert_equal_to_jnp(
+        got,
+        want,
+        what,
+        valid=valid,
+        order_bound=bound,
+        undefined_masked=_undefined_masked(name),
+        ulps=(JIT_ULPS, scale) if jit else 0,
+    )
 
 
 def _undefined_masked(name):
@@ -449,8 +529,14 @@ def compacted(name, ops, case, *, keeps_shape, to_front=False, positions=False):
         if where.size == 0:
             continue
         args = [jnp.asarray(co_d[k][idx][where]) if k in co_d else e for k, e in enumerate(extras)]
-        r = np.asarray(call(name, fn, [jnp.asarray(d[idx][where])] + args,
-                            {**inner, "axis": 0} if per_element or "axis" in case else inner))
+        r = np.asarray(
+            call(
+                name,
+                fn,
+                [jnp.asarray(d[idx][where])] + args,
+                {**inner, "axis": 0} if per_element or "axis" in case else inner,
+            )
+        )
         if positions:
             r = where[r]
         if to_front:
@@ -491,7 +577,7 @@ def contraction_terms(name, ops, case):
     eb = jnp.eye(nb).reshape((nb,) + bd.shape)
     coef = jax.vmap(lambda u: jax.vmap(lambda v: call(name, fn, [u, v], case))(eb))(ea)  # (na, nb, out...)
     want = call(name, fn, [ad, bd], case)
-    joint = (np.asarray(a.mask).reshape(na, 1) & np.asarray(b.mask).reshape(1, nb))
+    joint = np.asarray(a.mask).reshape(na, 1) & np.asarray(b.mask).reshape(1, nb)
     term_on = (np.asarray(coef) != 0) & joint.reshape(joint.shape + (1,) * np.ndim(want))
     left = jnp.conj(ad) if name == "vdot" else ad  # vdot conjugates its first operand
     terms = (left.reshape(na, 1) * bd.reshape(1, nb)).astype(want.dtype)
@@ -500,8 +586,9 @@ def contraction_terms(name, ops, case):
     out = jnp.sum(terms, axis=(0, 1), dtype=want.dtype)
     # an output of one term (outer's every output) is the term itself, its sign kept
     on = term_on.reshape((-1,) + term_on.shape[2:])
-    first = jnp.take_along_axis(jnp.reshape(terms, (-1,) + terms.shape[2:]), jnp.asarray(np.argmax(on, axis=0))[None],
-                                axis=0)[0]
+    first = jnp.take_along_axis(
+        jnp.reshape(terms, (-1,) + terms.shape[2:]), jnp.asarray(np.argmax(on, axis=0))[None], axis=0
+    )[0]
     out = jnp.where(jnp.asarray(on.sum(axis=0) == 1), first, out)
     return Weak(out, _weak(want)), term_on.any(axis=(0, 1))
 
@@ -525,6 +612,7 @@ def passthrough(name, ops, case):
 def by_slice(default_axis="all", **how):
     """A partial-mask reference by compaction, placed as ``how`` says (see :func:`compacted`);
     ``default_axis``: the op's axis when the case gives none (``"all"``: every axis)."""
+
     def ref(name, ops, case):
         if default_axis != "all" and "axis" not in case:
             case = {**case, "axis": default_axis}
@@ -533,9 +621,16 @@ def by_slice(default_axis="all", **how):
     return ref
 
 
-CHECK_PARTIAL.update({"elementwise": _elementwise_partial, "binary": _elementwise_partial, "shape": passthrough,
-                      "reductions": _reduction_partial, "normalization": _normalization_partial,
-                      "linalg": contraction_terms})
+CHECK_PARTIAL.update(
+    {
+        "elementwise": _elementwise_partial,
+        "binary": _elementwise_partial,
+        "shape": passthrough,
+        "reductions": _reduction_partial,
+        "normalization": _normalization_partial,
+        "linalg": contraction_terms,
+    }
+)
 
 
 # -- the harness check ---------------------------------------------------------------------------------
@@ -612,8 +707,10 @@ def check_oracle(name):
         except Exception as err:  # noqa: BLE001 (collected and reported below)
             failures.append(f"{type(err).__name__}: {err}")
     assert not failures, f"{name}: {len(failures)} of {n} jnp-oracle cases fail:\n" + "\n".join(failures[:8])
-    assert n, (f"{name}: the jnp-oracle check plans no case (jnp refuses every dtype of its operands): give it "
-               "operands or a reference in conformance_table.ORACLE, or exclude it with a reason")
+    assert n, (
+        f"{name}: the jnp-oracle check plans no case (jnp refuses every dtype of its operands): give it "
+        "operands or a reference in conformance_table.ORACLE, or exclude it with a reason"
+    )
     return n
 
 
@@ -633,8 +730,10 @@ def _one(f):
 
 _SORTED = lambda m, x: m.sort(x.ravel())  # noqa: E731
 FUNCTIONS = {
-    **{f"nan{r}": (_one(lambda m, x, r=r: getattr(m, f"nan{r}")(x, axis=1)), _nan_undefined)
-       for r in ("sum", "mean", "max", "min", "prod", "std", "var", "argmax", "argmin", "median")},
+    **{
+        f"nan{r}": (_one(lambda m, x, r=r: getattr(m, f"nan{r}")(x, axis=1)), _nan_undefined)
+        for r in ("sum", "mean", "max", "min", "prod", "std", "var", "argmax", "argmin", "median")
+    },
     "nancumsum": (_one(lambda m, x: m.nancumsum(x, axis=1)), None),
     "nancumprod": (_one(lambda m, x: m.nancumprod(x, axis=1)), None),
     "nanquantile": (_one(lambda m, x: m.nanquantile(x, 0.3, axis=1)), _nan_undefined),
@@ -700,27 +799,54 @@ FUNCTIONS = {
 }
 # Functions of no array operand (creation, dtype queries), compared once, with their dtypes.
 CREATION = {
-    "zeros": lambda m: m.zeros((2, 3), dtype=jnp.int16), "ones": lambda m: m.ones(4),
-    "full": lambda m: m.full((2,), 7, dtype=jnp.uint8), "eye": lambda m: m.eye(3, k=1),
-    "arange": lambda m: m.arange(1, 10, 3), "linspace": lambda m: m.linspace(0.0, 1.0, 5),
-    "empty": lambda m: m.empty((2, 2)).shape, "empty_like": lambda m: m.empty_like(m.ones(3)).shape,
-    "can_cast": lambda m: m.can_cast(jnp.int8, jnp.float16), "result_type": lambda m: m.result_type(jnp.int8, jnp.uint8),
-    "isdtype": lambda m: m.isdtype(jnp.float32, "real floating"), "finfo": lambda m: m.finfo(jnp.bfloat16).eps,
-    "iinfo": lambda m: m.iinfo(jnp.uint16).max, "from_dlpack": lambda m: m.from_dlpack(np.arange(3.0)),
+    "zeros": lambda m: m.zeros((2, 3), dtype=jnp.int16),
+    "ones": lambda m: m.ones(4),
+    "full": lambda m: m.full((2,), 7, dtype=jnp.uint8),
+    "eye": lambda m: m.eye(3, k=1),
+    "arange": lambda m: m.arange(1, 10, 3),
+    "linspace": lambda m: m.linspace(0.0, 1.0, 5),
+    "empty": lambda m: m.empty((2, 2)).shape,
+    "empty_like": lambda m: m.empty_like(m.ones(3)).shape,
+    "can_cast": lambda m: m.can_cast(jnp.int8, jnp.float16),
+    "result_type": lambda m: m.result_type(jnp.int8, jnp.uint8),
+    "isdtype": lambda m: m.isdtype(jnp.float32, "real floating"),
+    "finfo": lambda m: m.finfo(jnp.bfloat16).eps,
+    "iinfo": lambda m: m.iinfo(jnp.uint16).max,
+    "from_dlpack": lambda m: m.from_dlpack(np.arange(3.0)),
 }
 # Functions checked eagerly only, and why.
-EAGER_ONLY = {**{n: "its output size depends on the data (concrete arrays only, as in jnp)" for n in
-                 ("unique", "unique_values", "unique_counts", "unique_inverse", "unique_all", "nonzero", "bincount",
-                  "histogram")},
-              "digitize": "its bins must be concretely fully valid (a masked bin edge has no position)"}
+EAGER_ONLY = {
+    **{
+        n: "its output size depends on the data (concrete arrays only, as in jnp)"
+        for n in (
+            "unique",
+            "unique_values",
+            "unique_counts",
+            "unique_inverse",
+            "unique_all",
+            "nonzero",
+            "bincount",
+            "histogram",
+        )
+    },
+    "digitize": "its bins must be concretely fully valid (a masked bin edge has no position)",
+}
 # Public callables the tables above leave out, and why.
 NOT_ORACLE = {
     "masked_array": "builds a masked array from data and a mask: jnp has no counterpart",
     "as_masked": "wraps an array as a fully valid masked array: jnp has no counterpart",
 }
 # jnp refuses these inputs; the masked function is fed what jnp takes (values by dtype kind).
-NEEDS = {"bincount": "iu", "one_hot": "iu", "histogram": "f", "interp": "f", "cross": "iuf", "digitize": "iuf",
-         "searchsorted": "biuf", "isin": "biuf"}
+NEEDS = {
+    "bincount": "iu",
+    "one_hot": "iu",
+    "histogram": "f",
+    "interp": "f",
+    "cross": "iuf",
+    "digitize": "iuf",
+    "searchsorted": "biuf",
+    "isin": "biuf",
+}
 
 
 @quiet
@@ -741,11 +867,31 @@ def check_function(name, dtype, values, jit=False):
     if name in ("unique", "unique_values", "unique_counts", "unique_inverse", "unique_all", "nonzero"):
         got = call_(mnp_module(), x, y)
     else:
-        f = (lambda a, b: call_(mnp_module(), a, b))
+        f = lambda a, b: call_(mnp_module(), a, b)
         got = jax.jit(f)(x, y) if jit else f(x, y)
-    rounding = name in ("nansum", "nanmean", "nanstd", "nanvar", "nanprod", "nancumsum", "nancumprod", "vecdot", "matvec", "vecmat",
-                        "trace", "cumulative_sum", "cumulative_prod", "vector_norm", "matrix_norm", "convolve",
-                        "correlate", "interp", "nanquantile", "nanpercentile", "nanmedian")
+    rounding = name in (
+        "nansum",
+        "nanmean",
+        "nanstd",
+        "nanvar",
+        "nanprod",
+        "nancumsum",
+        "nancumprod",
+        "vecdot",
+        "matvec",
+        "vecmat",
+        "trace",
+        "cumulative_sum",
+        "cumulative_prod",
+        "vector_norm",
+        "matrix_norm",
+        "convolve",
+        "correlate",
+        "interp",
+        "nanquantile",
+        "nanpercentile",
+        "nanmedian",
+    )
     g_leaves, w_leaves = _leaves(got), _leaves(want)
     assert len(g_leaves) == len(w_leaves), f"{name}: {len(g_leaves)} outputs, jnp gives {len(w_leaves)}"
     for k, ((gd, gm), (wd, _)) in enumerate(zip(g_leaves, w_leaves)):
@@ -754,8 +900,14 @@ def check_function(name, dtype, values, jit=False):
             valid = np.asarray(jnp.broadcast_to(gm, gd.shape)) | ~undefined(wd)
         scale = _scale([x, y])
         bound = (scale * x.size, x.size) if rounding else None
-        assert_equal_to_jnp(MaskedArrayLike(gd, gm), wd, f"{name}({np_dtype(dtype)}, {values}{', jit' if jit else ''})"
-                            f" [output {k}]", valid=valid, order_bound=bound, ulps=(JIT_ULPS, scale) if jit else 0)
+        assert_equal_to_jnp(
+            MaskedArrayLike(gd, gm),
+            wd,
+            f"{name}({np_dtype(dtype)}, {values}{', jit' if jit else ''}) [output {k}]",
+            valid=valid,
+            order_bound=bound,
+            ulps=(JIT_ULPS, scale) if jit else 0,
+        )
     return True
 
 
@@ -773,18 +925,28 @@ def mnp_module():
 
 
 # (function, dtype) pairs where jnp's result is no reference, and why (docs/semantics.md lists them)
-_NAN_TO_NO_INF = ("jnp replaces NaN by -inf (+inf), which float8_e4m3fn does not hold: the cast gives NaN again, "
-                  "so jnp returns the index of a NaN")
-_COMPLEX_DOT = ("jnp's complex dot forms its real and imaginary parts as sums of real products, so a valid ±max "
-                "entry overflows there to inf - inf = NaN, where the masked contraction, summing the complex "
-                "terms by parts as jnp.sum(x * v) does, gives the signed infinity")
-FUNCTION_SKIPS = {("nanargmax", "float8_e4m3fn"): _NAN_TO_NO_INF, ("nanargmin", "float8_e4m3fn"): _NAN_TO_NO_INF,
-                  **{(n, d): _COMPLEX_DOT for n in ("matvec", "vecmat") for d in ("complex64", "complex128")},
-                  ("searchsorted", "float8_e5m2"): "jnp places a NaN query after the NaN entries of a float8_e5m2 "
-                                                   "array (before them for every other float type, as numpy)"}
+_NAN_TO_NO_INF = (
+    "jnp replaces NaN by -inf (+inf), which float8_e4m3fn does not hold: the cast gives NaN again, "
+    "so jnp returns the index of a NaN"
+)
+_COMPLEX_DOT = (
+    "jnp's complex dot forms its real and imaginary parts as sums of real products, so a valid ±max "
+    "entry overflows there to inf - inf = NaN, where the masked contraction, summing the complex "
+    "terms by parts as jnp.sum(x * v) does, gives the signed infinity"
+)
+FUNCTION_SKIPS = {
+    ("nanargmax", "float8_e4m3fn"): _NAN_TO_NO_INF,
+    ("nanargmin", "float8_e4m3fn"): _NAN_TO_NO_INF,
+    **{(n, d): _COMPLEX_DOT for n in ("matvec", "vecmat") for d in ("complex64", "complex128")},
+    ("searchsorted", "float8_e5m2"): "jnp places a NaN query after the NaN entries of a float8_e5m2 "
+    "array (before them for every other float type, as numpy)",
+}
 
 
 def function_dtypes(name):
     kinds = NEEDS.get(name, "biufc")
-    return [np_dtype(d) for d in (DTYPES if FULL else SAMPLE_DTYPES)
-            if kind(np_dtype(d)) in kinds and (name, d) not in FUNCTION_SKIPS]
+    return [
+        np_dtype(d)
+        for d in (DTYPES if FULL else SAMPLE_DTYPES)
+        if kind(np_dtype(d)) in kinds and (name, d) not in FUNCTION_SKIPS
+    ]

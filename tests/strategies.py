@@ -3,11 +3,10 @@ all-valid, none-valid or random, dtypes float32/float64/int32/bool, NaN poisoned
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
-
-import jax.numpy as jnp
 
 import masked_jax as mj
 
@@ -71,8 +70,9 @@ def axes(draw, ndim, allow_none=True, allow_tuple=True, max_tuple=None):
         options.append(st.integers(-ndim, ndim - 1))
         if allow_tuple:
             options.append(
-                st.lists(st.integers(0, ndim - 1), min_size=1, max_size=min(ndim, max_tuple or ndim),
-                         unique=True).map(tuple)
+                st.lists(st.integers(0, ndim - 1), min_size=1, max_size=min(ndim, max_tuple or ndim), unique=True).map(
+                    tuple
+                )
             )
     if not options:
         return None
@@ -101,7 +101,8 @@ def assert_masked_equal(result, expected_data, expected_valid, **tol):
         np.testing.assert_allclose(
             np.where(expected_valid, got, 0).astype(np.float64),
             np.where(expected_valid, exp, 0).astype(np.float64),
-            equal_nan=True, **tol,
+            equal_nan=True,
+            **tol,
         )
     else:
         np.testing.assert_array_equal(np.where(expected_valid, got, 0), np.where(expected_valid, exp, 0))

@@ -7,32 +7,52 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from op_table import OPS
 
 import masked_jax as mj
-import masked_jax.numpy as mnp
 import masked_jax.nn as mnn
-from op_table import OPS
+import masked_jax.numpy as mnp
 
 # Ops whose derivative is zero almost everywhere or undefined (steps, comparisons, integer outputs).
 NONDIFF = {"sign", "floor", "ceil", "round", "trunc", "floor_divide", "mod", "remainder", "nan_to_num"}
-ELEMENTWISE = [op for op in OPS if op.family in ("elementwise", "binary") and np.float64 in op.dtypes
-               and op.name not in NONDIFF and op.name not in ("isnan", "isinf", "isfinite")
-               and not any(op.name.startswith(p) for p in ("logical", "bitwise", "equal", "not_equal",
-                                                            "less", "greater"))]
+ELEMENTWISE = [
+    op
+    for op in OPS
+    if op.family in ("elementwise", "binary")
+    and np.float64 in op.dtypes
+    and op.name not in NONDIFF
+    and op.name not in ("isnan", "isinf", "isfinite")
+    and not any(op.name.startswith(p) for p in ("logical", "bitwise", "equal", "not_equal", "less", "greater"))
+]
 REDUCTIONS = [op for op in OPS if op.family == "reductions" and op.name not in ("argmax", "argmin", "any", "all")]
 
 DENSE = {  # the dense jax function each masked reduction/normalization restricts to valid entries
-    "sum": jnp.sum, "prod": jnp.prod, "mean": jnp.mean, "var": jnp.var, "std": jnp.std,
-    "max": jnp.max, "min": jnp.min, "ptp": jnp.ptp, "median": jnp.median,
-    "logsumexp": jax.nn.logsumexp, "norm": jnp.linalg.norm,
-    "quantile": lambda x: jnp.quantile(x, 0.3), "percentile": lambda x: jnp.percentile(x, 30.0),
-    "softmax": jax.nn.softmax, "log_softmax": jax.nn.log_softmax, "softmin": lambda x: jax.nn.softmax(-x),
+    "sum": jnp.sum,
+    "prod": jnp.prod,
+    "mean": jnp.mean,
+    "var": jnp.var,
+    "std": jnp.std,
+    "max": jnp.max,
+    "min": jnp.min,
+    "ptp": jnp.ptp,
+    "median": jnp.median,
+    "logsumexp": jax.nn.logsumexp,
+    "norm": jnp.linalg.norm,
+    "quantile": lambda x: jnp.quantile(x, 0.3),
+    "percentile": lambda x: jnp.percentile(x, 30.0),
+    "softmax": jax.nn.softmax,
+    "log_softmax": jax.nn.log_softmax,
+    "softmin": lambda x: jax.nn.softmax(-x),
     "normalize": lambda x: x / jnp.maximum(jnp.linalg.norm(x), 1e-12),
 }
 MASKED_REDUCE = {
     **{op.name: op.fn for op in REDUCTIONS},
-    "quantile": lambda x: mnp.quantile(x, 0.3), "percentile": lambda x: mnp.percentile(x, 30.0),
-    "softmax": mnn.softmax, "log_softmax": mnn.log_softmax, "softmin": mnn.softmin, "normalize": mnn.normalize,
+    "quantile": lambda x: mnp.quantile(x, 0.3),
+    "percentile": lambda x: mnp.percentile(x, 30.0),
+    "softmax": mnn.softmax,
+    "log_softmax": mnn.log_softmax,
+    "softmin": mnn.softmin,
+    "normalize": mnn.normalize,
 }
 POISON = np.array([np.nan, np.inf, -np.inf, 0.0, -1.0, 1e30])
 
@@ -73,7 +93,8 @@ def test_elementwise_jacobian_is_dense_jacobian_on_valid_entries(op, mode):
     argnums = tuple(range(len(xs)))
     jac = (mj.jacfwd if mode == "fwd" else mj.jacrev)(op.fn, argnums=argnums)(*xs)
     dense = (jax.jacfwd if mode == "fwd" else jax.jacrev)(_jnp_fn(op.name), argnums=argnums)(
-        *[jnp.asarray(c) for c, _, _ in operands])
+        *[jnp.asarray(c) for c, _, _ in operands]
+    )
     out_mask = np.logical_and.reduce([m for _, _, m in operands])
     for j, d, (_, _, m_in) in zip(jac, dense, operands):
         block = _outer(out_mask, m_in)
@@ -172,16 +193,19 @@ def _fd_hessian(f, x, mask, eps=1e-4):
     return _fd_jacobian(g, x, mask, eps)
 
 
-@pytest.mark.parametrize("name,f", [
-    ("sum_cubed", lambda x: mnp.sum(x**3)),
-    ("logsumexp", lambda x: mnp.logsumexp(x)),
-    ("softmax", lambda x: mnp.sum(mnn.softmax(x) * jnp.arange(1.0, 6.0))),
-    ("log_softmax", lambda x: mnp.sum(mnn.log_softmax(x) * jnp.arange(1.0, 6.0))),
-    ("var", lambda x: mnp.var(x, ddof=1)),
-    ("std", lambda x: mnp.std(x)),
-    ("normalize", lambda x: mnp.sum(mnn.normalize(x) * jnp.arange(1.0, 6.0))),
-    ("mean_of_exp", lambda x: mnp.mean(mnp.exp(x))),
-])
+@pytest.mark.parametrize(
+    "name,f",
+    [
+        ("sum_cubed", lambda x: mnp.sum(x**3)),
+        ("logsumexp", lambda x: mnp.logsumexp(x)),
+        ("softmax", lambda x: mnp.sum(mnn.softmax(x) * jnp.arange(1.0, 6.0))),
+        ("log_softmax", lambda x: mnp.sum(mnn.log_softmax(x) * jnp.arange(1.0, 6.0))),
+        ("var", lambda x: mnp.var(x, ddof=1)),
+        ("std", lambda x: mnp.std(x)),
+        ("normalize", lambda x: mnp.sum(mnn.normalize(x) * jnp.arange(1.0, 6.0))),
+        ("mean_of_exp", lambda x: mnp.mean(mnp.exp(x))),
+    ],
+)
 def test_hessians_against_finite_differences(name, f):
     mask = np.array([True, False, True, True, False])
     clean = np.array([0.3, 0.0, -0.7, 1.1, 0.0])
@@ -271,6 +295,7 @@ def test_checkpoint_scan_vmap_of_grads_and_jit():
         def step(h, xi):
             h = mnp.tanh(h * 0.5 + xi)
             return h, h
+
         # a carry that gains a mask starts with one (a mask-less one is statically valid)
         h, hs = jax.lax.scan(step, mj.masked_array(jnp.float64(0.0), True), x)
         return mnp.sum(hs)

@@ -33,13 +33,71 @@ FUNCTIONS = {name: sig for m in MODULES for name, sig in SPEC[m].items()}
 SPECIALS = [0.0, -0.0, np.inf, -np.inf, np.nan, 1.0, -1.0, 0.5, 2.0, -2.5]
 
 # Elementwise functions, and numpy's name for each (numpy.ma has the same names).
-UNARY = ["abs", "acos", "acosh", "asin", "asinh", "atan", "atanh", "ceil", "cos", "cosh", "exp", "expm1", "floor",
-         "isfinite", "isinf", "isnan", "log", "log1p", "log2", "log10", "negative", "positive", "round", "sign",
-         "signbit", "sin", "sinh", "sqrt", "square", "tan", "tanh", "trunc"]
-BINARY = ["add", "atan2", "copysign", "divide", "equal", "floor_divide", "greater", "greater_equal", "hypot", "less",
-          "less_equal", "logaddexp", "maximum", "minimum", "multiply", "not_equal", "pow", "remainder", "subtract"]
-NUMPY_NAME = {"acos": "arccos", "acosh": "arccosh", "asin": "arcsin", "asinh": "arcsinh", "atan": "arctan",
-              "atanh": "arctanh", "atan2": "arctan2", "pow": "power"}
+UNARY = [
+    "abs",
+    "acos",
+    "acosh",
+    "asin",
+    "asinh",
+    "atan",
+    "atanh",
+    "ceil",
+    "cos",
+    "cosh",
+    "exp",
+    "expm1",
+    "floor",
+    "isfinite",
+    "isinf",
+    "isnan",
+    "log",
+    "log1p",
+    "log2",
+    "log10",
+    "negative",
+    "positive",
+    "round",
+    "sign",
+    "signbit",
+    "sin",
+    "sinh",
+    "sqrt",
+    "square",
+    "tan",
+    "tanh",
+    "trunc",
+]
+BINARY = [
+    "add",
+    "atan2",
+    "copysign",
+    "divide",
+    "equal",
+    "floor_divide",
+    "greater",
+    "greater_equal",
+    "hypot",
+    "less",
+    "less_equal",
+    "logaddexp",
+    "maximum",
+    "minimum",
+    "multiply",
+    "not_equal",
+    "pow",
+    "remainder",
+    "subtract",
+]
+NUMPY_NAME = {
+    "acos": "arccos",
+    "acosh": "arccosh",
+    "asin": "arcsin",
+    "asinh": "arcsinh",
+    "atan": "arctan",
+    "atanh": "arctanh",
+    "atan2": "arctan2",
+    "pow": "power",
+}
 REDUCTIONS = ["sum", "prod", "max", "min", "mean", "std", "var"]
 # Float sums and means equal jax.numpy up to the order of summation: masked_jax sums value and count
 # in one variadic reduction (several times faster on CPU), which XLA orders differently, and jnp's
@@ -59,7 +117,8 @@ def test_every_name_of_the_standard_is_in_the_namespace():
     assert mnp.__array_namespace_info__().default_dtypes()["real floating"] in (jnp.float32, jnp.float64)
     for name in SPEC["dtypes"] + SPEC["constants"]:
         assert getattr(mnp, name) is getattr(jnp, name if name != "bool" else "bool_") or (
-            name in ("e", "pi", "inf", "nan") and np.array_equal(getattr(mnp, name), getattr(jnp, name), equal_nan=True))
+            name in ("e", "pi", "inf", "nan") and np.array_equal(getattr(mnp, name), getattr(jnp, name), equal_nan=True)
+        )
 
 
 def test_the_array_object_has_every_attribute_of_the_standard():
@@ -106,8 +165,9 @@ def test_array_api_compat_finds_the_masked_namespace():
 
 def _special_floats(dtype):
     # (no subnormals: XLA on CPU flushes them to zero, numpy does not)
-    return st.one_of(st.sampled_from(SPECIALS),
-                     st.floats(-5, 5, width=np.dtype(dtype).itemsize * 8, allow_subnormal=False))
+    return st.one_of(
+        st.sampled_from(SPECIALS), st.floats(-5, 5, width=np.dtype(dtype).itemsize * 8, allow_subnormal=False)
+    )
 
 
 @st.composite
@@ -177,8 +237,9 @@ def test_binary_on_valid_equals_jax_numpy_and_on_masked_equals_numpy_ma(name, da
         np.testing.assert_array_equal(got.mask, ma & mb)
         ref = getattr(np, NUMPY_NAME.get(name, name))(a, b)
         rtol = 1e-6 if dtype == np.float32 else 1e-12
-        np.testing.assert_allclose(np.asarray(got.data)[ma & mb], np.broadcast_to(ref, got.shape)[ma & mb],
-                                   rtol=rtol, atol=1e-30)
+        np.testing.assert_allclose(
+            np.asarray(got.data)[ma & mb], np.broadcast_to(ref, got.shape)[ma & mb], rtol=rtol, atol=1e-30
+        )
 
 
 @pytest.mark.parametrize("name", REDUCTIONS)
@@ -212,9 +273,13 @@ def test_reductions_on_valid_equal_jax_numpy_and_on_masked_equal_numpy_ma(name, 
 def test_creation_functions_are_fully_valid_and_equal_jax_numpy():
     x = mj.masked_array(jnp.arange(6.0).reshape(2, 3), jnp.arange(6).reshape(2, 3) > 2)
     cases = {
-        "arange": ((2, 9, 3), {}), "eye": ((3,), {"k": 1}), "full": (((2, 2), 7), {}),
-        "linspace": ((0.0, 1.0, 5), {"endpoint": False}), "ones": (((2, 3),), {"dtype": jnp.int32}),
-        "zeros": (((2,),), {}), "asarray": (([1, 2],), {"dtype": jnp.float32}),
+        "arange": ((2, 9, 3), {}),
+        "eye": ((3,), {"k": 1}),
+        "full": (((2, 2), 7), {}),
+        "linspace": ((0.0, 1.0, 5), {"endpoint": False}),
+        "ones": (((2, 3),), {"dtype": jnp.int32}),
+        "zeros": (((2,),), {}),
+        "asarray": (([1, 2],), {"dtype": jnp.float32}),
     }
     for name, (args, kw) in cases.items():
         got = getattr(mnp, name)(*args, **kw)
@@ -274,24 +339,30 @@ def test_compositions_equal_numpy_ma_on_valid_entries(rng):
     np.testing.assert_allclose(mnp.linalg.matrix_norm(x).data, np.sqrt((np.where(mask, data, 0) ** 2).sum()))
     ints = mj.masked_array(np.array([3, 1, 3, 7, 1, 2]), np.array([True, True, True, False, True, False]))
     r = mnp.unique_all(ints)
-    ref_vals, ref_first, ref_inv, ref_counts = np.unique(np.array([3, 1, 3, 1]), return_index=True,
-                                                         return_inverse=True, return_counts=True)
+    ref_vals, ref_first, ref_inv, ref_counts = np.unique(
+        np.array([3, 1, 3, 1]), return_index=True, return_inverse=True, return_counts=True
+    )
     np.testing.assert_array_equal(r.values.data, ref_vals)
     np.testing.assert_array_equal(r.counts, ref_counts)
     np.testing.assert_array_equal(r.indices, np.flatnonzero(np.asarray(ints.mask))[ref_first])
     np.testing.assert_array_equal(np.asarray(r.inverse_indices.data)[np.asarray(ints.mask)], ref_inv)
     np.testing.assert_array_equal(r.inverse_indices.mask, ints.mask)
-    np.testing.assert_array_equal(mnp.nonzero(mj.masked_array(np.array([0.0, 2.0, 3.0]), np.array([True, True, False])))[0], [1])
+    np.testing.assert_array_equal(
+        mnp.nonzero(mj.masked_array(np.array([0.0, 2.0, 3.0]), np.array([True, True, False])))[0], [1]
+    )
     srt = mj.masked_array(np.array([1.0, 50.0, 3.0, 5.0, 9.0]), np.array([True, False, True, True, True]))
     q = np.array([0.0, 3.0, 4.0, 10.0])
     for side in ("left", "right"):
-        np.testing.assert_array_equal(mnp.searchsorted(srt, q, side=side).data,
-                                      np.searchsorted(np.array([1.0, 3.0, 5.0, 9.0]), q, side=side))
+        np.testing.assert_array_equal(
+            mnp.searchsorted(srt, q, side=side).data, np.searchsorted(np.array([1.0, 3.0, 5.0, 9.0]), q, side=side)
+        )
     assert [a.shape for a in mnp.broadcast_arrays(mnp.zeros((2, 1)), jnp.zeros(3))] == [(2, 3), (2, 3)]
     parts = mnp.unstack(x, axis=1)
     assert len(parts) == 5 and np.array_equal(parts[2].mask, mask[:, 2])
-    c = mnp.linalg.cross(mj.masked_array(np.eye(3), np.array([[True] * 3, [True, False, True], [True] * 3])),
-                         mnp.asarray(np.ones((3, 3))))
+    c = mnp.linalg.cross(
+        mj.masked_array(np.eye(3), np.array([[True] * 3, [True, False, True], [True] * 3])),
+        mnp.asarray(np.ones((3, 3))),
+    )
     np.testing.assert_array_equal(c.mask.all(axis=1), [True, False, True])
     np.testing.assert_allclose(c.data[0], np.cross(np.eye(3)[0], np.ones(3)))
 
@@ -319,6 +390,7 @@ def test_functions_without_a_masked_meaning_raise_and_accept_fully_valid_input()
 
 
 # -- beyond the standard: jax.numpy functions with a masked meaning --------------------------------
+
 
 def _ma(x):
     return np.ma.masked_array(np.asarray(x.data), ~np.asarray(x.mask))
@@ -350,12 +422,24 @@ def test_stacking_and_splitting_match_numpy_ma(rng):
     a = mj.masked_array(rng.normal(size=(2, 3)), rng.random((2, 3)) > 0.4)
     b = mj.masked_array(rng.normal(size=(2, 3)), rng.random((2, 3)) > 0.4)
     v = mj.masked_array(rng.normal(size=3), rng.random(3) > 0.4)
-    for name, args in [("hstack", [a, b]), ("vstack", [a, b]), ("dstack", [a, b]), ("column_stack", [v, v]),
-                       ("hstack", [v, v]), ("vstack", [v, a]), ("dstack", [v, v])]:
+    for name, args in [
+        ("hstack", [a, b]),
+        ("vstack", [a, b]),
+        ("dstack", [a, b]),
+        ("column_stack", [v, v]),
+        ("hstack", [v, v]),
+        ("vstack", [v, a]),
+        ("dstack", [v, v]),
+    ]:
         _equal_on_valid(getattr(mnp, name)(args), getattr(np.ma, name)([_ma(x) for x in args]))
     big = mj.masked_array(rng.normal(size=(5, 4, 2)), rng.random((5, 4, 2)) > 0.4)
-    for name, args in [("array_split", (big, 3)), ("array_split", (big, [1, 3])), ("hsplit", (big, 2)),
-                       ("vsplit", (big, [2])), ("dsplit", (big, 2))]:
+    for name, args in [
+        ("array_split", (big, 3)),
+        ("array_split", (big, [1, 3])),
+        ("hsplit", (big, 2)),
+        ("vsplit", (big, [2])),
+        ("dsplit", (big, 2)),
+    ]:
         got, want = getattr(mnp, name)(*args), getattr(np, name)(np.asarray(big.data), *args[1:])
         wmask = getattr(np, name)(np.asarray(big.mask), *args[1:])
         assert len(got) == len(want)
@@ -398,8 +482,9 @@ def test_membership_binning_and_interpolation_over_valid_entries(rng):
     got = mnp.isin(e, t)
     np.testing.assert_array_equal(got.mask, e.mask)
     np.testing.assert_array_equal(np.asarray(got.data)[np.asarray(e.mask)], np.isin([1, 4, 9, 4], [4, 7]))
-    np.testing.assert_array_equal(np.asarray(mnp.isin(e, t, invert=True).data)[np.asarray(e.mask)],
-                                  ~np.isin([1, 4, 9, 4], [4, 7]))
+    np.testing.assert_array_equal(
+        np.asarray(mnp.isin(e, t, invert=True).data)[np.asarray(e.mask)], ~np.isin([1, 4, 9, 4], [4, 7])
+    )
     x = mj.masked_array(rng.uniform(0, 4, size=20), rng.random(20) > 0.3)
     valid = np.asarray(x.data)[np.asarray(x.mask)]
     bins = np.array([0.5, 1.0, 2.5, 3.0])
@@ -411,18 +496,25 @@ def test_membership_binning_and_interpolation_over_valid_entries(rng):
     ids = mj.masked_array(np.array([0, 3, 3, 1, 7]), np.array([True, True, True, True, False]))
     np.testing.assert_array_equal(mnp.bincount(ids), np.bincount([0, 3, 3, 1]))
     w = mj.masked_array(np.array([1.0, 2.0, 3.0, 4.0, 5.0]), np.array([True, False, True, True, True]))
-    np.testing.assert_allclose(mnp.bincount(ids, weights=w, length=8), np.bincount([0, 3, 1], [1.0, 3.0, 4.0], minlength=8))
+    np.testing.assert_allclose(
+        mnp.bincount(ids, weights=w, length=8), np.bincount([0, 3, 1], [1.0, 3.0, 4.0], minlength=8)
+    )
     np.testing.assert_array_equal(jax.jit(lambda i: mnp.bincount(i, length=4))(ids), np.bincount([0, 3, 3, 1]))
     xp = mj.masked_array(np.array([0.0, 1.0, 2.0, 3.0, 4.0]), np.array([False, True, False, True, True]))
     fp = np.array([50.0, 10.0, 70.0, 30.0, 20.0])
     q = mj.masked_array(np.array([0.0, 1.5, 2.0, 3.5, 9.0]), np.array([True, True, True, True, False]))
     got = mnp.interp(q, xp, fp)
-    np.testing.assert_allclose(np.asarray(got.data)[:4], np.interp([0.0, 1.5, 2.0, 3.5], [1.0, 3.0, 4.0], [10.0, 30.0, 20.0]))
+    np.testing.assert_allclose(
+        np.asarray(got.data)[:4], np.interp([0.0, 1.5, 2.0, 3.5], [1.0, 3.0, 4.0], [10.0, 30.0, 20.0])
+    )
     np.testing.assert_array_equal(got.mask, q.mask)
     np.testing.assert_allclose(jax.jit(mnp.interp)(q, xp, fp).data, got.data)
     poisoned = mj.masked_array(np.where(np.asarray(q.mask), np.asarray(q.data), np.nan), q.mask)
-    g = mj.grad(lambda v: mnp.sum(mnp.interp(v, mj.masked_array(np.where(np.asarray(xp.mask), np.asarray(xp.data),
-                                                                              np.nan), xp.mask), fp)))(poisoned)
+    g = mj.grad(
+        lambda v: mnp.sum(
+            mnp.interp(v, mj.masked_array(np.where(np.asarray(xp.mask), np.asarray(xp.data), np.nan), xp.mask), fp)
+        )
+    )(poisoned)
     assert np.isfinite(np.asarray(g.data)).all()  # NaN under either mask reaches no gradient
     vals, counts = mnp.unique(e, return_counts=True)
     np.testing.assert_array_equal(vals.data, [1, 4, 9])
@@ -455,8 +547,10 @@ def test_more_jax_numpy_functions_match_numpy_ma(rng):
     np.testing.assert_allclose(got.filled(0), np.kron(m.filled(0), b.filled(0)))
     assert mnp.kron(v, b).shape == jnp.kron(v.data, b.data).shape
     x = mj.masked_array(rng.normal(size=4), np.array([True, False, True, True]))
-    for f, want in [(lambda a, w: mnp.matvec(a, w), mnp.matmul(m, x)),
-                    (lambda a, w: mnp.vecmat(w[:3], a), mnp.matmul(x[:3], m))]:
+    for f, want in [
+        (lambda a, w: mnp.matvec(a, w), mnp.matmul(m, x)),
+        (lambda a, w: mnp.vecmat(w[:3], a), mnp.matmul(x[:3], m)),
+    ]:
         for g in (f, jax.jit(f)):
             got = g(m, x)
             np.testing.assert_array_equal(got.mask, want.mask)
@@ -464,7 +558,9 @@ def test_more_jax_numpy_functions_match_numpy_ma(rng):
     cond = mj.masked_array(np.array([True, False, True, False]), np.array([True, True, False, True]))
     picked = mnp.select([cond, x > 0], [x * 2, x], default=-1.0)
     np.testing.assert_array_equal(picked.mask, [True, False, False, True])
-    want = np.select([np.asarray(cond.data), np.asarray(x.data) > 0], [2 * np.asarray(x.data), np.asarray(x.data)], -1.0)
+    want = np.select(
+        [np.asarray(cond.data), np.asarray(x.data) > 0], [2 * np.asarray(x.data), np.asarray(x.data)], -1.0
+    )
     np.testing.assert_allclose(np.asarray(picked.data)[[0, 3]], want[[0, 3]])
     near = mj.masked_array(np.array([1.0, 5.0, 2.0]), np.array([True, False, True]))
     assert bool(mnp.allclose(near, np.array([1.0, 0.0, 2.0 + 1e-9]))) and not bool(mnp.allclose(near, np.zeros(3)))
@@ -486,20 +582,39 @@ def test_the_namespace_covers_more_of_jax_numpy():
     """Counted by name: jax.numpy's public functions (its dtype classes aside) that masked_jax.numpy
     also provides. Before the Array API layer: 133 of 344; with it: 213; with the remaining
     elementwise functions, shape functions and products: 260."""
-    names = [n for n in dir(jnp) if not n.startswith("_") and inspect.isfunction(getattr(jnp, n))
-             or (not n.startswith("_") and callable(getattr(jnp, n)) and not inspect.isclass(getattr(jnp, n))
-                 and not inspect.ismodule(getattr(jnp, n)))]
+    names = [
+        n
+        for n in dir(jnp)
+        if not n.startswith("_")
+        and inspect.isfunction(getattr(jnp, n))
+        or (
+            not n.startswith("_")
+            and callable(getattr(jnp, n))
+            and not inspect.isclass(getattr(jnp, n))
+            and not inspect.ismodule(getattr(jnp, n))
+        )
+    ]
     covered = [n for n in names if hasattr(mnp, n)]
     assert len(covered) >= 260, f"{len(covered)} of {len(names)}"
 
 
 def test_sparse_layouts_give_the_dense_results():
-    dense = mj.masked_array(jnp.arange(12.0).reshape(4, 3), jnp.array([True, False, True, False])[:, None] & jnp.ones(3, bool))
-    layouts = [mj.row_sparse(dense.data[jnp.array([0, 2])], jnp.array([0, 2]), (4, 3)),
-               mj.BCOOMaskedArray.from_masked(dense)]
-    fns = [lambda x: mnp.vecdot(x, jnp.ones((4, 3))), lambda x: mnp.nansum(x, axis=0),
-           lambda x: mnp.cumulative_sum(x, axis=1), lambda x: mnp.diff(x, axis=0), lambda x: mnp.asarray(x),
-           lambda x: mnp.linalg.trace(x), lambda x: mnp.unique_values(x)]
+    dense = mj.masked_array(
+        jnp.arange(12.0).reshape(4, 3), jnp.array([True, False, True, False])[:, None] & jnp.ones(3, bool)
+    )
+    layouts = [
+        mj.row_sparse(dense.data[jnp.array([0, 2])], jnp.array([0, 2]), (4, 3)),
+        mj.BCOOMaskedArray.from_masked(dense),
+    ]
+    fns = [
+        lambda x: mnp.vecdot(x, jnp.ones((4, 3))),
+        lambda x: mnp.nansum(x, axis=0),
+        lambda x: mnp.cumulative_sum(x, axis=1),
+        lambda x: mnp.diff(x, axis=0),
+        lambda x: mnp.asarray(x),
+        lambda x: mnp.linalg.trace(x),
+        lambda x: mnp.unique_values(x),
+    ]
     for lay in layouts:
         for fn in fns:
             got, want = fn(lay), fn(dense)
@@ -507,8 +622,21 @@ def test_sparse_layouts_give_the_dense_results():
             np.testing.assert_array_equal(got.filled(0), want.filled(0))
 
 
-@pytest.mark.parametrize("name", ["arange", "eye", "full", "full_like", "linspace", "zeros", "linalg.svd",
-                                  "linalg.cholesky", "fft.fft", "fft.fftfreq"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "arange",
+        "eye",
+        "full",
+        "full_like",
+        "linspace",
+        "zeros",
+        "linalg.svd",
+        "linalg.cholesky",
+        "fft.fft",
+        "fft.fftfreq",
+    ],
+)
 def test_generated_wrappers_report_the_wrapped_signature(name):
     """The creation, linalg and fft wrappers take jnp's parameters by jnp's names (the array, where
     there is one, positional-only)."""

@@ -33,7 +33,9 @@ def test_masked_numpy_passes_every_suite_test_jax_numpy_passes(capsys):
     assert sum(o == "passed" for o in ref.values()) > 40, f"the subset ran too little: {ref}"
     lost = array_api_suite.compare(results)
     with capsys.disabled():
-        print(f"\nArray API suite subset: jax.numpy passed {sum(o == 'passed' for o in ref.values())}, "
-              f"masked_jax.numpy passed {sum(o == 'passed' for o in results['masked_jax.numpy'].values())}, "
-              f"passed by jax.numpy only: {len(lost)}")
+        print(
+            f"\nArray API suite subset: jax.numpy passed {sum(o == 'passed' for o in ref.values())}, "
+            f"masked_jax.numpy passed {sum(o == 'passed' for o in results['masked_jax.numpy'].values())}, "
+            f"passed by jax.numpy only: {len(lost)}"
+        )
     assert not lost, f"passed by jax.numpy and not by masked_jax.numpy: {lost}"

@@ -39,7 +39,7 @@ def _reference(table, bags, weights, combiner):
         elif combiner == "mean":
             out.append((ws * rows).sum(0) / ws.sum())
         else:
-            out.append((ws * rows).sum(0) / np.sqrt((ws ** 2).sum()))
+            out.append((ws * rows).sum(0) / np.sqrt((ws**2).sum()))
     return out
 
 
@@ -111,16 +111,23 @@ def _loop_loss(table, bags, bag_w, combiner):
             continue
         rows = jnp.stack([table[i] for i, _ in keep])
         ws = jnp.array([wi for _, wi in keep], jnp.float32)[:, None]
-        pooled = {"max": lambda: rows.max(0), "sum": lambda: (ws * rows).sum(0),
-                  "mean": lambda: (ws * rows).sum(0) / ws.sum(),
-                  "sqrtn": lambda: (ws * rows).sum(0) / jnp.sqrt((ws ** 2).sum())}[combiner]()
+        pooled = {
+            "max": lambda: rows.max(0),
+            "sum": lambda: (ws * rows).sum(0),
+            "mean": lambda: (ws * rows).sum(0) / ws.sum(),
+            "sqrtn": lambda: (ws * rows).sum(0) / jnp.sqrt((ws**2).sum()),
+        }[combiner]()
         total = total + jnp.sum(jnp.sin(pooled) * (b + 1))
     return total
 
 
 # `make test`: each combiner padded and in one more form (a rotation); `make test-full`: all forms
-GRAD_CASES = [(c, f) for i, c in enumerate(("sum", "mean", "sqrtn", "max")) for j, f in enumerate(FORMS)
-              if FULL or f == "padded" or j == 1 + i % 3]
+GRAD_CASES = [
+    (c, f)
+    for i, c in enumerate(("sum", "mean", "sqrtn", "max"))
+    for j, f in enumerate(FORMS)
+    if FULL or f == "padded" or j == 1 + i % 3
+]
 
 
 @pytest.mark.parametrize("combiner, form", GRAD_CASES)
@@ -152,23 +159,44 @@ def test_bags_with_leading_dims_and_wide_rows():
     np.testing.assert_array_equal(np.asarray(out.mask[:, :, 0, 0]), [[True, True], [False, True]])
 
 
-@pytest.mark.parametrize("call, kind, match", [
-    (lambda: mj.embedding_bag(TABLE, jnp.array([[0.5]])), TypeError, "ids must be integers"),
-    (lambda: mj.embedding_bag(TABLE, jnp.array([0, 1]), offsets=jnp.array([0.0])), TypeError, "offsets must be integers"),
-    (lambda: mj.embedding_bag(TABLE, jnp.array([0, 1]), offsets=jnp.array([1, 2])), ValueError, "offsets must start at 0"),
-    (lambda: mj.embedding_bag(TABLE, jnp.array([0, 1]), offsets=jnp.array([0, 2, 1])), ValueError, "offsets"),
-    (lambda: mj.embedding_bag(TABLE, jnp.array([0, 1]), lengths=jnp.array([3])), ValueError, "lengths must be"),
-    (lambda: mj.embedding_bag(TABLE, jnp.array([0, 1]), lengths=jnp.array([-1, 2])), ValueError, "lengths"),
-    (lambda: mj.embedding_bag(TABLE, jnp.array([0, 1]), lengths=jnp.array([1]), offsets=jnp.array([0])),
-     ValueError, "exactly one of offsets"),
-    (lambda: mj.embedding_bag(TABLE, jnp.array([[0, 1]]), offsets=jnp.array([0])), ValueError, "one-dimensional ids"),
-    (lambda: mj.embedding_bag(TABLE, jnp.array([[0, 1]]), weights=jnp.ones(2)), ValueError, "weights must have"),
-    (lambda: mj.embedding_bag(TABLE, jnp.array([[0, 1]]), weights=jnp.ones((1, 2)), combiner="max"),
-     ValueError, "takes no weights"),
-    (lambda: mj.embedding_bag(TABLE, jnp.array([[0, 1]]), combiner="median"), ValueError, "combiner must be"),
-    (lambda: mj.embedding_bag(mj.as_masked(TABLE), jnp.array([[0, 1]])), TypeError, "plain table"),
-    (lambda: mj.embedding_bag(TABLE, jnp.array(3)), ValueError, "shape"),
-])
+@pytest.mark.parametrize(
+    "call, kind, match",
+    [
+        (lambda: mj.embedding_bag(TABLE, jnp.array([[0.5]])), TypeError, "ids must be integers"),
+        (
+            lambda: mj.embedding_bag(TABLE, jnp.array([0, 1]), offsets=jnp.array([0.0])),
+            TypeError,
+            "offsets must be integers",
+        ),
+        (
+            lambda: mj.embedding_bag(TABLE, jnp.array([0, 1]), offsets=jnp.array([1, 2])),
+            ValueError,
+            "offsets must start at 0",
+        ),
+        (lambda: mj.embedding_bag(TABLE, jnp.array([0, 1]), offsets=jnp.array([0, 2, 1])), ValueError, "offsets"),
+        (lambda: mj.embedding_bag(TABLE, jnp.array([0, 1]), lengths=jnp.array([3])), ValueError, "lengths must be"),
+        (lambda: mj.embedding_bag(TABLE, jnp.array([0, 1]), lengths=jnp.array([-1, 2])), ValueError, "lengths"),
+        (
+            lambda: mj.embedding_bag(TABLE, jnp.array([0, 1]), lengths=jnp.array([1]), offsets=jnp.array([0])),
+            ValueError,
+            "exactly one of offsets",
+        ),
+        (
+            lambda: mj.embedding_bag(TABLE, jnp.array([[0, 1]]), offsets=jnp.array([0])),
+            ValueError,
+            "one-dimensional ids",
+        ),
+        (lambda: mj.embedding_bag(TABLE, jnp.array([[0, 1]]), weights=jnp.ones(2)), ValueError, "weights must have"),
+        (
+            lambda: mj.embedding_bag(TABLE, jnp.array([[0, 1]]), weights=jnp.ones((1, 2)), combiner="max"),
+            ValueError,
+            "takes no weights",
+        ),
+        (lambda: mj.embedding_bag(TABLE, jnp.array([[0, 1]]), combiner="median"), ValueError, "combiner must be"),
+        (lambda: mj.embedding_bag(mj.as_masked(TABLE), jnp.array([[0, 1]])), TypeError, "plain table"),
+        (lambda: mj.embedding_bag(TABLE, jnp.array(3)), ValueError, "shape"),
+    ],
+)
 def test_bad_arguments_name_the_argument(call, kind, match):
     with pytest.raises(kind, match=match):
         call()
@@ -193,10 +221,16 @@ def test_ids_past_the_last_ragged_bag_are_padding(jit):
     assert (new[[0, 3]] != np.asarray(TABLE)[[0, 3]]).all()
 
 
-@pytest.mark.parametrize("kind, bad, good", [
-    ("offsets", [1, 2], [0, 2]), ("offsets", [0, 2, 1], [0, 1, 1]), ("offsets", [0, 4], [0, 3]),
-    ("lengths", [-1, 2], [1, 2]), ("lengths", [2, 3], [2, 1]),
-])
+@pytest.mark.parametrize(
+    "kind, bad, good",
+    [
+        ("offsets", [1, 2], [0, 2]),
+        ("offsets", [0, 2, 1], [0, 1, 1]),
+        ("offsets", [0, 4], [0, 3]),
+        ("lengths", [-1, 2], [1, 2]),
+        ("lengths", [2, 3], [2, 1]),
+    ],
+)
 def test_offsets_and_lengths_that_break_the_rules_under_jit_mask_every_bag(kind, bad, good):
     """Under jit they cannot raise: every bag is masked, reads no row and gets no gradient; a valid
     argument in the same compiled function pools as it does eagerly."""
@@ -231,8 +265,12 @@ def test_bags_in_flax_and_equinox_models_train_row_sparse():
     loss = lambda p, ids, w, y: jnp.mean((Tower().apply({"params": p}, ids, w) - y) ** 2)  # noqa: E731
     sparse = {"table": True, "Dense_0": False}
     g = mj.grad(loss, row_sparse=sparse)(params, ids, w, y)
-    np.testing.assert_allclose(np.asarray(g["table"].todense().filled(0)),
-                               np.asarray(jax.grad(loss)(params, ids, w, y)["table"]), rtol=1e-5, atol=1e-8)
+    np.testing.assert_allclose(
+        np.asarray(g["table"].todense().filled(0)),
+        np.asarray(jax.grad(loss)(params, ids, w, y)["table"]),
+        rtol=1e-5,
+        atol=1e-8,
+    )
     opt = optim.lazy(optax.adam(0.05))
     before = np.asarray(params["table"])
     new, _, _ = optim.make_train_step(loss, opt, row_sparse=sparse)(params, opt.init(params), ids, w, y)
@@ -251,8 +289,9 @@ def test_bags_in_flax_and_equinox_models_train_row_sparse():
     flat, lengths = jnp.array([1, 5, 5, 0, 2]), jnp.array([3, 0, 2])
     eqx_loss = lambda m: jnp.sum(m(flat, lengths) ** 2)  # noqa: E731
     g = mj.grad(eqx_loss, row_sparse=lambda m: EqxTower(True, jax.tree_util.tree_map(lambda _: False, m.head)))(model)
-    np.testing.assert_allclose(np.asarray(g.table.todense().filled(0)), np.asarray(jax.grad(eqx_loss)(model).table),
-                               rtol=1e-5, atol=1e-8)
+    np.testing.assert_allclose(
+        np.asarray(g.table.todense().filled(0)), np.asarray(jax.grad(eqx_loss)(model).table), rtol=1e-5, atol=1e-8
+    )
 
 
 def test_one_padding_rule_eagerly_and_under_jit():
@@ -333,8 +372,9 @@ def test_filled_zero_of_a_bag_is_its_data(combiner):
         if combiner == "mean":
             np.testing.assert_array_equal(np.asarray(g[6]), 0)
     rs = jax.jit(mj.grad(loss, row_sparse=True), static_argnums=1)(finite, False)
-    np.testing.assert_allclose(np.asarray(rs.todense().filled(0)), np.asarray(jax.grad(loss)(finite, True)),
-                               rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(
+        np.asarray(rs.todense().filled(0)), np.asarray(jax.grad(loss)(finite, True)), rtol=1e-6, atol=1e-7
+    )
     tangent = jax.jvp(lambda t: bag(t).filled(0), (table,), (jnp.ones_like(table),))[1]
     np.testing.assert_array_equal(np.asarray(tangent)[empty], 0)
 
@@ -379,8 +419,9 @@ def _entry_points(stack, stacked):
         "ragged_offsets": lambda i: mj.embedding_bag(BIG, i.reshape(-1), offsets=jnp.array([0, 1], i.dtype)).data,
         "stack_lookup": lambda i: stack.lookup(stacked, {"big": i})["big"],
         "stack_bag": lambda i: stack.embedding_bag(stacked, {"big": i})["big"].data,
-        "row_sparse_grad": lambda i: mj.grad(lambda t: jnp.sum(mj.lookup(t, i) ** 2), row_sparse=True)(BIG)
-        .todense().filled(0.0),
+        "row_sparse_grad": lambda i: (
+            mj.grad(lambda t: jnp.sum(mj.lookup(t, i) ** 2), row_sparse=True)(BIG).todense().filled(0.0)
+        ),
         "row_sparse": lambda i: mj.row_sparse(jnp.ones((6, 2)), i.reshape(-1), BIG.shape).todense().filled(0.0),
     }
 
@@ -398,14 +439,20 @@ def test_every_id_dtype_reads_the_rows_its_values_name(dtype, jit):
     for name, f in _entry_points(stack, stacked).items():
         want = f(jnp.asarray(values, jnp.int32))
         got = maybe(f)(jnp.asarray(values, dtype))
-        np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=f"{name} with {jnp.dtype(dtype).name} ids")
+        np.testing.assert_array_equal(
+            np.asarray(got), np.asarray(want), err_msg=f"{name} with {jnp.dtype(dtype).name} ids"
+        )
     # lengths and offsets that pass their dtype's range when summed or compared with len(ids)
     n = 260 if hi >= 260 else 2 * hi
     ids = jnp.arange(n) % 600
     for kw in ({"lengths": jnp.array([n // 2, n - n // 2], dtype)}, {"offsets": jnp.array([0, n // 2], dtype)}):
         got = maybe(lambda i, kw=kw: mj.embedding_bag(BIG, i, **kw).data)(ids)
-        np.testing.assert_allclose(np.asarray(got), np.stack([BIG[ids[:n // 2]].sum(0), BIG[ids[n // 2:]].sum(0)]),
-                                   rtol=1e-5, err_msg=f"{list(kw)[0]} in {jnp.dtype(dtype).name}")
+        np.testing.assert_allclose(
+            np.asarray(got),
+            np.stack([BIG[ids[: n // 2]].sum(0), BIG[ids[n // 2 :]].sum(0)]),
+            rtol=1e-5,
+            err_msg=f"{list(kw)[0]} in {jnp.dtype(dtype).name}",
+        )
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bfloat16", "float16"])
@@ -425,14 +472,21 @@ def test_half_precision_bags_add_up_in_float32(dtype):
     }
     for name, value in pooled.items():
         assert float(value) == 600.0, (name, value)
-    g = mj.grad(lambda t: jnp.sum(mj.embedding_bag(t, jnp.zeros(600, jnp.int32), lengths=jnp.array([600]))
-                                  .data.astype(jnp.float32)), row_sparse=True)(table)
+    g = mj.grad(
+        lambda t: jnp.sum(
+            mj.embedding_bag(t, jnp.zeros(600, jnp.int32), lengths=jnp.array([600])).data.astype(jnp.float32)
+        ),
+        row_sparse=True,
+    )(table)
     assert float(g.coalesce().data[0, 0]) == 600.0 and float(g.todense().data[0, 0]) == 600.0
 
 
 @pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
-@pytest.mark.parametrize("table_dtype, weight_dtype", [(jnp.int32, jnp.float32), (jnp.bfloat16, jnp.float32),
-                                                      (jnp.float32, jnp.bfloat16)], ids=["int-float", "bf16-f32", "f32-bf16"])
+@pytest.mark.parametrize(
+    "table_dtype, weight_dtype",
+    [(jnp.int32, jnp.float32), (jnp.bfloat16, jnp.float32), (jnp.float32, jnp.bfloat16)],
+    ids=["int-float", "bf16-f32", "f32-bf16"],
+)
 def test_weights_promote_with_the_table_as_jnp_does(table_dtype, weight_dtype, combiner):
     """Weighted bags pool in the dtype jnp gives ``weights * rows``: float weights on an integer
     table are not truncated to integers (1.25 stayed 1), and float32 weights on a bfloat16 table
@@ -453,5 +507,6 @@ def test_weights_promote_with_the_table_as_jnp_does(table_dtype, weight_dtype, c
     }
     for name, out in got.items():
         assert out.dtype == want.dtype, (name, out.dtype)
-        np.testing.assert_allclose(np.asarray(out.data, np.float64), np.asarray(want, np.float64), rtol=1e-6,
-                                   err_msg=name)
+        np.testing.assert_allclose(
+            np.asarray(out.data, np.float64), np.asarray(want, np.float64), rtol=1e-6, err_msg=name
+        )

@@ -7,20 +7,23 @@ and the terminal summary prints the case count.
 
 from __future__ import annotations
 
+import harness
 import jax.numpy as jnp
 import numpy as np
+import oracle
 import pytest
+from conformance_table import ROWS
 
 import masked_jax
 from masked_jax.ops import REGISTRY
 from masked_jax.ops._registry import CHECKS
 
-import harness
-import oracle
-from conformance_table import ROWS
-
-CASES = [(name, check) for name in REGISTRY for check in CHECKS
-         if check not in REGISTRY[name].excluded and harness.in_sample(name, check)]
+CASES = [
+    (name, check)
+    for name in REGISTRY
+    for check in CHECKS
+    if check not in REGISTRY[name].excluded and harness.in_sample(name, check)
+]
 
 
 def test_every_registered_op_has_a_table_row_and_every_check_a_function():
@@ -78,8 +81,8 @@ def test_every_public_function_is_checked_against_jnp():
     oracle check), in a table of tests/oracle.py, or listed with the reason it has no jnp oracle."""
     import inspect
 
-    import masked_jax.numpy as mnp
     import masked_jax.nn as mnn
+    import masked_jax.numpy as mnp
 
     covered = set(REGISTRY) | set(oracle.FUNCTIONS) | set(oracle.CREATION) | set(oracle.NOT_ORACLE)
     missing = []
@@ -104,7 +107,11 @@ def test_the_docs_list_every_difference_from_jnp():
     for line in table.splitlines():
         if line.startswith("| `"):
             named |= set(re.findall(r"[a-z_0-9]+", line.split("|")[1].replace("`", " ")))
-    listed = set(oracle.ROUNDING) | set(oracle.differences()) | {
-        name for name, o in oracle.oracle_rows().items() if o.undefined} | {name for name, _ in oracle.FUNCTION_SKIPS}
+    listed = (
+        set(oracle.ROUNDING)
+        | set(oracle.differences())
+        | {name for name, o in oracle.oracle_rows().items() if o.undefined}
+        | {name for name, _ in oracle.FUNCTION_SKIPS}
+    )
     assert listed <= named, f"differences the docs do not list: {sorted(listed - named)}"
     assert "jit" in table and str(oracle.JIT_ULPS) + " ulp" in table

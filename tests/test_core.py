@@ -105,8 +105,15 @@ def test_filled_count_astype():
 def test_operators_follow_binary_semantics():
     x = x3()
     y = mj.masked_array(jnp.array([2.0, 2.0, 0.0]), jnp.array([True, True, False]))
-    for got, fn in [(x + y, np.add), (x - y, np.subtract), (x * y, np.multiply), (x / y, np.divide),
-                    (x**y, np.power), (x // y, np.floor_divide), (x % y, np.mod)]:
+    for got, fn in [
+        (x + y, np.add),
+        (x - y, np.subtract),
+        (x * y, np.multiply),
+        (x / y, np.divide),
+        (x**y, np.power),
+        (x // y, np.floor_divide),
+        (x % y, np.mod),
+    ]:
         np.testing.assert_array_equal(got.mask, [True, False, False])
         assert float(got.data[0]) == pytest.approx(fn(1.0, 2.0))
     np.testing.assert_array_equal((2.0 * x).mask, M)
@@ -149,8 +156,17 @@ def test_iteration_and_len():
 def test_indexing_moves_mask():
     x = mj.masked_array(jnp.arange(12.0).reshape(3, 4), jnp.arange(12).reshape(3, 4) % 3 != 0)
     ref = x.to_numpy_ma()
-    for index in [0, (1, 2), slice(1, None), (slice(None), 1), (Ellipsis, -1), jnp.array([2, 0]),
-                  (jnp.array([0, 2]), jnp.array([1, 3])), jnp.array([True, False, True]), None]:
+    for index in [
+        0,
+        (1, 2),
+        slice(1, None),
+        (slice(None), 1),
+        (Ellipsis, -1),
+        jnp.array([2, 0]),
+        (jnp.array([0, 2]), jnp.array([1, 3])),
+        jnp.array([True, False, True]),
+        None,
+    ]:
         got = x[index]
         exp = ref[np.asarray(index) if isinstance(index, jax.Array) else index]
         np.testing.assert_array_equal(got.mask, ~np.ma.getmaskarray(exp))
@@ -295,10 +311,22 @@ def test_grad_allow_int_flows_through_pytree():
 
 
 def test_nan_under_mask_never_leaks():
-    x = mj.masked_array(jnp.array([[1.0, jnp.nan, jnp.inf], [-jnp.inf, 2.0, jnp.nan]]),
-                        jnp.array([[True, False, False], [False, True, False]]))
-    for out in [mnp.sum(x, 1), mnp.mean(x, 1), mnp.var(x, 1), mnp.max(x, 1), mnp.logsumexp(x, 1),
-                mj.nn.softmax(x), mj.nn.log_softmax(x), mnp.norm(x, axis=1), x @ x.T, mnp.median(x, 1)]:
+    x = mj.masked_array(
+        jnp.array([[1.0, jnp.nan, jnp.inf], [-jnp.inf, 2.0, jnp.nan]]),
+        jnp.array([[True, False, False], [False, True, False]]),
+    )
+    for out in [
+        mnp.sum(x, 1),
+        mnp.mean(x, 1),
+        mnp.var(x, 1),
+        mnp.max(x, 1),
+        mnp.logsumexp(x, 1),
+        mj.nn.softmax(x),
+        mj.nn.log_softmax(x),
+        mnp.norm(x, axis=1),
+        x @ x.T,
+        mnp.median(x, 1),
+    ]:
         vals = np.asarray(out.data)[np.asarray(out.mask)]
         assert np.all(np.isfinite(vals)), out
 
@@ -308,8 +336,9 @@ class ChexVariantsTest(chex.TestCase):
 
     @chex.variants(with_jit=True, without_jit=True)
     def test_reductions_and_gradients_with_and_without_jit(self):
-        x = mj.masked_array(jnp.array([[1.0, jnp.nan, 3.0], [jnp.inf, 5.0, 6.0]]),
-                            jnp.array([[True, False, True], [False, True, True]]))
+        x = mj.masked_array(
+            jnp.array([[1.0, jnp.nan, 3.0], [jnp.inf, 5.0, 6.0]]), jnp.array([[True, False, True], [False, True, True]])
+        )
         stats = self.variant(lambda v: (mnp.mean(v, axis=1), mnp.std(v, axis=1), mnp.logsumexp(v, axis=1)))(x)
         chex.assert_trees_all_equal_structs(stats, (x[0], x[0], x[0]))
         chex.assert_trees_all_close(stats[0].filled(0), jnp.array([2.0, 5.5]))
@@ -322,8 +351,9 @@ class ChexVariantsTest(chex.TestCase):
 def _layouts_of(data, mask):
     """The operand in each storage: dense and BCOO with ``mask``, row-sparse with its whole rows valid."""
     x = mj.masked_array(data, mask)
-    rows = mj.masked_array(data, jnp.broadcast_to(jnp.all(mask, axis=1, keepdims=True) | (jnp.arange(len(mask)) == 0)[:, None],
-                                                  mask.shape))
+    rows = mj.masked_array(
+        data, jnp.broadcast_to(jnp.all(mask, axis=1, keepdims=True) | (jnp.arange(len(mask)) == 0)[:, None], mask.shape)
+    )
     return {"dense": x, "rows": rows.tostype("row_sparse"), "bcoo": x.tostype("bcoo")}
 
 
@@ -336,11 +366,18 @@ def test_jax_array_methods_follow_the_masked_functions_in_every_layout():
     for name, x in _layouts_of(data, mask).items():
         dense = x.todense() if name != "dense" else x
         for got, want in [
-            (x.real, mnp.real(dense)), (x.imag, mnp.imag(dense)), (x.conjugate(), mnp.conj(dense)),
-            (x.copy(), dense), (x.diagonal(1), mnp.diagonal(dense, 1)), (x.trace(), mnp.trace(dense)),
-            (round(x), mnp.round(dense)), (round(x, 1), mnp.round(dense, 1)),
-            (divmod(x, 2.0)[0], mnp.floor_divide(dense, 2.0)), (divmod(x, 2.0)[1], mnp.mod(dense, 2.0)),
-            (divmod(7.0, x)[1], mnp.mod(7.0, dense)), (x.block_until_ready(), dense),
+            (x.real, mnp.real(dense)),
+            (x.imag, mnp.imag(dense)),
+            (x.conjugate(), mnp.conj(dense)),
+            (x.copy(), dense),
+            (x.diagonal(1), mnp.diagonal(dense, 1)),
+            (x.trace(), mnp.trace(dense)),
+            (round(x), mnp.round(dense)),
+            (round(x, 1), mnp.round(dense, 1)),
+            (divmod(x, 2.0)[0], mnp.floor_divide(dense, 2.0)),
+            (divmod(x, 2.0)[1], mnp.mod(dense, 2.0)),
+            (divmod(7.0, x)[1], mnp.mod(7.0, dense)),
+            (x.block_until_ready(), dense),
         ]:
             got = got.todense() if hasattr(got, "todense") else got
             np.testing.assert_array_equal(np.asarray(got.mask), np.asarray(want.mask), err_msg=name)

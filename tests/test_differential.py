@@ -7,36 +7,50 @@ from __future__ import annotations
 import os
 import warnings
 
+import harness
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+import oracle
 import pytest
+from conformance_table import ROWS
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import masked_jax as mj
 from masked_jax.layouts import BCOOMaskedArray, RowSparseArray, rows_from_parts
 
-import harness
-import oracle
-from conformance_table import ROWS
-
 FLOATS = (np.float32, np.float64, np.float16, ml_dtypes.bfloat16)
 NUMERIC = FLOATS + (np.int32,)
 EVERY = NUMERIC + (np.bool_,)
 # op -> (dtypes it is drawn with, keyword cases)
 OPS = {
-    "exp": (FLOATS, [{}]), "sin": (FLOATS, [{}]), "tanh": (FLOATS, [{}]), "arctan": (FLOATS, [{}]),
-    "negative": (NUMERIC, [{}]), "abs": (NUMERIC, [{}]), "square": (NUMERIC, [{}]),
-    "sigmoid": (FLOATS, [{}]), "softplus": (FLOATS, [{}]),
-    "add": (NUMERIC, [{}]), "subtract": (NUMERIC, [{}]), "multiply": (EVERY, [{}]),
-    "maximum": (NUMERIC, [{}]), "minimum": (NUMERIC, [{}]),
-    "sum": (EVERY, [{}, {"axis": 0}, {"axis": 1}]), "mean": (NUMERIC, [{}, {"axis": 0}, {"axis": 1}]),
-    "max": (NUMERIC, [{}, {"axis": 1}]), "min": (NUMERIC, [{}, {"axis": 0}]),
-    "var": (FLOATS, [{"axis": 1}, {"axis": 0, "ddof": 1}]), "std": (FLOATS, [{}, {"axis": 0}]),
-    "logsumexp": (FLOATS, [{}, {"axis": 1}]), "count": (EVERY, [{}, {"axis": 0}]),
-    "any": ((np.bool_,), [{}, {"axis": 1}]), "all": ((np.bool_,), [{}, {"axis": 0}]),
-    "softmax": (FLOATS, [{"axis": 1}, {"axis": 0}]), "log_softmax": (FLOATS, [{"axis": 1}]),
+    "exp": (FLOATS, [{}]),
+    "sin": (FLOATS, [{}]),
+    "tanh": (FLOATS, [{}]),
+    "arctan": (FLOATS, [{}]),
+    "negative": (NUMERIC, [{}]),
+    "abs": (NUMERIC, [{}]),
+    "square": (NUMERIC, [{}]),
+    "sigmoid": (FLOATS, [{}]),
+    "softplus": (FLOATS, [{}]),
+    "add": (NUMERIC, [{}]),
+    "subtract": (NUMERIC, [{}]),
+    "multiply": (EVERY, [{}]),
+    "maximum": (NUMERIC, [{}]),
+    "minimum": (NUMERIC, [{}]),
+    "sum": (EVERY, [{}, {"axis": 0}, {"axis": 1}]),
+    "mean": (NUMERIC, [{}, {"axis": 0}, {"axis": 1}]),
+    "max": (NUMERIC, [{}, {"axis": 1}]),
+    "min": (NUMERIC, [{}, {"axis": 0}]),
+    "var": (FLOATS, [{"axis": 1}, {"axis": 0, "ddof": 1}]),
+    "std": (FLOATS, [{}, {"axis": 0}]),
+    "logsumexp": (FLOATS, [{}, {"axis": 1}]),
+    "count": (EVERY, [{}, {"axis": 0}]),
+    "any": ((np.bool_,), [{}, {"axis": 1}]),
+    "all": ((np.bool_,), [{}, {"axis": 0}]),
+    "softmax": (FLOATS, [{"axis": 1}, {"axis": 0}]),
+    "log_softmax": (FLOATS, [{"axis": 1}]),
 }
 LOW = (np.float16, ml_dtypes.bfloat16)
 

@@ -20,12 +20,25 @@ from masked_jax import optim
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted(p.name for p in (ROOT / "notebooks").glob("*.ipynb"))
 EXPECTED = {  # text each notebook must print, and how many figures it must draw
-    "row_sparse.ipynb": (["RowSparseArray(float32[5, 2], rows=2)", "strict:", "RowSparseArray [0, 3]",
-                          "K =  8192: lazy"], 1),
+    "row_sparse.ipynb": (
+        ["RowSparseArray(float32[5, 2], rows=2)", "strict:", "RowSparseArray [0, 3]", "K =  8192: lazy"],
+        1,
+    ),
     "masked_adagrad.ipynb": (["same as by hand: True", "bcoo, jit: True", "x faster"], 1),
-    "jacobian_check.ipynb": (["('masked',)", "('dense',)", "fix passes: ('dense', 'masked')", "<-- mismatch",
-                              "forward mode skipped", "fast: True passed: True", "4.", "31.",
-                              "leak: args[0][0, 1] -> out[] through gradient"], 2),
+    "jacobian_check.ipynb": (
+        [
+            "('masked',)",
+            "('dense',)",
+            "fix passes: ('dense', 'masked')",
+            "<-- mismatch",
+            "forward mode skipped",
+            "fast: True passed: True",
+            "4.",
+            "31.",
+            "leak: args[0][0, 1] -> out[] through gradient",
+        ],
+        2,
+    ),
 }
 
 
@@ -50,9 +63,27 @@ def site(tmp_path_factory, worker_id):
 def _build(out):
     env = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))
     env.pop("MPLBACKEND", None)  # the notebooks' kernels draw with Jupyter's inline backend
-    run = subprocess.run([sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-b", "html",
-                          "-d", str(out / "doctrees"), "docs", str(out / "html")],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "sphinx",
+            "-W",
+            "--keep-going",
+            "-q",
+            "-b",
+            "html",
+            "-d",
+            str(out / "doctrees"),
+            "docs",
+            str(out / "html"),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert run.returncode == 0, f"the docs build failed:\n{run.stdout[-3000:]}\n{run.stderr[-6000:]}"
     return out
 
@@ -61,7 +92,7 @@ def test_every_notebook_is_in_the_site_and_expected():
     assert NOTEBOOKS and set(NOTEBOOKS) == set(EXPECTED)
     index = (ROOT / "docs" / "index.md").read_text()
     for name in NOTEBOOKS:
-        assert f"notebooks/{name[:-len('.ipynb')]}" in index, f"{name} is not in the site's table of contents"
+        assert f"notebooks/{name[: -len('.ipynb')]}" in index, f"{name} is not in the site's table of contents"
 
 
 @pytest.mark.parametrize("name", NOTEBOOKS)
@@ -83,7 +114,8 @@ def test_notebook_executed_at_build_time_prints_and_plots(site, name):
 def test_api_reference_documents_every_public_name(site, module, page):
     html = (site / "html" / "api" / f"{page}.html").read_text()
     names = getattr(module, "__all__", None) or [
-        n for n in dir(module) if not n.startswith("_") and not isinstance(getattr(module, n), type(mj))]
+        n for n in dir(module) if not n.startswith("_") and not isinstance(getattr(module, n), type(mj))
+    ]
     missing = [n for n in names if f'id="{module.__name__}.{n}"' not in html]
     assert not missing, f"the API reference of {module.__name__} misses {missing}"
 

@@ -45,8 +45,9 @@ INVARIANT_CASES = [
 def test_masked_functions_are_padding_invariant(name, dtype, lengths, positions, fills):
     x = tokens(dtype)
     w = jnp.asarray(np.random.default_rng(1).normal(size=(4, 3)), dtype)
-    report = mj.check_invariance(MASKED_FUNCTIONS[name], (w, x), axis=1, params=(0,), lengths=lengths,
-                                 positions=positions, fills=fills)  # the suite runs with x64 enabled
+    report = mj.check_invariance(
+        MASKED_FUNCTIONS[name], (w, x), axis=1, params=(0,), lengths=lengths, positions=positions, fills=fills
+    )  # the suite runs with x64 enabled
     assert report, name
     # every length x position x content under eager, jit and vmap
     assert {c.transform for c in report.cases} == {"eager", "jit", "vmap"}
@@ -61,7 +62,9 @@ def test_padding_bugs_are_caught_and_named():
     assert not r and r.first_failure.first[0] == "out"
     assert "zero content" in str(r)  # no NaN needed: a longer pad of zeros moves it
     # reading the data under the mask: NaN content reaches the output
-    r = mj.check_invariance(lambda v: jnp.sum(v.data * v.mask.astype(v.dtype), axis=1), (x,), axis=1, raise_exception=False)
+    r = mj.check_invariance(
+        lambda v: jnp.sum(v.data * v.mask.astype(v.dtype), axis=1), (x,), axis=1, raise_exception=False
+    )
     bad = r.failures()
     assert bad and all(c.padding.endswith(("nan content", "inf content")) for c in bad)
     assert np.isnan(bad[0].first[3])
@@ -124,8 +127,9 @@ def test_a_flax_model_with_a_padding_bug_is_caught_and_its_fix_passes(bug):
     x = tokens()
     model = Pool(bug)
     params = model.init(jax.random.PRNGKey(0), x.data, x.mask[..., 0])
-    report = mj.check_invariance(lambda p, t: model.apply(p, t.data, t.mask[..., 0]), (params, x), axis=1,
-                                 params=(0,), raise_exception=False)
+    report = mj.check_invariance(
+        lambda p, t: model.apply(p, t.data, t.mask[..., 0]), (params, x), axis=1, params=(0,), raise_exception=False
+    )
     if bug is None:
         assert report, report
         return
@@ -190,13 +194,15 @@ def test_bad_arguments():
     with pytest.raises(TypeError, match="out_axis must be None or an int"):
         mj.check_invariance(lambda v: v, (x,), axis=1, out_axis=1.5)
     # one name instead of a sequence is one option, not its letters
-    r = mj.check_invariance(lambda v: mnp.sum(v, axis=1), (x,), axis=1, lengths="longer", positions="start",
-                            fills="nan", transforms="jit")
+    r = mj.check_invariance(
+        lambda v: mnp.sum(v, axis=1), (x,), axis=1, lengths="longer", positions="start", fills="nan", transforms="jit"
+    )
     assert [c.padding for c in r.cases] == ["pad to 8 (longer) at start, nan content"]
 
 
-@pytest.mark.parametrize("shape, axis, other", [((2, 0), -1, 0), ((0, 3), -1, -1), ((2, 0, 3), 1, 2)],
-                         ids=["no_positions", "no_rows", "3d"])
+@pytest.mark.parametrize(
+    "shape, axis, other", [((2, 0), -1, 0), ((0, 3), -1, -1), ((2, 0, 3), 1, 2)], ids=["no_positions", "no_rows", "3d"]
+)
 def test_inputs_with_a_zero_size_axis_are_re_padded(shape, axis, other):
     """Inputs with no positions along the padded axis (every re-padding is pads only) or no rows
     before it are re-padded like any other; an elementwise op and a reduction over another axis

@@ -24,7 +24,9 @@ ROWS = np.array([False, True, False, False, True, True])
 def dense_x():
     rng = np.random.default_rng(0)
     data = rng.uniform(0.5, 2.0, (6, 3))
-    return mj.masked_array(jnp.asarray(np.where(ROWS[:, None], data, np.nan)), jnp.asarray(np.repeat(ROWS[:, None], 3, 1)))
+    return mj.masked_array(
+        jnp.asarray(np.where(ROWS[:, None], data, np.nan)), jnp.asarray(np.repeat(ROWS[:, None], 3, 1))
+    )
 
 
 def layouts():
@@ -47,22 +49,37 @@ ROWVEC = jnp.asarray([1.0, 2.0, 3.0])
 ALL = set(STORAGE)
 ROW = {"dense", "row_sparse"}
 OPS = {
-    "exp": (mnp.exp, ALL), "log1p": (mnp.log1p, ALL), "cos": (mnp.cos, ALL), "sqrt": (mnp.sqrt, ALL),
-    "negative": (mnp.negative, ALL), "relu": (mnn.relu, ALL),
-    "mul_scalar": (lambda x: x * 3.0, ALL), "add_scalar": (lambda x: x + 1.0, ALL),
-    "rdiv_scalar": (lambda x: 1.0 / x, ALL), "pow_scalar": (lambda x: x**2, ALL),
+    "exp": (mnp.exp, ALL),
+    "log1p": (mnp.log1p, ALL),
+    "cos": (mnp.cos, ALL),
+    "sqrt": (mnp.sqrt, ALL),
+    "negative": (mnp.negative, ALL),
+    "relu": (mnn.relu, ALL),
+    "mul_scalar": (lambda x: x * 3.0, ALL),
+    "add_scalar": (lambda x: x + 1.0, ALL),
+    "rdiv_scalar": (lambda x: 1.0 / x, ALL),
+    "pow_scalar": (lambda x: x**2, ALL),
     "add_dense": (lambda x: mnp.add(x, jnp.ones((6, 3))), ROW),
     "mul_rowvec": (lambda x: mnp.multiply(x, ROWVEC), ROW),
-    "sum": (mnp.sum, ALL), "max": (mnp.max, ALL), "mean": (mnp.mean, ALL), "var": (mnp.var, ALL),
+    "sum": (mnp.sum, ALL),
+    "max": (mnp.max, ALL),
+    "mean": (mnp.mean, ALL),
+    "var": (mnp.var, ALL),
     "logsumexp": (mnp.logsumexp, ALL),
-    "sum_axis0": (lambda x: mnp.sum(x, axis=0), ALL), "sum_axis1": (lambda x: mnp.sum(x, axis=1), ALL),
-    "mean_axis0": (lambda x: mnp.mean(x, axis=0), ALL), "std_axis1": (lambda x: mnp.std(x, axis=1), ALL),
+    "sum_axis0": (lambda x: mnp.sum(x, axis=0), ALL),
+    "sum_axis1": (lambda x: mnp.sum(x, axis=1), ALL),
+    "mean_axis0": (lambda x: mnp.mean(x, axis=0), ALL),
+    "std_axis1": (lambda x: mnp.std(x, axis=1), ALL),
     "var_axis0_ddof1": (lambda x: mnp.var(x, axis=0, ddof=1), ALL),
-    "max_axis1": (lambda x: mnp.max(x, axis=1), ALL), "min_axis0": (lambda x: mnp.min(x, axis=0), ALL),
-    "prod_axis1": (lambda x: mnp.prod(x, axis=1), ALL), "ptp_axis0": (lambda x: mnp.ptp(x, axis=0), ALL),
+    "max_axis1": (lambda x: mnp.max(x, axis=1), ALL),
+    "min_axis0": (lambda x: mnp.min(x, axis=0), ALL),
+    "prod_axis1": (lambda x: mnp.prod(x, axis=1), ALL),
+    "ptp_axis0": (lambda x: mnp.ptp(x, axis=0), ALL),
     "logsumexp_axis1": (lambda x: mnp.logsumexp(x, axis=1), ALL),
-    "norm_axis0": (lambda x: mnp.norm(x, axis=0), ALL), "norm1_axis1": (lambda x: mnp.norm(x, ord=1, axis=1), ALL),
-    "any_axis1": (lambda x: mnp.any(x > 1.0, axis=1), ALL), "all_axis0": (lambda x: mnp.all(x > 1.0, axis=0), ALL),
+    "norm_axis0": (lambda x: mnp.norm(x, axis=0), ALL),
+    "norm1_axis1": (lambda x: mnp.norm(x, ord=1, axis=1), ALL),
+    "any_axis1": (lambda x: mnp.any(x > 1.0, axis=1), ALL),
+    "all_axis0": (lambda x: mnp.all(x > 1.0, axis=0), ALL),
     "sum_keepdims": (lambda x: mnp.sum(x, axis=1, keepdims=True), ALL),
     "median_axis0": (lambda x: mnp.median(x, axis=0), ROW),
     "softmax_axis1": (lambda x: mnn.softmax(x, axis=1), ALL),
@@ -80,8 +97,16 @@ OPS = {
 # Ops whose result is dense by nature: whole-array reductions on every layout, and on row-sparse
 # storage the reductions across the stored axis (BCOO keeps a BCOO result along any axis).
 DENSE_RESULT = {"sum", "max", "mean", "var", "logsumexp"}
-ACROSS_ROWS = {"sum_axis0", "mean_axis0", "median_axis0", "var_axis0_ddof1", "min_axis0", "ptp_axis0", "norm_axis0",
-               "all_axis0"}
+ACROSS_ROWS = {
+    "sum_axis0",
+    "mean_axis0",
+    "median_axis0",
+    "var_axis0_ddof1",
+    "min_axis0",
+    "ptp_axis0",
+    "norm_axis0",
+    "all_axis0",
+}
 
 
 def _dense_of(y):
@@ -114,8 +139,17 @@ def test_layout_keeps_sparse_storage_where_the_op_allows(layout):
         _same(got, fn(layouts()["dense"]))
 
 
-VMAP_OPS = ["exp", "mul_scalar", "sum", "logsumexp", "sum_axis1", "mean_axis0", "softmax_axis1", "softmax_axis0",
-            "matmul_dense"]
+VMAP_OPS = [
+    "exp",
+    "mul_scalar",
+    "sum",
+    "logsumexp",
+    "sum_axis1",
+    "mean_axis0",
+    "softmax_axis1",
+    "softmax_axis0",
+    "matmul_dense",
+]
 
 
 @pytest.mark.parametrize("layout", ["bcoo", "bcoo_hybrid", "row_sparse"])
@@ -123,8 +157,11 @@ VMAP_OPS = ["exp", "mul_scalar", "sum", "logsumexp", "sum_axis1", "mean_axis0", 
 def test_vmap_over_a_batch_of_sparse_arrays(op, layout):
     fn, keeps = OPS[op]
     xs = [dense_x(), mj.masked_array(dense_x().data * 2 - 1, dense_x().mask)]
-    build = {"bcoo": lambda x: x.tostype("bcoo"), "row_sparse": lambda x: x.tostype("row_sparse"),
-             "bcoo_hybrid": lambda x: mj.BCOOMaskedArray.from_masked(x, nse=3, n_dense=1)}[layout]
+    build = {
+        "bcoo": lambda x: x.tostype("bcoo"),
+        "row_sparse": lambda x: x.tostype("row_sparse"),
+        "bcoo_hybrid": lambda x: mj.BCOOMaskedArray.from_masked(x, nse=3, n_dense=1),
+    }[layout]
     batch = jax.tree_util.tree_map(lambda *leaves: jnp.stack(leaves), *[build(x) for x in xs])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", mj.StorageFallbackWarning)
@@ -274,7 +311,7 @@ def test_distinct_ids_number_every_distinct_row_once(rows, k):
     rng = np.random.default_rng(rows + k)
     for trial in range(4):
         ids = rng.integers(0, rows + 1, size=k).astype(np.int32)  # rows = padding
-        ids[: trial] = rows
+        ids[:trial] = rows
         for fn in (distinct_ids, jax.jit(distinct_ids, static_argnums=1)):
             uniq, seg = (np.asarray(a) for a in fn(jnp.asarray(ids), rows))
             present = np.unique(ids[ids < rows])
@@ -295,9 +332,13 @@ def test_binary_ops_of_sparse_operands_with_different_index_sets(storage):
 
     def make(seed):
         rows = np.random.default_rng(seed).random(8) > 0.5
-        mask = np.repeat(rows[:, None], 3, 1) if storage == "row_sparse" else \
-            np.random.default_rng(seed).random((8, 3)) > 0.5
+        mask = (
+            np.repeat(rows[:, None], 3, 1)
+            if storage == "row_sparse"
+            else np.random.default_rng(seed).random((8, 3)) > 0.5
+        )
         return mj.masked_array(jnp.asarray(rng.uniform(0.5, 2, (8, 3))), jnp.asarray(mask))
+
     a, b = make(10), make(11)
     for fn in (mnp.multiply, mnp.subtract, mnp.maximum, mnp.arctan2):
         with mj.strict_storage():  # stays sparse
@@ -373,9 +414,11 @@ AXIS_OPS_3D = {
 @pytest.mark.parametrize("layout", ["bcoo", "bcoo_batch2", "bcoo_hybrid"])
 def test_bcoo_reductions_and_softmax_along_axes_stay_sparse_in_3d(layout):
     x = _poisoned((5, 4, 3), 0, block_last=layout == "bcoo_hybrid")
-    build = {"bcoo": lambda: x.tostype("bcoo"),
-             "bcoo_batch2": lambda: mj.BCOOMaskedArray.from_masked(x, nse=3, n_batch=2),
-             "bcoo_hybrid": lambda: mj.BCOOMaskedArray.from_masked(x, nse=20, n_dense=1)}
+    build = {
+        "bcoo": lambda: x.tostype("bcoo"),
+        "bcoo_batch2": lambda: mj.BCOOMaskedArray.from_masked(x, nse=3, n_batch=2),
+        "bcoo_hybrid": lambda: mj.BCOOMaskedArray.from_masked(x, nse=20, n_dense=1),
+    }
     b = build[layout]()
     run_all = lambda v: {name: fn(v) for name, fn in AXIS_OPS_3D.items()}  # noqa: E731  (one compile)
     with mj.strict_storage():  # no op may densify (checked while tracing)
@@ -417,8 +460,11 @@ def test_bcoo_axis_reductions_edge_cases():
         assert s.storage == "bcoo" and s.shape == (3,) and not bool(jnp.any(s.todense().mask))
         assert mnn.softmax(nse0, axis=0).nse == 0 and mnp.prod(nse0, axis=0).nse == 0
         # duplicates count once (summed), padding entries are ignored, explicit zeros are valid
-        dup = mj.from_bcoo(sparse.BCOO((jnp.array([1.0, 2.0, 0.0, jnp.nan]), jnp.array([[0, 1], [0, 1], [1, 0], [3, 0]])),
-                                       shape=(3, 2)))
+        dup = mj.from_bcoo(
+            sparse.BCOO(
+                (jnp.array([1.0, 2.0, 0.0, jnp.nan]), jnp.array([[0, 1], [0, 1], [1, 0], [3, 0]])), shape=(3, 2)
+            )
+        )
         np.testing.assert_array_equal(mnp.max(dup, axis=1).todense().filled(-1), [3.0, 0.0, -1])
         np.testing.assert_array_equal(mnp.mean(dup, axis=0).todense().mask, [True, True])
         sm = mnn.softmax(dup, axis=1).todense()
@@ -476,9 +522,12 @@ def test_half_precision_duplicates_add_up_in_float32(dtype):
     want = float(jnp.sum(ones[:, 0]))
     assert want == 600.0
     got = {
-        "rows coalesce": rows.coalesce().data[0, 0], "rows todense": rows.todense().data[0, 0],
-        "rows sum": mnp.sum(rows, axis=0).data[0], "rows todense, jit": jax.jit(lambda r: r.todense().data)(rows)[0, 0],
-        "bcoo coalesce": entries.coalesce().todense().data[0, 0], "bcoo todense": entries.todense().data[0, 0],
+        "rows coalesce": rows.coalesce().data[0, 0],
+        "rows todense": rows.todense().data[0, 0],
+        "rows sum": mnp.sum(rows, axis=0).data[0],
+        "rows todense, jit": jax.jit(lambda r: r.todense().data)(rows)[0, 0],
+        "bcoo coalesce": entries.coalesce().todense().data[0, 0],
+        "bcoo todense": entries.todense().data[0, 0],
         "bcoo sum": mnp.sum(entries, axis=0).todense().data[0],
         "apply_updates": mj.optim.apply_updates(jnp.zeros((10, 2), dtype), rows)[0, 0],
         "apply_updates, jit": jax.jit(mj.optim.apply_updates)(jnp.zeros((10, 2), dtype), rows)[0, 0],

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from strategies import masks, poison, tolerance, values
 
 import masked_jax as mj
 import masked_jax.numpy as mnp
-from strategies import masks, poison, tolerance, values
 
 
 def _operand(draw, shape, dtype):
@@ -34,8 +34,7 @@ def test_matmul_dot_einsum_against_explicit_masked_sum(data):
     c = _operand(data.draw, (k, j), dtype)
     exp_d, exp_m = _reference("bik,kj->bij", a, c)
     tol = tolerance(dtype)
-    for got in [mnp.matmul(a, c), a @ c, mnp.einsum("bik,kj->bij", a, c),
-                mnp.tensordot(a, c, axes=1)]:
+    for got in [mnp.matmul(a, c), a @ c, mnp.einsum("bik,kj->bij", a, c), mnp.tensordot(a, c, axes=1)]:
         np.testing.assert_array_equal(got.mask, exp_m)
         np.testing.assert_allclose(got.filled(0), np.where(exp_m, exp_d, 0), **tol)
     a2 = a[0] if b else _operand(data.draw, (i, k), dtype)
@@ -68,7 +67,9 @@ def test_matmul_with_plain_operand_and_nan_under_mask():
 
 @pytest.mark.parametrize("ord", [None, 2, 1, np.inf, -np.inf, 0, 3])
 def test_vector_norms(ord):
-    x = mj.masked_array(jnp.array([[3.0, -4.0, jnp.nan], [1.0, 1.0, 1.0]]), jnp.array([[True, True, False], [False, False, False]]))
+    x = mj.masked_array(
+        jnp.array([[3.0, -4.0, jnp.nan], [1.0, 1.0, 1.0]]), jnp.array([[True, True, False], [False, False, False]])
+    )
     got = mnp.norm(x, ord=ord, axis=1)
     np.testing.assert_array_equal(got.mask, [True, False])
     assert float(got.data[0]) == pytest.approx(np.linalg.norm(np.array([3.0, -4.0]), ord=ord))
@@ -128,5 +129,6 @@ def test_the_exact_value_conditional_stays_a_conditional_under_vmap():
     same(jax.jit(lambda x, y: jax.lax.scan(lambda c, xy: (c, mnp.matmul(*xy)), 0.0, (x, y))[1])(a, b), want)
     finite = mj.masked_array(jnp.where(jnp.isinf(a.data), 1.0, a.data), a.mask)
     loss = lambda f: lambda x: mnp.sum(f(x, b) ** 2).data  # noqa: E731
-    np.testing.assert_allclose(jax.jit(mj.grad(loss(mm)))(finite).filled(0),
-                               mj.grad(loss(mnp.matmul))(finite).filled(0), rtol=1e-12)
+    np.testing.assert_allclose(
+        jax.jit(mj.grad(loss(mm)))(finite).filled(0), mj.grad(loss(mnp.matmul))(finite).filled(0), rtol=1e-12
+    )

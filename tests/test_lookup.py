@@ -59,6 +59,7 @@ def _vmap_axis1(t, ids, read):  # ids batched along their second axis
 def _scan(t, ids, read):
     def body(c, i):
         return c + _score(read(t, i)), None
+
     return lax.scan(body, 0.0, ids)[0]
 
 
@@ -68,6 +69,7 @@ def _scan_reverse_nested(t, ids, read):
 
     def outer(c, pair):
         return lax.scan(inner, c, pair)[0], _score(read(t, pair[0]))
+
     carry, ys = lax.scan(outer, 0.0, ids.reshape(2, 2, 3), reverse=True)
     return carry + jnp.sum(ys * jnp.array([1.0, 3.0]))
 
@@ -85,8 +87,20 @@ def _vmap_of_scan(t, ids, read):
     return jnp.sum(jax.vmap(lambda row: _scan(t, row.reshape(1, 3), read))(ids))
 
 
-WHERE = {f.__name__.lstrip("_"): f for f in (_plain, _jit, _vmap, _vmap_axis1, _scan, _scan_reverse_nested,
-                                             _checkpoint, _scan_of_checkpoint, _vmap_of_scan)}
+WHERE = {
+    f.__name__.lstrip("_"): f
+    for f in (
+        _plain,
+        _jit,
+        _vmap,
+        _vmap_axis1,
+        _scan,
+        _scan_reverse_nested,
+        _checkpoint,
+        _scan_of_checkpoint,
+        _vmap_of_scan,
+    )
+}
 
 
 def _check(loss, jit, ids=IDS):
@@ -101,8 +115,12 @@ def _check(loss, jit, ids=IDS):
 FULL = os.environ.get("MJ_ORACLE") == "full"
 # `make test` runs every read in the plain function, the lookup in every transform, and each other
 # read in one more transform (a rotation); `make test-full` (MJ_ORACLE=full) runs all
-CASES = [(r, w) for i, r in enumerate(READS) for j, w in enumerate(WHERE)
-         if FULL or w == "plain" or r == "lookup" or j == (i * 2 + 2) % len(WHERE)]
+CASES = [
+    (r, w)
+    for i, r in enumerate(READS)
+    for j, w in enumerate(WHERE)
+    if FULL or w == "plain" or r == "lookup" or j == (i * 2 + 2) % len(WHERE)
+]
 
 
 @pytest.mark.parametrize("read, where", CASES)
@@ -134,7 +152,7 @@ def test_traced_once_and_values_may_depend_on_rows_read():
         traces.append(1)
         first = mj.lookup(t, ids)
         second = jnp.argmax(first[:, 0]).astype(jnp.int32)  # an id that depends on a row read
-        return jnp.sum(first ** 2) + jnp.sum(mj.lookup(t, second[None]) * 3.0)
+        return jnp.sum(first**2) + jnp.sum(mj.lookup(t, second[None]) * 3.0)
 
     ids = jnp.array([2, 5, 8])
     _check(loss, jit=True, ids=ids)
@@ -197,11 +215,12 @@ def test_maskified_model_with_masked_ids_under_row_sparse():
     value, g = jax.jit(mj.value_and_grad(loss, row_sparse=True))(TABLE, ids)
 
     def unpadded(t):
-        return sum(model(t, ids_data[b, :lengths[b]][None]) for b in range(3))
+        return sum(model(t, ids_data[b, : lengths[b]][None]) for b in range(3))
 
     np.testing.assert_allclose(float(value), float(unpadded(TABLE)), rtol=1e-6)
-    np.testing.assert_allclose(np.asarray(g.todense().filled(0)), np.asarray(jax.grad(unpadded)(TABLE)),
-                               rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(
+        np.asarray(g.todense().filled(0)), np.asarray(jax.grad(unpadded)(TABLE)), rtol=1e-5, atol=1e-7
+    )
     read = set(np.asarray(g.indices).tolist()) - {N}
     assert read == {2, 7, 5, 1, 3, 4}  # never rows 0 and 9, which only masked ids name
 
@@ -224,8 +243,9 @@ def test_flax_embed_and_equinox_embedding_read_rows():
     g = jax.jit(mj.grad(loss, row_sparse=only_embed))(params, ids)
     ref = jax.grad(loss)(params, ids)
     assert isinstance(g["Embed_0"]["embedding"], mj.RowSparseArray)
-    np.testing.assert_allclose(np.asarray(g["Embed_0"]["embedding"].todense().filled(0)),
-                               np.asarray(ref["Embed_0"]["embedding"]), rtol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(g["Embed_0"]["embedding"].todense().filled(0)), np.asarray(ref["Embed_0"]["embedding"]), rtol=1e-6
+    )
     np.testing.assert_allclose(np.asarray(g["Dense_0"]["kernel"]), np.asarray(ref["Dense_0"]["kernel"]), rtol=1e-6)
     opt = optim.lazy(optax.adam(0.1))
     step = optim.make_train_step(loss, opt, row_sparse=only_embed)
@@ -241,8 +261,9 @@ def test_flax_embed_and_equinox_embedding_read_rows():
 
     ids1 = jnp.array([4, 4, 0, 10])
     g = mj.grad(eqx_loss, row_sparse=True)(emb, ids1)
-    np.testing.assert_allclose(np.asarray(g.weight.todense().filled(0)),
-                               np.asarray(jax.grad(eqx_loss)(emb, ids1).weight), rtol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(g.weight.todense().filled(0)), np.asarray(jax.grad(eqx_loss)(emb, ids1).weight), rtol=1e-6
+    )
 
 
 def test_flax_nnx_embed_reads_rows():
@@ -263,7 +284,11 @@ def test_flax_nnx_embed_reads_rows():
     g = jax.jit(mj.grad(loss, row_sparse=only_embed))(params, ids)
     ref = jax.grad(loss)(params, ids)
     assert isinstance(g["embed"]["embedding"].get_value(), mj.RowSparseArray)
-    np.testing.assert_allclose(np.asarray(g["embed"]["embedding"].get_value().todense().filled(0)),
-                               np.asarray(ref["embed"]["embedding"].get_value()), rtol=1e-6)
-    np.testing.assert_allclose(np.asarray(g["head"]["kernel"].get_value()), np.asarray(ref["head"]["kernel"].get_value()),
-                               rtol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(g["embed"]["embedding"].get_value().todense().filled(0)),
+        np.asarray(ref["embed"]["embedding"].get_value()),
+        rtol=1e-6,
+    )
+    np.testing.assert_allclose(
+        np.asarray(g["head"]["kernel"].get_value()), np.asarray(ref["head"]["kernel"].get_value()), rtol=1e-6
+    )

@@ -25,10 +25,10 @@ import jax.numpy as jnp
 import jax.scipy.special as jss
 import numpy as np
 import pytest
+from harness import sub_jaxprs
 from jax import lax
 
 import masked_jax as mj
-from harness import sub_jaxprs
 from masked_jax._maskify import _interpreter as _transform
 from masked_jax._maskify import _rules as primitives
 
@@ -44,26 +44,40 @@ def _j(name, dom=ANY):
 
 
 UNARY = {
-    **{f"jnp.{n}": _j(n) for n in (
-        "abs absolute negative positive sign exp exp2 expm1 sin cos tan arctan sinh cosh tanh arcsinh floor ceil "
-        "round rint trunc isfinite isinf isnan isneginf isposinf signbit deg2rad rad2deg degrees radians conj "
-        "conjugate real sinc i0 nan_to_num fabs square cbrt angle spacing tril triu").split()},
+    **{
+        f"jnp.{n}": _j(n)
+        for n in (
+            "abs absolute negative positive sign exp exp2 expm1 sin cos tan arctan sinh cosh tanh arcsinh floor ceil "
+            "round rint trunc isfinite isinf isnan isneginf isposinf signbit deg2rad rad2deg degrees radians conj "
+            "conjugate real sinc i0 nan_to_num fabs square cbrt angle spacing tril triu"
+        ).split()
+    },
     **{f"jnp.{n}": _j(n, POS) for n in "log log1p log2 log10 sqrt reciprocal".split()},
     **{f"jnp.{n}": _j(n, UNIT) for n in "arcsin arccos arctanh".split()},
     "jnp.arccosh": (jnp.arccosh, (1.1, 3.0)),
-    **{f"jax.nn.{n}": (getattr(jax.nn, n), ANY) for n in (
-        "relu relu6 sigmoid softplus soft_sign silu swish log_sigmoid leaky_relu hard_sigmoid hard_silu hard_swish "
-        "hard_tanh elu celu selu gelu mish squareplus sparse_plus sparse_sigmoid identity tanh").split()},
+    **{
+        f"jax.nn.{n}": (getattr(jax.nn, n), ANY)
+        for n in (
+            "relu relu6 sigmoid softplus soft_sign silu swish log_sigmoid leaky_relu hard_sigmoid hard_silu hard_swish "
+            "hard_tanh elu celu selu gelu mish squareplus sparse_plus sparse_sigmoid identity tanh"
+        ).split()
+    },
     "jax.nn.gelu(approximate=False)": (functools.partial(jax.nn.gelu, approximate=False), ANY),
     **{f"jss.{n}": (getattr(jss, n), ANY) for n in "erf erfc expit ndtr log_ndtr i0e i1e i0 i1 entr".split()},
     **{f"jss.{n}": (getattr(jss, n), POS) for n in "gammaln digamma".split()},
     **{f"jss.{n}": (getattr(jss, n), UNIT) for n in "erfinv".split()},
-    "jss.logit": (jss.logit, (0.1, 0.9)), "jss.ndtri": (jss.ndtri, (0.1, 0.9)),
-    **{f"lax.{n}": (getattr(lax, n), ANY) for n in (
-        "abs neg sign floor ceil round is_finite exp exp2 expm1 tanh logistic sin cos tan atan sinh cosh asinh "
-        "cbrt erf erfc bessel_i0e bessel_i1e square stop_gradient conj").split()},
+    "jss.logit": (jss.logit, (0.1, 0.9)),
+    "jss.ndtri": (jss.ndtri, (0.1, 0.9)),
+    **{
+        f"lax.{n}": (getattr(lax, n), ANY)
+        for n in (
+            "abs neg sign floor ceil round is_finite exp exp2 expm1 tanh logistic sin cos tan atan sinh cosh asinh "
+            "cbrt erf erfc bessel_i0e bessel_i1e square stop_gradient conj"
+        ).split()
+    },
     **{f"{m.__name__}.{n}(complex)": (getattr(m, n), COMPLEX) for m in (jnp, lax) for n in ("real", "imag")},
-    "jnp.abs(complex)": (jnp.abs, COMPLEX), "jnp.angle(complex)": (jnp.angle, COMPLEX),
+    "jnp.abs(complex)": (jnp.abs, COMPLEX),
+    "jnp.angle(complex)": (jnp.angle, COMPLEX),
     **{f"lax.{n}": (getattr(lax, n), POS) for n in "log log1p sqrt rsqrt lgamma digamma".split()},
     **{f"lax.{n}": (getattr(lax, n), UNIT) for n in "asin acos atanh erf_inv".split()},
     "lax.acosh": (lax.acosh, (1.1, 3.0)),
@@ -77,7 +91,7 @@ UNARY = {
     "dropout-like where": (lambda x: jnp.where(jnp.arange(x.shape[-1]) % 2 == 0, x / 0.5, 0.0), ANY),
     "jnp.heaviside(x,0.5)": (lambda x: jnp.heaviside(x, 0.5), ANY),
     "jnp.power(x,3)": (lambda x: jnp.power(x, 3), ANY),
-    "x ** 0.5": (lambda x: x ** 0.5, POS),
+    "x ** 0.5": (lambda x: x**0.5, POS),
     "1.0 / x": (lambda x: 1.0 / x, POS),
     "jnp.frexp[0]": (lambda x: jnp.frexp(x)[0], ANY),
     "jnp.modf[0]": (lambda x: jnp.modf(x)[0], ANY),
@@ -100,19 +114,24 @@ def _printed(x):
     return x * 3.0
 
 
-UNARY.update({
-    "x.at[:, 0].add(1)": (lambda x: x.at[:, 0].add(1.0), ANY),
-    "x.at[:, 1].multiply(2)": (lambda x: x.at[:, 1].multiply(2.0), ANY),
-    "x.at[0].min(0)": (lambda x: x.at[0].min(0.0), ANY),
-    "x.at[0].max(0)": (lambda x: x.at[0].max(0.0), ANY),
-    "lax.cond": (lambda x: lax.cond(True, jnp.sin, jnp.cos, x), ANY),
-    "lax.fori_loop": (lambda x: lax.fori_loop(0, 3, lambda i, c: c * 1.5 + 1.0, x), ANY),
-    "lax.while_loop": (lambda x: lax.while_loop(lambda c: c[0] < 3, lambda c: (c[0] + 1, c[1] * 0.5), (0, x))[1], ANY),
-    "jax.custom_vjp": (_scaled_identity, ANY),
-    "jax.debug.print": (_printed, ANY),
-    "jax.device_put": (jax.device_put, ANY),
-    "jax.named_call": (jax.named_call(jnp.sin, name="named"), ANY),
-})
+UNARY.update(
+    {
+        "x.at[:, 0].add(1)": (lambda x: x.at[:, 0].add(1.0), ANY),
+        "x.at[:, 1].multiply(2)": (lambda x: x.at[:, 1].multiply(2.0), ANY),
+        "x.at[0].min(0)": (lambda x: x.at[0].min(0.0), ANY),
+        "x.at[0].max(0)": (lambda x: x.at[0].max(0.0), ANY),
+        "lax.cond": (lambda x: lax.cond(True, jnp.sin, jnp.cos, x), ANY),
+        "lax.fori_loop": (lambda x: lax.fori_loop(0, 3, lambda i, c: c * 1.5 + 1.0, x), ANY),
+        "lax.while_loop": (
+            lambda x: lax.while_loop(lambda c: c[0] < 3, lambda c: (c[0] + 1, c[1] * 0.5), (0, x))[1],
+            ANY,
+        ),
+        "jax.custom_vjp": (_scaled_identity, ANY),
+        "jax.debug.print": (_printed, ANY),
+        "jax.device_put": (jax.device_put, ANY),
+        "jax.named_call": (jax.named_call(jnp.sin, name="named"), ANY),
+    }
+)
 
 INT_UNARY = {
     **{f"jnp.{n}": getattr(jnp, n) for n in "bitwise_not invert bitwise_count".split()},
@@ -120,12 +139,21 @@ INT_UNARY = {
 }
 
 BINARY = {
-    **{f"jnp.{n}": (getattr(jnp, n), ANY) for n in (
-        "add subtract multiply maximum minimum fmax fmin arctan2 hypot logaddexp logaddexp2 copysign nextafter "
-        "equal not_equal less less_equal greater greater_equal isclose").split()},
-    **{f"jnp.{n}": (getattr(jnp, n), POS) for n in (
-        "divide true_divide floor_divide power float_power mod remainder fmod").split()},
-    **{f"lax.{n}": (getattr(lax, n), ANY) for n in "add sub mul max min atan2 nextafter eq ne lt le gt ge complex".split()},
+    **{
+        f"jnp.{n}": (getattr(jnp, n), ANY)
+        for n in (
+            "add subtract multiply maximum minimum fmax fmin arctan2 hypot logaddexp logaddexp2 copysign nextafter "
+            "equal not_equal less less_equal greater greater_equal isclose"
+        ).split()
+    },
+    **{
+        f"jnp.{n}": (getattr(jnp, n), POS)
+        for n in ("divide true_divide floor_divide power float_power mod remainder fmod").split()
+    },
+    **{
+        f"lax.{n}": (getattr(lax, n), ANY)
+        for n in "add sub mul max min atan2 nextafter eq ne lt le gt ge complex".split()
+    },
     **{f"lax.{n}": (getattr(lax, n), POS) for n in "div rem pow igamma igammac".split()},
     "lax.zeta": (lax.zeta, (1.5, 3.0)),
     **{f"jss.{n}": (getattr(jss, n), POS) for n in "xlogy xlog1py gammainc gammaincc betaln rel_entr kl_div".split()},
@@ -135,17 +163,25 @@ BINARY = {
 
 BOOL_BINARY = {f"jnp.{n}": getattr(jnp, n) for n in "logical_and logical_or logical_xor".split()}
 INT_BINARY = {
-    **{f"jnp.{n}": getattr(jnp, n) for n in "bitwise_and bitwise_or bitwise_xor left_shift right_shift gcd lcm".split()},
-    **{f"lax.{n}": getattr(lax, n) for n in "bitwise_and bitwise_or bitwise_xor shift_left shift_right_arithmetic "
-       "shift_right_logical".split()},
+    **{
+        f"jnp.{n}": getattr(jnp, n) for n in "bitwise_and bitwise_or bitwise_xor left_shift right_shift gcd lcm".split()
+    },
+    **{
+        f"lax.{n}": getattr(lax, n)
+        for n in "bitwise_and bitwise_or bitwise_xor shift_left shift_right_arithmetic shift_right_logical".split()
+    },
 }
 
 # -- along the last axis: name -> (function of an array, its last axis the sequence; minimum length) --
 ALONG = {
-    **{f"jnp.{n}": (lambda x, n=n: getattr(jnp, n)(x, axis=-1), 1) for n in (
-        "sum prod mean var std max min amax amin ptp median argmax argmin all any count_nonzero cumsum cumprod "
-        "sort argsort nansum nanmean nanmax nanmin nanvar nanstd nanprod nanargmax nanargmin nancumsum "
-        "nancumprod").split()},
+    **{
+        f"jnp.{n}": (lambda x, n=n: getattr(jnp, n)(x, axis=-1), 1)
+        for n in (
+            "sum prod mean var std max min amax amin ptp median argmax argmin all any count_nonzero cumsum cumprod "
+            "sort argsort nansum nanmean nanmax nanmin nanvar nanstd nanprod nanargmax nanargmin nancumsum "
+            "nancumprod"
+        ).split()
+    },
     "jnp.cumulative_sum": (lambda x: jnp.cumulative_sum(x, axis=-1), 1),
     "jnp.cumulative_prod": (lambda x: jnp.cumulative_prod(x, axis=-1), 1),
     "jnp.var(ddof=1)": (lambda x: jnp.var(x, axis=-1, ddof=1), 2),
@@ -157,7 +193,7 @@ ALONG = {
     "jnp.sort(descending)": (lambda x: jnp.sort(x, axis=-1, descending=True), 1),
     "jnp.argsort(descending)": (lambda x: jnp.argsort(x, axis=-1, descending=True), 1),
     "jnp.partition[kth]": (lambda x: jnp.partition(x, 0, axis=-1)[..., 0], 1),
-    "jnp.average(weights)": (lambda x: jnp.average(x, axis=-1, weights=jnp.linspace(1.0, 2.0, 7)[:x.shape[-1]]), 1),
+    "jnp.average(weights)": (lambda x: jnp.average(x, axis=-1, weights=jnp.linspace(1.0, 2.0, 7)[: x.shape[-1]]), 1),
     "jnp.diff": (lambda x: jnp.diff(x, axis=-1), 1),
     "jnp.linalg.norm": (lambda x: jnp.linalg.norm(x, axis=-1), 1),
     "jnp.linalg.norm(ord=1)": (lambda x: jnp.linalg.norm(x, ord=1, axis=-1), 1),
@@ -165,22 +201,32 @@ ALONG = {
     "jss.logsumexp": (lambda x: jss.logsumexp(x, axis=-1), 1),
     "jss.softmax": (lambda x: jss.softmax(x, axis=-1), 1),
     "jss.log_softmax": (lambda x: jss.log_softmax(x, axis=-1), 1),
-    **{f"jax.nn.{n}": (lambda x, n=n: getattr(jax.nn, n)(x, axis=-1), 1) for n in (
-        "softmax log_softmax logsumexp standardize").split()},
+    **{
+        f"jax.nn.{n}": (lambda x, n=n: getattr(jax.nn, n)(x, axis=-1), 1)
+        for n in ("softmax log_softmax logsumexp standardize").split()
+    },
     "layer norm": (lambda x: (x - x.mean(-1, keepdims=True)) * lax.rsqrt(x.var(-1, keepdims=True) + 1e-5), 1),
     "rms norm": (lambda x: x * lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6), 1),
-    **{f"lax.{n}": (lambda x, n=n: getattr(lax, n)(x, axis=x.ndim - 1), 1) for n in (
-        "cumsum cumprod cummax cummin cumlogsumexp").split()},
-    **{f"lax.reduce_{n}": (lambda x, n=n: getattr(lax, f"reduce_{n}")(x, axes=(x.ndim - 1,)), 1) for n in (
-        "sum max min prod").split()},
+    **{
+        f"lax.{n}": (lambda x, n=n: getattr(lax, n)(x, axis=x.ndim - 1), 1)
+        for n in ("cumsum cumprod cummax cummin cumlogsumexp").split()
+    },
+    **{
+        f"lax.reduce_{n}": (lambda x, n=n: getattr(lax, f"reduce_{n}")(x, axes=(x.ndim - 1,)), 1)
+        for n in ("sum max min prod").split()
+    },
     "lax.sort": (lambda x: lax.sort(x, dimension=x.ndim - 1), 1),
     "jnp.max(initial)": (lambda x: jnp.max(x, axis=-1, initial=-10.0), 1),
     "jnp.sum(where)": (lambda x: jnp.sum(x, axis=-1, where=x > 0), 1),
     "x.sum()/x.size": (lambda x: x.sum(-1) / x.shape[-1], 1),
     "sum(exp(x - max))": (lambda x: jnp.log(jnp.sum(jnp.exp(x - jnp.max(x, -1, keepdims=True)), -1)), 1),
     "jnp.ediff1d-like": (lambda x: x[..., 1:] - x[..., :-1], 1),
-    "lax.scan cumsum": (lambda x: jnp.moveaxis(lax.scan(lambda c, v: (c + v, c + v), jnp.zeros(x.shape[:-1], x.dtype),
-                                                        jnp.moveaxis(x, -1, 0))[1], 0, -1), 1),
+    "lax.scan cumsum": (
+        lambda x: jnp.moveaxis(
+            lax.scan(lambda c, v: (c + v, c + v), jnp.zeros(x.shape[:-1], x.dtype), jnp.moveaxis(x, -1, 0))[1], 0, -1
+        ),
+        1,
+    ),
     "lax.associative_scan": (lambda x: lax.associative_scan(jnp.add, x, axis=x.ndim - 1), 1),
     "jnp.argmax(keepdims)": (lambda x: jnp.argmax(x, axis=-1, keepdims=True)[..., 0], 1),
     "jnp.top_k[0]": (lambda x: lax.top_k(x, 1)[0][..., 0], 1),
@@ -188,9 +234,13 @@ ALONG = {
 
 # -- shape: the same function of data and mask -------------------------------------------------------
 SHAPE = {
-    **{f"jnp.{n}": getattr(jnp, n) for n in (
-        "transpose flip fliplr flipud rot90 ravel atleast_1d atleast_2d atleast_3d squeeze copy array asarray "
-        "diagonal").split()},
+    **{
+        f"jnp.{n}": getattr(jnp, n)
+        for n in (
+            "transpose flip fliplr flipud rot90 ravel atleast_1d atleast_2d atleast_3d squeeze copy array asarray "
+            "diagonal"
+        ).split()
+    },
     "jnp.reshape": lambda x: jnp.reshape(x, (-1, 3)),
     "jnp.roll": lambda x: jnp.roll(x, 2, axis=1),
     "jnp.expand_dims": lambda x: jnp.expand_dims(x, 1),
@@ -233,7 +283,9 @@ SHAPE = {
 
 # -- contractions: masked entries count as 0, valid where a pair of valid entries met ---------------
 CONTRACT = {
-    "jnp.matmul": jnp.matmul, "jnp.dot": jnp.dot, "x @ y": lambda a, b: a @ b,
+    "jnp.matmul": jnp.matmul,
+    "jnp.dot": jnp.dot,
+    "x @ y": lambda a, b: a @ b,
     "jnp.einsum": lambda a, b: jnp.einsum("ij,jk->ik", a, b),
     "jnp.tensordot": lambda a, b: jnp.tensordot(a, b, axes=1),
     "lax.dot": lax.dot,
@@ -249,12 +301,14 @@ CONTRACT_SHAPES = {
     "jnp.convolve": ((7,), (3,)),
     "jnp.correlate": ((7,), (3,)),
 }
-CONTRACT.update({
-    "lax.conv": lambda a, k: lax.conv(a, k, (1, 1), "VALID"),
-    "lax.conv_general_dilated(SAME)": lambda a, k: lax.conv_general_dilated(a, k, (1, 1), "SAME"),
-    "jnp.convolve": jnp.convolve,
-    "jnp.correlate": jnp.correlate,
-})
+CONTRACT.update(
+    {
+        "lax.conv": lambda a, k: lax.conv(a, k, (1, 1), "VALID"),
+        "lax.conv_general_dilated(SAME)": lambda a, k: lax.conv_general_dilated(a, k, (1, 1), "SAME"),
+        "jnp.convolve": jnp.convolve,
+        "jnp.correlate": jnp.correlate,
+    }
+)
 
 # -- window reductions: pooling over the valid elements of windows of 2 along the last axis ----------
 WINDOW = {
@@ -274,8 +328,9 @@ REFUSED = {
     "jnp.nanpercentile": lambda a: jnp.nanpercentile(a, 50.0, axis=-1),
     "jax.scipy.linalg.expm": jax.scipy.linalg.expm,
     "jnp.lexsort": lambda a: jnp.lexsort([a[0], a[1]]),
-    "lax.reduce_window(custom)": lambda a: lax.reduce_window(a, F(1.0), lambda u, v: u * v + u, (1, 2), (1, 1),
-                                                             "VALID"),
+    "lax.reduce_window(custom)": lambda a: lax.reduce_window(
+        a, F(1.0), lambda u, v: u * v + u, (1, 2), (1, 1), "VALID"
+    ),
     "jnp.trapezoid": lambda a: jnp.trapezoid(a, axis=-1),
 }
 
@@ -353,8 +408,9 @@ def _check_along(fn, min_len, rng):
         d, m = _pair(out)
         for b, n in enumerate(LENGTHS):
             if n < min_len:
-                assert not m[b].any() or not isinstance(out, mj.MaskedArray), \
+                assert not m[b].any() or not isinstance(out, mj.MaskedArray), (
                     f"{label}: row {b} has {n} valid entries but a valid result"
+                )
                 continue
             ref = np.asarray(fn(jnp.asarray(data[b, :n])))
             if ref.ndim == 0:
@@ -434,8 +490,10 @@ def test_masked_reference_or_maskify_error(kind, name, fn, extra, record_propert
 
 def test_case_count():
     assert len(CASES) >= 250, len(CASES)
-    print(f"\nmaskify coverage: {len(CASES)} functions ({len(CASES) - len(REFUSED)} with a masked reference, "
-          f"{len(REFUSED)} expected to raise MaskifyError)")
+    print(
+        f"\nmaskify coverage: {len(CASES)} functions ({len(CASES) - len(REFUSED)} with a masked reference, "
+        f"{len(REFUSED)} expected to raise MaskifyError)"
+    )
 
 
 # -- primitive coverage -------------------------------------------------------------------------------
@@ -476,12 +534,19 @@ def test_primitive_coverage():
         args = [a.data for a in _example_args(kind, extra)]
         _primitives(jax.make_jaxpr(fn)(*args).jaxpr, seen)
     interpreted = _transform._CALLS | _transform._LOOPS
-    covered = {p for p in seen if primitives.rule_for(p) is not None or p in interpreted
-               or p.name in ("jit", "iota", "rng_bit_generator", "random_seed", "random_bits", "random_wrap")}
+    covered = {
+        p
+        for p in seen
+        if primitives.rule_for(p) is not None
+        or p in interpreted
+        or p.name in ("jit", "iota", "rng_bit_generator", "random_seed", "random_bits", "random_wrap")
+    }
     refused = {p for p in seen if p in primitives.UNSUPPORTED}
     missing = seen - covered - refused
-    print(f"\nmaskify primitive coverage: {len(covered)} of {len(seen)} primitives in these jaxprs have a masked "
-          f"rule or are interpreted; {len(refused)} raise MaskifyError by design "
-          f"({', '.join(sorted(p.name for p in refused))}); without a rule: "
-          f"{', '.join(sorted(p.name for p in missing)) or 'none'}")
+    print(
+        f"\nmaskify primitive coverage: {len(covered)} of {len(seen)} primitives in these jaxprs have a masked "
+        f"rule or are interpreted; {len(refused)} raise MaskifyError by design "
+        f"({', '.join(sorted(p.name for p in refused))}); without a rule: "
+        f"{', '.join(sorted(p.name for p in missing)) or 'none'}"
+    )
     assert len(covered) >= 120, sorted(p.name for p in missing)

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from strategies import masked_arrays, tolerance
 
 import masked_jax as mj
 import masked_jax.nn as mnn
-from strategies import masked_arrays, tolerance
 
 
 def _ref_softmax(x, axis):
@@ -30,8 +30,11 @@ def test_softmax_family_over_valid_elements(x, data):
     sm, lsm = _ref_softmax(x, axis)
     valid = np.asarray(x.mask)
     tol = tolerance(x.dtype)
-    for got, ref in [(mnn.softmax(x, axis=axis), sm), (mnn.log_softmax(x, axis=axis), lsm),
-                     (mnn.softmin(x, axis=axis), _ref_softmax(-x, axis)[0])]:
+    for got, ref in [
+        (mnn.softmax(x, axis=axis), sm),
+        (mnn.log_softmax(x, axis=axis), lsm),
+        (mnn.softmin(x, axis=axis), _ref_softmax(-x, axis)[0]),
+    ]:
         np.testing.assert_array_equal(got.mask, valid)
         np.testing.assert_allclose(np.where(valid, got.data, 0), np.where(valid, ref, 0), **tol)
         assert np.all(np.isfinite(np.asarray(got.data)))  # fully masked slices: no NaN anywhere
@@ -49,7 +52,9 @@ def test_normalize_and_logsumexp(x, data):
     got = mnn.normalize(x, axis=axis)
     valid = np.asarray(x.mask)
     np.testing.assert_array_equal(got.mask, valid)
-    np.testing.assert_allclose(np.where(valid, got.data, 0), np.where(valid, d / np.maximum(n, 1e-12), 0), **tolerance(x.dtype))
+    np.testing.assert_allclose(
+        np.where(valid, got.data, 0), np.where(valid, d / np.maximum(n, 1e-12), 0), **tolerance(x.dtype)
+    )
     lse = mnn.logsumexp(x, axis=axis)
     np.testing.assert_array_equal(lse.mask, np.any(valid, axis=axis))
 
@@ -57,11 +62,27 @@ def test_normalize_and_logsumexp(x, data):
 def test_fully_masked_rows_every_reduction_and_normalization():
     import masked_jax.numpy as mnp
 
-    x = mj.masked_array(jnp.array([[1.0, 2.0, 4.0], [jnp.nan, jnp.inf, -jnp.inf]]),
-                        jnp.array([[True, False, True], [False, False, False]]))
-    fills = {"sum": 0.0, "prod": 1.0, "mean": 0.0, "var": 0.0, "std": 0.0, "max": -np.inf,
-             "min": np.inf, "ptp": 0.0, "median": 0.0, "logsumexp": -np.inf, "norm": 0.0,
-             "argmax": 0, "argmin": 0, "any": False, "all": True}
+    x = mj.masked_array(
+        jnp.array([[1.0, 2.0, 4.0], [jnp.nan, jnp.inf, -jnp.inf]]),
+        jnp.array([[True, False, True], [False, False, False]]),
+    )
+    fills = {
+        "sum": 0.0,
+        "prod": 1.0,
+        "mean": 0.0,
+        "var": 0.0,
+        "std": 0.0,
+        "max": -np.inf,
+        "min": np.inf,
+        "ptp": 0.0,
+        "median": 0.0,
+        "logsumexp": -np.inf,
+        "norm": 0.0,
+        "argmax": 0,
+        "argmin": 0,
+        "any": False,
+        "all": True,
+    }
     for name, fill in fills.items():
         out = getattr(mnp, name)(x, axis=1)
         np.testing.assert_array_equal(out.mask, [True, False], err_msg=name)

@@ -13,13 +13,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
-
-import masked_jax as mj
-from masked_jax.ops._base import normalize_axis
-from masked_jax.ops.reductions import IDENTITY_REDUCTIONS, NAN_OVER_EMPTY, empty_slices
-import masked_jax.numpy as mnp
 from op_table import BY_FAMILY, quiet
 from strategies import ALL, assert_masked_equal, masked_arrays, masks, poison, tolerance, values
+
+import masked_jax as mj
+import masked_jax.numpy as mnp
+from masked_jax.ops._base import normalize_axis
+from masked_jax.ops.reductions import IDENTITY_REDUCTIONS, NAN_OVER_EMPTY, empty_slices
 
 
 def _check_against(result, ref, expected_valid, dtype):
@@ -92,7 +92,9 @@ def test_reduction_matches_numpy_ma(op, data):
     except ValueError:
         assert x.size == 0, "numpy.ma only refuses reductions of empty arrays"
         ref = np.ma.masked_all(np.shape(got.data))
-    if op.name in IDENTITY_REDUCTIONS + NAN_OVER_EMPTY and empty_slices(x.shape, normalize_axis(kw.get("axis"), x.ndim)):
+    if op.name in IDENTITY_REDUCTIONS + NAN_OVER_EMPTY and empty_slices(
+        x.shape, normalize_axis(kw.get("axis"), x.ndim)
+    ):
         # a zero-size slice (nothing masked in it): jnp's identity or NaN, valid (numpy.ma masks it)
         ref = np.asarray(getattr(jnp, op.name)(x.data, **kw))
         expected_valid = np.ones(np.shape(got.data), bool)
@@ -129,5 +131,8 @@ def test_average_matches_numpy_ma(x, data):
     ref = quiet(np.ma.average)(x.to_numpy_ma(), axis=axis, weights=w)
     expected_valid = np.sum(np.asarray(x.mask), axis=axis) > 0
     if empty_slices(x.shape, normalize_axis(axis, x.ndim)):  # nothing masked: jnp's NaN, valid
-        ref, expected_valid = np.ma.asarray(jnp.average(x.data, axis=axis, weights=w)), np.ones(np.shape(got.data), bool)
+        ref, expected_valid = (
+            np.ma.asarray(jnp.average(x.data, axis=axis, weights=w)),
+            np.ones(np.shape(got.data), bool),
+        )
     _check_against(got, np.ma.asarray(ref), expected_valid, x.dtype)

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import re
-
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -12,7 +11,8 @@ import numpy as np
 import optax
 import pytest
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 from jax import export
 
 import masked_jax as mj
@@ -40,8 +40,10 @@ N, D = 12, 3
 
 def _params():
     rng = np.random.default_rng(0)
-    return {"emb": jnp.asarray(rng.normal(size=(N, D)), jnp.float32),
-            "b": jnp.asarray(rng.normal(size=(D,)), jnp.float32)}
+    return {
+        "emb": jnp.asarray(rng.normal(size=(N, D)), jnp.float32),
+        "b": jnp.asarray(rng.normal(size=(D,)), jnp.float32),
+    }
 
 
 def _row_grads(steps=4, k=5, seed=1):
@@ -50,9 +52,12 @@ def _row_grads(steps=4, k=5, seed=1):
     out = []
     for _ in range(steps):
         idx = rng.integers(0, N - 3, size=k)  # rows N-3.. are never touched
-        out.append({"emb": mj.row_sparse(jnp.asarray(rng.normal(size=(k, D)), jnp.float32),
-                                         jnp.asarray(idx), (N, D)),
-                    "b": jnp.asarray(rng.normal(size=(D,)), jnp.float32)})
+        out.append(
+            {
+                "emb": mj.row_sparse(jnp.asarray(rng.normal(size=(k, D)), jnp.float32), jnp.asarray(idx), (N, D)),
+                "b": jnp.asarray(rng.normal(size=(D,)), jnp.float32),
+            }
+        )
     return out
 
 
@@ -98,8 +103,10 @@ def test_dense_gradient_is_inner_exactly(name):
 def test_fully_valid_masked_and_row_sparse_gradients_equal_inner(name):
     inner = OPTIMIZERS[name]()
     rng = np.random.default_rng(3)
-    dense = [{"emb": jnp.asarray(rng.normal(size=(N, D)), jnp.float32),
-              "b": jnp.asarray(rng.normal(size=(D,)), jnp.float32)} for _ in range(3)]
+    dense = [
+        {"emb": jnp.asarray(rng.normal(size=(N, D)), jnp.float32), "b": jnp.asarray(rng.normal(size=(D,)), jnp.float32)}
+        for _ in range(3)
+    ]
     ref = _run(inner, dense)
     perm = jnp.asarray(rng.permutation(N))
     for wrap in (lambda e: mj.as_masked(e), lambda e: mj.row_sparse(e[perm], perm, (N, D))):
@@ -120,18 +127,18 @@ def test_only_valid_entries_change(name):
         u, new_state = inner.update({"emb": dense.filled(0), "b": g["b"]}, state, params)
         m = dense.mask
         state = jax.tree_util.tree_map(
-            lambda old, new: jnp.where(m, new, old) if np.shape(old) == (N, D) else new, state, new_state)
+            lambda old, new: jnp.where(m, new, old) if np.shape(old) == (N, D) else new, state, new_state
+        )
         params = {"emb": jnp.where(m, params["emb"] + u["emb"], params["emb"]), "b": params["b"] + u["b"]}
     p_rows, s_rows = _run(optim.lazy(inner), grads)
-    p_mask, s_mask = _run(optim.lazy(inner), [{"emb": g["emb"].todense(), "b": g["b"]} for g in grads],
-                          jit=False)
+    p_mask, s_mask = _run(optim.lazy(inner), [{"emb": g["emb"].todense(), "b": g["b"]} for g in grads], jit=False)
     _close((p_rows, s_rows), (params, state))
     _close((p_mask, s_mask), (params, state))
     initial = _params()["emb"]
-    np.testing.assert_array_equal(np.asarray(p_rows["emb"][N - 3:]), np.asarray(initial[N - 3:]))
-    np.testing.assert_array_equal(np.asarray(p_mask["emb"][N - 3:]), np.asarray(initial[N - 3:]))
+    np.testing.assert_array_equal(np.asarray(p_rows["emb"][N - 3 :]), np.asarray(initial[N - 3 :]))
+    np.testing.assert_array_equal(np.asarray(p_mask["emb"][N - 3 :]), np.asarray(initial[N - 3 :]))
     for x, x0 in zip(_param_shaped(s_rows, (N, D)), _param_shaped(optim.lazy(inner).init(_params()), (N, D))):
-        np.testing.assert_array_equal(np.asarray(x[N - 3:]), np.asarray(x0[N - 3:]))
+        np.testing.assert_array_equal(np.asarray(x[N - 3 :]), np.asarray(x0[N - 3 :]))
 
 
 def test_clip_by_global_norm_counts_valid_entries_only():
@@ -177,6 +184,7 @@ def test_global_state_advances_with_inner():
 
 # -- masked Adagrad ------------------------------------------------------------------------------
 
+
 def _seed_problem():
     """Seed 000: param = arange(8).reshape(2, 4), gradient specified at (0,2), (1,0), (1,2)."""
     i = np.array([[0, 1, 1], [2, 0, 2]])
@@ -191,10 +199,15 @@ def _seed_torch_result():
     with torch.sparse.check_sparse_tensor_invariants():  # explicit opt-in: torch 2.11 warns without one
         grad = torch.sparse_coo_tensor(torch.tensor(i), torch.tensor(v), [2, 4], check_invariants=True).coalesce()
         state_sum = torch.full_like(param, 0.5)
-        state_sum.add_(torch.sparse_coo_tensor(grad._indices(), grad._values().pow(2), grad.size(), check_invariants=True))
+        state_sum.add_(
+            torch.sparse_coo_tensor(grad._indices(), grad._values().pow(2), grad.size(), check_invariants=True)
+        )
         std = state_sum.sparse_mask(grad)
         std_values = std._values().sqrt_().add_(1e-10)
-        param.add_(torch.sparse_coo_tensor(grad._indices(), grad._values() / std_values, grad.size(), check_invariants=True), alpha=-0.1)
+        param.add_(
+            torch.sparse_coo_tensor(grad._indices(), grad._values() / std_values, grad.size(), check_invariants=True),
+            alpha=-0.1,
+        )
     return param.numpy(), state_sum.numpy()
 
 
@@ -227,6 +240,7 @@ def test_seed_example_sparse_gradient_under_jit(layout):
         grad = mj.row_sparse(jnp.asarray(dense), jnp.array([0, 1]), (2, 4))
     else:
         from jax.experimental import sparse
+
         grad = mj.from_bcoo(sparse.BCOO((jnp.asarray(v), jnp.asarray(i.T)), shape=(2, 4)))
     opt = optim.masked_adagrad(**SEED_OPT)
 
@@ -300,7 +314,9 @@ def _torch_parity(make_torch, ours, steps=6, seed=0):
             idx = rng.integers(0, n // 2, size=k)  # duplicates likely: 8 draws from 20 rows
             vals = rng.normal(size=(k, d)).astype(np.float32)
             touched |= set(idx.tolist())
-            tp.grad = torch.sparse_coo_tensor(torch.tensor(idx)[None], torch.tensor(vals), (n, d), check_invariants=True)
+            tp.grad = torch.sparse_coo_tensor(
+                torch.tensor(idx)[None], torch.tensor(vals), (n, d), check_invariants=True
+            )
             topt.step()
             p, state = step(p, state, mj.row_sparse(jnp.asarray(vals), jnp.asarray(idx), (n, d)))
     np.testing.assert_allclose(np.asarray(p), tp.detach().numpy(), rtol=1e-5, atol=1e-6)
@@ -310,16 +326,20 @@ def _torch_parity(make_torch, ours, steps=6, seed=0):
 
 
 def test_torch_sparse_adagrad_parity():
-    _torch_parity(lambda ps: torch.optim.Adagrad(ps, lr=0.1, initial_accumulator_value=0.2, eps=1e-10),
-                  optim.masked_adagrad(0.1, 0.2, 1e-10, eps_placement="outside"))
+    _torch_parity(
+        lambda ps: torch.optim.Adagrad(ps, lr=0.1, initial_accumulator_value=0.2, eps=1e-10),
+        optim.masked_adagrad(0.1, 0.2, 1e-10, eps_placement="outside"),
+    )
 
 
 def test_torch_sparse_adam_parity():
-    _torch_parity(lambda ps: torch.optim.SparseAdam(ps, lr=0.05, betas=(0.8, 0.95)),
-                  optim.lazy(optax.adam(0.05, b1=0.8, b2=0.95)))
+    _torch_parity(
+        lambda ps: torch.optim.SparseAdam(ps, lr=0.05, betas=(0.8, 0.95)), optim.lazy(optax.adam(0.05, b1=0.8, b2=0.95))
+    )
 
 
 # -- apply_updates -------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float64])
 def test_apply_updates_keeps_dtype_and_storage(dtype):
@@ -329,8 +349,9 @@ def test_apply_updates_keeps_dtype_and_storage(dtype):
     dense_u = jnp.full((4, 2), 0.5, jnp.float32)
     rows_u = mj.row_sparse(jnp.ones((3, 2), jnp.float32), jnp.array([1, 1, 3]), (4, 2))
     masked_u = mj.masked_array(jnp.full((4, 2), 0.5), mask)
-    out = optim.apply_updates({"a": p, "b": p, "c": masked_param, "d": p},
-                              {"a": dense_u, "b": rows_u, "c": masked_u, "d": None})
+    out = optim.apply_updates(
+        {"a": p, "b": p, "c": masked_param, "d": p}, {"a": dense_u, "b": rows_u, "c": masked_u, "d": None}
+    )
     assert all(x.dtype == dtype for x in (out["a"], out["b"], out["c"].data, out["d"]))
     np.testing.assert_array_equal(np.asarray(out["b"], np.float32)[:, 0], [1, 3, 1, 2])  # duplicates add
     np.testing.assert_array_equal(np.asarray(out["c"].mask), np.asarray(mask))
@@ -338,8 +359,11 @@ def test_apply_updates_keeps_dtype_and_storage(dtype):
     np.testing.assert_array_equal(np.asarray(out["d"]), np.asarray(p))
 
 
-@pytest.mark.parametrize("make", [lambda: optim.lazy(optax.adam(0.1)), lambda: optim.masked_adagrad(0.1),
-                                  lambda: optax.sgd(0.1)], ids=["lazy_adam", "masked_adagrad", "optax_sgd"])
+@pytest.mark.parametrize(
+    "make",
+    [lambda: optim.lazy(optax.adam(0.1)), lambda: optim.masked_adagrad(0.1), lambda: optax.sgd(0.1)],
+    ids=["lazy_adam", "masked_adagrad", "optax_sgd"],
+)
 def test_statically_valid_parameters_stay_mask_less_through_steps(make):
     """A parameter built without a mask keeps none: its gradient, update and new value have the
     parameter's pytree structure, so a jitted step neither retraces nor changes structure, and
@@ -381,7 +405,7 @@ def test_apply_updates_shape_mismatch():
 
 def test_masked_parameters_keep_their_mask_through_a_step():
     p = mj.masked_array(jnp.arange(4.0), jnp.array([True, True, False, True]))
-    g = mj.grad(lambda p: mj.numpy.sum(p ** 2))(p)
+    g = mj.grad(lambda p: mj.numpy.sum(p**2))(p)
     opt = optim.lazy(optax.adam(0.1))
     u, _ = opt.update(g, opt.init(p), p)
     new = optim.apply_updates(p, u)
@@ -390,6 +414,7 @@ def test_masked_parameters_keep_their_mask_through_a_step():
 
 
 # -- row-sparse gradients of lookups, and the donated train step ---------------------------------
+
 
 def _embedding_loss(params, users, items, ratings):
     u = mj.lookup(params["user"], users)
@@ -400,8 +425,11 @@ def _embedding_loss(params, users, items, ratings):
 
 def _embedding_problem(n_users, n_items, dim, batch, seed=0):
     k = jax.random.split(jax.random.key(seed), 6)
-    params = {"user": 0.1 * jax.random.normal(k[0], (n_users, dim)),
-              "item": 0.1 * jax.random.normal(k[1], (n_items, dim)), "bias": jnp.zeros(())}
+    params = {
+        "user": 0.1 * jax.random.normal(k[0], (n_users, dim)),
+        "item": 0.1 * jax.random.normal(k[1], (n_items, dim)),
+        "bias": jnp.zeros(()),
+    }
     users = jax.random.randint(k[2], (batch,), 0, n_users)
     items = jax.random.randint(k[3], (batch,), 0, n_items)
     return params, users, items, jax.random.normal(k[4], (batch,))
@@ -428,30 +456,43 @@ def test_row_sparse_lookup_options():
     def loss(t, w, ids):
         return jnp.sum(t[ids] * w), ids.shape
 
-    (value, aux), (gt, gw) = mj.value_and_grad(loss, argnums=(0, 1), has_aux=True,
-                                               row_sparse=(True, False))(table, 2.0, jnp.array([[4, 4]]))
+    (value, aux), (gt, gw) = mj.value_and_grad(loss, argnums=(0, 1), has_aux=True, row_sparse=(True, False))(
+        table, 2.0, jnp.array([[4, 4]])
+    )
     assert aux == (1, 2) and float(value) == 68.0 and float(gw) == 34.0
     np.testing.assert_array_equal(np.asarray(gt.todense().filled(0))[4], [4.0, 4.0])
     # an out-of-range id reads zeros and gets no gradient
     g = mj.grad(lambda t: jnp.sum(mj.lookup(t, jnp.array([1, 9])) ** 2), row_sparse=True)(table)
-    np.testing.assert_array_equal(np.asarray(g.todense().filled(0)), np.asarray(jnp.zeros((5, 2)).at[1].set([4.0, 6.0])))
+    np.testing.assert_array_equal(
+        np.asarray(g.todense().filled(0)), np.asarray(jnp.zeros((5, 2)).at[1].set([4.0, 6.0]))
+    )
     # a table never read gets an empty gradient
     g = mj.grad(lambda t: jnp.float32(1.0) + 0 * jnp.sum(jnp.zeros(1)), row_sparse=True)(table)
     assert g.nse == 0
 
 
-@pytest.mark.parametrize("fun, match", [
-    (lambda t: jnp.sum(t[:, 0]), "read by a slice that does not take whole rows"),
-    (lambda t: jnp.sum(t[jnp.array([1]), 0]), "read by a gather that does not take whole rows"),
-    (lambda t: jnp.sum(t @ jnp.ones(2)), "can only be read by rows .*used by 'dot_general'"),
-    (lambda t: jnp.sum(mj.lookup(t, jnp.array([0.5]))), "must be integers"),
-    (lambda t: jax.lax.fori_loop(0, jnp.int32(2) + 0 * jnp.sum(t[jnp.array([0])]).astype(jnp.int32),
-                                 lambda i, c: c + jnp.sum(t[jnp.array([i])]), 0.0), "while_loop"),
-    (lambda t: jax.lax.cond(True, lambda: jnp.sum(t[jnp.array([1])]), lambda: 0.0), "cond"),
-    (lambda t: jax.lax.scan(lambda c, row: (c + jnp.sum(row), None), 0.0, t)[0], "scanned input"),
-    (lambda t: jax.nn.relu(t).sum(), "custom_jvp"),
-    (lambda t: t, "returned"),
-])
+@pytest.mark.parametrize(
+    "fun, match",
+    [
+        (lambda t: jnp.sum(t[:, 0]), "read by a slice that does not take whole rows"),
+        (lambda t: jnp.sum(t[jnp.array([1]), 0]), "read by a gather that does not take whole rows"),
+        (lambda t: jnp.sum(t @ jnp.ones(2)), "can only be read by rows .*used by 'dot_general'"),
+        (lambda t: jnp.sum(mj.lookup(t, jnp.array([0.5]))), "must be integers"),
+        (
+            lambda t: jax.lax.fori_loop(
+                0,
+                jnp.int32(2) + 0 * jnp.sum(t[jnp.array([0])]).astype(jnp.int32),
+                lambda i, c: c + jnp.sum(t[jnp.array([i])]),
+                0.0,
+            ),
+            "while_loop",
+        ),
+        (lambda t: jax.lax.cond(True, lambda: jnp.sum(t[jnp.array([1])]), lambda: 0.0), "cond"),
+        (lambda t: jax.lax.scan(lambda c, row: (c + jnp.sum(row), None), 0.0, t)[0], "scanned input"),
+        (lambda t: jax.nn.relu(t).sum(), "custom_jvp"),
+        (lambda t: t, "returned"),
+    ],
+)
 def test_row_sparse_lookup_misuse(fun, match):
     with pytest.raises(TypeError, match=match):
         mj.grad(fun, row_sparse=True)(jnp.ones((3, 2)))
@@ -470,13 +511,19 @@ def _hlo(step, *args):
 
 def _table_sized(hlo, n, d, dtype="f32"):
     """Instructions that copy or broadcast a whole (n, d) table."""
-    return [line.strip() for line in hlo.splitlines()
-            if f"{dtype}[{n},{d}]" in line and re.search(r"\b(copy|broadcast)\(", line)]
+    return [
+        line.strip()
+        for line in hlo.splitlines()
+        if f"{dtype}[{n},{d}]" in line and re.search(r"\b(copy|broadcast)\(", line)
+    ]
 
 
 @pytest.mark.parametrize("batch, chunk_rows", [(1, 8192), (64, 8192), (64, 16)])  # 16: the tables in chunks
-@pytest.mark.parametrize("make", [lambda: optim.lazy(optax.adam(0.01)), lambda: optim.masked_adagrad(0.1)],
-                         ids=["lazy_adam", "masked_adagrad"])
+@pytest.mark.parametrize(
+    "make",
+    [lambda: optim.lazy(optax.adam(0.01)), lambda: optim.masked_adagrad(0.1)],
+    ids=["lazy_adam", "masked_adagrad"],
+)
 def test_donated_row_sparse_step_is_in_place(make, batch, chunk_rows):
     n, dim = 5003, 64
     params, users, items, r = _embedding_problem(n, n, dim, batch)
@@ -575,8 +622,11 @@ def test_lazy_adam_converges_like_dense_adam():
     items = jax.random.randint(k[3], (steps, batch), 0, n_items)
     noise = 0.3 * jax.random.normal(k[3], (steps, batch), jnp.float32)
     ratings = jnp.sum(true_u[users] * true_v[items], -1) + noise
-    params0 = {"user": 0.1 * jax.random.normal(k[0], (n_users, dim), jnp.float32),
-               "item": 0.1 * jax.random.normal(k[1], (n_items, dim), jnp.float32), "bias": jnp.zeros((), jnp.float32)}
+    params0 = {
+        "user": 0.1 * jax.random.normal(k[0], (n_users, dim), jnp.float32),
+        "item": 0.1 * jax.random.normal(k[1], (n_items, dim), jnp.float32),
+        "bias": jnp.zeros((), jnp.float32),
+    }
 
     def train(opt, row_sparse):
         step = optim.make_train_step(_embedding_loss, opt, row_sparse=row_sparse)
@@ -610,13 +660,14 @@ def test_thousand_steps_leave_untouched_rows_and_state_bit_identical(name):
             g = {"emb": mj.row_sparse(xs[1], xs[0], (N, D)), "b": jnp.zeros(D, jnp.float32)}
             u, s = opt.update(g, s, p)
             return (optim.apply_updates(p, u), s), None
+
         return jax.lax.scan(step, (params, state), (idx, vals))[0]
 
     p, s = run(params, state0)
-    np.testing.assert_array_equal(np.asarray(p["emb"][N - 3:]), np.asarray(params["emb"][N - 3:]))
+    np.testing.assert_array_equal(np.asarray(p["emb"][N - 3 :]), np.asarray(params["emb"][N - 3 :]))
     assert not np.array_equal(np.asarray(p["emb"][: N - 3]), np.asarray(params["emb"][: N - 3]))
     for x, x0 in zip(_param_shaped(s, (N, D)), _param_shaped(state0, (N, D))):
-        np.testing.assert_array_equal(np.asarray(x[N - 3:]), np.asarray(x0[N - 3:]))
+        np.testing.assert_array_equal(np.asarray(x[N - 3 :]), np.asarray(x0[N - 3 :]))
     assert all(np.all(np.isfinite(np.asarray(x))) for x in jax.tree_util.tree_leaves((p, s)))
 
 
@@ -639,9 +690,12 @@ def test_lifting_inside_masked_and_multi_transform_works():
     """optax.masked / multi_transform around lazy(...): the way the refusal of lazy(masked) points to."""
     params = {"emb": jnp.zeros((N, D)), "b": jnp.zeros(D)}
     g = {"emb": mj.row_sparse(jnp.ones((2, D)), jnp.array([1, 4]), (N, D)), "b": jnp.ones(D)}
-    for opt in (optax.masked(optim.lazy(optax.adam(0.1)), {"emb": True, "b": False}),
-                optax.multi_transform({"rows": optim.lazy(optax.adam(0.1)), "dense": optax.sgd(0.1)},
-                                      {"emb": "rows", "b": "dense"})):
+    for opt in (
+        optax.masked(optim.lazy(optax.adam(0.1)), {"emb": True, "b": False}),
+        optax.multi_transform(
+            {"rows": optim.lazy(optax.adam(0.1)), "dense": optax.sgd(0.1)}, {"emb": "rows", "b": "dense"}
+        ),
+    ):
         state = opt.init(params)
         u, state = jax.jit(opt.update)(g, state, params)
         new = optim.apply_updates(params, u)
@@ -673,9 +727,15 @@ def test_lazy_multisteps_accumulates_exactly_per_row(use_grad_mean):
     step = jax.jit(opt.update)
     params, state = _CPARAMS, opt.init(_CPARAMS)
     for i in range(0, len(grads), k):
-        window = grads[i:i + k]
-        dense = [jax.tree_util.tree_map(lambda g: g.todense().filled(0) if isinstance(g, mj.RowSparseArray) else g,
-                                        g, is_leaf=lambda x: isinstance(x, mj.RowSparseArray)) for g in window]
+        window = grads[i : i + k]
+        dense = [
+            jax.tree_util.tree_map(
+                lambda g: g.todense().filled(0) if isinstance(g, mj.RowSparseArray) else g,
+                g,
+                is_leaf=lambda x: isinstance(x, mj.RowSparseArray),
+            )
+            for g in window
+        ]
         total = jax.tree_util.tree_map(lambda *gs: sum(gs) / (k if use_grad_mean else 1), *dense)
         touched = np.zeros(6, bool)
         for g in window:
@@ -683,8 +743,10 @@ def test_lazy_multisteps_accumulates_exactly_per_row(use_grad_mean):
         # the reference: lazy(adam) on the accumulated gradient, valid on the touched rows
         ref_opt = optim.lazy(optax.adam(0.1))
         ref_state = jax.tree_util.tree_map(lambda x: x, state.multi_steps.inner_opt_state)
-        ref_g = {"emb": mj.masked_array(total["emb"], jnp.broadcast_to(jnp.asarray(touched)[:, None], (6, 3))),
-                 "w": total["w"]}
+        ref_g = {
+            "emb": mj.masked_array(total["emb"], jnp.broadcast_to(jnp.asarray(touched)[:, None], (6, 3))),
+            "w": total["w"],
+        }
         ref_u, ref_state = ref_opt.update(ref_g, ref_state, params)
         ref_params = optim.apply_updates(params, ref_u)
         for j, g in enumerate(window):
@@ -695,8 +757,10 @@ def test_lazy_multisteps_accumulates_exactly_per_row(use_grad_mean):
         np.testing.assert_allclose(np.asarray(params["emb"]), np.asarray(ref_params["emb"]), rtol=1e-6)
         np.testing.assert_allclose(np.asarray(params["w"]), np.asarray(ref_params["w"]), rtol=1e-6)
         untouched = ~touched
-        np.testing.assert_array_equal(np.asarray(state.multi_steps.inner_opt_state[0].mu["emb"])[untouched],
-                                      np.asarray(ref_state[0].mu["emb"])[untouched])
+        np.testing.assert_array_equal(
+            np.asarray(state.multi_steps.inner_opt_state[0].mu["emb"])[untouched],
+            np.asarray(ref_state[0].mu["emb"])[untouched],
+        )
     assert params["emb"][5].tolist() == _CPARAMS["emb"][5].tolist()  # never touched: bit-identical
 
 
@@ -710,8 +774,9 @@ def test_lazy_multisteps_equals_dense_multisteps_when_every_row_is_touched():
         u_l, s_l = opt_l.update(rows, s_l, p_l)
         u_d, s_d = opt_d.update(g, s_d, p_d)
         p_l, p_d = optim.apply_updates(p_l, u_l), optax.apply_updates(p_d, u_d)
-        jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6),
-                               p_l, p_d)
+        jax.tree_util.tree_map(
+            lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6), p_l, p_d
+        )
 
 
 def test_lazy_apply_if_finite_checks_valid_entries_only():
@@ -735,8 +800,9 @@ def test_lazy_apply_if_finite_checks_valid_entries_only():
 @pytest.mark.parametrize("wrap", ["multi_transform", "masked", "MultiSteps", "apply_if_finite"])
 def test_lazy_of_optax_wrappers_is_the_wrapper_for_plain_gradients(wrap):
     inner = {
-        "multi_transform": lambda: optax.multi_transform({"a": optax.adam(0.1), "b": optax.sgd(0.1)},
-                                                         {"emb": "a", "w": "b"}),
+        "multi_transform": lambda: optax.multi_transform(
+            {"a": optax.adam(0.1), "b": optax.sgd(0.1)}, {"emb": "a", "w": "b"}
+        ),
         "masked": lambda: optax.masked(optax.adam(0.1), {"emb": True, "w": False}),
         "MultiSteps": lambda: optax.MultiSteps(optax.adam(0.1), 2),
         "apply_if_finite": lambda: optax.apply_if_finite(optax.adam(0.1), 2),
@@ -801,8 +867,9 @@ def test_apply_if_finite_around_lazy_with_row_sparse_gradients(k):
     ref = optim.lazy(optax.adam(0.1))
     ru, _ = ref.update(g, ref.init(params), params)
     assert u["emb"].nse == k
-    np.testing.assert_array_equal(np.asarray(optim.apply_updates(params, u)["emb"]),
-                                  np.asarray(optim.apply_updates(params, ru)["emb"]))
+    np.testing.assert_array_equal(
+        np.asarray(optim.apply_updates(params, u)["emb"]), np.asarray(optim.apply_updates(params, ru)["emb"])
+    )
     bad = {"emb": mj.row_sparse(jnp.full((k, 3), jnp.nan), ids, (6, 3))}
     u, state = jax.jit(tx.update)(bad, state, params)
     assert int(state.notfinite_count) == 1
@@ -820,7 +887,7 @@ def _rowwise_reference(table, bias, steps, lr, eps, init):
         for r in sorted(set(rows)):
             s_t[r] += np.mean(g[r] ** 2)
             table[r] -= lr * g[r] / (np.sqrt(s_t[r]) + eps)
-        s_b = np.where(gb_valid, s_b + gb ** 2, s_b)
+        s_b = np.where(gb_valid, s_b + gb**2, s_b)
         bias = np.where(gb_valid, bias - lr * gb / (np.sqrt(s_b) + eps), bias)
     return table, bias, s_t
 
@@ -829,8 +896,10 @@ def _rowwise_reference(table, bias, steps, lr, eps, init):
 def test_rowwise_adagrad_equals_reference(jit):
     n, dim, lr, eps, init = 7, 4, 0.3, 1e-8, 0.1
     rng = np.random.default_rng(0)
-    params = {"table": jnp.asarray(rng.normal(size=(n, dim)), jnp.float32),
-              "bias": jnp.asarray(rng.normal(size=3), jnp.float32)}
+    params = {
+        "table": jnp.asarray(rng.normal(size=(n, dim)), jnp.float32),
+        "bias": jnp.asarray(rng.normal(size=3), jnp.float32),
+    }
     opt = optim.rowwise_adagrad(lr, initial_accumulator_value=init, eps=eps)
     state = opt.init(params)
     assert state[0].sum_of_squares["table"].shape == (n,) and state[0].sum_of_squares["bias"].shape == (3,)
@@ -842,8 +911,10 @@ def test_rowwise_adagrad_equals_reference(jit):
         grads = rng.normal(size=(3, dim)).astype(np.float32)
         gb, gb_valid = rng.normal(size=3).astype(np.float32), np.array([True, k % 2 == 0, True])
         steps.append((rows, grads, gb, gb_valid))
-        g = {"table": mj.row_sparse(jnp.asarray(grads), jnp.asarray(rows), (n, dim)),
-             "bias": mj.masked_array(jnp.asarray(gb), jnp.asarray(gb_valid))}
+        g = {
+            "table": mj.row_sparse(jnp.asarray(grads), jnp.asarray(rows), (n, dim)),
+            "bias": mj.masked_array(jnp.asarray(gb), jnp.asarray(gb_valid)),
+        }
         u, state = update(g, state, p)
         p = optim.apply_updates(p, u)
     table, bias, s_t = _rowwise_reference(params["table"], params["bias"], steps, lr, eps, init)
@@ -885,8 +956,12 @@ CATCH_UP = {  # name: (inner, parameters exactly equal to dense optax: a closed 
 
 # `make test`: every optimizer with row-sparse gradients, two with masked whole-row gradients;
 # `make test-full` (MJ_ORACLE=full): every optimizer with both
-_CATCH_UP_CASES = [(n, g) for n in CATCH_UP for g in ("row_sparse", "masked_rows")
-                   if g == "row_sparse" or n in ("sgd_momentum", "adam") or os.environ.get("MJ_ORACLE") == "full"]
+_CATCH_UP_CASES = [
+    (n, g)
+    for n in CATCH_UP
+    for g in ("row_sparse", "masked_rows")
+    if g == "row_sparse" or n in ("sgd_momentum", "adam") or os.environ.get("MJ_ORACLE") == "full"
+]
 
 
 @pytest.mark.parametrize("name, gradient", _CATCH_UP_CASES)
@@ -907,14 +982,19 @@ def test_lazy_catch_up_equals_dense_optax(name, gradient):
             data = jnp.asarray(rng.normal(size=(len(rows), dim)), jnp.float32)
             sparse = mj.row_sparse(data, jnp.asarray(rows), (n, dim))
             dense = sparse.todense().filled(0)
-            g = {"emb": sparse if gradient == "row_sparse" else sparse.todense(), "w": jnp.asarray(rng.normal(size=3), jnp.float32)}
+            g = {
+                "emb": sparse if gradient == "row_sparse" else sparse.todense(),
+                "w": jnp.asarray(rng.normal(size=3), jnp.float32),
+            }
             u, s_l = update(g, s_l, p_l)
             p_l = optim.apply_updates(p_l, u)
             u, s_d = inner.update({"emb": dense, "w": g["w"]}, s_d, p_d)
             p_d = optax.apply_updates(p_d, u)
         state = s_l.inner if catch_up else s_l
-        state_err = max(float(jnp.max(jnp.abs(a - b))) for a, b in
-                        zip(jax.tree_util.tree_leaves(state), jax.tree_util.tree_leaves(s_d)))
+        state_err = max(
+            float(jnp.max(jnp.abs(a - b)))
+            for a, b in zip(jax.tree_util.tree_leaves(state), jax.tree_util.tree_leaves(s_d))
+        )
         results[catch_up] = (state_err, float(jnp.max(jnp.abs(p_l["emb"] - p_d["emb"]))))
     state_err, param_err = results[True]
     assert state_err < 1e-6
@@ -941,8 +1021,9 @@ def test_lazy_catch_up_in_a_donated_train_step_and_rejections():
     for match, inner in rejected.items():
         bad = optim.lazy(inner, catch_up=True)
         with pytest.raises(ValueError, match=match):
-            bad.update(mj.row_sparse(jnp.ones((1, 2)), jnp.array([1]), (3, 2)), bad.init(jnp.zeros((3, 2))),
-                       jnp.zeros((3, 2)))
+            bad.update(
+                mj.row_sparse(jnp.ones((1, 2)), jnp.array([1]), (3, 2)), bad.init(jnp.zeros((3, 2))), jnp.zeros((3, 2))
+            )
     with pytest.raises(ValueError, match="needs params"):
         wd = optim.lazy(optax.adamw(0.1, weight_decay=0.1), catch_up=True)
         wd.update(mj.row_sparse(jnp.ones((1, 2)), jnp.array([1]), (3, 2)), wd.init(jnp.zeros((3, 2))))
@@ -986,14 +1067,19 @@ def test_multi_steps_row_accumulator_ends_a_full_window_early():
     """The documented rule: a micro-step whose rows would not fit ends the window before it (the
     accumulated mean is applied), and starts the next window; nothing is dropped."""
     params = jnp.zeros((10, 2))
-    g = [_rows([0, 1], [[1.0, 2.0], [3.0, 4.0]]), _rows([2, 3], [[5.0, 6.0], [7.0, 8.0]]),
-         _rows([2, 4], [[1.0, 1.0], [2.0, 2.0]]), _rows([3, 3], [[1.0, 0.0], [0.0, 1.0]])]
+    g = [
+        _rows([0, 1], [[1.0, 2.0], [3.0, 4.0]]),
+        _rows([2, 3], [[5.0, 6.0], [7.0, 8.0]]),
+        _rows([2, 4], [[1.0, 1.0], [2.0, 2.0]]),
+        _rows([3, 3], [[1.0, 0.0], [0.0, 1.0]]),
+    ]
     opt = optim.lazy(optax.MultiSteps(optax.adam(0.1), 3), capacity=3)
     out, state = _micro_steps(opt, params, g)
     assert int(state.early_flushes) == 1 and int(state.gradient_step) == 2 and int(state.mini_step) == 0
     # reference: adam on g0 alone (the window ended early), then on the mean of g1, g2, g3
-    mean = mj.row_sparse(jnp.concatenate([x.data for x in g[1:]]) / 3,
-                         jnp.concatenate([x.indices for x in g[1:]]), (10, 2))
+    mean = mj.row_sparse(
+        jnp.concatenate([x.data for x in g[1:]]) / 3, jnp.concatenate([x.indices for x in g[1:]]), (10, 2)
+    )
     ref, _ = _micro_steps(optim.lazy(optax.adam(0.1)), params, [g[0], mean])
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-6, atol=1e-7)
 
@@ -1016,9 +1102,12 @@ ENTRYWISE = {"clip_adam": False}  # every other optimizer of the table works ent
 
 def _two_table_params(rng):
     """Parameters of :func:`_two_table_loss`: tables "a" (40 x 4) and "b" (9 x 4), "w", "s"."""
-    return {"a": jnp.asarray(rng.normal(size=(40, 4)), jnp.float32),
-            "b": jnp.asarray(rng.normal(size=(9, 4)), jnp.float32),
-            "w": jnp.asarray(rng.normal(size=(4,)), jnp.float32), "s": jnp.asarray(0.3, jnp.float32)}
+    return {
+        "a": jnp.asarray(rng.normal(size=(40, 4)), jnp.float32),
+        "b": jnp.asarray(rng.normal(size=(9, 4)), jnp.float32),
+        "w": jnp.asarray(rng.normal(size=(4,)), jnp.float32),
+        "s": jnp.asarray(0.3, jnp.float32),
+    }
 
 
 def _two_table_loss(p, a_ids, b_ids):
@@ -1037,8 +1126,9 @@ def test_chunked_table_updates_equal_the_one_call_update(name):
 
     rng = np.random.default_rng(3)
     params = _two_table_params(rng)
-    batches = [(jnp.asarray(rng.integers(0, 30, size=(6, 5))), jnp.asarray(rng.integers(0, 9, size=(7,))))
-               for _ in range(3)]  # duplicates in every batch; rows 30.. of "a" never read
+    batches = [
+        (jnp.asarray(rng.integers(0, 30, size=(6, 5))), jnp.asarray(rng.integers(0, 9, size=(7,)))) for _ in range(3)
+    ]  # duplicates in every batch; rows 30.. of "a" never read
     opt = optim.lazy(OPTIMIZERS[name]())
     sparse = {"a": True, "b": True, "w": False, "s": False}
     grads = mj.grad(_two_table_loss, row_sparse=sparse)(params, *batches[0])
@@ -1073,8 +1163,9 @@ def test_rowwise_adagrad_tables_in_chunks_equal_the_one_call_update(lr, eps_plac
     step), untouched rows and their sums bit-identical, the tables and sums updated in place."""
     rng = np.random.default_rng(4)
     params = _two_table_params(rng)
-    batches = [(jnp.asarray(rng.integers(0, 30, size=(6, 5))), jnp.asarray(rng.integers(0, 9, size=(7,))))
-               for _ in range(3)]
+    batches = [
+        (jnp.asarray(rng.integers(0, 30, size=(6, 5))), jnp.asarray(rng.integers(0, 9, size=(7,)))) for _ in range(3)
+    ]
     opt = optim.rowwise_adagrad(lr, initial_accumulator_value=0.1, eps_placement=eps_placement)
     sparse = {"a": True, "b": True, "w": False, "s": False}
     results = {}
@@ -1104,8 +1195,9 @@ def test_chunked_catch_up_equals_the_one_call_update(name):
     sparse = {"a": True, "b": True, "w": False, "s": False}
     rng = np.random.default_rng(5)
     params = _two_table_params(rng)
-    batches = [(jnp.asarray(rng.integers(0, 30, size=(2, 5))), jnp.asarray(rng.integers(0, 9, size=(3,))))
-               for _ in range(5)]
+    batches = [
+        (jnp.asarray(rng.integers(0, 30, size=(2, 5))), jnp.asarray(rng.integers(0, 9, size=(3,)))) for _ in range(5)
+    ]
     results = {}
     for chunk in (None, 2, 4):
         step = optim.make_train_step(_two_table_loss, opt, row_sparse=sparse, chunk_rows=chunk)
@@ -1164,7 +1256,8 @@ def test_entrywise_reads_captured_arrays_as_global():
     for captured, expect in ((scale, True), (per_entry, False)):
         inner = optax.GradientTransformation(
             lambda p: optax.EmptyState(),
-            lambda u, s, p=None, c=captured: (jax.tree_util.tree_map(lambda x: x * c, u), s))
+            lambda u, s, p=None, c=captured: (jax.tree_util.tree_map(lambda x: x * c, u), s),
+        )
         assert entrywise(inner, grads, inner.init(params), params) is expect
 
 
@@ -1185,9 +1278,13 @@ def _one_call_step(opt):
 # entrywise optax optimizers beyond the table above, for the fused kernel's flat program
 FUSED_EXTRA = {
     "adam_bf16_mu": lambda: optax.adam(0.05, mu_dtype=jnp.bfloat16),
-    "yogi": lambda: optax.yogi(0.05), "nadam": lambda: optax.nadam(0.05), "amsgrad": lambda: optax.amsgrad(0.05),
-    "adamax": lambda: optax.adamax(0.05), "adabelief": lambda: optax.adabelief(0.05),
-    "adadelta": lambda: optax.adadelta(1.0), "masked_adagrad": lambda: optim.masked_adagrad(0.1),
+    "yogi": lambda: optax.yogi(0.05),
+    "nadam": lambda: optax.nadam(0.05),
+    "amsgrad": lambda: optax.amsgrad(0.05),
+    "adamax": lambda: optax.adamax(0.05),
+    "adabelief": lambda: optax.adabelief(0.05),
+    "adadelta": lambda: optax.adadelta(1.0),
+    "masked_adagrad": lambda: optim.masked_adagrad(0.1),
 }
 
 
@@ -1206,8 +1303,11 @@ def test_fused_table_updates_equal_the_one_call_update(name):
     for _ in range(3):
         a_ids = rng.integers(0, 30, size=(6, 5))
         a_ids[0, :2] = 40  # padding rows of the gradient
-        grads.append(mj.grad(_two_table_loss, row_sparse=sparse)(params, jnp.asarray(a_ids),
-                                                                  jnp.asarray(rng.integers(0, 9, size=(7,)))))
+        grads.append(
+            mj.grad(_two_table_loss, row_sparse=sparse)(
+                params, jnp.asarray(a_ids), jnp.asarray(rng.integers(0, 9, size=(7,)))
+            )
+        )
     opt = {**OPTIMIZERS, **FUSED_EXTRA}[name]()
     opt = opt if name == "masked_adagrad" else optim.lazy(opt)  # a lazy lift already
     expect = ENTRYWISE.get(name, True)
@@ -1239,15 +1339,18 @@ def test_fused_update_row_shapes_dtypes_and_unique_ids(dtype, row, unique):
     table = jnp.asarray(rng.normal(size=(n, *row)), dtype)
     ids = rng.choice(n - 20, size=k, replace=False) if unique else rng.integers(0, n - 20, size=k)
     ids[:3] = n  # padding
-    g = mj.row_sparse(jnp.asarray(rng.normal(size=(k, *row)), dtype), jnp.asarray(ids), (n, *row),
-                      unique_indices=unique)
+    g = mj.row_sparse(
+        jnp.asarray(rng.normal(size=(k, *row)), dtype), jnp.asarray(ids), (n, *row), unique_indices=unique
+    )
     opt = optim.lazy(optax.adam(0.05, mu_dtype=jnp.bfloat16) if dtype == "bfloat16" else optax.adam(0.05))
     want = _one_call_step(opt)(table, opt.init(table), g)
-    for got in (fused_update(opt, g, opt.init(table), table, optim.apply_updates, interpret=True),
-                _fused_step(opt)(table, opt.init(table), g)):
+    for got in (
+        fused_update(opt, g, opt.init(table), table, optim.apply_updates, interpret=True),
+        _fused_step(opt)(table, opt.init(table), g),
+    ):
         _close(got, want, **({} if dtype == "float32" else {"rtol": 2e-2, "atol": 2e-2}))
         assert got[0].dtype == table.dtype
-        np.testing.assert_array_equal(np.asarray(got[0][n - 20:], np.float32), np.asarray(table[n - 20:], np.float32))
+        np.testing.assert_array_equal(np.asarray(got[0][n - 20 :], np.float32), np.asarray(table[n - 20 :], np.float32))
 
 
 def test_fused_update_of_some_tables_equals_the_one_call_update(monkeypatch):
@@ -1260,7 +1363,8 @@ def test_fused_update_of_some_tables_equals_the_one_call_update(monkeypatch):
     rng = np.random.default_rng(9)
     params = _two_table_params(rng)
     g = mj.grad(_two_table_loss, row_sparse={"a": True, "b": True, "w": False, "s": False})(
-        params, jnp.asarray(rng.integers(0, 30, size=(6, 5))), jnp.asarray(rng.integers(0, 9, size=(7,))))
+        params, jnp.asarray(rng.integers(0, 30, size=(6, 5))), jnp.asarray(rng.integers(0, 9, size=(7,)))
+    )
     opt = optim.lazy(optax.adam(0.05))
     assert _fused.fused_tables(opt, g, opt.init(params), params) == [1]  # leaves a, b, s, w: "b" only
     got = _fused_step(opt)(params, opt.init(params), g)
@@ -1278,9 +1382,13 @@ def test_fused_update_stores_nothing_past_the_table(monkeypatch, unique):
 
     guard = 2
     real = _fused._table_kernel
-    monkeypatch.setattr(_fused, "_table_kernel",
-                        lambda in_kernel, n_hoisted, dtypes, n_refs, n, *rest: real(in_kernel, n_hoisted, dtypes,
-                                                                                      n_refs, n - guard, *rest))
+    monkeypatch.setattr(
+        _fused,
+        "_table_kernel",
+        lambda in_kernel, n_hoisted, dtypes, n_refs, n, *rest: real(
+            in_kernel, n_hoisted, dtypes, n_refs, n - guard, *rest
+        ),
+    )
     rng = np.random.default_rng(11)
     n, k, d = 40, 24, 3
     ids = rng.choice(n - guard, size=k, replace=False) if unique else rng.integers(n - 6, n, size=k)
@@ -1291,17 +1399,18 @@ def test_fused_update_stores_nothing_past_the_table(monkeypatch, unique):
     g = mj.row_sparse(data, jnp.asarray(ids), (n, d), unique_indices=unique)
     # moments that a stray store of a masked lane (zero in, zero out) would change
     state = jax.tree_util.tree_map(
-        lambda x: jnp.asarray(rng.uniform(0.1, 1.0, size=x.shape), x.dtype) if np.ndim(x) == 2 else x,
-        opt.init(table))
+        lambda x: jnp.asarray(rng.uniform(0.1, 1.0, size=x.shape), x.dtype) if np.ndim(x) == 2 else x, opt.init(table)
+    )
     cut = _fused.KernelConfig(block_elements=16, max_block_rows=4)  # several programs, masked lanes in each
-    got = jax.jit(lambda p, s, g: _fused.fused_update(opt, g, s, p, optim.apply_updates, interpret=True,
-                                                      config=cut))(table, state, g)
+    got = jax.jit(lambda p, s, g: _fused.fused_update(opt, g, s, p, optim.apply_updates, interpret=True, config=cut))(
+        table, state, g
+    )
     past = np.where(ids >= n - guard, n, ids)
     want = _one_call_step(opt)(table, state, mj.row_sparse(data, jnp.asarray(past), (n, d), unique_indices=unique))
     _close(got, want, rtol=1e-5, atol=1e-6)
     for new, old in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves((table, state))):
         if np.ndim(old) == 2:  # the table and adam's moments, past the kernel's end
-            np.testing.assert_array_equal(np.asarray(new[n - guard:]), np.asarray(old[n - guard:]))
+            np.testing.assert_array_equal(np.asarray(new[n - guard :]), np.asarray(old[n - guard :]))
 
 
 def _runs(pattern, rng, n, k):
@@ -1337,14 +1446,21 @@ def test_fused_update_runs_of_duplicates_across_kernel_programs(rows_per_program
     opt = optim.lazy(optax.sgd(0.1, momentum=0.9))
     cut = KernelConfig(block_elements=rows_per_program * 4, max_block_rows=rows_per_program)
     got = jax.jit(lambda p, s, g: fused_update(opt, g, s, p, optim.apply_updates, interpret=True, config=cut))(
-        table, opt.init(table), g)
+        table, opt.init(table), g
+    )
     want = _one_call_step(opt)(table, opt.init(table), g)
     _close(got, want, rtol=1e-5, atol=1e-5)
     assert np.isinf(np.asarray(got[0])).sum() == 1 and not np.isnan(np.asarray(got[0])).any()
 
 
-@given(n=st.integers(3, 60), k=st.integers(1, 120), rows_per_program=st.sampled_from([1, 2, 4, 8, 64]),
-       hot=st.floats(0.0, 0.9), padding=st.floats(0.0, 0.5), seed=st.integers(0, 2**16))
+@given(
+    n=st.integers(3, 60),
+    k=st.integers(1, 120),
+    rows_per_program=st.sampled_from([1, 2, 4, 8, 64]),
+    hot=st.floats(0.0, 0.9),
+    padding=st.floats(0.0, 0.5),
+    seed=st.integers(0, 2**16),
+)
 def test_fused_update_equals_the_one_call_update_on_any_runs(n, k, rows_per_program, hot, padding, seed):
     """Property: for any table size, number of stored rows, kernel cut, share of one hot id (runs
     over many programs) and share of padding, the fused update equals the one-call update, and
@@ -1369,8 +1485,12 @@ def test_train_step_fused_rows_picks_the_kernel_on_cuda_only():
     """``make_train_step(fused_rows=True)`` puts the kernel in the step's CUDA branch, for fusable
     optimizers only; the CPU runs the step it would run without it (equal results; on a GPU, equal
     up to rounding); a non-bool ``fused_rows`` is refused."""
-    params = {"a": jnp.asarray(np.random.default_rng(7).normal(size=(40, 4)), jnp.float32),
-              "b": jnp.ones((9, 4)), "w": jnp.ones((4,)), "s": jnp.asarray(0.3)}
+    params = {
+        "a": jnp.asarray(np.random.default_rng(7).normal(size=(40, 4)), jnp.float32),
+        "b": jnp.ones((9, 4)),
+        "w": jnp.ones((4,)),
+        "s": jnp.asarray(0.3),
+    }
     sparse = {"a": True, "b": True, "w": False, "s": False}
     batch = (jnp.asarray([[1, 2, 2, 5, 7]]), jnp.asarray([0, 0, 3]))
     for inner, fusable in ((optax.adam(0.05), True), (OPTIMIZERS["clip_adam"](), False)):
@@ -1389,7 +1509,9 @@ def test_train_step_fused_rows_picks_the_kernel_on_cuda_only():
     huge = {"a": jax.ShapeDtypeStruct((2**29, 4), jnp.float32), "b": params["b"], "w": params["w"], "s": params["s"]}
     opt = optim.lazy(optax.adam(0.05))
     step = optim.make_train_step(_two_table_loss, opt, row_sparse=sparse, fused_rows=True)
-    assert str(jax.make_jaxpr(step)(huge, jax.eval_shape(opt.init, huge), *batch)).count("pallas_call") == 2  # "b" only (its carries, its update)
+    assert (
+        str(jax.make_jaxpr(step)(huge, jax.eval_shape(opt.init, huge), *batch)).count("pallas_call") == 2
+    )  # "b" only (its carries, its update)
     with pytest.raises(ValueError, match="fused_rows must be a bool"):
         optim.make_train_step(_two_table_loss, opt, fused_rows=1)
 
@@ -1416,7 +1538,9 @@ def test_empty_tables_train_beside_others(name, chunk_rows, shape):
     ids = jnp.array([[0, 1], [2, -1]])
 
     def loss(p, ids):
-        return mj.embedding_bag(p["empty"], ids, combiner="mean").filled(0.0).sum() + jnp.sum(mj.lookup(p["t"], ids) ** 2)
+        return mj.embedding_bag(p["empty"], ids, combiner="mean").filled(0.0).sum() + jnp.sum(
+            mj.lookup(p["t"], ids) ** 2
+        )
 
     def alone(p, ids):
         return jnp.sum(mj.lookup(p["t"], ids) ** 2)
@@ -1487,8 +1611,9 @@ def test_rowwise_sums_of_half_precision_tables_keep_growing(dtype):
     assert sums.dtype == jnp.float32 and float(sums[1]) == 600.0 and float(sums[0]) == 0.0
     u, _ = opt.update(g, state, params)
     np.testing.assert_allclose(np.asarray(u.data, np.float32), -0.5 / np.sqrt(601.0), rtol=1e-2)
-    step = optim.make_train_step(lambda t, i: jnp.sum(mj.lookup(t, i).astype(jnp.float32)), opt,
-                                 row_sparse=True, chunk_rows=1)
+    step = optim.make_train_step(
+        lambda t, i: jnp.sum(mj.lookup(t, i).astype(jnp.float32)), opt, row_sparse=True, chunk_rows=1
+    )
     params, state = table, opt.init(table)
     for _ in range(300):
         params, state, _ = step(params, state, jnp.array([1, 2]))

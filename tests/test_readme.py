@@ -15,8 +15,10 @@ DOCS = sorted((ROOT / "docs").glob("*.md"))
 # adding_ops.md registers example ops into the process-wide registry: tests/test_registry.py runs
 # the same steps and unregisters them
 RUNNABLE = [p for p in DOCS if p.name != "adding_ops.md"]
-PRELUDE = ("import jax, jax.numpy as jnp, numpy as np, optax\nimport masked_jax as mj\n"
-           "import masked_jax.numpy as mnp\nimport masked_jax.nn as mnn\nfrom masked_jax import optim\n")
+PRELUDE = (
+    "import jax, jax.numpy as jnp, numpy as np, optax\nimport masked_jax as mj\n"
+    "import masked_jax.numpy as mnp\nimport masked_jax.nn as mnn\nfrom masked_jax import optim\n"
+)
 
 
 def _run(path, prelude=""):
@@ -82,7 +84,7 @@ def test_maskify_page_lists_every_unsupported_primitive():
     from masked_jax._maskify import _rules as primitives
 
     text = MASKIFY_DOC.read_text()
-    table = text[text.index("## Not supported"):text.index("## What is tested")]
+    table = text[text.index("## Not supported") : text.index("## What is tested")]
     for prim in primitives.UNSUPPORTED:
         assert f"`{prim.name}`" in table, prim.name
     for name in primitives.UNSUPPORTED_CALLS:

@@ -46,7 +46,7 @@ def check_module(apply, params, xm, x, *, per_sequence=None):
     """``apply(params, x)``: (B, L, ...) -> (B, L, F). ``per_sequence(params, x_b)`` is the reference
     on one unpadded sequence (1, n, ...) (``apply`` itself by default)."""
     per_sequence = per_sequence or apply
-    refs = [per_sequence(params, x[b:b + 1, :n]) for b, n in enumerate(LENGTHS)]
+    refs = [per_sequence(params, x[b : b + 1, :n]) for b, n in enumerate(LENGTHS)]
     for label, fn in (("eager", mj.maskify(apply)), ("jit", jax.jit(mj.maskify(apply)))):
         out = fn(params, xm)
         assert isinstance(out, mj.MaskedArray), label
@@ -65,7 +65,7 @@ def check_module(apply, params, xm, x, *, per_sequence=None):
         return jnp.sum(mj.maskify(lambda q, v: _pool(apply(q, v)))(p, xm).data * w)
 
     def ref_loss(p):
-        return sum(jnp.sum(_pool(per_sequence(p, x[b:b + 1, :n]))[0] * w) for b, n in enumerate(LENGTHS))
+        return sum(jnp.sum(_pool(per_sequence(p, x[b : b + 1, :n]))[0] * w) for b, n in enumerate(LENGTHS))
 
     want = jax.jit(jax.grad(ref_loss))(params)
     g = jax.jit(jax.grad(masked_loss))(params)  # (under jit: the eager path is the values' above)
@@ -91,8 +91,13 @@ LINEN = {
     # SAME padding: the positions just past each sequence read its padding, which the unpadded run
     # sees as the convolution's own zeros: they stay masked, the last tokens are valid
     "Conv": lambda: nn.Conv(3, kernel_size=(3,), padding="SAME"),
-    "Conv-dilated": lambda: nn.Sequential([nn.Conv(4, kernel_size=(2,), kernel_dilation=(2,), padding="SAME"),
-                                           nn.gelu, nn.Conv(3, kernel_size=(3,), padding="SAME")]),
+    "Conv-dilated": lambda: nn.Sequential(
+        [
+            nn.Conv(4, kernel_size=(2,), kernel_dilation=(2,), padding="SAME"),
+            nn.gelu,
+            nn.Conv(3, kernel_size=(3,), padding="SAME"),
+        ]
+    ),
 }
 
 
@@ -142,7 +147,8 @@ class _EncoderBlock(nn.Module):
     def __call__(self, x, mask=None, train=True):
         h = nn.LayerNorm()(x)
         h = nn.MultiHeadDotProductAttention(num_heads=2, qkv_features=4, dropout_rate=0.2)(
-            h, mask=mask, deterministic=not train)
+            h, mask=mask, deterministic=not train
+        )
         x = x + nn.Dropout(0.3)(h, deterministic=not train)
         h = nn.Dense(4)(nn.gelu(nn.Dense(8)(nn.LayerNorm()(x))))
         return x + nn.Dropout(0.3)(h, deterministic=not train)
@@ -169,11 +175,11 @@ def test_linen_encoder_block_with_dropout_keeps_padding_masked():
 
 def test_linen_embed_with_padded_ids():
     """Padded token ids are masked: their embeddings are masked rows (a gather with masked indices)."""
-    ids = np.where(VALID, np.random.default_rng(4).integers(0, 10, (B, L)), 10 ** 6)  # junk in the padding
+    ids = np.where(VALID, np.random.default_rng(4).integers(0, 10, (B, L)), 10**6)  # junk in the padding
     ids_m = mj.masked_array(jnp.asarray(ids), jnp.asarray(VALID))
     model = nn.Sequential([nn.Embed(10, 4), nn.Dense(3)])
     params = model.init(jax.random.key(0), jnp.zeros((1, 2), int))
-    refs = [model.apply(params, jnp.asarray(ids[b:b + 1, :n])) for b, n in enumerate(LENGTHS)]
+    refs = [model.apply(params, jnp.asarray(ids[b : b + 1, :n])) for b, n in enumerate(LENGTHS)]
     for label, fn in (("eager", mj.maskify), ("jit", lambda f: jax.jit(mj.maskify(f)))):
         out = fn(lambda i: model.apply(params, i))(ids_m)
         np.testing.assert_array_equal(np.asarray(out.mask)[..., 0], VALID)
@@ -195,8 +201,9 @@ def test_linen_conv_and_pooling():
     def features(v, o):
         return jnp.max(conv.apply(params, v) * o, axis=1)  # max-pool over tokens
 
-    refs = np.stack([np.asarray(conv.apply(params, jnp.asarray(x[b:b + 1, :n])))[0].max(0)
-                     for b, n in enumerate(LENGTHS)])
+    refs = np.stack(
+        [np.asarray(conv.apply(params, jnp.asarray(x[b : b + 1, :n])))[0].max(0) for b, n in enumerate(LENGTHS)]
+    )
     for label, fn in (("eager", mj.maskify(features)), ("jit", jax.jit(mj.maskify(features)))):
         _close(fn(xm, ones).data, refs, f"{label}: max-pooled conv features")
 

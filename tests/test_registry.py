@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import warnings
 
+import harness
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conformance_table import AXES, ROWS, Row, over_valid
+from conformance_table import elementwise as ew_ref
 from jax.extend import core as jcore
 from jax.interpreters import ad, batching, mlir
 
@@ -16,9 +19,6 @@ from masked_jax.ops import REGISTRY, elementwise, register, unregister
 from masked_jax.ops._base import Pair
 from masked_jax.ops._registry import OpSpec, rule_signature
 from masked_jax.ops.reductions import sum as masked_sum
-
-import harness
-from conformance_table import AXES, ROWS, Row, elementwise as ew_ref, over_valid
 
 X = mj.masked_array(jnp.array([[1.0, jnp.nan, 3.0], [4.0, 5.0, 6.0]]), jnp.array([[True, False, True], [True] * 3]))
 
@@ -42,18 +42,27 @@ CUBE_P = _cube_primitive()
 @pytest.fixture
 def toy_ops():
     """Register an elementwise op (on a new primitive) and a reduction, with their table rows."""
+
     def sumsq(x, axis=None, keepdims=False):
         return masked_sum(Pair(jnp.square(x.data), x.mask), axis=axis, keepdims=keepdims)
 
     register(elementwise.unary_spec("toy_cube", CUBE_P.bind, safe=0, primitives=(CUBE_P,), methods=("toy_cube",)))
-    register(OpSpec(name="toy_sumsq", family="reductions", rule=sumsq, signature=rule_signature(sumsq),
-                    operands=("x",), methods=("toy_sumsq",), segment=lambda g, v: g.sum(v * v),
-                    excluded={"maskify": "a toy with no jax function",
-                              "oracle": "a toy with no jax function to compare with"}))
-    ROWS["toy_cube"] = Row(ew_ref(lambda x: x ** 3))
-    ROWS["toy_sumsq"] = Row(over_valid(lambda d, axis=None, keepdims=False: np.nansum(d * d, axis=axis,
-                                                                                        keepdims=keepdims)),
-                            cases=AXES)
+    register(
+        OpSpec(
+            name="toy_sumsq",
+            family="reductions",
+            rule=sumsq,
+            signature=rule_signature(sumsq),
+            operands=("x",),
+            methods=("toy_sumsq",),
+            segment=lambda g, v: g.sum(v * v),
+            excluded={"maskify": "a toy with no jax function", "oracle": "a toy with no jax function to compare with"},
+        )
+    )
+    ROWS["toy_cube"] = Row(ew_ref(lambda x: x**3))
+    ROWS["toy_sumsq"] = Row(
+        over_valid(lambda d, axis=None, keepdims=False: np.nansum(d * d, axis=axis, keepdims=keepdims)), cases=AXES
+    )
     yield
     for name in ("toy_cube", "toy_sumsq"):
         unregister(name)
@@ -61,7 +70,7 @@ def toy_ops():
 
 
 def test_a_new_op_is_one_registration_away_from_everywhere(toy_ops):
-    want = mj.masked_array(X.data ** 3, X.mask)
+    want = mj.masked_array(X.data**3, X.mask)
     harness.assert_same(mnp.toy_cube(X), want)  # masked_jax.numpy
     harness.assert_same(X.toy_cube(), want)  # a method
     harness.assert_same(mj.maskify(lambda v: CUBE_P.bind(v) + 0.0)(X), want)  # maskify, by its primitive
@@ -90,14 +99,21 @@ def test_unregistered_op_is_gone_from_everywhere(toy_ops):
 def test_a_harness_check_fails_on_a_wrong_rule(toy_ops):
     """The harness can fail: a rule that reads masked-out data, or computes the wrong value, is caught."""
     spec = REGISTRY["toy_cube"]
-    register(OpSpec(name="toy_cube", family="elementwise", signature=spec.signature,
-                    rule=lambda x: Pair(x.data ** 3 + 0 * jnp.sum(x.data), x.mask)))  # NaN under the mask leaks
+    register(
+        OpSpec(
+            name="toy_cube",
+            family="elementwise",
+            signature=spec.signature,
+            rule=lambda x: Pair(x.data**3 + 0 * jnp.sum(x.data), x.mask),
+        )
+    )  # NaN under the mask leaks
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with pytest.raises(AssertionError, match="under the mask"):
             harness.check_poison("toy_cube")
-    register(OpSpec(name="toy_cube", family="elementwise", rule=lambda x: Pair(x.data ** 2, x.mask),
-                    signature=spec.signature))
+    register(
+        OpSpec(name="toy_cube", family="elementwise", rule=lambda x: Pair(x.data**2, x.mask), signature=spec.signature)
+    )
     with pytest.raises(AssertionError, match="data differs"):
         harness.check_reference("toy_cube")
     register(spec)

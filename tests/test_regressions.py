@@ -24,8 +24,10 @@ def _rows_with_nan_padding():
 
 
 def _dense_of(r):
-    return mj.masked_array(jnp.zeros((4, 3)).at[jnp.array([0, 2])].set(r.data[:2]),
-                           jnp.array([[True] * 3, [False] * 3, [True] * 3, [False] * 3]))
+    return mj.masked_array(
+        jnp.zeros((4, 3)).at[jnp.array([0, 2])].set(r.data[:2]),
+        jnp.array([[True] * 3, [False] * 3, [True] * 3, [False] * 3]),
+    )
 
 
 @pytest.fixture(autouse=True)
@@ -75,15 +77,22 @@ def test_at_multiply_into_a_masked_nan_has_a_finite_gradient():
 
 
 def test_norms_of_sparse_layouts_equal_the_dense_layout():
-    x = mj.masked_array(jnp.array([[1.0, -2.0, 0.5], [0.0, 0.0, 0.0], [0.25, 3.0, -1.0]]),
-                        jnp.array([[True, True, True], [False, False, False], [True, True, True]]))
+    x = mj.masked_array(
+        jnp.array([[1.0, -2.0, 0.5], [0.0, 0.0, 0.0], [0.25, 3.0, -1.0]]),
+        jnp.array([[True, True, True], [False, False, False], [True, True, True]]),
+    )
     for layout in (x.tostype("bcoo"), x.tostype("row_sparse")):
         for ord_ in (1, -1, 2, -2, np.inf, "fro", "nuc"):
-            np.testing.assert_allclose(float(mnp.norm(layout, ord=ord_).data), float(mnp.norm(x, ord=ord_).data),
-                                       rtol=1e-12, err_msg=f"{layout.storage} ord={ord_}")
+            np.testing.assert_allclose(
+                float(mnp.norm(layout, ord=ord_).data),
+                float(mnp.norm(x, ord=ord_).data),
+                rtol=1e-12,
+                err_msg=f"{layout.storage} ord={ord_}",
+            )
     wide = mj.masked_array(jnp.ones((2, 5)), jnp.array([[True] * 5, [False] * 5]))  # fewer rows stored than columns
-    np.testing.assert_allclose(float(mnp.norm(wide.tostype("row_sparse"), ord=-2).data),
-                               float(mnp.norm(wide, ord=-2).data), rtol=1e-12)
+    np.testing.assert_allclose(
+        float(mnp.norm(wide.tostype("row_sparse"), ord=-2).data), float(mnp.norm(wide, ord=-2).data), rtol=1e-12
+    )
 
 
 def test_a_negative_stored_index_is_padding_everywhere():
@@ -192,7 +201,8 @@ def test_a_valid_inf_meeting_a_masked_entry_is_not_a_term(name):
     a = mj.masked_array(jnp.array([[jnp.inf, 1.0], [2.0, 3.0]]), jnp.ones((2, 2), bool))
     b = mj.masked_array(jnp.array([[5.0, 1.0], [2.0, 7.0]]), jnp.array([[False, True], [True, True]]))
     fn = {"einsum": lambda x, y: mnp.einsum("ij,jk->ik", x, y), "tensordot": lambda x, y: mnp.tensordot(x, y, 1)}.get(
-        name, getattr(mnp, name))
+        name, getattr(mnp, name)
+    )
     out = fn(a, b)
     # the terms: a[i, k] * b[k, j] where both are valid; a[0, 0] = inf meets only the masked b[0, 0]
     if name == "matmul" or name in ("dot", "einsum", "tensordot"):
@@ -208,8 +218,10 @@ def test_a_valid_inf_meeting_a_masked_entry_is_not_a_term(name):
 def test_vector_norm_is_a_vector_norm():
     x = jnp.array([[1.0, 2.0], [3.0, 9.0]])
     assert float(mnp.linalg.vector_norm(mj.as_masked(x), ord=1).data) == float(jnp.linalg.vector_norm(x, ord=1))
-    np.testing.assert_allclose(mnp.linalg.vector_norm(mj.as_masked(x), axis=(0, 1), keepdims=True).data,
-                               jnp.linalg.vector_norm(x, axis=(0, 1), keepdims=True))
+    np.testing.assert_allclose(
+        mnp.linalg.vector_norm(mj.as_masked(x), axis=(0, 1), keepdims=True).data,
+        jnp.linalg.vector_norm(x, axis=(0, 1), keepdims=True),
+    )
 
 
 def test_diff_refuses_what_jnp_refuses_and_handles_bool():
@@ -242,14 +254,17 @@ def test_scalar_conversions_of_0d_masked_arrays():
         jax.jit(lambda x: float(x))(v)
 
 
-@pytest.mark.parametrize("call, kind, match", [
-    (lambda: mj.row_sparse(jnp.ones((1, 2)), jnp.array([0]), 3.5), TypeError, "shape"),
-    (lambda: mj.row_sparse(jnp.ones((1, 2)), jnp.array([0]), (-3, 2)), ValueError, "shape"),
-    (lambda: mj.row_sparse(jnp.ones((1, 2)), jnp.array([0]), (3, 2.0)), TypeError, "shape"),
-    (lambda: mnp.sum(mnp.asarray(1.0), axis=0), ValueError, "axis 0"),
-    (lambda: mnp.argmax(mnp.asarray(1.0), axis=0), ValueError, "axis 0"),
-    (lambda: mj.nn.one_hot(jnp.array([1]), -2), ValueError, "num_classes"),
-])
+@pytest.mark.parametrize(
+    "call, kind, match",
+    [
+        (lambda: mj.row_sparse(jnp.ones((1, 2)), jnp.array([0]), 3.5), TypeError, "shape"),
+        (lambda: mj.row_sparse(jnp.ones((1, 2)), jnp.array([0]), (-3, 2)), ValueError, "shape"),
+        (lambda: mj.row_sparse(jnp.ones((1, 2)), jnp.array([0]), (3, 2.0)), TypeError, "shape"),
+        (lambda: mnp.sum(mnp.asarray(1.0), axis=0), ValueError, "axis 0"),
+        (lambda: mnp.argmax(mnp.asarray(1.0), axis=0), ValueError, "axis 0"),
+        (lambda: mj.nn.one_hot(jnp.array([1]), -2), ValueError, "num_classes"),
+    ],
+)
 def test_malformed_calls_name_the_argument(call, kind, match):
     with pytest.raises(kind, match=match):
         call()
@@ -323,7 +338,8 @@ def test_4_bit_integers_take_the_masked_ops_jnp_takes(dtype, name):
     mask = jnp.array([[True, False, True, True], [False, True, True, False]])
     x = mj.masked_array(data, mask)
     fn = {"clip": lambda m, v: m.clip(v, 1, 5), "average": lambda m, v: m.average(v, weights=v)}.get(
-        name, lambda m, v: getattr(m, name)(v))
+        name, lambda m, v: getattr(m, name)(v)
+    )
     for row in range(2):
         valid = data[row][mask[row]]
         want = np.asarray(fn(jnp, valid))
@@ -396,8 +412,10 @@ def test_a_bitcast_to_another_width_reshapes_the_mask_with_the_data(jit):
     """A bitcast to a narrower dtype adds a trailing axis of parts, each valid where its element
     is; one to a wider dtype removes that axis, valid where every part is. Both through maskify
     (``lax.bitcast_convert_type`` of a masked operand) and with a compact mask."""
-    x = mj.masked_array(jnp.array([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]], jnp.float32),
-                        jnp.array([[True, False, True], [False, True, True]]))
+    x = mj.masked_array(
+        jnp.array([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]], jnp.float32),
+        jnp.array([[True, False, True], [False, True, True]]),
+    )
     narrow = mj.maskify(lambda v: jax.lax.bitcast_convert_type(v, jnp.uint16))
     narrow = jax.jit(narrow) if jit else narrow
     parts = narrow(x)
@@ -414,7 +432,9 @@ def test_a_bitcast_to_another_width_reshapes_the_mask_with_the_data(jit):
     np.testing.assert_array_equal(np.asarray(back.data)[want], np.asarray(x.data)[want])
     compact = mj.masked_array(x.data, jnp.array([[True], [False]]))  # a (2, 1) row mask
     out = narrow(compact)
-    np.testing.assert_array_equal(np.asarray(out.mask), np.broadcast_to(np.array([True, False])[:, None, None], (2, 3, 2)))
+    np.testing.assert_array_equal(
+        np.asarray(out.mask), np.broadcast_to(np.array([True, False])[:, None, None], (2, 3, 2))
+    )
 
 
 @pytest.mark.parametrize("dtype", [jnp.int8, jnp.int16, jnp.int32, jnp.int64])

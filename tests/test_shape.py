@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from strategies import ALL, masked_arrays
 
 import masked_jax as mj
 import masked_jax.numpy as mnp
-from strategies import ALL, masked_arrays
 
 
 def _same(got, ref):
@@ -26,12 +26,26 @@ SHAPE_CASES = {
     "moveaxis": (lambda x: mnp.moveaxis(x, 0, -1), lambda r: np.moveaxis(r, 0, -1)),
     "expand_dims": (lambda x: mnp.expand_dims(x, 0), lambda r: np.ma.expand_dims(r, 0)),
     "squeeze": (mnp.squeeze, np.ma.squeeze),
-    "broadcast_to": (lambda x: mnp.broadcast_to(x, (2,) + x.shape), lambda r: np.ma.masked_array(np.broadcast_to(r.data, (2,) + r.shape), np.broadcast_to(np.ma.getmaskarray(r), (2,) + r.shape))),
+    "broadcast_to": (
+        lambda x: mnp.broadcast_to(x, (2,) + x.shape),
+        lambda r: np.ma.masked_array(
+            np.broadcast_to(r.data, (2,) + r.shape), np.broadcast_to(np.ma.getmaskarray(r), (2,) + r.shape)
+        ),
+    ),
     "flip": (lambda x: mnp.flip(x, 0), lambda r: r[::-1]),
-    "roll": (lambda x: mnp.roll(x, 1, 0), lambda r: np.ma.masked_array(np.roll(r.data, 1, 0), np.roll(np.ma.getmaskarray(r), 1, 0))),
-    "tile": (lambda x: mnp.tile(x, 2), lambda r: np.ma.masked_array(np.tile(r.data, 2), np.tile(np.ma.getmaskarray(r), 2))),
+    "roll": (
+        lambda x: mnp.roll(x, 1, 0),
+        lambda r: np.ma.masked_array(np.roll(r.data, 1, 0), np.roll(np.ma.getmaskarray(r), 1, 0)),
+    ),
+    "tile": (
+        lambda x: mnp.tile(x, 2),
+        lambda r: np.ma.masked_array(np.tile(r.data, 2), np.tile(np.ma.getmaskarray(r), 2)),
+    ),
     "repeat": (lambda x: mnp.repeat(x, 2, axis=0), lambda r: np.ma.repeat(r, 2, axis=0)),
-    "concatenate": (lambda x: mnp.concatenate([x, x.filled(0)], axis=0), lambda r: np.ma.concatenate([r, np.ma.masked_array(r.filled(0))], axis=0)),
+    "concatenate": (
+        lambda x: mnp.concatenate([x, x.filled(0)], axis=0),
+        lambda r: np.ma.concatenate([r, np.ma.masked_array(r.filled(0))], axis=0),
+    ),
     "stack": (lambda x: mnp.stack([x, x], axis=0), lambda r: np.ma.stack([r, r], axis=0)),
     "flip_last": (lambda x: x[..., ::-1], lambda r: r[..., ::-1]),
 }
@@ -88,8 +102,9 @@ def test_masked_indices_read_nothing(jit, axis):
     take = jax.jit(mnp.take, static_argnames="axis") if jit else mnp.take
     got = take(x, idx, axis=axis)
     plain = mnp.take(x, jnp.array([1, 0, 0]), axis=axis)  # 99 replaced by any in-range index
-    keep = np.array([True, False, True]).reshape((1,) * (0 if axis in (None, 0) else 1) + (3,)
-                                                 + (1,) * (1 if axis == 0 else 0))
+    keep = np.array([True, False, True]).reshape(
+        (1,) * (0 if axis in (None, 0) else 1) + (3,) + (1,) * (1 if axis == 0 else 0)
+    )
     np.testing.assert_array_equal(got.mask, np.asarray(plain.mask) & keep)
     np.testing.assert_array_equal(np.where(got.mask, got.data, 0), np.where(got.mask, plain.data, 0))
     grad = jax.grad(lambda v: take(mj.masked_array(v, x.mask), idx, axis=axis).filled(0.0).sum())(d)

@@ -13,9 +13,18 @@ HERE = pathlib.Path(__file__).parent
 
 
 def test_sharded_suite_on_8_cpu_devices():
-    env = dict(os.environ, MASKED_JAX_SHARDED_TESTS="1", JAX_PLATFORMS="cpu",
-               XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip())
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(HERE / "sharded")],
-                          env=env, capture_output=True, text=True, cwd=HERE.parent)
+    env = dict(
+        os.environ,
+        MASKED_JAX_SHARDED_TESTS="1",
+        JAX_PLATFORMS="cpu",
+        XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip(),
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(HERE / "sharded")],
+        env=env,
+        capture_output=True,
+        text=True,
+        cwd=HERE.parent,
+    )
     assert proc.returncode == 0, proc.stdout[-12000:] + proc.stderr[-4000:]
     assert " passed" in proc.stdout and "failed" not in proc.stdout, proc.stdout[-4000:]

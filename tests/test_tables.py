@@ -19,20 +19,25 @@ def _tables(seed=0):
     return {k: jax.random.normal(key, (n, D)) for key, (k, n) in zip(keys, SIZES.items())}
 
 
-IDS = {"user": jnp.array([[0, 12, 12], [-1, 13, 5]]),  # per-table: -1 is the table's last row, 13 is out of range
-       "item": jnp.array([6, 6, 0, -8]),
-       "genre": mj.masked_array(jnp.array([1, 3, 2]), jnp.array([True, False, True]))}
+IDS = {
+    "user": jnp.array([[0, 12, 12], [-1, 13, 5]]),  # per-table: -1 is the table's last row, 13 is out of range
+    "item": jnp.array([6, 6, 0, -8]),
+    "genre": mj.masked_array(jnp.array([1, 3, 2]), jnp.array([True, False, True])),
+}
 
 
 def _separate_loss(tables, ids):
-    return sum(jnp.sum(jnp.sin(mj.numpy.asarray(mj.lookup(tables[k], ids[k])).filled(0))) * (i + 1)
-               for i, k in enumerate(SIZES))
+    return sum(
+        jnp.sum(jnp.sin(mj.numpy.asarray(mj.lookup(tables[k], ids[k])).filled(0))) * (i + 1)
+        for i, k in enumerate(SIZES)
+    )
 
 
 def _stacked_loss(stack):
     def loss(table, ids):
         rows = stack.lookup(table, ids)
         return sum(jnp.sum(jnp.sin(mj.numpy.asarray(rows[k]).filled(0))) * (i + 1) for i, k in enumerate(SIZES))
+
     return loss
 
 
@@ -40,14 +45,18 @@ def test_stacked_lookup_equals_separate_lookups():
     tables = _tables()
     stack, table = mj.stack_tables(tables)
     # tables given as nested lists or numpy arrays stack alike
-    _, from_lists = mj.stack_tables({k: np.asarray(t).tolist() if k == "user" else np.asarray(t) for k, t in tables.items()})
+    _, from_lists = mj.stack_tables(
+        {k: np.asarray(t).tolist() if k == "user" else np.asarray(t) for k, t in tables.items()}
+    )
     np.testing.assert_array_equal(np.asarray(from_lists), np.asarray(table))
     assert table.shape == (24, D) and stack.offsets == {"user": 0, "item": 13, "genre": 20}
     rows = stack.lookup(table, IDS)
     for k in SIZES:
         ref = mj.lookup(tables[k], IDS[k])
         out = rows[k]
-        np.testing.assert_array_equal(np.asarray(mj.numpy.asarray(out).filled(0)), np.asarray(mj.numpy.asarray(ref).filled(0)))
+        np.testing.assert_array_equal(
+            np.asarray(mj.numpy.asarray(out).filled(0)), np.asarray(mj.numpy.asarray(ref).filled(0))
+        )
         if mj.is_masked(ref):
             np.testing.assert_array_equal(np.asarray(out.mask), np.asarray(ref.mask))
     # a sequence of pairs: two lookups into one table
@@ -80,17 +89,26 @@ def test_stacked_gradient_and_step_equal_separate_tables(jit):
 
 _W = jnp.array([[1.0, 0.5, 2.0], [0.0, 1.5, 1.0], [0.25, 0.25, 3.0]])
 BAG_REQUESTS = {
-    "mixed": {"user": {"ids": jnp.array([[0, 3, -1], [-1, -1, -1]]), "combiner": "mean"},
-              "item": {"ids": jnp.array([1, 6, 6, 2]), "lengths": jnp.array([1, 0, 3]),
-                       "weights": jnp.array([1.0, 0.5, 0.5, 2.0]), "combiner": "sqrtn"},
-              "genre": jnp.array([[3, 2], [0, 9]])},
+    "mixed": {
+        "user": {"ids": jnp.array([[0, 3, -1], [-1, -1, -1]]), "combiner": "mean"},
+        "item": {
+            "ids": jnp.array([1, 6, 6, 2]),
+            "lengths": jnp.array([1, 0, 3]),
+            "weights": jnp.array([1.0, 0.5, 0.5, 2.0]),
+            "combiner": "sqrtn",
+        },
+        "genre": jnp.array([[3, 2], [0, 9]]),
+    },
     # padded bags of one shape pool together, each with its own combiner (max pools alone)
-    "one shape": {"user": {"ids": jnp.array([[0, 12, 12], [-1, -1, -1], [4, 4, 5]]), "weights": _W,
-                           "combiner": "sqrtn"},
-                  "item": {"ids": jnp.array([[6, 1, -1], [2, 0, 0], [3, 9, 1]]), "weights": _W, "combiner": "mean"},
-                  "genre": mj.masked_array(jnp.array([[1, 3, 2], [0, 0, 1], [2, 2, 2]]),
-                                           jnp.array([[True, False, True], [False, False, False], [True] * 3])),
-                  "max": ("user", {"ids": jnp.array([[1, 2, -1], [0, 0, 0], [-1, -1, -1]]), "combiner": "max"})},
+    "one shape": {
+        "user": {"ids": jnp.array([[0, 12, 12], [-1, -1, -1], [4, 4, 5]]), "weights": _W, "combiner": "sqrtn"},
+        "item": {"ids": jnp.array([[6, 1, -1], [2, 0, 0], [3, 9, 1]]), "weights": _W, "combiner": "mean"},
+        "genre": mj.masked_array(
+            jnp.array([[1, 3, 2], [0, 0, 1], [2, 2, 2]]),
+            jnp.array([[True, False, True], [False, False, False], [True] * 3]),
+        ),
+        "max": ("user", {"ids": jnp.array([[1, 2, -1], [0, 0, 0], [-1, -1, -1]]), "combiner": "max"}),
+    },
 }
 
 
@@ -116,8 +134,10 @@ def test_stacked_bags_equal_separate_bags(case):
         return sum(jnp.sum(v.filled(0) ** 2) for v in stack.embedding_bag(table, requests).values())
 
     def separate(tables):
-        return sum(jnp.sum(mj.embedding_bag(tables[k], **(s if isinstance(s, dict) else {"ids": s})).filled(0) ** 2)
-                   for k, s in requests.items())
+        return sum(
+            jnp.sum(mj.embedding_bag(tables[k], **(s if isinstance(s, dict) else {"ids": s})).filled(0) ** 2)
+            for k, s in requests.items()
+        )
 
     g = jax.jit(mj.grad(loss, row_sparse=True))(table)
     ref = jax.grad(separate)(tables)
@@ -151,20 +171,36 @@ def test_all_tables_are_read_with_one_gather():
     assert _gathers(lambda t: sum(jnp.sum(v.data) for v in stack.embedding_bag(t, bags).values()), table) == 1
 
 
-@pytest.mark.parametrize("call, kind, match", [
-    (lambda: mj.stack_tables({"a": jnp.zeros((2, 3)), "b": jnp.zeros((2, 4))}), ValueError, "one row shape"),
-    (lambda: mj.stack_tables({"a": jnp.zeros((2, 3)), "b": jnp.zeros((2, 3), jnp.int32)}), ValueError, "one dtype"),
-    (lambda: mj.stack_tables({}), TypeError, "non-empty mapping"),
-    (lambda: mj.stack_tables({"a": jnp.zeros((2, 3))})[0].lookup(jnp.zeros((3, 3)), {"a": jnp.array([0])}),
-     ValueError, r"must have shape \(2, 3\)"),
-    (lambda: mj.stack_tables({"a": jnp.zeros((2, 3))})[0].lookup(jnp.zeros((2, 3)), {"z": jnp.array([0])}),
-     KeyError, "no table named 'z'"),
-    (lambda: mj.stack_tables({"a": jnp.zeros((2, 3))})[0].lookup(jnp.zeros((2, 3)), {"a": jnp.array([0.5])}),
-     TypeError, "ids must be integers"),
-    (lambda: mj.stack_tables({"a": jnp.zeros((2, 3))})[0].stack({"a": jnp.zeros((3, 3))}), ValueError, "must have shape"),
-    (lambda: mj.TableStack({"a": 2, "b": -1}, (3,)), ValueError, "row counts must be >= 0"),
-    (lambda: mj.stack_tables({"a": mj.masked_array(jnp.zeros((2, 3)))}), TypeError, "cannot be converted"),
-])
+@pytest.mark.parametrize(
+    "call, kind, match",
+    [
+        (lambda: mj.stack_tables({"a": jnp.zeros((2, 3)), "b": jnp.zeros((2, 4))}), ValueError, "one row shape"),
+        (lambda: mj.stack_tables({"a": jnp.zeros((2, 3)), "b": jnp.zeros((2, 3), jnp.int32)}), ValueError, "one dtype"),
+        (lambda: mj.stack_tables({}), TypeError, "non-empty mapping"),
+        (
+            lambda: mj.stack_tables({"a": jnp.zeros((2, 3))})[0].lookup(jnp.zeros((3, 3)), {"a": jnp.array([0])}),
+            ValueError,
+            r"must have shape \(2, 3\)",
+        ),
+        (
+            lambda: mj.stack_tables({"a": jnp.zeros((2, 3))})[0].lookup(jnp.zeros((2, 3)), {"z": jnp.array([0])}),
+            KeyError,
+            "no table named 'z'",
+        ),
+        (
+            lambda: mj.stack_tables({"a": jnp.zeros((2, 3))})[0].lookup(jnp.zeros((2, 3)), {"a": jnp.array([0.5])}),
+            TypeError,
+            "ids must be integers",
+        ),
+        (
+            lambda: mj.stack_tables({"a": jnp.zeros((2, 3))})[0].stack({"a": jnp.zeros((3, 3))}),
+            ValueError,
+            "must have shape",
+        ),
+        (lambda: mj.TableStack({"a": 2, "b": -1}, (3,)), ValueError, "row counts must be >= 0"),
+        (lambda: mj.stack_tables({"a": mj.masked_array(jnp.zeros((2, 3)))}), TypeError, "cannot be converted"),
+    ],
+)
 def test_bad_stacks_and_requests_are_rejected(call, kind, match):
     with pytest.raises(kind, match=match):
         call()
@@ -185,8 +221,7 @@ def test_fused_update_of_a_stacked_table_equals_the_one_call_update(case):
 
     def loss(t, ids):  # the requests hold combiner names: closed over, not traced
         pooled = stack.embedding_bag(t, requests)
-        return (sum(jnp.sum(jnp.tanh(mj.numpy.asarray(x).filled(0)) ** 2) for x in pooled)
-                + _stacked_loss(stack)(t, ids))
+        return sum(jnp.sum(jnp.tanh(mj.numpy.asarray(x).filled(0)) ** 2) for x in pooled) + _stacked_loss(stack)(t, ids)
 
     g = jax.jit(mj.grad(loss, row_sparse=True))(table, IDS)
     opt = optim.lazy(optax.adamw(0.1, weight_decay=0.01))
@@ -220,18 +255,22 @@ def test_a_table_of_no_rows_stacks_as_padding(jit):
     np.testing.assert_array_equal(np.asarray(rows["item"]), np.asarray(mj.lookup(tables["item"], ids["item"])))
     pooled = wrap(lambda t: stack.embedding_bag(t, bags))(table)
     assert not np.any(np.asarray(pooled["off"].mask))
-    np.testing.assert_array_equal(np.asarray(pooled["user"].data),
-                                  np.asarray(mj.embedding_bag(tables["user"], bags["user"]).data))
+    np.testing.assert_array_equal(
+        np.asarray(pooled["user"].data), np.asarray(mj.embedding_bag(tables["user"], bags["user"]).data)
+    )
 
     def make_loss(stack, bags):
         def loss(table):
             pooled = stack.embedding_bag(table, bags)
             return _stacked_loss(stack)(table, IDS) + sum(jnp.sum(v.filled(0.0) ** 2) for v in pooled.values())
+
         return loss
 
     loss = make_loss(stack, bags)
     g = wrap(mj.grad(loss, row_sparse=True))(table)
-    np.testing.assert_allclose(np.asarray(g.todense().filled(0)), np.asarray(jax.grad(loss)(table)), rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(
+        np.asarray(g.todense().filled(0)), np.asarray(jax.grad(loss)(table)), rtol=1e-6, atol=1e-7
+    )
     # a step equals the step of the stack without the empty table
     opt = optim.lazy(optax.adam(0.1))
 

@@ -5,19 +5,19 @@ from __future__ import annotations
 import os
 
 import jax
-from jax import lax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from harness import primitive_count
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from jax import lax
 
 import masked_jax as mj
 import masked_jax._maskify._interpreter
 import masked_jax.nn as mnn
 import masked_jax.numpy as mnp
 from masked_jax._maskify import _rules as primitives
-from harness import primitive_count
 
 RNG = np.random.default_rng(3)
 MASK = RNG.random((3, 4)) > 0.3
@@ -26,13 +26,56 @@ X = mj.masked_array(jnp.asarray(np.where(MASK, RNG.uniform(0.1, 0.9, (3, 4)), np
 Y = mj.masked_array(jnp.asarray(RNG.uniform(0.1, 0.9, (3, 4))), jnp.asarray(RNG.random((3, 4)) > 0.2))
 W = jnp.asarray(RNG.normal(size=(4, 2)))
 
-UNARY = ["exp", "exp2", "log", "log1p", "log2", "log10", "expm1", "sqrt", "cbrt", "square", "reciprocal", "sin",
-         "cos", "tan", "arcsin", "arccos", "arctan", "sinh", "cosh", "tanh", "arcsinh", "arctanh", "abs",
-         "negative", "sign", "floor", "ceil", "round", "isfinite", "deg2rad"]
+UNARY = [
+    "exp",
+    "exp2",
+    "log",
+    "log1p",
+    "log2",
+    "log10",
+    "expm1",
+    "sqrt",
+    "cbrt",
+    "square",
+    "reciprocal",
+    "sin",
+    "cos",
+    "tan",
+    "arcsin",
+    "arccos",
+    "arctan",
+    "sinh",
+    "cosh",
+    "tanh",
+    "arcsinh",
+    "arctanh",
+    "abs",
+    "negative",
+    "sign",
+    "floor",
+    "ceil",
+    "round",
+    "isfinite",
+    "deg2rad",
+]
 NN_UNARY = ["relu", "sigmoid", "softplus", "silu", "log_sigmoid", "gelu"]
-BINARY = ["add", "subtract", "multiply", "divide", "power", "maximum", "minimum", "arctan2", "hypot",
-          "logaddexp", "equal", "less", "greater_equal"]
+BINARY = [
+    "add",
+    "subtract",
+    "multiply",
+    "divide",
+    "power",
+    "maximum",
+    "minimum",
+    "arctan2",
+    "hypot",
+    "logaddexp",
+    "equal",
+    "less",
+    "greater_equal",
+]
 REDUCE = ["sum", "prod", "mean", "var", "std", "max", "min", "ptp", "argmax", "argmin", "cumsum", "cumprod"]
+
 
 def _unary(f):
     return lambda x, y: f(x)
@@ -41,42 +84,59 @@ def _unary(f):
 TABLE = {}  # name -> (plain jnp function of (x, y), the masked_jax function of (x, y))
 TABLE.update({f"jnp.{n}": (_unary(getattr(jnp, n)), _unary(getattr(mnp, n))) for n in UNARY})
 TABLE.update({f"jax.nn.{n}": (_unary(getattr(jax.nn, n)), _unary(getattr(mnn, n))) for n in NN_UNARY})
-TABLE.update({f"jnp.{n}": ((lambda f: lambda x, y: f(x, y))(getattr(jnp, n)), (lambda f: lambda x, y: f(x, y))(getattr(mnp, n)))
-              for n in BINARY})
+TABLE.update(
+    {
+        f"jnp.{n}": (
+            (lambda f: lambda x, y: f(x, y))(getattr(jnp, n)),
+            (lambda f: lambda x, y: f(x, y))(getattr(mnp, n)),
+        )
+        for n in BINARY
+    }
+)
 for _n in REDUCE:
     for _axis in (None, 1):
-        TABLE[f"jnp.{_n}(axis={_axis})"] = ((lambda f, a: lambda x, y: f(x, axis=a))(getattr(jnp, _n), _axis),
-                                            (lambda f, a: lambda x, y: f(x, axis=a))(getattr(mnp, _n), _axis))
-TABLE.update({
-    "jnp.var(ddof=1, axis=0)": (lambda x, y: jnp.var(x, axis=0, ddof=1), lambda x, y: mnp.var(x, axis=0, ddof=1)),
-    "jnp.mean(keepdims)": (lambda x, y: jnp.mean(x, axis=1, keepdims=True), lambda x, y: mnp.mean(x, axis=1, keepdims=True)),
-    "jnp.linalg.norm(axis=1)": (lambda x, y: jnp.linalg.norm(x, axis=1), lambda x, y: mnp.norm(x, axis=1)),
-    "jax.nn.logsumexp": (lambda x, y: jax.nn.logsumexp(x, axis=1), lambda x, y: mnp.logsumexp(x, axis=1)),
-    "jax.nn.softmax": (lambda x, y: jax.nn.softmax(x, axis=1), lambda x, y: mnn.softmax(x, axis=1)),
-    "jax.nn.log_softmax": (lambda x, y: jax.nn.log_softmax(x, axis=0), lambda x, y: mnn.log_softmax(x, axis=0)),
-    "jnp.reshape": (lambda x, y: jnp.reshape(x, (4, 3)), lambda x, y: mnp.reshape(x, (4, 3))),
-    "jnp.transpose": (_unary(jnp.transpose), _unary(mnp.transpose)),
-    "jnp.flip": (lambda x, y: jnp.flip(x, 1), lambda x, y: mnp.flip(x, 1)),
-    "jnp.roll": (lambda x, y: jnp.roll(x, 1, 1), lambda x, y: mnp.roll(x, 1, 1)),
-    "jnp.tile": (lambda x, y: jnp.tile(x, 2), lambda x, y: mnp.tile(x, 2)),
-    "jnp.repeat": (lambda x, y: jnp.repeat(x, 2, axis=0), lambda x, y: mnp.repeat(x, 2, axis=0)),
-    "jnp.expand_dims": (lambda x, y: jnp.expand_dims(x, 1), lambda x, y: mnp.expand_dims(x, 1)),
-    "jnp.concatenate": (lambda x, y: jnp.concatenate([x, y], 1), lambda x, y: mnp.concatenate([x, y], 1)),
-    "jnp.stack": (lambda x, y: jnp.stack([x, y]), lambda x, y: mnp.stack([x, y])),
-    "jnp.pad": (lambda x, y: jnp.pad(x, 1), lambda x, y: mnp.pad(x, 1)),
-    "jnp.take": (lambda x, y: jnp.take(x, jnp.array([3, 0]), axis=1), lambda x, y: mnp.take(x, jnp.array([3, 0]), axis=1)),
-    "getitem": (lambda x, y: x[1:, jnp.array([0, 2])], lambda x, y: x[1:, jnp.array([0, 2])]),
-    "at.set": (lambda x, y: x.at[0, 1].set(5.0), lambda x, y: x.at[0, 1].set(5.0)),
-    "at.add": (lambda x, y: x.at[:, 0].add(y[:, 1]), lambda x, y: x.at[:, 0].add(y[:, 1])),
-    "jnp.sort": (lambda x, y: jnp.sort(x, axis=1), lambda x, y: mnp.sort(x, axis=1)),
-    "jnp.where": (lambda x, y: jnp.where(x > 0.5, x, y), lambda x, y: mnp.where(x > 0.5, x, y)),
-    "jnp.clip": (lambda x, y: jnp.clip(x, 0.3, 0.7), lambda x, y: mnp.clip(x, 0.3, 0.7)),
-    "matmul": (lambda x, y: x @ W, lambda x, y: x @ W),
-    "jnp.dot": (lambda x, y: jnp.dot(x, y.T), lambda x, y: mnp.dot(x, y.T)),
-    "jnp.einsum": (lambda x, y: jnp.einsum("ij,kj->ik", x, y), lambda x, y: mnp.einsum("ij,kj->ik", x, y)),
-    "jnp.tensordot": (lambda x, y: jnp.tensordot(x, y, axes=2), lambda x, y: mnp.tensordot(x, y, axes=2)),
-    "jnp.outer": (lambda x, y: jnp.outer(x[0], x[1]), lambda x, y: mnp.outer(x[0], x[1])),
-})
+        TABLE[f"jnp.{_n}(axis={_axis})"] = (
+            (lambda f, a: lambda x, y: f(x, axis=a))(getattr(jnp, _n), _axis),
+            (lambda f, a: lambda x, y: f(x, axis=a))(getattr(mnp, _n), _axis),
+        )
+TABLE.update(
+    {
+        "jnp.var(ddof=1, axis=0)": (lambda x, y: jnp.var(x, axis=0, ddof=1), lambda x, y: mnp.var(x, axis=0, ddof=1)),
+        "jnp.mean(keepdims)": (
+            lambda x, y: jnp.mean(x, axis=1, keepdims=True),
+            lambda x, y: mnp.mean(x, axis=1, keepdims=True),
+        ),
+        "jnp.linalg.norm(axis=1)": (lambda x, y: jnp.linalg.norm(x, axis=1), lambda x, y: mnp.norm(x, axis=1)),
+        "jax.nn.logsumexp": (lambda x, y: jax.nn.logsumexp(x, axis=1), lambda x, y: mnp.logsumexp(x, axis=1)),
+        "jax.nn.softmax": (lambda x, y: jax.nn.softmax(x, axis=1), lambda x, y: mnn.softmax(x, axis=1)),
+        "jax.nn.log_softmax": (lambda x, y: jax.nn.log_softmax(x, axis=0), lambda x, y: mnn.log_softmax(x, axis=0)),
+        "jnp.reshape": (lambda x, y: jnp.reshape(x, (4, 3)), lambda x, y: mnp.reshape(x, (4, 3))),
+        "jnp.transpose": (_unary(jnp.transpose), _unary(mnp.transpose)),
+        "jnp.flip": (lambda x, y: jnp.flip(x, 1), lambda x, y: mnp.flip(x, 1)),
+        "jnp.roll": (lambda x, y: jnp.roll(x, 1, 1), lambda x, y: mnp.roll(x, 1, 1)),
+        "jnp.tile": (lambda x, y: jnp.tile(x, 2), lambda x, y: mnp.tile(x, 2)),
+        "jnp.repeat": (lambda x, y: jnp.repeat(x, 2, axis=0), lambda x, y: mnp.repeat(x, 2, axis=0)),
+        "jnp.expand_dims": (lambda x, y: jnp.expand_dims(x, 1), lambda x, y: mnp.expand_dims(x, 1)),
+        "jnp.concatenate": (lambda x, y: jnp.concatenate([x, y], 1), lambda x, y: mnp.concatenate([x, y], 1)),
+        "jnp.stack": (lambda x, y: jnp.stack([x, y]), lambda x, y: mnp.stack([x, y])),
+        "jnp.pad": (lambda x, y: jnp.pad(x, 1), lambda x, y: mnp.pad(x, 1)),
+        "jnp.take": (
+            lambda x, y: jnp.take(x, jnp.array([3, 0]), axis=1),
+            lambda x, y: mnp.take(x, jnp.array([3, 0]), axis=1),
+        ),
+        "getitem": (lambda x, y: x[1:, jnp.array([0, 2])], lambda x, y: x[1:, jnp.array([0, 2])]),
+        "at.set": (lambda x, y: x.at[0, 1].set(5.0), lambda x, y: x.at[0, 1].set(5.0)),
+        "at.add": (lambda x, y: x.at[:, 0].add(y[:, 1]), lambda x, y: x.at[:, 0].add(y[:, 1])),
+        "jnp.sort": (lambda x, y: jnp.sort(x, axis=1), lambda x, y: mnp.sort(x, axis=1)),
+        "jnp.where": (lambda x, y: jnp.where(x > 0.5, x, y), lambda x, y: mnp.where(x > 0.5, x, y)),
+        "jnp.clip": (lambda x, y: jnp.clip(x, 0.3, 0.7), lambda x, y: mnp.clip(x, 0.3, 0.7)),
+        "matmul": (lambda x, y: x @ W, lambda x, y: x @ W),
+        "jnp.dot": (lambda x, y: jnp.dot(x, y.T), lambda x, y: mnp.dot(x, y.T)),
+        "jnp.einsum": (lambda x, y: jnp.einsum("ij,kj->ik", x, y), lambda x, y: mnp.einsum("ij,kj->ik", x, y)),
+        "jnp.tensordot": (lambda x, y: jnp.tensordot(x, y, axes=2), lambda x, y: mnp.tensordot(x, y, axes=2)),
+        "jnp.outer": (lambda x, y: jnp.outer(x[0], x[1]), lambda x, y: mnp.outer(x[0], x[1])),
+    }
+)
 
 
 def _same(got, want):
@@ -154,9 +214,13 @@ PAD = np.arange(T)[None, :] < LENGTHS[:, None]  # (B, T): True = a real token
 
 def _params(seed=0):
     r = np.random.default_rng(seed)
-    return {"w1": jnp.asarray(r.normal(size=(D, H)) * 0.5), "b1": jnp.asarray(r.normal(size=H) * 0.1),
-            "g": jnp.asarray(1 + 0.1 * r.normal(size=H)), "b": jnp.asarray(0.1 * r.normal(size=H)),
-            "w2": jnp.asarray(r.normal(size=(H, C)) * 0.5)}
+    return {
+        "w1": jnp.asarray(r.normal(size=(D, H)) * 0.5),
+        "b1": jnp.asarray(r.normal(size=H) * 0.1),
+        "g": jnp.asarray(1 + 0.1 * r.normal(size=H)),
+        "b": jnp.asarray(0.1 * r.normal(size=H)),
+        "w2": jnp.asarray(r.normal(size=(H, C)) * 0.5),
+    }
 
 
 def plain_loss(params, x, onehot):
@@ -205,7 +269,8 @@ def test_scan_operand_counts_in_both_jax_parameter_layouts():
     from masked_jax._maskify._interpreter import _scan_counts
 
     eqn = jax.make_jaxpr(lambda u, c, xs: jax.lax.scan(lambda c, x: ((c[0] * u + x[0], c[1] * u + x), c[0]), c, xs))(
-        2.0, (1.0, jnp.ones(2)), jnp.ones((3, 2))).jaxpr.eqns[-1]
+        2.0, (1.0, jnp.ones(2)), jnp.ones((3, 2))
+    ).jaxpr.eqns[-1]
     assert _scan_counts(eqn.params, len(eqn.invars)) == (1, 2)  # this jax's own layout: u; (c0, c1); xs
     # jax 0.11's layout: a flat tree ft_in that splits the operands into (consts, carry, xs)
 
@@ -238,6 +303,7 @@ def test_scan_rnn_and_cond_inside_the_function():
         def step(h, xt):
             h = jnp.tanh(xt @ u + jnp.where(True, h, 0.0))
             return h, jnp.sum(h, axis=-1)
+
         return jax.lax.scan(step, h0, xs)
 
     h_last, ys = mj.maskify(rnn)(xm, jnp.zeros((B, 2)))
@@ -246,6 +312,7 @@ def test_scan_rnn_and_cond_inside_the_function():
         def step(h, xt):
             h = mnp.tanh(xt @ u + h)
             return h, mnp.sum(h, axis=-1)
+
         return jax.lax.scan(step, mj.masked_array(h0, jnp.ones(h0.shape, bool)), xs)
 
     h_ref, ys_ref = by_hand(xm, jnp.zeros((B, 2)))
@@ -268,8 +335,9 @@ def test_more_primitives_sort_top_k_dynamic_slices_custom_vjp_while():
         np.testing.assert_allclose(np.asarray(vals.data[i])[: valid.size], valid)
         np.testing.assert_array_equal(np.asarray(idx.mask[i]), np.arange(2) < valid.size)
     _same(mj.maskify(lambda x: jax.lax.dynamic_slice(x, (1, 1), (2, 2)))(X), X[1:3, 1:3])
-    _same(mj.maskify(lambda x, y: jax.lax.dynamic_update_slice(x, y[:1, :2], (2, 1)))(X, Y),
-          X.at[2:3, 1:3].set(Y[:1, :2]))
+    _same(
+        mj.maskify(lambda x, y: jax.lax.dynamic_update_slice(x, y[:1, :2], (2, 1)))(X, Y), X.at[2:3, 1:3].set(Y[:1, :2])
+    )
     g = mj.grad(mj.maskify(lambda x: jnp.sum(jax.lax.stop_gradient(x) * x)))(X)
     _same(g, mj.grad(lambda x: mnp.sum(jax.lax.stop_gradient(x.data) * x))(X))
 
@@ -294,20 +362,25 @@ def test_more_primitives_sort_top_k_dynamic_slices_custom_vjp_while():
 PADDED = mj.masked_array(jnp.asarray(np.where(MASK, RNG.uniform(0.5, 1.5, (3, 4)), np.nan)), jnp.asarray(MASK))
 
 
-@pytest.mark.parametrize("name,fun", [
-    ("dropout", lambda x: jnp.where(jnp.arange(12).reshape(3, 4) % 3 != 0, x / 0.5, 0.0)),
-    ("attention mask", lambda x: jnp.where(jnp.asarray(np.tri(3, 4, dtype=bool)), x, -jnp.inf)),
-    ("zeros_like fill", lambda x: jnp.where(x > 1.0, x, jnp.zeros_like(x))),
-    ("select default", lambda x: jnp.select([x < 0.8, x > 1.2], [x, 2 * x], default=0.0)),
-    ("tril", lambda x: jnp.tril(x)),
-    ("triu", lambda x: jnp.triu(x, 1)),
-])
+@pytest.mark.parametrize(
+    "name,fun",
+    [
+        ("dropout", lambda x: jnp.where(jnp.arange(12).reshape(3, 4) % 3 != 0, x / 0.5, 0.0)),
+        ("attention mask", lambda x: jnp.where(jnp.asarray(np.tri(3, 4, dtype=bool)), x, -jnp.inf)),
+        ("zeros_like fill", lambda x: jnp.where(x > 1.0, x, jnp.zeros_like(x))),
+        ("select default", lambda x: jnp.select([x < 0.8, x > 1.2], [x, 2 * x], default=0.0)),
+        ("tril", lambda x: jnp.tril(x)),
+        ("triu", lambda x: jnp.triu(x, 1)),
+    ],
+)
 def test_a_constant_never_makes_a_masked_position_valid(name, fun):
     for f in (mj.maskify(fun), jax.jit(mj.maskify(fun))):
         out = f(PADDED)
         assert not np.any(np.asarray(out.mask) & ~MASK), f"{name}: padding became valid"
-        assert np.all(np.isfinite(np.asarray(out.data)[np.asarray(out.mask)]) | np.isinf(
-            np.asarray(out.data)[np.asarray(out.mask)])), name
+        assert np.all(
+            np.isfinite(np.asarray(out.data)[np.asarray(out.mask)])
+            | np.isinf(np.asarray(out.data)[np.asarray(out.mask)])
+        ), name
     # and the same rule in masked_jax.numpy
     got = mnp.where(PADDED > 1.0, PADDED, 0.0)
     np.testing.assert_array_equal(np.asarray(got.mask), MASK)
@@ -432,25 +505,45 @@ def test_pooling_is_over_valid_elements_and_average_pooling_is_a_masked_mean():
     window = lambda op, init: lambda v: jax.lax.reduce_window(v, init, op, (1, 2, 2, 1), (1, 2, 2, 1), "VALID")  # noqa: E731
     data, valid = _windows(np.asarray(IMG.data), 2), _windows(IMG_MASK, 2)
     ma = np.ma.masked_array(data, ~valid)
-    for fun, ref in ((window(jax.lax.max, -jnp.inf), np.ma.max(ma, -1)), (window(jax.lax.min, jnp.inf), np.ma.min(ma, -1)),
-                     (lambda v: window(jax.lax.add, 0.0)(v) / 4.0, np.ma.mean(ma, -1))):
+    for fun, ref in (
+        (window(jax.lax.max, -jnp.inf), np.ma.max(ma, -1)),
+        (window(jax.lax.min, jnp.inf), np.ma.min(ma, -1)),
+        (lambda v: window(jax.lax.add, 0.0)(v) / 4.0, np.ma.mean(ma, -1)),
+    ):
         for f in (mj.maskify(fun), jax.jit(mj.maskify(fun))):
             out = f(IMG)
             np.testing.assert_array_equal(np.asarray(out.mask), ~np.ma.getmaskarray(ref))
             np.testing.assert_allclose(np.asarray(out.filled(0)), np.ma.filled(ref, 0), rtol=1e-12)
 
 
-@pytest.mark.parametrize("k,stride,dil,padding", [
-    (3, 1, 1, "SAME"), (3, 2, 1, "SAME"), (2, 1, 2, "SAME"), (3, 1, 1, "VALID"), (3, 2, 2, "VALID"),
-    (2, 1, 1, ((1, 0),)), (3, 1, 1, ((2, 0),)), (1, 1, 1, ((1, 2),)), (3, 2, 1, ((0, 3),))])
+@pytest.mark.parametrize(
+    "k,stride,dil,padding",
+    [
+        (3, 1, 1, "SAME"),
+        (3, 2, 1, "SAME"),
+        (2, 1, 2, "SAME"),
+        (3, 1, 1, "VALID"),
+        (3, 2, 2, "VALID"),
+        (2, 1, 1, ((1, 0),)),
+        (3, 1, 1, ((2, 0),)),
+        (1, 1, 1, ((1, 2),)),
+        (3, 2, 1, ((0, 3),)),
+    ],
+)
 def test_convolution_equals_the_per_sequence_unpadded_run(k, stride, dil, padding):
     """Masked taps read as the convolution's own padding, and an output is valid iff the run on the
     unpadded sequence has it: values, masks and input gradients equal the per-sequence runs."""
     lengths, width, c, f = (9, 5, 1, 3), 9, 3, 2
     rng = np.random.default_rng(k * 10 + stride)
     w = jnp.asarray(rng.normal(size=(k, c, f)), jnp.float32)
-    conv = lambda v: jax.lax.conv_general_dilated(v, w, (stride,), padding, rhs_dilation=(dil,),  # noqa: E731
-                                                   dimension_numbers=("NWC", "WIO", "NWC"))
+    conv = lambda v: jax.lax.conv_general_dilated(
+        v,
+        w,
+        (stride,),
+        padding,
+        rhs_dilation=(dil,),  # noqa: E731
+        dimension_numbers=("NWC", "WIO", "NWC"),
+    )
     x = rng.normal(size=(len(lengths), width, c)).astype(np.float32)
     tok = np.arange(width)[None] < np.asarray(lengths)[:, None]
     xm = mj.masked_array(jnp.asarray(np.where(tok[..., None], x, np.nan)), jnp.asarray(tok[..., None]))
@@ -459,23 +552,29 @@ def test_convolution_equals_the_per_sequence_unpadded_run(k, stride, dil, paddin
         out = f_(xm)
         g = jax.grad(lambda d: jnp.sum(f_(mj.masked_array(d, xm.compact_mask)).filled(0.0) * cot))(xm.data)
         for b, n in enumerate(lengths):
-            ref = np.asarray(conv(jnp.asarray(x[b:b + 1, :n])))[0]  # (0 outputs when the window is longer)
+            ref = np.asarray(conv(jnp.asarray(x[b : b + 1, :n])))[0]  # (0 outputs when the window is longer)
             m = np.asarray(out.mask)[b, :, 0]
             n_out = ref.shape[0]
             assert m[:n_out].all() and not m[n_out:].any(), (b, m, n_out)
             np.testing.assert_allclose(np.asarray(out.data)[b, :n_out], ref, rtol=1e-5, atol=1e-5)
-            g_ref = jax.grad(lambda u: jnp.sum(conv(u)[0] * cot[b, :n_out]))(jnp.asarray(x[b:b + 1, :n]))
+            g_ref = jax.grad(lambda u: jnp.sum(conv(u)[0] * cot[b, :n_out]))(jnp.asarray(x[b : b + 1, :n]))
             np.testing.assert_allclose(np.asarray(g)[b, :n], np.asarray(g_ref)[0], rtol=1e-5, atol=1e-5)
             assert not np.asarray(g)[b, n:].any()
 
 
 def test_a_masked_kernel_keeps_the_partial_convolution_rule():
     w = mj.masked_array(jnp.asarray(RNG.normal(size=(3, 3, 3, 2))), jnp.asarray(RNG.random((3, 3, 3, 2)) > 0.3))
-    conv = lambda v, k: jax.lax.conv_general_dilated(v, k, (1, 1), "SAME",  # noqa: E731
-                                                      dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    conv = lambda v, k: jax.lax.conv_general_dilated(
+        v,
+        k,
+        (1, 1),
+        "SAME",  # noqa: E731
+        dimension_numbers=("NHWC", "HWIO", "NHWC"),
+    )
     out = mj.maskify(conv)(IMG, w)
-    np.testing.assert_allclose(np.asarray(out.filled(0)), np.asarray(conv(IMG.filled(0), w.filled(0))) * np.asarray(out.mask),
-                               rtol=1e-12)
+    np.testing.assert_allclose(
+        np.asarray(out.filled(0)), np.asarray(conv(IMG.filled(0), w.filled(0))) * np.asarray(out.mask), rtol=1e-12
+    )
     valid_taps = conv(jnp.asarray(IMG_MASK, jnp.float64), jnp.asarray(w.mask, jnp.float64))
     np.testing.assert_array_equal(np.asarray(out.mask), np.asarray(valid_taps) > 0)
 
@@ -488,8 +587,9 @@ def test_a_masked_index_gives_a_masked_row():
         np.testing.assert_array_equal(np.asarray(out.mask[..., 0]), [[True, False], [True, True]])
         np.testing.assert_allclose(np.asarray(out.data[1, 0]), np.asarray(table.data[4]))
     embed_mean = mj.maskify(lambda t, i: jnp.mean(t[i], axis=(0, 1)))
-    np.testing.assert_allclose(np.asarray(embed_mean(table, ids).data),
-                               np.asarray(table.data[jnp.array([1, 4, 0])]).mean(0), rtol=1e-12)
+    np.testing.assert_allclose(
+        np.asarray(embed_mean(table, ids).data), np.asarray(table.data[jnp.array([1, 4, 0])]).mean(0), rtol=1e-12
+    )
 
 
 def test_checkpoint_and_barriers_are_interpreted():
@@ -521,8 +621,9 @@ def test_logmeanexp_divides_by_the_valid_count(jit):
     out = (jax.jit(f) if jit else f)(xm)
     for b, n in enumerate(LENGTHS):
         np.testing.assert_allclose(out.data[b], jax.nn.logmeanexp(jnp.asarray(x[b, :n]), axis=0), rtol=1e-6)
-    g = jax.grad(lambda v: jnp.sum(mj.maskify(lambda u: jax.nn.logmeanexp(u, axis=1))(
-        mj.masked_array(v, xm.compact_mask)).data))(jnp.nan_to_num(xm.data))
+    g = jax.grad(
+        lambda v: jnp.sum(mj.maskify(lambda u: jax.nn.logmeanexp(u, axis=1))(mj.masked_array(v, xm.compact_mask)).data)
+    )(jnp.nan_to_num(xm.data))
     for b, n in enumerate(LENGTHS):
         want = jax.grad(lambda u: jnp.sum(jax.nn.logmeanexp(u, axis=0)))(jnp.asarray(x[b, :n]))
         np.testing.assert_allclose(g[b, :n], want, rtol=1e-6)
@@ -561,12 +662,15 @@ def test_a_token_mask_stays_compact_through_a_dense_layer_norm_and_attention():
     assert seen == [(3, 5, 1)], seen  # the dense layer's output mask: not broadcast to (3, 5, 8)
 
 
-@pytest.mark.parametrize("fun,user,instead", [
-    (lambda v: jnp.searchsorted(v, 2.5), "jnp.searchsorted", "masked_jax.numpy.searchsorted"),
-    (lambda v: jnp.digitize(v, jnp.array([1.5, 2.5])), "jnp.digitize", "masked_jax.numpy.digitize"),
-    (lambda v: jnp.interp(2.5, v, v), "jnp.searchsorted", "masked_jax.numpy.interp"),
-    (lambda v: jnp.histogram(v, bins=2), "jnp.searchsorted", "masked_jax.numpy.histogram"),
-])
+@pytest.mark.parametrize(
+    "fun,user,instead",
+    [
+        (lambda v: jnp.searchsorted(v, 2.5), "jnp.searchsorted", "masked_jax.numpy.searchsorted"),
+        (lambda v: jnp.digitize(v, jnp.array([1.5, 2.5])), "jnp.digitize", "masked_jax.numpy.digitize"),
+        (lambda v: jnp.interp(2.5, v, v), "jnp.searchsorted", "masked_jax.numpy.interp"),
+        (lambda v: jnp.histogram(v, bins=2), "jnp.searchsorted", "masked_jax.numpy.histogram"),
+    ],
+)
 def test_errors_name_the_user_level_function(fun, user, instead):
     x = mj.masked_array(jnp.array([1.0, 2.0, 3.0, 4.0]), jnp.array([True, True, True, False]))
     with pytest.raises(mj.MaskifyError) as err:
@@ -600,8 +704,14 @@ def test_associative_scan_runs_over_valid_elements_only(jit, reverse):
     non-commutative combine of a pair of arrays, along axis 1; the mask is kept. Values and
     gradients equal the scan of each row's valid elements alone."""
     rng = np.random.default_rng(4)
-    mask = np.array([[True, False, True, True, False, True], [False, False, True, True, True, True],
-                     [True, True, True, False, False, False], [False] * 6])
+    mask = np.array(
+        [
+            [True, False, True, True, False, True],
+            [False, False, True, True, True, True],
+            [True, True, True, False, False, False],
+            [False] * 6,
+        ]
+    )
     m = rng.uniform(0.5, 1.5, mask.shape).astype(np.float32)
     c = rng.normal(size=mask.shape).astype(np.float32)
     poison = lambda a: mj.masked_array(jnp.asarray(np.where(mask, a, np.nan)), jnp.asarray(mask))  # noqa: E731
@@ -624,7 +734,8 @@ def test_associative_scan_runs_over_valid_elements_only(jit, reverse):
         np.testing.assert_allclose(np.asarray(out_m.data[r, idx]), np.asarray(want_m), rtol=1e-6)
         np.testing.assert_allclose(np.asarray(out_c.data[r, idx]), np.asarray(want_c), rtol=1e-6)
         want_g = jax.grad(lambda mv, cv: jnp.sum(ref(mv, cv)[1] ** 2), argnums=(0, 1))(
-            jnp.asarray(m[r, idx]), jnp.asarray(c[r, idx]))
+            jnp.asarray(m[r, idx]), jnp.asarray(c[r, idx])
+        )
         np.testing.assert_allclose(np.asarray(g_m.data[r, idx]), np.asarray(want_g[0]), rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(np.asarray(g_c.data[r, idx]), np.asarray(want_g[1]), rtol=1e-5, atol=1e-6)
     assert np.isfinite(np.asarray(g_m.filled(0))).all() and np.isfinite(np.asarray(g_c.filled(0))).all()
@@ -635,7 +746,9 @@ def test_associative_scan_runs_over_valid_elements_only(jit, reverse):
 def test_associative_scan_of_leaves_of_different_shapes_is_refused_by_name():
     x = mj.masked_array(jnp.ones((2, 3)), jnp.array([[True, False, True], [True, True, True]]))
     with pytest.raises(mj.MaskifyError, match="lax.associative_scan"):
-        mj.maskify(lambda v, w: lax.associative_scan(lambda a, b: (a[0] + b[0], a[1] + b[1]), (v, w)))(x, jnp.ones((2, 1)))
+        mj.maskify(lambda v, w: lax.associative_scan(lambda a, b: (a[0] + b[0], a[1] + b[1]), (v, w)))(
+            x, jnp.ones((2, 1))
+        )
 
 
 @pytest.mark.parametrize("mask", [[True, False, True, True], [False, False, True, True]], ids=["hole", "left-padding"])
@@ -699,15 +812,17 @@ def test_attention_over_one_key_mask_takes_no_run_time_test(jit):
     assert "cond" not in str(jax.make_jaxpr(f)(xm))
     out = (jax.jit(f) if jit else f)(xm)
     for b, n in enumerate(LENGTHS):
-        want = _attention(x[b:b + 1, :n], x[b:b + 1, :n], w, bias[:n])[0]
+        want = _attention(x[b : b + 1, :n], x[b : b + 1, :n], w, bias[:n])[0]
         np.testing.assert_allclose(np.asarray(out.data[b, :n]), want, rtol=2e-5)
         assert not np.asarray(out.mask[b, n:]).any()
     # gradients of a finite loss equal the unpadded runs'; no NaN from the padding or the inf
-    loss = lambda v, w: jnp.sum(mj.maskify(lambda u: _attention(u, u, w, 0.0))(mj.masked_array(v, xm.compact_mask)).data)  # noqa: E731
+    loss = lambda v, w: jnp.sum(
+        mj.maskify(lambda u: _attention(u, u, w, 0.0))(mj.masked_array(v, xm.compact_mask)).data
+    )  # noqa: E731
     gv, gw = (jax.jit(jax.grad(loss, (0, 1))) if jit else jax.grad(loss, (0, 1)))(xm.data, w)
     want_w = 0
     for b, n in enumerate(LENGTHS):
-        dv, dw = jax.grad(lambda u, w: jnp.sum(_attention(u, u, w, 0.0)), (0, 1))(jnp.asarray(x[b:b + 1, :n]), w)
+        dv, dw = jax.grad(lambda u, w: jnp.sum(_attention(u, u, w, 0.0)), (0, 1))(jnp.asarray(x[b : b + 1, :n]), w)
         np.testing.assert_allclose(np.asarray(gv[b, :n]), dv[0], rtol=2e-4, atol=1e-5)
         assert not np.asarray(gv[b, n:]).any()
         want_w = want_w + dw
@@ -792,6 +907,7 @@ def test_and_of_a_mask_with_its_own_factors_is_that_mask():
     assert " and " not in text
     from masked_jax.ops import _factors
     from masked_jax.ops._base import and_masks
+
     m = jnp.ones((2, 1), bool)
     assert not _factors.active() and and_masks(m, m) is not m
     with _factors.recording():
@@ -800,7 +916,7 @@ def test_and_of_a_mask_with_its_own_factors_is_that_mask():
 
 
 def test_a_mask_and_its_any_over_an_axis_is_that_mask():
-    """"The sequence has a valid token" (a reduction's validity along the tokens) is implied by the
+    """ "The sequence has a valid token" (a reduction's validity along the tokens) is implied by the
     token mask: a token-masked array combined with its own mean, or with attention over its own
     tokens, keeps the token mask with no ``and`` of token masks in the program; the values and
     masks equal the unpadded runs. A mask it does not imply (another sequence's) still takes the
@@ -809,20 +925,27 @@ def test_a_mask_and_its_any_over_an_axis_is_that_mask():
     w = jax.random.normal(jax.random.key(4), (3, 4, 4))
     centered = mj.maskify(lambda v: v - jnp.mean(v, axis=1, keepdims=True))
     attended = mj.maskify(lambda v: v + _attention(v, v, w, 0.0))
-    for f, one in ((centered, lambda u: u - u.mean(0)), (attended, lambda u: u + _attention(u[None], u[None], w, 0.0)[0])):
+    for f, one in (
+        (centered, lambda u: u - u.mean(0)),
+        (attended, lambda u: u + _attention(u[None], u[None], w, 0.0)[0]),
+    ):
         # no and at the token mask's shape (attention's scores take the queries' and keys' masks)
         assert primitive_count(jax.make_jaxpr(f)(xm), "and", (3, max(LENGTHS), 1)) == 0
         for out in (f(xm), jax.jit(f)(xm)):
             assert out.compact_mask.shape == (3, max(LENGTHS), 1)
             for b, n in enumerate(LENGTHS):
-                np.testing.assert_allclose(np.asarray(out.data[b, :n]), one(jnp.asarray(x[b, :n])), rtol=2e-5, atol=1e-6)
+                np.testing.assert_allclose(
+                    np.asarray(out.data[b, :n]), one(jnp.asarray(x[b, :n])), rtol=2e-5, atol=1e-6
+                )
                 assert np.asarray(out.mask[b, :n]).all() and not np.asarray(out.mask[b, n:]).any()
     # the any of another mask is not implied: v's mean over the tokens minus a sequence-reversed v
     flipped = mj.maskify(lambda v, u: u - jnp.mean(v, axis=1, keepdims=True))
     rev = mj.masked_array(xm.data[::-1], xm.compact_mask[::-1])
     assert primitive_count(jax.make_jaxpr(flipped)(xm, rev), "and") == 1
     got = flipped(xm, rev)
-    np.testing.assert_array_equal(np.asarray(got.mask), np.asarray(rev.mask) & np.asarray(xm.mask).any(1, keepdims=True))
+    np.testing.assert_array_equal(
+        np.asarray(got.mask), np.asarray(rev.mask) & np.asarray(xm.mask).any(1, keepdims=True)
+    )
 
 
 def test_a_predicate_known_when_traced_picks_its_case_with_no_select():
@@ -846,8 +969,9 @@ def test_a_predicate_known_when_traced_picks_its_case_with_no_select():
     var = mj.maskify(lambda v: v.var(-1, keepdims=True))
     assert primitive_count(jax.make_jaxpr(var)(xm), "select_n", (3, max(LENGTHS), 1)) == 0
     for b, n in enumerate(LENGTHS):
-        np.testing.assert_allclose(np.asarray(var(xm).data[b, :n]), np.var(np.asarray(xm.data[b, :n]), -1, keepdims=True),
-                                   rtol=1e-5)
+        np.testing.assert_allclose(
+            np.asarray(var(xm).data[b, :n]), np.var(np.asarray(xm.data[b, :n]), -1, keepdims=True), rtol=1e-5
+        )
 
 
 def test_reductions_of_one_mask_share_its_any():
@@ -881,8 +1005,14 @@ def test_a_mean_pool_keeps_its_mask_compact_before_the_head():
 
 
 @settings(max_examples=int(os.environ.get("MJ_ATTENTION_EXAMPLES", 30)))
-@given(seed=st.integers(0, 2**16), length=st.integers(1, 6), shared=st.booleans(), flip=st.integers(0, 11),
-       special=st.sampled_from([np.inf, -np.inf, np.nan]), at=st.sampled_from(["values", "inputs"]))
+@given(
+    seed=st.integers(0, 2**16),
+    length=st.integers(1, 6),
+    shared=st.booleans(),
+    flip=st.integers(0, 11),
+    special=st.sampled_from([np.inf, -np.inf, np.nan]),
+    at=st.sampled_from(["values", "inputs"]),
+)
 def test_attention_with_recorded_factors_equals_the_general_rule(seed, length, shared, flip, special, at):
     """Property: maskify'd attention (recorded factors; no conditional where the values share the
     keys' mask; the softmax as one op) equals the same attention through masked_jax.numpy (the
@@ -912,15 +1042,16 @@ def test_attention_with_recorded_factors_equals_the_general_rule(seed, length, s
         np.testing.assert_allclose(np.asarray(got.filled(0.0)), np.asarray(want.filled(0.0)), rtol=1e-10, atol=1e-12)
 
 
-
 @pytest.mark.parametrize("op", [jnp.exp, jnp.cos, lambda v: v * 0.0 + 2.0], ids=["exp", "cos", "constant"])
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 def test_a_contraction_over_the_mask_of_two_operands_holding_known_values_sums_valid_terms(op, jit):
     """Both operands of a contraction along the same masked axis hold a known finite nonzero value
     under the mask (exp, cos of a filled 0): the contraction is exact only if one side holds 0
     there, so one is filled; the value and the gradient equal the sums over the valid entries."""
-    x = mj.masked_array(jnp.array([[0.5, np.nan, 0.2, np.nan], [np.nan, 0.3, -0.4, 1.0]]),
-                        jnp.array([[True, False, True, False], [False, True, True, True]]))
+    x = mj.masked_array(
+        jnp.array([[0.5, np.nan, 0.2, np.nan], [np.nan, 0.3, -0.4, 1.0]]),
+        jnp.array([[True, False, True, False], [False, True, True, True]]),
+    )
     valid = np.asarray(x.mask)
 
     def f(v):
@@ -961,7 +1092,9 @@ def test_dense_layers_without_bias_pass_their_zero_rows_on_to_the_next_contracti
         return jnp.sum(jnp.tanh(f(xm, wq, wk).filled(0.0)))
 
     def loss_want(wq, wk):
-        return sum(jnp.sum(jnp.tanh(_no_bias_scores(jnp.asarray(x[b:b + 1, :n]), wq, wk))) for b, n in enumerate(LENGTHS))
+        return sum(
+            jnp.sum(jnp.tanh(_no_bias_scores(jnp.asarray(x[b : b + 1, :n]), wq, wk))) for b, n in enumerate(LENGTHS)
+        )
 
     grad = jax.grad(loss_got, (0, 1))
     grad = jax.jit(grad) if jit else grad
@@ -969,8 +1102,12 @@ def test_dense_layers_without_bias_pass_their_zero_rows_on_to_the_next_contracti
         wq_ = wq if inf_at is None else wq.at[inf_at].set(np.inf)
         out = (jax.jit(f) if jit else f)(xm, wq_, wk)
         for b, n in enumerate(LENGTHS):
-            np.testing.assert_allclose(np.asarray(out.data[b, :n, :n]),
-                                       _no_bias_scores(jnp.asarray(x[b:b + 1, :n]), wq_, wk)[0], rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(
+                np.asarray(out.data[b, :n, :n]),
+                _no_bias_scores(jnp.asarray(x[b : b + 1, :n]), wq_, wk)[0],
+                rtol=1e-5,
+                atol=1e-6,
+            )
         got, want = grad(wq_, wk), jax.grad(loss_want, (0, 1))(wq_, wk)
         for g, w in zip(got, want):
             g, w = np.asarray(g), np.asarray(w)
@@ -997,7 +1134,7 @@ def test_zero_rows_of_a_dense_layer_with_an_inf_weight_do_not_reach_valid_values
     for f in (mj.maskify(attend), jax.jit(mj.maskify(attend))):
         out = f(xm, wv)
         for b, n in enumerate(LENGTHS):
-            want = attend(jnp.asarray(x[b:b + 1, :n]), wv)[0]
+            want = attend(jnp.asarray(x[b : b + 1, :n]), wv)[0]
             assert np.all(np.asarray(want[:, 1]) == 1.0)
             np.testing.assert_allclose(np.asarray(out.data[b, :n]), want, rtol=1e-6)
 
@@ -1005,11 +1142,20 @@ def test_zero_rows_of_a_dense_layer_with_an_inf_weight_do_not_reach_valid_values
 def _softmax_rows():
     """Rows of 5 with NaN padding and special values among the valid entries: plain, a valid +inf,
     a valid -inf, a valid NaN, every valid entry -inf, and no valid entry."""
-    data = np.array([[0.5, -1.0, 2.0, np.nan, np.nan], [0.1, np.inf, 0.3, 0.2, np.inf],
-                     [-np.inf, 0.4, 1.5, np.nan, -2.0], [0.3, np.nan, 0.7, 1e30, np.nan],
-                     [-np.inf, -np.inf, np.nan, np.nan, np.nan], [np.nan] * 5], np.float32)
-    mask = np.array([[1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [1, 1, 1, 0, 1], [1, 1, 1, 0, 0], [1, 1, 0, 0, 0],
-                     [0, 0, 0, 0, 0]], bool)
+    data = np.array(
+        [
+            [0.5, -1.0, 2.0, np.nan, np.nan],
+            [0.1, np.inf, 0.3, 0.2, np.inf],
+            [-np.inf, 0.4, 1.5, np.nan, -2.0],
+            [0.3, np.nan, 0.7, 1e30, np.nan],
+            [-np.inf, -np.inf, np.nan, np.nan, np.nan],
+            [np.nan] * 5,
+        ],
+        np.float32,
+    )
+    mask = np.array(
+        [[1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [1, 1, 1, 0, 1], [1, 1, 1, 0, 0], [1, 1, 0, 0, 0], [0, 0, 0, 0, 0]], bool
+    )
     return data, mask
 
 
@@ -1069,6 +1215,7 @@ def test_the_softmax_op_under_vmap_and_scan_in_every_float_dtype(transform, dtyp
         assert primitive_count(jax.make_jaxpr(scanned)(x), "select_n", data.shape[1:]) == 1
         out = jax.jit(scanned)(x)
     else:
+
         def body(carry, row):
             y = soft(mj.masked_array(row[0], row[1]))
             return carry, (y.data, y.mask)
@@ -1081,8 +1228,9 @@ def test_the_softmax_op_under_vmap_and_scan_in_every_float_dtype(transform, dtyp
         np.testing.assert_array_equal(np.asarray(out.mask[r]), mask[r])
         if mask[r].any():
             want = fn(x.data[r][mask[r]])
-            np.testing.assert_allclose(np.asarray(out.data[r], np.float32)[mask[r]], np.asarray(want, np.float32),
-                                       rtol=tol, atol=tol)
+            np.testing.assert_allclose(
+                np.asarray(out.data[r], np.float32)[mask[r]], np.asarray(want, np.float32), rtol=tol, atol=tol
+            )
 
 
 def test_a_softmax_row_of_nan_stays_out_of_other_rows_sums():
@@ -1090,8 +1238,10 @@ def test_a_softmax_row_of_nan_stays_out_of_other_rows_sums():
     softmax's own axis (which reads the row's valid NaN as well) may skip filling them. A sum over
     the heads, where a masked entry of that row meets a valid entry of another head's row, fills
     it: the sum equals masked_jax.numpy's (finite there), eagerly and under jit."""
-    x = mj.masked_array(jnp.array([[[np.nan, 0.5, 7.0], [0.1, 0.2, 0.3]], [[0.3, 0.1, 0.4], [1.0, 2.0, 3.0]]]),
-                        jnp.array([[[True, True, False], [True, True, True]], [[True, True, True], [True, True, True]]]))
+    x = mj.masked_array(
+        jnp.array([[[np.nan, 0.5, 7.0], [0.1, 0.2, 0.3]], [[0.3, 0.1, 0.4], [1.0, 2.0, 3.0]]]),
+        jnp.array([[[True, True, False], [True, True, True]], [[True, True, True], [True, True, True]]]),
+    )
 
     def f(v, np_=jnp, nn_=jax.nn):
         return np_.sum(nn_.softmax(v, axis=-1), axis=0)
@@ -1116,6 +1266,7 @@ def test_a_softmax_whose_exponentials_are_read_again_keeps_the_general_rules():
     want = f(x, mnp)
     for g, w in zip(got, want):
         _same(g, w)
+
 
 @pytest.mark.parametrize("ddof", [0, 1])
 def test_a_layer_norm_over_the_features_of_a_token_mask_divides_by_the_static_count(ddof):
@@ -1163,9 +1314,13 @@ _CHAIN_OPS = {
 
 
 @settings(max_examples=int(os.environ.get("MJ_CHAIN_EXAMPLES", 40)) // 2)
-@given(left=st.lists(st.sampled_from(sorted(_CHAIN_OPS)), min_size=0, max_size=3),
-       right=st.lists(st.sampled_from(sorted(_CHAIN_OPS)), min_size=0, max_size=3), seed=st.integers(0, 2**16),
-       garbage=st.sampled_from([np.nan, np.inf, 1e30]), special=st.sampled_from([None, np.inf, np.nan]))
+@given(
+    left=st.lists(st.sampled_from(sorted(_CHAIN_OPS)), min_size=0, max_size=3),
+    right=st.lists(st.sampled_from(sorted(_CHAIN_OPS)), min_size=0, max_size=3),
+    seed=st.integers(0, 2**16),
+    garbage=st.sampled_from([np.nan, np.inf, 1e30]),
+    special=st.sampled_from([None, np.inf, np.nan]),
+)
 def test_a_contraction_along_the_mask_of_two_chains_equals_its_ops_one_by_one(left, right, seed, garbage, special):
     """Property: two chains of elementwise ops from one masked batch (each side holding, under the
     token mask, what its ops made of the fills), contracted along the tokens (the masked axis, as
@@ -1214,8 +1369,12 @@ def test_a_value_that_overflows_under_the_mask_is_not_taken_as_safe():
 
 
 @settings(max_examples=int(os.environ.get("MJ_CHAIN_EXAMPLES", 40)))
-@given(ops=st.lists(st.sampled_from(sorted(_CHAIN_OPS)), min_size=2, max_size=6), seed=st.integers(0, 2**16),
-       garbage=st.sampled_from([np.nan, np.inf, -np.inf, 1e30, 0.0]), special=st.sampled_from([None, np.inf, np.nan]))
+@given(
+    ops=st.lists(st.sampled_from(sorted(_CHAIN_OPS)), min_size=2, max_size=6),
+    seed=st.integers(0, 2**16),
+    garbage=st.sampled_from([np.nan, np.inf, -np.inf, 1e30, 0.0]),
+    special=st.sampled_from([None, np.inf, np.nan]),
+)
 def test_a_chain_sanitised_once_equals_its_ops_sanitised_one_by_one(ops, seed, garbage, special):
     """Property: a chain of elementwise ops, means and a dense layer under one maskify call (where
     data known to hold safe values under the mask are not filled again; eagerly, under jit and

@@ -6,10 +6,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-import masked_jax as mj
 from op_table import OPS
 from strategies import poison
+
+import masked_jax as mj
 
 
 def _inputs(op, shape, seed):
@@ -53,8 +53,9 @@ def test_jit_equals_eager_without_retrace(op):
         xs = _operands(op, seed)
         got, want = jitted(*xs), _call(op, *xs)
         np.testing.assert_array_equal(got.mask, want.mask)
-        np.testing.assert_allclose(np.asarray(got.filled(0), np.float64),
-                                   np.asarray(want.filled(0), np.float64), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(
+            np.asarray(got.filled(0), np.float64), np.asarray(want.filled(0), np.float64), rtol=1e-5, atol=1e-6
+        )
     assert len(traces) == 1
 
 
@@ -65,5 +66,6 @@ def test_vmap_over_leading_axis_equals_loop(op):
     for b in range(2):
         one = _call(op, *[x[b] for x in xs])
         np.testing.assert_array_equal(batched.mask[b], one.mask)
-        np.testing.assert_allclose(np.asarray(batched[b].filled(0), np.float64),
-                                   np.asarray(one.filled(0), np.float64), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(
+            np.asarray(batched[b].filled(0), np.float64), np.asarray(one.filled(0), np.float64), rtol=1e-5, atol=1e-6
+        )

@@ -11,23 +11,25 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from browser import screenshot
 
 import masked_jax as mj
 from masked_jax import optim
-
-from browser import screenshot
 
 F32 = jnp.float32
 BIG = mj.masked_array(jnp.arange(2000.0, dtype=F32).reshape(50, 40), jnp.arange(2000).reshape(50, 40) % 7 != 0)
 
 
 def _state():
-    return {"emb": mj.masked_array(jnp.arange(6.0, dtype=F32).reshape(2, 3),
-                                   jnp.array([[True, False, True], [False, True, True]])),
-            "grad": mj.row_sparse(jnp.array([[1.0, 2.0], [3.0, 4.0]], F32), jnp.array([3, 0]), (5, 2)),
-            "pattern": mj.masked_array(jnp.ones((2, 2), F32), jnp.eye(2, dtype=bool)).tostype("bcoo"),
-            "bias": jnp.ones(2, F32),
-            "scale": mj.as_masked(jnp.full(3, 0.5, F32))}  # statically valid: no mask stored
+    return {
+        "emb": mj.masked_array(
+            jnp.arange(6.0, dtype=F32).reshape(2, 3), jnp.array([[True, False, True], [False, True, True]])
+        ),
+        "grad": mj.row_sparse(jnp.array([[1.0, 2.0], [3.0, 4.0]], F32), jnp.array([3, 0]), (5, 2)),
+        "pattern": mj.masked_array(jnp.ones((2, 2), F32), jnp.eye(2, dtype=bool)).tostype("bcoo"),
+        "bias": jnp.ones(2, F32),
+        "scale": mj.as_masked(jnp.full(3, 0.5, F32)),
+    }  # statically valid: no mask stored
 
 
 def _same(a, b):
@@ -46,7 +48,7 @@ def test_large_arrays_print_as_numpy_ma(threshold, edgeitems):
     with np.printoptions(threshold=threshold, edgeitems=edgeitems):
         text = repr(BIG)
         want = str(np.ma.masked_array(np.asarray(BIG.data), mask=~np.asarray(BIG.mask)))
-    body = text[len("MaskedArray("):text.rindex(", dtype=")]
+    body = text[len("MaskedArray(") : text.rindex(", dtype=")]
     assert body.replace("\n" + " " * len("MaskedArray("), "\n") == want
     assert ("..." in text) == (BIG.size > threshold)
 
@@ -73,15 +75,14 @@ def test_bfloat16_and_sparse_layouts_show_their_values():
 
 def test_every_array_class_has_an_html_view_that_renders(tmp_path):
     state = _state()
-    views = [BIG._repr_html_(), state["emb"]._repr_html_(), state["grad"]._repr_html_(),
-             state["pattern"]._repr_html_()]
+    views = [BIG._repr_html_(), state["emb"]._repr_html_(), state["grad"]._repr_html_(), state["pattern"]._repr_html_()]
     assert all(v.startswith("<") for v in views)
     assert views[1].count("mj-masked") == 2 and views[1].count("mj-valid") == 4
     assert "&hellip;" in views[0]  # summarised as the text is
     page = tmp_path / "arrays.html"
     page.write_text("<html><body style='background:white'>" + "".join(views) + "</body></html>")
     shown = screenshot(page, tmp_path / "shown.png", tmp_path, size="900,1400")
-    grey = (np.abs(shown - 0xD0 / 255).max(axis=-1) < 0.02)
+    grey = np.abs(shown - 0xD0 / 255).max(axis=-1) < 0.02
     assert grey.sum() > 200, "masked cells are not shown on grey"
     hidden = tmp_path / "hidden.html"
     hidden.write_text(page.read_text().replace("<html>", "<html><style>.mj-masked { visibility: hidden; }</style>"))
@@ -92,8 +93,16 @@ def test_every_array_class_has_an_html_view_that_renders(tmp_path):
 # -- named paths and serialisation -------------------------------------------------------------------
 def test_pytree_paths_name_the_children():
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(_state())[0]]
-    assert paths == ["['bias']", "['emb'].data", "['emb'].mask", "['grad'].data", "['grad'].indices",
-                     "['pattern'].data", "['pattern'].indices", "['scale'].data"]  # no mask: statically valid
+    assert paths == [
+        "['bias']",
+        "['emb'].data",
+        "['emb'].mask",
+        "['grad'].data",
+        "['grad'].indices",
+        "['pattern'].data",
+        "['pattern'].indices",
+        "['scale'].data",
+    ]  # no mask: statically valid
 
 
 def test_pickle_round_trip():
@@ -146,9 +155,10 @@ def test_tree_map_data_maps_the_data_of_every_layout():
     out = mj.tree_map_data(lambda p: p * 2, state)
     for key in ("emb", "grad", "pattern", "scale"):
         assert type(out[key]) is type(state[key])
-        np.testing.assert_array_equal(out[key].todense().filled(0) if hasattr(out[key], "todense")
-                                      else out[key].filled(0), 2 * (state[key].todense().filled(0)
-                                                                    if hasattr(state[key], "todense") else state[key].filled(0)))
+        np.testing.assert_array_equal(
+            out[key].todense().filled(0) if hasattr(out[key], "todense") else out[key].filled(0),
+            2 * (state[key].todense().filled(0) if hasattr(state[key], "todense") else state[key].filled(0)),
+        )
     np.testing.assert_array_equal(out["grad"].indices, state["grad"].indices)
     np.testing.assert_array_equal(out["bias"], 2 * state["bias"])
     assert len(jax.tree.leaves(state, is_leaf=mj.is_masked_leaf)) == 5

@@ -39,8 +39,11 @@ def test_runtime_signatures_are_jax_numpy_signatures():
             continue
         if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in want.parameters.values()) and name != "einsum":
             continue  # jnp ufuncs take (*args): ours are (x, /) and (x1, x2, /)
-        want_params = [(p.name, p.kind, p.default) for p in want.parameters.values()
-                       if not p.name.startswith("_") and p.name != "out_sharding"]
+        want_params = [
+            (p.name, p.kind, p.default)
+            for p in want.parameters.values()
+            if not p.name.startswith("_") and p.name != "out_sharding"
+        ]
         got = [(p.name, p.kind, p.default) for p in inspect.signature(fn).parameters.values()]
         assert got == want_params, name
         checked += 1
@@ -59,17 +62,30 @@ def test_unsupported_jnp_parameters_raise_at_non_default_values():
         mnp.mean(x, axes=0)
 
 
-@pytest.mark.skipif(shutil.which("node") is None and not (pathlib.Path(sys.executable).parent / "pyright").exists(),
-                    reason="pyright is installed by the test extra")
+@pytest.mark.skipif(
+    shutil.which("node") is None and not (pathlib.Path(sys.executable).parent / "pyright").exists(),
+    reason="pyright is installed by the test extra",
+)
 def test_pyright_reports_no_error_on_a_user_script(tmp_path):
     script = ROOT / "tests" / "typing" / "user_script.py"
     (tmp_path / "user_script.py").write_text(script.read_text())
-    (tmp_path / "pyrightconfig.json").write_text(json.dumps({
-        "typeCheckingMode": "basic", "extraPaths": [str(ROOT)], "pythonVersion": "3.11",
-    }))
+    (tmp_path / "pyrightconfig.json").write_text(
+        json.dumps(
+            {
+                "typeCheckingMode": "basic",
+                "extraPaths": [str(ROOT)],
+                "pythonVersion": "3.11",
+            }
+        )
+    )
     pyright = pathlib.Path(sys.executable).parent / "pyright"
-    proc = subprocess.run([str(pyright), "--pythonpath", sys.executable, "--outputjson", "user_script.py"],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [str(pyright), "--pythonpath", sys.executable, "--outputjson", "user_script.py"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     report = json.loads(proc.stdout)
     errors = [d for d in report["generalDiagnostics"] if d["severity"] == "error"]
     assert report["summary"]["filesAnalyzed"] == 1

@@ -10,15 +10,6 @@ here, never from the private modules:
 * ``_methods``: :class:`ArrayMethods`, the base class whose methods ``masked_jax.numpy`` installs.
 """
 
-from masked_jax._core._methods import ArrayMethods as ArrayMethods
-from masked_jax._core._methods import method_example as method_example
-from masked_jax._core._sparse import STATE as STATE
-from masked_jax._core._sparse import SparseMasked as SparseMasked
-from masked_jax._core._sparse import StorageFallbackError as StorageFallbackError
-from masked_jax._core._sparse import StorageFallbackWarning as StorageFallbackWarning
-from masked_jax._core._sparse import is_tracer as is_tracer
-from masked_jax._core._sparse import strict_storage as strict_storage
-from masked_jax._core._sparse import tostype as tostype
 from masked_jax._core._masked import MaskedArray as MaskedArray
 from masked_jax._core._masked import as_masked as as_masked
 from masked_jax._core._masked import check_data as check_data
@@ -33,3 +24,12 @@ from masked_jax._core._masked import masked_array as masked_array
 from masked_jax._core._masked import tree_map_data as tree_map_data
 from masked_jax._core._masked import unwrap as unwrap
 from masked_jax._core._masked import wrap as wrap
+from masked_jax._core._methods import ArrayMethods as ArrayMethods
+from masked_jax._core._methods import method_example as method_example
+from masked_jax._core._sparse import STATE as STATE
+from masked_jax._core._sparse import SparseMasked as SparseMasked
+from masked_jax._core._sparse import StorageFallbackError as StorageFallbackError
+from masked_jax._core._sparse import StorageFallbackWarning as StorageFallbackWarning
+from masked_jax._core._sparse import is_tracer as is_tracer
+from masked_jax._core._sparse import strict_storage as strict_storage
+from masked_jax._core._sparse import tostype as tostype

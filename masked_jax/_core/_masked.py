@@ -29,7 +29,6 @@ if TYPE_CHECKING:
     from jax.experimental import sparse as jsparse
 
 
-
 def format_values(data: np.ndarray, mask: np.ndarray) -> str:
     """The values as numpy.ma prints them, masked entries as ``--``: every value while the array
     has at most ``np.get_printoptions()["threshold"]`` elements, else the edge items
@@ -59,8 +58,10 @@ def html_table(data: np.ndarray, mask: np.ndarray, caption: str) -> str:
             else:
                 cells.append('<td class="mj-masked" style="padding:2px 6px;background:#d0d0d0;color:#555">--</td>')
         rows.append("<tr>" + "".join(cells) + "</tr>")
-    return (f'<table class="mj-array" style="border-collapse:collapse;font-family:monospace">'
-            f"<caption>{html.escape(caption)}</caption>{''.join(rows)}</table>")
+    return (
+        f'<table class="mj-array" style="border-collapse:collapse;font-family:monospace">'
+        f"<caption>{html.escape(caption)}</caption>{''.join(rows)}</table>"
+    )
 
 
 def fully_valid_data(x, what: str, why: str):
@@ -113,9 +114,7 @@ def check_data(data, argname="data"):
     try:
         arr = jnp.asarray(data)
     except (TypeError, ValueError) as err:
-        raise TypeError(
-            f"{argname} must be a numeric or bool array; got {type(data).__name__} ({err})."
-        ) from None
+        raise TypeError(f"{argname} must be a numeric or bool array; got {type(data).__name__} ({err}).") from None
     if not (jnp.issubdtype(arr.dtype, jnp.number) or arr.dtype == jnp.bool_):
         raise TypeError(f"{argname} must have a numeric or bool dtype; got {arr.dtype}.")
     return arr
@@ -123,9 +122,11 @@ def check_data(data, argname="data"):
 
 def _check_mask(mask, shape):
     if mask is np.ma.nomask:  # numpy.ma's "nothing masked" is False, which here would mask everything
-        raise ValueError("mask is numpy.ma.nomask (numpy.bool_ False), whose meaning is inverted here: masked_jax's "
-                         "mask is True = valid. Pass mask=None for every element valid, or x = mj.from_numpy_ma(a) "
-                         "for a numpy.ma array (a Python False masks every element).")
+        raise ValueError(
+            "mask is numpy.ma.nomask (numpy.bool_ False), whose meaning is inverted here: masked_jax's "
+            "mask is True = valid. Pass mask=None for every element valid, or x = mj.from_numpy_ma(a) "
+            "for a numpy.ma array (a Python False masks every element)."
+        )
     if isinstance(mask, MaskedArray):
         raise TypeError("mask must be a bool array, not a MaskedArray.")
     try:
@@ -147,9 +148,7 @@ def compact(mask, shape):
     shape = tuple(shape)
     mshape = tuple(jnp.shape(mask))
     if len(mshape) > len(shape) or any(m not in (1, d) for m, d in zip(mshape[::-1], shape[::-1])):
-        raise ValueError(
-            f"mask must have the data's shape {shape} or broadcast to it; got mask of shape {mshape}."
-        )
+        raise ValueError(f"mask must have the data's shape {shape} or broadcast to it; got mask of shape {mshape}.")
     return ranked(mask, len(shape))
 
 
@@ -283,8 +282,12 @@ class MaskedArray(ArrayMethods):
         """
         if self._mask is None:
             return self._data
-        if (getattr(self, "_zeroed", False) and type(fill_value) in (int, float, bool) and fill_value == 0
-                and math.copysign(1.0, fill_value) > 0):
+        if (
+            getattr(self, "_zeroed", False)
+            and type(fill_value) in (int, float, bool)
+            and fill_value == 0
+            and math.copysign(1.0, fill_value) > 0
+        ):
             return self._data  # already 0 (and 0 in tangents) under the mask
         return jnp.where(self._mask, self._data, jnp.asarray(fill_value, dtype=self.dtype))  # broadcasts
 
@@ -363,8 +366,10 @@ class MaskedArray(ArrayMethods):
         if not format_spec:
             return str(self)
         if self.ndim != 0 or _is_tracer(self._data) or _is_tracer(self._mask):
-            raise TypeError(f"unsupported format string {format_spec!r} for a MaskedArray of shape {self.shape}: "
-                            "only a concrete 0-d array takes one, as for jax arrays.")
+            raise TypeError(
+                f"unsupported format string {format_spec!r} for a MaskedArray of shape {self.shape}: "
+                "only a concrete 0-d array takes one, as for jax arrays."
+            )
         if self._mask is not None and not bool(np.asarray(self._mask).reshape(())):
             layout = re.match(r"(?:(.)?([<>=^]))?[-+ ]?z?#?0?(\d*)", format_spec)
             fill, align, width = layout.groups()  # a masked entry is padded with the fill, never zeros
@@ -401,8 +406,13 @@ class MaskedArray(ArrayMethods):
         """
         if _is_tracer(self._data) or _is_tracer(self._mask):
             raise TypeError("tolist() of a traced MaskedArray: its values are not known inside jit/vmap/grad.")
+
         def merge(values, valid):
-            return [merge(v, m) for v, m in zip(values, valid)] if isinstance(values, list) else (values if valid else None)
+            return (
+                [merge(v, m) for v, m in zip(values, valid)]
+                if isinstance(values, list)
+                else (values if valid else None)
+            )
 
         return merge(np.asarray(self._data).tolist(), np.asarray(self.mask).tolist())
 
@@ -415,8 +425,10 @@ class MaskedArray(ArrayMethods):
     def __contains__(self, value) -> bool:
         """``value in x``: whether a valid entry equals ``value`` (masked entries hold no value)."""
         if _is_tracer(self._data) or _is_tracer(self._mask):
-            raise TypeError("`in` on a traced MaskedArray: its values are not known inside jit/vmap/grad. Use "
-                            "jnp.any(x.mask & (x.data == value)).")
+            raise TypeError(
+                "`in` on a traced MaskedArray: its values are not known inside jit/vmap/grad. Use "
+                "jnp.any(x.mask & (x.data == value))."
+            )
         return bool(jnp.any(self.mask & (self._data == value)))
 
     def __iter__(self):
@@ -443,15 +455,18 @@ class MaskedArray(ArrayMethods):
         odd_mask = self._mask is not None and self._mask.dtype != jnp.bool_  # a tangent's float0, a mapped mask
         if _is_tracer(self._data) or _is_tracer(self._mask) or odd_mask:
             return f"<pre>{html.escape(repr(self))}</pre>"
-        return html_table(np.asarray(self._data), np.asarray(self.mask), f"MaskedArray {self.dtype}"
-                          f"[{', '.join(map(str, self.shape))}], {int(np.asarray(self.mask).sum())} valid")
+        return html_table(
+            np.asarray(self._data),
+            np.asarray(self.mask),
+            f"MaskedArray {self.dtype}[{', '.join(map(str, self.shape))}], {int(np.asarray(self.mask).sum())} valid",
+        )
 
     # -- indexing -----------------------------------------------------------------------------
-    def __getitem__(self, index) -> "MaskedArray":
+    def __getitem__(self, index) -> MaskedArray:
         return apply("getitem", self, index=_check_index(index, self.shape))
 
     @property
-    def at(self) -> "_AtIndexer":
+    def at(self) -> _AtIndexer:
         """Functional updates as ``jax.Array.at``: ``x.at[i].set(v)`` makes element ``i`` valid.
 
         Examples:
@@ -463,12 +478,12 @@ class MaskedArray(ArrayMethods):
         return _AtIndexer(self)
 
     @property
-    def T(self) -> "MaskedArray":
+    def T(self) -> MaskedArray:
         """Transpose (reversed axes)."""
         return apply("transpose", self)
 
     @property
-    def mT(self) -> "MaskedArray":
+    def mT(self) -> MaskedArray:
         """Transpose of the last two axes (the Array API's matrix transpose)."""
         if self.ndim < 2:
             raise ValueError(f"mT needs at least 2 dimensions; got shape {self.shape}.")
@@ -479,7 +494,7 @@ class MaskedArray(ArrayMethods):
         """The device of the data (the Array API's ``x.device``)."""
         return self._data.device
 
-    def to_device(self, device, /, *, stream=None) -> "MaskedArray":
+    def to_device(self, device, /, *, stream=None) -> MaskedArray:
         """Data and mask moved to ``device`` (a ``jax.Device`` or ``Sharding``).
 
         Examples:
@@ -503,22 +518,29 @@ class MaskedArray(ArrayMethods):
             MaskedArray(2.0, dtype=float32)
         """
         if api_version not in (None, "2024.12", "2023.12", "2022.12", "2021.12"):
-            raise ValueError(f"masked_jax.numpy implements the Array API 2023.12, with 2024.12's additions; "
-                             f"got api_version={api_version!r}.")
+            raise ValueError(
+                f"masked_jax.numpy implements the Array API 2023.12, with 2024.12's additions; "
+                f"got api_version={api_version!r}."
+            )
         # masked_jax.numpy is built on this module: imported on demand, as jax does for jax.numpy
         from masked_jax import numpy as mnp
 
         return mnp
 
     def __setitem__(self, index, value):
-        raise TypeError("MaskedArray is immutable, as jax arrays are: use x.at[index].set(value), which "
-                        "returns a new array (a MaskedArray value brings its mask along).")
+        raise TypeError(
+            "MaskedArray is immutable, as jax arrays are: use x.at[index].set(value), which "
+            "returns a new array (a MaskedArray value brings its mask along)."
+        )
 
     def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):
         """The data through DLPack, for a fully valid array (a concrete all-True mask); DLPack carries
         no mask, so an array with masked entries (or a traced mask) raises ``TypeError``."""
-        data = fully_valid_data(self, "a MaskedArray exported through DLPack",
-                                "DLPack carries no mask. Export x.filled(value) and x.mask separately.")
+        data = fully_valid_data(
+            self,
+            "a MaskedArray exported through DLPack",
+            "DLPack carries no mask. Export x.filled(value) and x.mask separately.",
+        )
         return data.__dlpack__(stream=stream, max_version=max_version, dl_device=dl_device, copy=copy)
 
     def __dlpack_device__(self):
@@ -534,7 +556,7 @@ class _AtIndexer:
     def __init__(self, x):
         self._x = x
 
-    def __getitem__(self, index) -> "_AtRef":
+    def __getitem__(self, index) -> _AtRef:
         return _AtRef(self._x, _check_index(index))
 
 
@@ -570,8 +592,11 @@ def _plain_index(p):
     """An index part that is a MaskedArray: its data when every entry is (concretely) valid."""
     if not isinstance(p, MaskedArray):
         return p
-    return fully_valid_data(p, "Indexing with a MaskedArray: the index", "a masked entry has no defined position. "
-                            "Use idx.filled(...) or a plain bool/int array.")
+    return fully_valid_data(
+        p,
+        "Indexing with a MaskedArray: the index",
+        "a masked entry has no defined position. Use idx.filled(...) or a plain bool/int array.",
+    )
 
 
 def _check_index(index, shape=None):
@@ -581,8 +606,11 @@ def _check_index(index, shape=None):
     parts = index if isinstance(index, tuple) else (index,)
     parts = tuple(_plain_index(p) for p in parts)
     index = parts if isinstance(index, tuple) else parts[0]
-    if shape is None or any(isinstance(p, (np.ndarray, jax.Array, list)) and np.ndim(p) and
-                            np.asarray(p).dtype == bool for p in parts if not _is_tracer(p)):
+    if shape is None or any(
+        isinstance(p, (np.ndarray, jax.Array, list)) and np.ndim(p) and np.asarray(p).dtype == bool
+        for p in parts
+        if not _is_tracer(p)
+    ):
         return index  # a bool index consumes several dimensions: leave it to jax
     dim = 0
     for p in parts:
@@ -625,9 +653,7 @@ def unwrap(x, argname: str = "argument") -> Pair:
     try:
         arr = jnp.asarray(x)
     except (TypeError, ValueError):
-        raise TypeError(
-            f"{argname} must be an array, a scalar or a MaskedArray; got {type(x).__name__}."
-        ) from None
+        raise TypeError(f"{argname} must be an array, a scalar or a MaskedArray; got {type(x).__name__}.") from None
     return Pair(arr, None)
 
 
@@ -744,6 +770,7 @@ def tree_map_data(f, tree: Any, *rest: Any) -> Any:
         >>> mj.tree_map_data(lambda x: x.astype(jnp.bfloat16), tree)["w"].mask.dtype
         dtype('bool')
     """
+
     def one(x, *others):
         datas = [o.data if is_container(o) else o for o in others]
         if isinstance(x, MaskedArray):
@@ -764,4 +791,3 @@ def is_masked(x: Any) -> bool:
         (True, False)
     """
     return isinstance(x, MaskedArray)
-

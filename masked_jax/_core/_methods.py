@@ -22,8 +22,10 @@ if TYPE_CHECKING:
     from masked_jax._core import MaskedArray
 
 
-_X = (">>> import jax.numpy as jnp, masked_jax as mj\n"
-      "            >>> x = mj.masked_array(jnp.array([[1.5, 2.0], [3.0, 4.5]]), jnp.array([[True, False], [True, True]]))")
+_X = (
+    ">>> import jax.numpy as jnp, masked_jax as mj\n"
+    "            >>> x = mj.masked_array(jnp.array([[1.5, 2.0], [3.0, 4.5]]), jnp.array([[True, False], [True, True]]))"
+)
 
 
 def method_example(call: str, result: str) -> str:
@@ -39,12 +41,16 @@ class ArrayMethods:
     def copy(self) -> MaskedArray:
         return jax.tree_util.tree_map(lambda v: jnp.array(v, copy=True), self)
 
-    copy.__doc__ = ("A copy of the data and mask (jax arrays are immutable: it matters only for buffer donation)."
-                    + method_example("x.copy().mask.sum()", "Array(3, dtype=int32)"))
+    copy.__doc__ = (
+        "A copy of the data and mask (jax arrays are immutable: it matters only for buffer donation)."
+        + method_example("x.copy().mask.sum()", "Array(3, dtype=int32)")
+    )
 
     def block_until_ready(self) -> MaskedArray:
         jax.block_until_ready(jax.tree_util.tree_leaves(self))
         return self
 
-    block_until_ready.__doc__ = ("Wait until data and mask are computed (for timing); returns ``self``."
-                                 + method_example("x.block_until_ready() is x", "True"))
+    block_until_ready.__doc__ = (
+        "Wait until data and mask are computed (for timing); returns ``self``."
+        + method_example("x.block_until_ready() is x", "True")
+    )

@@ -6,8 +6,8 @@ through :attr:`SparseMasked.LAYOUTS`, by storage name."""
 from __future__ import annotations
 
 import abc
-import html
 import contextlib
+import html
 import threading
 import warnings
 from typing import Any, ClassVar
@@ -205,7 +205,11 @@ class SparseMasked(ArrayMethods, abc.ABC):
         """``[(position label, value text)]`` of the stored slots, padding marked, the middle cut as
         ``numpy`` summarises (``edgeitems`` at each end) when there are more than ``2 * edgeitems``;
         ``None`` when the buffers are traced or batched (then only the summary line is shown)."""
-        if is_tracer(self.data) or is_tracer(self.indices) or self.indices.ndim != (1 if self.storage == "row_sparse" else 2):
+        if (
+            is_tracer(self.data)
+            or is_tracer(self.indices)
+            or self.indices.ndim != (1 if self.storage == "row_sparse" else 2)
+        ):
             return None
         data, indices = displayable(np.asarray(self.data)), np.asarray(self.indices)
         mask = np.asarray(self.block().mask)
@@ -231,8 +235,11 @@ class SparseMasked(ArrayMethods, abc.ABC):
         head = f"<code>{html.escape(repr(self))}</code>"
         if lines is None:
             return head
-        rows = "".join(f"<tr><td style='padding:2px 6px;color:#555'>{html.escape(w)}</td>"
-                       f"<td style='padding:2px 6px;font-family:monospace'>{html.escape(v)}</td></tr>" for w, v in lines)
+        rows = "".join(
+            f"<tr><td style='padding:2px 6px;color:#555'>{html.escape(w)}</td>"
+            f"<td style='padding:2px 6px;font-family:monospace'>{html.escape(v)}</td></tr>"
+            for w, v in lines
+        )
         return f"<div class='mj-sparse'>{head}<table style='border-collapse:collapse'>{rows}</table></div>"
 
 

@@ -22,23 +22,20 @@ import functools
 import threading
 
 import jax
+import jax.extend.core.primitives as P
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.extend import core as jcore
 
 from masked_jax import _jaxpr
-from masked_jax._core import MaskedArray, from_pair
-from masked_jax._core import SparseMasked
 from masked_jax import nn as mnn
 from masked_jax import numpy as mnp
-from masked_jax._validate import dtype_kind
+from masked_jax._core import MaskedArray, SparseMasked, from_pair
 from masked_jax._maskify import _rules as primitives
+from masked_jax._validate import dtype_kind
 from masked_jax.ops import _factors, normalization
-from masked_jax.ops._base import (Pair, and_masks, compact_or_ones, count_valid, fill, materialize, ranked,
-                                  uniform_along)
-
-import jax.extend.core.primitives as P
+from masked_jax.ops._base import Pair, and_masks, compact_or_ones, count_valid, fill, materialize, ranked, uniform_along
 
 # Call-like primitives whose body is interpreted with the masks riding along.
 # checkpoint's primitive: exported as remat_p by newer jax; otherwise read off a staged checkpoint
@@ -322,8 +319,11 @@ class _Interpreter:
         unmasked = all(p.mask is None for p in invals)
         if prim is P.jit_p and not unmasked and str(params.get("name")).startswith(_SCAN_NAME):
             return self._associative_scan(params, invals)
-        if prim is P.jit_p and not unmasked and (params.get("name") in primitives.NAMED
-                                                 or params.get("name") in primitives.UNSUPPORTED_CALLS):
+        if (
+            prim is P.jit_p
+            and not unmasked
+            and (params.get("name") in primitives.NAMED or params.get("name") in primitives.UNSUPPORTED_CALLS)
+        ):
             return self.named_call(eqn, params, invals)
         if (prim in _CALLS or prim in _LOOPS) and not unmasked:
             return self.control(prim, params, invals, is_literal)
@@ -346,30 +346,37 @@ class _Interpreter:
         rule = primitives.rule_for(prim)
         if rule is None:
             why = primitives.UNSUPPORTED.get(prim, "no masked rule is registered for it")
-            raise MaskifyError(f"maskify({self.fun_name}): primitive '{name}' has a masked operand but no masked "
-                               f"rule ({why}). Fill the operand first (x.filled(...)) or compute it with "
-                               "masked_jax.numpy.")
+            raise MaskifyError(
+                f"maskify({self.fun_name}): primitive '{name}' has a masked operand but no masked "
+                f"rule ({why}). Fill the operand first (x.filled(...)) or compute it with "
+                "masked_jax.numpy."
+            )
         try:
             out = rule(prim, invals, **params)
         except primitives.NoMaskedRule as err:
-            raise MaskifyError(f"maskify({self.fun_name}): primitive '{name}' has a masked operand and {err}. "
-                               "Fill the operand first (x.filled(...)) or compute it with masked_jax.numpy.") from None
+            raise MaskifyError(
+                f"maskify({self.fun_name}): primitive '{name}' has a masked operand and {err}. "
+                "Fill the operand first (x.filled(...)) or compute it with masked_jax.numpy."
+            ) from None
         if prim is P.reduce_sum_p:
             x = invals[0]
             shape, axes = jnp.shape(x.data), tuple(params["axes"])
             n = int(np.prod([shape[a] for a in axes], dtype=np.int64))
             compact = compact_or_ones(x.mask, shape)
-            sized[eqn.outvars[0]] = _Sized(n, lambda: count_valid(compact, shape, axes),
-                                           uniform=n > 0 and uniform_along(compact, axes), any=True)
+            sized[eqn.outvars[0]] = _Sized(
+                n, lambda: count_valid(compact, shape, axes), uniform=n > 0 and uniform_along(compact, axes), any=True
+            )
         elif prim is P.reduce_window_sum_p:  # average pooling divides by the window size: a mean
             x = invals[0]
             n = int(np.prod(params["window_dimensions"], dtype=np.int64))
             sized[eqn.outvars[0]] = _Sized(
-                n, lambda: primitives.window_count(materialize(x.mask, jnp.shape(x.data)), params))
+                n, lambda: primitives.window_count(materialize(x.mask, jnp.shape(x.data)), params)
+            )
         elif prim in (P.broadcast_in_dim_p, P.reshape_p, P.convert_element_type_p) and _known(eqn.invars[0], sized):
             s = sized[eqn.invars[0]]
-            sized[eqn.outvars[0]] = _Sized(s.n, functools.partial(_moved_count, prim, params, s.count,
-                                                                  eqn.invars[0].aval.shape), s.uniform, s.any)
+            sized[eqn.outvars[0]] = _Sized(
+                s.n, functools.partial(_moved_count, prim, params, s.count, eqn.invars[0].aval.shape), s.uniform, s.any
+            )
         return out
 
     @staticmethod
@@ -386,9 +393,14 @@ class _Interpreter:
             return None
         (num_var, num_chain), (den_var, den_chain) = (self._root(v) for v in eqn.invars)
         num_eq, den_eq = self.producer.get(num_var), self.producer.get(den_var)
-        if num_eq is None or den_eq is None or num_eq.primitive is not P.reduce_sum_p \
-                or den_eq.primitive is not P.reduce_sum_p or num_eq.params["axes"] != den_eq.params["axes"] \
-                or len(num_chain) != len(den_chain):
+        if (
+            num_eq is None
+            or den_eq is None
+            or num_eq.primitive is not P.reduce_sum_p
+            or den_eq.primitive is not P.reduce_sum_p
+            or num_eq.params["axes"] != den_eq.params["axes"]
+            or len(num_chain) != len(den_chain)
+        ):
             return None
         prod_eq = self.producer.get(num_eq.invars[0])
         weights = den_eq.invars[0]
@@ -398,10 +410,12 @@ class _Interpreter:
         if product.mask is None:
             return None
         if any(self.uses[v] > 1 for v in [den_var, *(e.outvars[0] for e in den_chain)]):
-            raise MaskifyError(f"maskify({self.fun_name}): the sum of the weights of a masked weighted average is "
-                               "used again (jnp.average(..., returned=True)); only the weights of valid entries "
-                               "count, so compute it as jnp.sum(jnp.where(valid, w, 0)) or use "
-                               "masked_jax.numpy.average.")
+            raise MaskifyError(
+                f"maskify({self.fun_name}): the sum of the weights of a masked weighted average is "
+                "used again (jnp.average(..., returned=True)); only the weights of valid entries "
+                "count, so compute it as jnp.sum(jnp.where(valid, w, 0)) or use "
+                "masked_jax.numpy.average."
+            )
         mask = materialize(product.mask, jnp.shape(product.data))
         total = jnp.sum(jnp.where(mask, w.data, 0), axis=num_eq.params["axes"]).astype(invals[1].data.dtype)
         for e in reversed(num_chain):  # keepdims: the numerator's broadcasts, applied to the total
@@ -419,8 +433,11 @@ class _Interpreter:
         one select, no fills of the exponentials), where the equations one at a time would each
         sanitise their operands. Other equations between the steps run as usual."""
         eqn = eqns[i]
-        if eqn.primitive is not P.reduce_max_p or invals[0].mask is None \
-                or not jnp.issubdtype(eqn.invars[0].aval.dtype, jnp.floating):
+        if (
+            eqn.primitive is not P.reduce_max_p
+            or invals[0].mask is None
+            or not jnp.issubdtype(eqn.invars[0].aval.dtype, jnp.floating)
+        ):
             return None
         x, axes = eqn.invars[0], tuple(eqn.params["axes"])
         keep = tuple(1 if d in axes else n for d, n in enumerate(x.aval.shape))
@@ -469,8 +486,10 @@ class _Interpreter:
         summed = lambda e: e.primitive is P.reduce_sum_p and tuple(e.params["axes"]) == axes  # noqa: E731
         # bfloat16 and float16 are summed in float32: a convert before the sum and after it
         reads = 1 if log else 2
-        if not (step(summed, uses=reads) or (step(lambda e: e.primitive is P.convert_element_type_p, uses=reads)
-                                             and step(summed))):
+        if not (
+            step(summed, uses=reads)
+            or (step(lambda e: e.primitive is P.convert_element_type_p, uses=reads) and step(summed))
+        ):
             return None
         total = eqns[chain[-1]].outvars[0]
         if not step(keepdims):
@@ -534,19 +553,25 @@ class _Interpreter:
         arguments recognised from the call's body (see ``OpSpec.static``)."""
         name = params["name"]
         if name in primitives.UNSUPPORTED_CALLS:
-            raise MaskifyError(f"maskify({self.fun_name}): jnp.{name} of a masked operand is not supported "
-                               f"({primitives.UNSUPPORTED_CALLS[name]}).")
+            raise MaskifyError(
+                f"maskify({self.fun_name}): jnp.{name} of a masked operand is not supported "
+                f"({primitives.UNSUPPORTED_CALLS[name]})."
+            )
         spec = primitives.NAMED[name]
         kw = primitives.recognise(spec, params["jaxpr"], [v.aval for v in eqn.invars])
         if kw is None:
-            raise MaskifyError(f"maskify({self.fun_name}): jnp.{name} is called on a masked operand with arguments "
-                               f"maskify does not recognise (it matches the forms masked_jax.numpy.{spec.name} "
-                               f"takes); call masked_jax.numpy.{spec.name} directly.")
+            raise MaskifyError(
+                f"maskify({self.fun_name}): jnp.{name} is called on a masked operand with arguments "
+                f"maskify does not recognise (it matches the forms masked_jax.numpy.{spec.name} "
+                f"takes); call masked_jax.numpy.{spec.name} directly."
+            )
         n = len(spec.operands)
         operands, rest = invals[:n], invals[n:]
         if any(p.mask is not None for p in rest):
-            raise MaskifyError(f"maskify({self.fun_name}): an argument of jnp.{name} other than the array "
-                               "(such as q) is masked; it must be a plain array.")
+            raise MaskifyError(
+                f"maskify({self.fun_name}): an argument of jnp.{name} other than the array "
+                "(such as q) is masked; it must be a plain array."
+            )
         out = spec.rule(*operands, *(p.data for p in rest), **kw)
         return [out if isinstance(out, Pair) else Pair(out, None)]
 
@@ -555,19 +580,23 @@ class _Interpreter:
         where every leaf of ``elems`` is, masked-out elements are skipped (the combination of
         ``a`` and a masked ``b`` is ``a``), and the result keeps that mask. Masked-out data are
         replaced by zeros before ``fn`` sees them, which only ever combines valid values."""
-        fn, tree, reverse, axis = self.scans[int(params["name"][len(_SCAN_NAME):])]
+        fn, tree, reverse, axis = self.scans[int(params["name"][len(_SCAN_NAME) :])]
         shapes = {jnp.shape(p.data) for p in invals}
         if len(shapes) != 1:
-            raise MaskifyError(f"maskify({self.fun_name}): lax.associative_scan of masked elements needs every "
-                               f"leaf of elems to have one shape (got {sorted(shapes)}): an element is valid where "
-                               "all its leaves are.")
+            raise MaskifyError(
+                f"maskify({self.fun_name}): lax.associative_scan of masked elements needs every "
+                f"leaf of elems to have one shape (got {sorted(shapes)}): an element is valid where "
+                "all its leaves are."
+            )
         shape = shapes.pop()
         valid = materialize(and_masks(*(p.mask for p in invals)), shape)
         data = [fill(p.data, valid, 0) for p in invals]
 
         def combine(a, b):
             (xa, va), (xb, vb) = a, b
-            both = tree.flatten_up_to(fn(jax.tree_util.tree_unflatten(tree, xa), jax.tree_util.tree_unflatten(tree, xb)))
+            both = tree.flatten_up_to(
+                fn(jax.tree_util.tree_unflatten(tree, xa), jax.tree_util.tree_unflatten(tree, xb))
+            )
             return [jnp.where(va & vb, ab, jnp.where(vb, b_, a_)) for ab, a_, b_ in zip(both, xa, xb)], va | vb
 
         out, _ = _ASSOCIATIVE_SCAN(combine, (data, valid), reverse=reverse, axis=axis)
@@ -591,8 +620,10 @@ class _Interpreter:
         if prim is P.cond_p:
             index, *ops = invals
             if index.mask is not None:
-                raise MaskifyError(f"maskify({self.fun_name}): the predicate of lax.cond is masked; a branch "
-                                   "cannot be chosen for a missing value.")
+                raise MaskifyError(
+                    f"maskify({self.fun_name}): the predicate of lax.cond is masked; a branch "
+                    "cannot be chosen for a missing value."
+                )
             ops = _materialized(ops)
             branches = [functools.partial(self._branch, b) for b in params["branches"]]
             return lax.switch(index.data, branches, ops)
@@ -606,7 +637,7 @@ class _Interpreter:
 
     def _while(self, params, invals):
         nc, nb = params["cond_nconsts"], params["body_nconsts"]
-        cconsts, bconsts, carry = invals[:nc], invals[nc:nc + nb], _materialized(invals[nc + nb:])
+        cconsts, bconsts, carry = invals[:nc], invals[nc : nc + nb], _materialized(invals[nc + nb :])
         cj, bj = params["cond_jaxpr"], params["body_jaxpr"]
 
         def cond_fn(c):
@@ -622,7 +653,11 @@ class _Interpreter:
 
     def _scan(self, params, invals):
         nconsts, ncarry = _scan_counts(params, len(invals))
-        consts, carry, xs = invals[:nconsts], _materialized(invals[nconsts:nconsts + ncarry]), invals[nconsts + ncarry:]
+        consts, carry, xs = (
+            invals[:nconsts],
+            _materialized(invals[nconsts : nconsts + ncarry]),
+            invals[nconsts + ncarry :],
+        )
         xs = _materialized(xs)
         body = params["jaxpr"]
 
@@ -631,8 +666,9 @@ class _Interpreter:
                 outs = _materialized(self.run(body.jaxpr, body.consts, list(consts) + list(c) + list(x)))
             return outs[:ncarry], outs[ncarry:]
 
-        carry, ys = lax.scan(step, carry, xs, length=params["length"], reverse=params["reverse"],
-                             unroll=params["unroll"])
+        carry, ys = lax.scan(
+            step, carry, xs, length=params["length"], reverse=params["reverse"], unroll=params["unroll"]
+        )
         return list(carry) + list(ys)
 
 
@@ -653,13 +689,22 @@ def _inside_public_call(fun_name, user, err):
     primitive's detail last."""
     short = user.split(".")[-1]
     module = mnn if user.startswith("jax.nn") else mnp
-    instead = (f" Call masked_jax.{module.__name__.split('.')[-1]}.{short}, its masked version, directly"
-               + (" (jnp.interp and jnp.histogram call jnp.searchsorted: masked_jax.numpy.interp and "
-                  "masked_jax.numpy.histogram are theirs)." if short == "searchsorted" else ".")
-               if hasattr(module, short) else " Fill the operand first (x.filled(...)).")
+    instead = (
+        f" Call masked_jax.{module.__name__.split('.')[-1]}.{short}, its masked version, directly"
+        + (
+            " (jnp.interp and jnp.histogram call jnp.searchsorted: masked_jax.numpy.interp and "
+            "masked_jax.numpy.histogram are theirs)."
+            if short == "searchsorted"
+            else "."
+        )
+        if hasattr(module, short)
+        else " Fill the operand first (x.filled(...))."
+    )
     detail = getattr(err, "detail", None) or str(err).split(": ", 1)[-1]
-    return (f"maskify({fun_name}): {user} is not supported on a masked operand; its implementation "
-            f"reads elements in a way that has no masked meaning.{instead} (Inside {user}: {detail})")
+    return (
+        f"maskify({fun_name}): {user} is not supported on a masked operand; its implementation "
+        f"reads elements in a way that has no masked meaning.{instead} (Inside {user}: {detail})"
+    )
 
 
 _CONSTANT_PROGRAMS: dict = {}
@@ -680,8 +725,12 @@ def _literal_constants(jaxpr, literal, env):
             seen.add(v)
             inputs.append(v)
     for eqn in jaxpr.eqns:
-        if (eqn.primitive.multiple_results or eqn.effects or len(eqn.outvars) != 1
-                or not all(_jaxpr.is_literal(v) or v in seen for v in eqn.invars)):
+        if (
+            eqn.primitive.multiple_results
+            or eqn.effects
+            or len(eqn.outvars) != 1
+            or not all(_jaxpr.is_literal(v) or v in seen for v in eqn.invars)
+        ):
             continue
         group.append(eqn)
         seen.add(eqn.outvars[0])
@@ -690,18 +739,24 @@ def _literal_constants(jaxpr, literal, env):
     lits = [v for e in group for v in e.invars if _jaxpr.is_literal(v)]
     names = {v: i for i, v in enumerate(inputs + [e.outvars[0] for e in group])}
     lit_at = iter(range(len(names), len(names) + len(lits)))
-    structure = tuple((e.primitive, tuple(sorted(e.params.items())),
-                       tuple(("l", next(lit_at)) if _jaxpr.is_literal(v) else ("v", names[v])
-                             for v in e.invars)) for e in group)
+    structure = tuple(
+        (
+            e.primitive,
+            tuple(sorted(e.params.items())),
+            tuple(("l", next(lit_at)) if _jaxpr.is_literal(v) else ("v", names[v]) for v in e.invars),
+        )
+        for e in group
+    )
     values = [env[v].data for v in inputs] + [v.val for v in lits]
-    avals = tuple(jax.typeof(x) for x in values[:len(inputs)]) + tuple(v.aval for v in lits)
+    avals = tuple(jax.typeof(x) for x in values[: len(inputs)]) + tuple(v.aval for v in lits)
     key = (structure, avals)
     try:
         hash(key)
     except TypeError:  # a parameter that is not hashable: one equation at a time
         return {}
-    program = _kept(_CONSTANT_PROGRAMS, key,
-                    lambda: jax.jit(functools.partial(_run_constants, structure, len(inputs))), 1024)
+    program = _kept(
+        _CONSTANT_PROGRAMS, key, lambda: jax.jit(functools.partial(_run_constants, structure, len(inputs))), 1024
+    )
     try:
         # lowered and compiled apart from any trace this runs in (jax's caches keep the compiled
         # program; jax.clear_caches() clears it), then run on the concrete values, also inside a trace
@@ -754,7 +809,8 @@ def _scan_counts(params, n_in):
     except (AttributeError, TypeError, ValueError):
         raise NotImplementedError(
             f"maskify: this jax version's scan parameters ({sorted(params)}) are not understood; expected "
-            "num_consts/num_carry, or an ft_in that unpacks into (consts, carry, xs).") from None
+            "num_consts/num_carry, or an ft_in that unpacks into (consts, carry, xs)."
+        ) from None
     return len(consts), len(carry)
 
 

@@ -26,8 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from masked_jax.ops import binary, elementwise, linalg, reductions, shape
-from masked_jax.ops import _factors
+from masked_jax.ops import _factors, binary, elementwise, linalg, reductions, shape
 from masked_jax.ops._base import Pair, and_masks, bound, fill, highest, lowest, materialize, ranked
 from masked_jax.ops._registry import REGISTRY, OpSpec, on_register
 
@@ -36,12 +35,16 @@ DERIVED: dict = {}  # primitive -> rule, from the registry's specs
 OWNER: dict = {}  # primitive -> the name of the op whose spec claims it
 NAMED: dict = {}  # name of a jax function's own jit call -> the spec whose rule replaces the call
 # jax functions whose jit call is refused by name, with the reason
-_NAN_ORDER = ("NaN-ignoring order statistics of masked data: mask the NaNs too (a mask AND-ed with ~isnan(x)) "
-              "and call jnp.median / jnp.quantile / jnp.percentile")
+_NAN_ORDER = (
+    "NaN-ignoring order statistics of masked data: mask the NaNs too (a mask AND-ed with ~isnan(x)) "
+    "and call jnp.median / jnp.quantile / jnp.percentile"
+)
 UNSUPPORTED_CALLS = {
-    "nanmedian": _NAN_ORDER, "nanquantile": _NAN_ORDER, "nanpercentile": _NAN_ORDER,
+    "nanmedian": _NAN_ORDER,
+    "nanquantile": _NAN_ORDER,
+    "nanpercentile": _NAN_ORDER,
     "trapezoid": "jnp.trapezoid reads the first and last elements by position, which need not be the first and "
-                 "last valid ones; integrate the valid samples with masked_jax.numpy (a masked sum of the trapezoids)",
+    "last valid ones; integrate the valid samples with masked_jax.numpy (a masked sum of the trapezoids)",
 }
 
 
@@ -94,12 +97,14 @@ def rule_for(prim):
 def _elementwise(spec):
     def rule(prim, invals, **params):
         return elementwise.unary(bound(prim, params), spec.safe)(invals[0])
+
     return rule
 
 
 def _binary(spec):
     def rule(prim, invals, **params):
         return binary.nary(bound(prim, params), spec.safe, binary.PRESERVES.get(spec.name, ()))(*invals)
+
     return rule
 
 
@@ -108,6 +113,7 @@ def _linalg(spec):
         if prim is P.dot_general_p:
             return linalg.dot_general(bound(prim, params), *invals, params["dimension_numbers"])
         return linalg.contraction(bound(prim, params))(*invals)
+
     return rule
 
 
@@ -124,6 +130,7 @@ def _reductions(spec):
         out = spec.rule(x, axis=tuple(params["axes"]))
         dtype = params.get("out_dtype") or jnp.result_type(x.data)
         return Pair(out.data if spec.name in ("any", "all") else out.data.astype(dtype), out.mask)
+
     return rule
 
 
@@ -154,8 +161,11 @@ def _select_n(prim, invals, **params):
         # a predicate known when traced (jnp.var's "n - ddof > 0"): the case it picks, as where
         # picks it (a constant case takes the validity of the masked cases), with no select
         chosen = cases[int(pred.data)]
-        mask = (and_masks(*(c.mask for c in cases if not binary.is_constant(c))) if binary.is_constant(chosen)
-                else chosen.mask)
+        mask = (
+            and_masks(*(c.mask for c in cases if not binary.is_constant(c)))
+            if binary.is_constant(chosen)
+            else chosen.mask
+        )
         data = chosen.data if np.shape(chosen.data) == tuple(shape) else jnp.broadcast_to(chosen.data, shape)
         return Pair(data, mask)
     if len(cases) == 2:  # select_n(p, false_case, true_case) is where(p, true_case, false_case)
@@ -181,11 +191,13 @@ def _cumulative(identity):
         (x,) = invals
         fn = lambda d, axis=None: prim.bind(d, axis=axis, reverse=reverse)  # noqa: E731
         return reductions.cumulative(fn, identity, prim.name)(x, axis=axis)
+
     return rule
 
 
-STRUCTURAL.update({P.cummax_p: _cumulative(lowest), P.cummin_p: _cumulative(highest),
-                   P.cumlogsumexp_p: _cumulative(lowest)})  # -inf (the finite min where there is no inf)
+STRUCTURAL.update(
+    {P.cummax_p: _cumulative(lowest), P.cummin_p: _cumulative(highest), P.cumlogsumexp_p: _cumulative(lowest)}
+)  # -inf (the finite min where there is no inf)
 
 
 # -- shape and indexing: the mask moves with the data ---------------------------------------------
@@ -329,8 +341,12 @@ def _conv(prim, invals, **params):
     dilation (a transposed convolution), takes the partial-convolution rule: valid where one
     jointly valid tap exists."""
     lhs, rhs = invals
-    if rhs.mask is not None or any(d != 1 for d in params["lhs_dilation"]) \
-            or params["batch_group_count"] != 1 or any(p < 0 for pair in params["padding"] for p in pair):
+    if (
+        rhs.mask is not None
+        or any(d != 1 for d in params["lhs_dilation"])
+        or params["batch_group_count"] != 1
+        or any(p < 0 for pair in params["padding"] for p in pair)
+    ):
         return linalg.contraction(bound(prim, params))(*invals)
     dn = params["dimension_numbers"]
     lhs_spec = dn.lhs_spec
@@ -349,14 +365,20 @@ def _conv(prim, invals, **params):
     # on the array extended by the convolution's padding: a padding position far from the valid
     # region (past a short sequence's end) is not the unpadded run's padding
     m = jnp.pad(m, offsets, constant_values=False)
-    allowed = jax.lax.reduce_window(m, False, jax.lax.bitwise_or, tuple(window), (1,) * len(shape),
-                                    tuple((hi, lo) for lo, hi in offsets))
+    allowed = jax.lax.reduce_window(
+        m, False, jax.lax.bitwise_or, tuple(window), (1,) * len(shape), tuple((hi, lo) for lo, hi in offsets)
+    )
     kernel_shape = [1] * len(shape)  # one input and one output feature, the kernel's window
     for d in dn.rhs_spec[2:]:
         kernel_shape[d] = jnp.shape(rhs.data)[d]
     bad = jax.lax.conv_general_dilated(
-        (~allowed).astype(jnp.float32), jnp.ones(tuple(kernel_shape), jnp.float32), params["window_strides"],
-        [(0, 0)] * len(pads), rhs_dilation=params["rhs_dilation"], dimension_numbers=dn)
+        (~allowed).astype(jnp.float32),
+        jnp.ones(tuple(kernel_shape), jnp.float32),
+        params["window_strides"],
+        [(0, 0)] * len(pads),
+        rhs_dilation=params["rhs_dilation"],
+        dimension_numbers=dn,
+    )
     data = prim.bind(fill(lhs.data, lhs.mask, 0), rhs.data, **params)
     return Pair(data, bad == 0)
 
@@ -364,11 +386,13 @@ def _conv(prim, invals, **params):
 def _reduce_window(identity):
     """Pooling over the valid elements of each window (masked ones enter as the reduction's identity);
     a window with no valid element is masked."""
+
     def rule(prim, invals, **params):
         (x,) = invals
         m = materialize(x.mask, jnp.shape(x.data))
         data = prim.bind(fill(x.data, m, identity(jnp.result_type(x.data))), **params)
         return Pair(data, window_count(m, params) > 0)
+
     return rule
 
 
@@ -397,8 +421,9 @@ def _dynamic_update_slice(prim, invals):
     data = prim.bind(x.data, upd.data, *(i.data for i in idx))
     if x.mask is None and upd.mask is None:
         return Pair(data, None)
-    m = prim.bind(materialize(x.mask, jnp.shape(x.data)), materialize(upd.mask, jnp.shape(upd.data)),
-                  *(i.data for i in idx))
+    m = prim.bind(
+        materialize(x.mask, jnp.shape(x.data)), materialize(upd.mask, jnp.shape(upd.data)), *(i.data for i in idx)
+    )
     return Pair(data, m)  # as .at[].set: the update's validity is copied
 
 
@@ -423,14 +448,22 @@ def _scatter(prim, invals, **params):
     set_params = {k: v for k, v in params.items() if k != "update_jaxpr"}
     if identity is None:  # plain scatter: validity of the written value
         return Pair(data, lax.scatter_p.bind(xm, idx.data, um, update_jaxpr=None, **_scatter_params(set_params)))
-    bad = lax.scatter_add_p.bind(jnp.zeros(xm.shape, jnp.int32), idx.data, (~um).astype(jnp.int32),
-                                 update_jaxpr=None, **_scatter_params(set_params))
+    bad = lax.scatter_add_p.bind(
+        jnp.zeros(xm.shape, jnp.int32),
+        idx.data,
+        (~um).astype(jnp.int32),
+        update_jaxpr=None,
+        **_scatter_params(set_params),
+    )
     return Pair(data, xm & (bad == 0))
 
 
 def _scatter_params(params):
-    return {k: v for k, v in params.items() if k in ("dimension_numbers", "indices_are_sorted", "unique_indices",
-                                                     "mode", "update_consts")}
+    return {
+        k: v
+        for k, v in params.items()
+        if k in ("dimension_numbers", "indices_are_sorted", "unique_indices", "mode", "update_consts")
+    }
 
 
 def _sort(prim, invals, dimension, is_stable, num_keys):
@@ -443,7 +476,7 @@ def _sort(prim, invals, dimension, is_stable, num_keys):
     masks = [materialize(o.mask, jnp.shape(o.data)) for o in invals]
     outs = lax.sort([~m, *(o.data for o in invals), *masks], dimension=dimension, is_stable=True, num_keys=2)
     n = len(invals)
-    return [Pair(d, mk) for d, mk in zip(outs[1:1 + n], outs[1 + n:])]
+    return [Pair(d, mk) for d, mk in zip(outs[1 : 1 + n], outs[1 + n :])]
 
 
 def _top_k(prim, invals, k, **params):
@@ -496,22 +529,48 @@ _SPLIT_P = staged_primitive("split", lambda a: jnp.split(a, 2), _ONES)
 _TILE_P = staged_primitive("tile", lambda a: jnp.tile(a, 2), _ONES)
 _DEBUG_PRINT_P = staged_primitive("debug_print", lambda a: jax.debug.print("{}", a), _ONES)
 _DEBUG_CALLBACK_P = staged_primitive("debug_callback", lambda a: jax.debug.callback(lambda _: None, a), _ONES)
-_PURE_CALLBACK_P = staged_primitive("pure_callback", lambda a: jax.pure_callback(
-    lambda b: b, jax.ShapeDtypeStruct((4,), jnp.float32), a), _ONES)
+_PURE_CALLBACK_P = staged_primitive(
+    "pure_callback", lambda a: jax.pure_callback(lambda b: b, jax.ShapeDtypeStruct((4,), jnp.float32), a), _ONES
+)
 
 _PASSTHROUGH = [P.rev_p, P.slice_p, P.dynamic_slice_p, _TILE_P]
 STRUCTURAL.update({prim: _passthrough for prim in _PASSTHROUGH if prim is not None})
-STRUCTURAL.update({prim: _compact_shape_op for prim in (P.reshape_p, P.transpose_p, P.broadcast_in_dim_p,
-                                                        P.squeeze_p)})
-STRUCTURAL.update({P.conv_general_dilated_p: _conv, P.reduce_window_sum_p: _reduce_window(lambda d: 0),
-                   P.reduce_window_max_p: _reduce_window(lowest), P.reduce_window_min_p: _reduce_window(highest),
-                   P.reduce_xor_p: _reduce_xor, lax.optimization_barrier_p: _same_value, P.sharding_constraint_p: _same_value,
-                   P.device_put_p: _same_value})
-STRUCTURAL.update({P.concatenate_p: _concatenate, P.pad_p: _pad, P.gather_p: _gather,
-                   P.dynamic_update_slice_p: _dynamic_update_slice, P.sort_p: _sort, P.top_k_p: _top_k})
-STRUCTURAL.update({prim: rule for prim, rule in ((_STACK_P, _stack), (_SPLIT_P, _split), (_DEBUG_PRINT_P, _debug),
-                                                 (_DEBUG_CALLBACK_P, _debug), (_PURE_CALLBACK_P, _pure_callback))
-                   if prim is not None})
+STRUCTURAL.update({prim: _compact_shape_op for prim in (P.reshape_p, P.transpose_p, P.broadcast_in_dim_p, P.squeeze_p)})
+STRUCTURAL.update(
+    {
+        P.conv_general_dilated_p: _conv,
+        P.reduce_window_sum_p: _reduce_window(lambda d: 0),
+        P.reduce_window_max_p: _reduce_window(lowest),
+        P.reduce_window_min_p: _reduce_window(highest),
+        P.reduce_xor_p: _reduce_xor,
+        lax.optimization_barrier_p: _same_value,
+        P.sharding_constraint_p: _same_value,
+        P.device_put_p: _same_value,
+    }
+)
+STRUCTURAL.update(
+    {
+        P.concatenate_p: _concatenate,
+        P.pad_p: _pad,
+        P.gather_p: _gather,
+        P.dynamic_update_slice_p: _dynamic_update_slice,
+        P.sort_p: _sort,
+        P.top_k_p: _top_k,
+    }
+)
+STRUCTURAL.update(
+    {
+        prim: rule
+        for prim, rule in (
+            (_STACK_P, _stack),
+            (_SPLIT_P, _split),
+            (_DEBUG_PRINT_P, _debug),
+            (_DEBUG_CALLBACK_P, _debug),
+            (_PURE_CALLBACK_P, _pure_callback),
+        )
+        if prim is not None
+    }
+)
 for _prim in (P.scatter_p, P.scatter_add_p, P.scatter_mul_p, P.scatter_min_p, P.scatter_max_p):
     STRUCTURAL[_prim] = _scatter
 
@@ -520,7 +579,10 @@ _DECOMPOSITION = "matrix decompositions of partly missing matrices are undefined
 UNSUPPORTED = {
     P.fft_p: "an FFT mixes every element; masked-out elements have no defined contribution",
     P.reduce_window_p: "a window reduction with a custom reducer has no masked identity; use sum, max or min",
-    P.cholesky_p: _DECOMPOSITION, P.eigh_p: _DECOMPOSITION, P.lu_p: _DECOMPOSITION, P.qr_p: _DECOMPOSITION,
+    P.cholesky_p: _DECOMPOSITION,
+    P.eigh_p: _DECOMPOSITION,
+    P.lu_p: _DECOMPOSITION,
+    P.qr_p: _DECOMPOSITION,
     P.svd_p: _DECOMPOSITION,
     P.triangular_solve_p: "solves with partly missing matrices are undefined; fill the matrix first",
     P.linear_solve_p: "solves with partly missing matrices are undefined; fill the matrix first",

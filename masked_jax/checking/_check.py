@@ -71,9 +71,22 @@ def default_tolerances(dtype):
     return 3e-2, 1e-1, 1e-1  # float16 / bfloat16 (the check itself runs their inputs in float32)
 
 
-def check_jacobian(f, args, *, semantics="both", modes=("fwd", "rev"), eps=None, atol=None, rtol=None,
-                   fast=None, raise_exception=True, seed=0, leak_probes=True, compile=None,
-                   order=1) -> JacobianReport:
+def check_jacobian(
+    f,
+    args,
+    *,
+    semantics="both",
+    modes=("fwd", "rev"),
+    eps=None,
+    atol=None,
+    rtol=None,
+    fast=None,
+    raise_exception=True,
+    seed=0,
+    leak_probes=True,
+    compile=None,
+    order=1,
+) -> JacobianReport:
     """Compare finite-difference Jacobians of ``f`` with ``jax.jacfwd``/``jax.jacrev``.
 
     Inputs (the array leaves of ``args``) and outputs may be pytrees of float arrays,
@@ -136,11 +149,25 @@ def check_jacobian(f, args, *, semantics="both", modes=("fwd", "rev"), eps=None,
     if order not in (1, 2):
         raise ValueError(f"check_jacobian: order must be 1 or 2; got {order!r}.")
     if order == 2:
-        report = check_jacobian(_gradient_of(f, seed), args, semantics=semantics, modes=modes, eps=eps, atol=atol,
-                                rtol=rtol, fast=fast, raise_exception=False, seed=seed, leak_probes=leak_probes,
-                                compile=compile)
-        report.notes.insert(0, "second order: the Jacobian of f's gradient (its VJP with a fixed random cotangent "
-                               "on the valid outputs): forward-over-reverse (fwd), reverse-over-reverse (rev)")
+        report = check_jacobian(
+            _gradient_of(f, seed),
+            args,
+            semantics=semantics,
+            modes=modes,
+            eps=eps,
+            atol=atol,
+            rtol=rtol,
+            fast=fast,
+            raise_exception=False,
+            seed=seed,
+            leak_probes=leak_probes,
+            compile=compile,
+        )
+        report.notes.insert(
+            0,
+            "second order: the Jacobian of f's gradient (its VJP with a fixed random cotangent "
+            "on the valid outputs): forward-over-reverse (fwd), reverse-over-reverse (rev)",
+        )
         if raise_exception and not report:
             raise JacobianError(report)
         return report
@@ -171,8 +198,10 @@ def check_jacobian(f, args, *, semantics="both", modes=("fwd", "rev"), eps=None,
         else:
             static.append((pos, x))
     if not leaves:
-        raise TypeError("check_jacobian: no differentiable input: every array leaf of args has an integer "
-                        "or bool dtype. Pass float arrays (or masked / sparse arrays with float data).")
+        raise TypeError(
+            "check_jacobian: no differentiable input: every array leaf of args has an integer "
+            "or bool dtype. Pass float arrays (or masked / sparse arrays with float data)."
+        )
     dtype = min((np.dtype(leaf.dtype) for leaf in leaves), key=lambda d: d.itemsize)
     d_eps, d_atol, d_rtol = default_tolerances(dtype)
     eps = d_eps if eps is None else _positive(eps, "eps", strict=True)
@@ -195,8 +224,9 @@ def check_jacobian(f, args, *, semantics="both", modes=("fwd", "rev"), eps=None,
     notes = []
     run_modes = modes
     try:
-        entry, operands = _compiled(f, call, treedef, leaves, static, sems, run_modes, fast, eps, values, consts,
-                                    leak_probes)
+        entry, operands = _compiled(
+            f, call, treedef, leaves, static, sems, run_modes, fast, eps, values, consts, leak_probes
+        )
         raw = entry(operands, seed, compile)
     except TypeError as err:
         if "fwd" not in modes or "custom_vjp" not in str(err):
@@ -204,10 +234,13 @@ def check_jacobian(f, args, *, semantics="both", modes=("fwd", "rev"), eps=None,
         run_modes = tuple(m for m in modes if m != "fwd")
         notes.append("forward mode skipped: f uses a jax.custom_vjp function, which has no JVP rule")
         if not run_modes:
-            raise TypeError("check_jacobian: f uses a jax.custom_vjp function, so forward mode cannot be "
-                            "checked; ask for modes=('rev',).") from None
-        entry, operands = _compiled(f, call, treedef, leaves, static, sems, run_modes, fast, eps, values, consts,
-                                    leak_probes)
+            raise TypeError(
+                "check_jacobian: f uses a jax.custom_vjp function, so forward mode cannot be "
+                "checked; ask for modes=('rev',)."
+            ) from None
+        entry, operands = _compiled(
+            f, call, treedef, leaves, static, sems, run_modes, fast, eps, values, consts, leak_probes
+        )
         raw = entry(operands, seed, compile)
     names = entry.names
     notes += [f"output {s} skipped" for s in entry.skipped]
@@ -220,17 +253,43 @@ def check_jacobian(f, args, *, semantics="both", modes=("fwd", "rev"), eps=None,
     # evaluation and a Jacobian per input element, paid by failing checks only: the probes, the
     # random fills and the perturbed masked-out elements have already found the leak).
     near = any(c.near_miss for c in checks)
-    locate = (not fast and leak_probes and "masked" in sems and not all(lf.spec.all() for lf in leaves)
-              and any(c.semantics == "masked" and not c.passed for c in checks))
+    locate = (
+        not fast
+        and leak_probes
+        and "masked" in sems
+        and not all(lf.spec.all() for lf in leaves)
+        and any(c.semantics == "masked" and not c.passed for c in checks)
+    )
     if near or locate:  # the map alone is a small program; with the estimate, the whole check again
-        second, second_operands = _compiled(f, call, treedef, leaves, static, sems, run_modes, fast, eps, values,
-                                            consts, leak_probes, richardson=near,
-                                            leak_map="only" if locate and not near else locate)
-        raw = {**raw, **_fetch(second(second_operands, seed, compile), fast, tol, names, sems,
-                                 run_modes, compile)}
+        second, second_operands = _compiled(
+            f,
+            call,
+            treedef,
+            leaves,
+            static,
+            sems,
+            run_modes,
+            fast,
+            eps,
+            values,
+            consts,
+            leak_probes,
+            richardson=near,
+            leak_map="only" if locate and not near else locate,
+        )
+        raw = {**raw, **_fetch(second(second_operands, seed, compile), fast, tol, names, sems, run_modes, compile)}
         checks = _compare(raw, leaves, names, sems, run_modes, fast, *tol, probes=leak_probes)
-    report = JacobianReport(checks=checks, semantics=sems, backend=jax.default_backend(), dtype=dtype.name,
-                            eps=eps, atol=atol, rtol=rtol, fast=fast, notes=notes)
+    report = JacobianReport(
+        checks=checks,
+        semantics=sems,
+        backend=jax.default_backend(),
+        dtype=dtype.name,
+        eps=eps,
+        atol=atol,
+        rtol=rtol,
+        fast=fast,
+        notes=notes,
+    )
     entry.background(operands, seed, compile)
     if raise_exception and not report:
         raise JacobianError(report)
@@ -267,8 +326,10 @@ def _gradient_of(f, seed):
         idx = []
         for i, x in enumerate(leaves):
             if is_leaf(x) and not isinstance(x, MaskedArray):
-                raise TypeError(f"check_jacobian(order=2): input {type(x).__name__} is not supported; second-order "
-                                "checks take float arrays and MaskedArrays.")
+                raise TypeError(
+                    f"check_jacobian(order=2): input {type(x).__name__} is not supported; second-order "
+                    "checks take float arrays and MaskedArrays."
+                )
             data = x.data if isinstance(x, MaskedArray) else x
             if hasattr(data, "dtype") and jnp.issubdtype(data.dtype, jnp.floating):
                 idx.append(i)
@@ -276,8 +337,9 @@ def _gradient_of(f, seed):
         def inner(*datas):
             ls = list(leaves)
             for i, d in zip(idx, datas):
-                ls[i] = MaskedArray.tree_unflatten(None, (d, leaves[i].mask)) if isinstance(leaves[i], MaskedArray) \
-                    else d
+                ls[i] = (
+                    MaskedArray.tree_unflatten(None, (d, leaves[i].mask)) if isinstance(leaves[i], MaskedArray) else d
+                )
             _, raw, mask = output_vectors(f(*jax.tree_util.tree_unflatten(treedef, ls)))
             return raw, mask
 
@@ -285,8 +347,10 @@ def _gradient_of(f, seed):
         raw, pull, mask = jax.vjp(inner, *datas, has_aux=True)
         cotangent = jax.random.normal(jax.random.PRNGKey(seed + 1), raw.shape, raw.dtype) * mask
         grads = pull(cotangent)
-        return tuple(MaskedArray.tree_unflatten(None, (g, leaves[i].mask)) if isinstance(leaves[i], MaskedArray)
-                     else g for i, g in zip(idx, grads))
+        return tuple(
+            MaskedArray.tree_unflatten(None, (g, leaves[i].mask)) if isinstance(leaves[i], MaskedArray) else g
+            for i, g in zip(idx, grads)
+        )
 
     return grad
 
@@ -298,7 +362,9 @@ def _positive(value, name, strict=False):
     except (TypeError, ValueError):
         raise TypeError(f"check_jacobian: {name} must be a number; got {type(value).__name__}.") from None
     if not np.isfinite(v) or v < 0 or (strict and v == 0):
-        raise ValueError(f"check_jacobian: {name} must be a finite number {'> 0' if strict else '>= 0'}; got {value!r}.")
+        raise ValueError(
+            f"check_jacobian: {name} must be a finite number {'> 0' if strict else '>= 0'}; got {value!r}."
+        )
     return v
 
 
@@ -350,8 +416,9 @@ class _Entry:
             return
         if self.ready.is_set() and self.shapes in _WARM:
             return
-        self.thread = threading.Thread(target=self._work, args=(operands, seed), daemon=True,
-                                       name="masked_jax check_jacobian")
+        self.thread = threading.Thread(
+            target=self._work, args=(operands, seed), daemon=True, name="masked_jax check_jacobian"
+        )
         _PENDING.add(self.thread)
         self.thread.start()
 
@@ -381,6 +448,8 @@ def background_enabled() -> bool:
     if flag in ("0", "1"):
         return flag == "1"
     return "ipykernel" in sys.modules or hasattr(sys, "ps1") or bool(sys.flags.interactive)
+
+
 _PENDING: set = set()
 
 
@@ -392,8 +461,22 @@ def wait_for_compiles():
         thread.join()
 
 
-def _compiled(f, call, treedef, leaves, static, sems, modes, fast, eps, values, consts, probes=True,
-              richardson=False, leak_map=False):
+def _compiled(
+    f,
+    call,
+    treedef,
+    leaves,
+    static,
+    sems,
+    modes,
+    fast,
+    eps,
+    values,
+    consts,
+    probes=True,
+    richardson=False,
+    leak_map=False,
+):
     """The cached :class:`_Entry` of this check and the operands to call it with.
 
     Two keys find it: the function object with the input pattern (no tracing: a repeated check),
@@ -432,8 +515,10 @@ def _compiled(f, call, treedef, leaves, static, sems, modes, fast, eps, values, 
         if traced is None:
             names, skipped = found if found else _output_names(call, values, consts, len(leaves))
             if not names:
-                raise TypeError("check_jacobian: f returned no float output to differentiate"
-                                + (f" (only {', '.join(skipped)})." if skipped else "."))
+                raise TypeError(
+                    "check_jacobian: f returned no float output to differentiate"
+                    + (f" (only {', '.join(skipped)})." if skipped else ".")
+                )
         specified = all(lf.spec.all() for lf in leaves)
         shapes = (tuple((lf.kind, lf.shape, lf.dtype) for lf in leaves), tuple(names)) + config[2:]
         if traced is not None:
@@ -442,13 +527,42 @@ def _compiled(f, call, treedef, leaves, static, sems, modes, fast, eps, values, 
 
             def run(ops, seed, jaxpr=jaxpr, plain=plain):
                 vals, cs, lv, specs = ops
-                return _run(_jaxpr_evaluator(jaxpr, lv, specs, cs, plain), generic, names, sems, modes, fast, eps,
-                            vals, specs, specified, seed, probes, richardson, leak_map)
+                return _run(
+                    _jaxpr_evaluator(jaxpr, lv, specs, cs, plain),
+                    generic,
+                    names,
+                    sems,
+                    modes,
+                    fast,
+                    eps,
+                    vals,
+                    specs,
+                    specified,
+                    seed,
+                    probes,
+                    richardson,
+                    leak_map,
+                )
         else:
+
             def run(ops, seed):
                 vals, cs = ops
-                return _run(_evaluator(call, names, cs), leaves, names, sems, modes, fast, eps, vals, None,
-                            specified, seed, probes, richardson, leak_map)
+                return _run(
+                    _evaluator(call, names, cs),
+                    leaves,
+                    names,
+                    sems,
+                    modes,
+                    fast,
+                    eps,
+                    vals,
+                    None,
+                    specified,
+                    seed,
+                    probes,
+                    richardson,
+                    leak_map,
+                )
 
         entry = _Entry(run, names, skipped, shapes)
     for k in (key, skey):
@@ -481,9 +595,11 @@ def _evaluator(call, names, consts):
         out = call(vs, extras, consts)
         got = output_vectors(out, names_only=True)[0]
         if got != names:
-            raise TypeError(f"check_jacobian: f's outputs changed structure between evaluations ({names} at the "
-                            f"given inputs, {got} at a perturbed or re-specified input); every evaluation must "
-                            "return the same pytree of the same shapes.")
+            raise TypeError(
+                f"check_jacobian: f's outputs changed structure between evaluations ({names} at the "
+                f"given inputs, {got} at a perturbed or re-specified input); every evaluation must "
+                "return the same pytree of the same shapes."
+            )
         return output_vectors(out), _plain(out)
 
     return evaluate
@@ -563,8 +679,9 @@ def _lifted(call, leaves, values, consts):
     return jaxpr, lifted, (str(jaxpr.jaxpr), avals, str(vjp.jaxpr), _digest(vjp.consts)), found[0]
 
 
-_TRUSTED = tuple(" at " + os.path.dirname(os.path.abspath(m.__file__)) + os.sep
-                 for m in (sys.modules["masked_jax"], jax))  # rules the primal jaxpr determines
+_TRUSTED = tuple(
+    " at " + os.path.dirname(os.path.abspath(m.__file__)) + os.sep for m in (sys.modules["masked_jax"], jax)
+)  # rules the primal jaxpr determines
 
 
 def _has_own_rules(jaxpr) -> bool:
@@ -592,8 +709,11 @@ def _callbacks(jaxpr):
         if not eqn.primitive.name.startswith("custom_"):
             for v in eqn.params.values():
                 fn = getattr(v, "callback_func", v)
-                if callable(fn) and not isinstance(v, (jcore.ClosedJaxpr, jcore.Jaxpr)) and \
-                        getattr(fn, "__module__", "").split(".")[0] not in ("jax", "jaxlib"):
+                if (
+                    callable(fn)
+                    and not isinstance(v, (jcore.ClosedJaxpr, jcore.Jaxpr))
+                    and getattr(fn, "__module__", "").split(".")[0] not in ("jax", "jaxlib")
+                ):
                     yield fn
 
 
@@ -617,8 +737,9 @@ def _lift_constants(closed):
     info = jaxpr.debug_info
     if info.arg_names is not None:
         info = info._replace(arg_names=("lifted",) * len(lifted_vars) + tuple(info.arg_names))
-    new = jaxpr.replace(constvars=[], invars=lifted_vars + list(jaxpr.invars), eqns=eqns, outvars=outvars,
-                        debug_info=info)
+    new = jaxpr.replace(
+        constvars=[], invars=lifted_vars + list(jaxpr.invars), eqns=eqns, outvars=outvars, debug_info=info
+    )
     return jcore.ClosedJaxpr(new, []), values
 
 
@@ -662,8 +783,22 @@ def _random_fills(specs, values, key, lo, hi):
     return [jnp.where(s, v, jax.random.uniform(k, v.shape, v.dtype, lo, hi)) for s, v, k in zip(specs, values, keys)]
 
 
-def _run(evaluate, leaves, names, sems, modes, fast, eps, vals, specs, specified, seed, probes=True,
-         richardson=False, leak_map=False):
+def _run(
+    evaluate,
+    leaves,
+    names,
+    sems,
+    modes,
+    fast,
+    eps,
+    vals,
+    specs,
+    specified,
+    seed,
+    probes=True,
+    richardson=False,
+    leak_map=False,
+):
     """Everything numerical and analytical, as arrays (traced once under jit).
 
     ``evaluate(values, extras)``: ``f``'s flat outputs and whether they are plain arrays (see
@@ -726,16 +861,35 @@ def _run(evaluate, leaves, names, sems, modes, fast, eps, vals, specs, specified
             elif sem == "masked" and shared:
                 out[f"{i}/masked"] = _masked_share(out[f"{i}/dense"], specs[i], modes)
             elif fast:
-                out[f"{i}/{sem}"] = _projections(F, x0, leaf, specs[i], sem, modes, eps, out["valid"],
-                                                 jax.random.fold_in(rng, i), richardson, out[f"scale/{sem}"])
+                out[f"{i}/{sem}"] = _projections(
+                    F,
+                    x0,
+                    leaf,
+                    specs[i],
+                    sem,
+                    modes,
+                    eps,
+                    out["valid"],
+                    jax.random.fold_in(rng, i),
+                    richardson,
+                    out[f"scale/{sem}"],
+                )
             else:
                 out[f"{i}/{sem}"] = _tables(F, x0, leaf, sem, modes, eps, which, richardson, keep_raw=shared)
     out["specs"] = specs
     return out
 
 
-JUDGED = ("passed", "max_abs", "near_miss", "max_rel", "fd_error", "numerical, masked-out inputs",
-          "analytical, masked-out inputs", "analytical, masked-out outputs")
+JUDGED = (
+    "passed",
+    "max_abs",
+    "near_miss",
+    "max_rel",
+    "fd_error",
+    "numerical, masked-out inputs",
+    "analytical, masked-out inputs",
+    "analytical, masked-out outputs",
+)
 
 
 @functools.lru_cache(maxsize=256)
@@ -775,25 +929,48 @@ def _judge(out, tol, names, sems, modes, xp=jnp):
                     an = res[mode][rows]
                     err, allowed, excess = _errors(xp, num, an, 0 if fd is None else fd, scale, atol, rtol)
                     where.append((i, sem, j, mode))
-                    terms.append([compared & ~(excess <= 0), xp.where(compared, err, 0),  # a NaN fails
-                                  compared & ~(err <= NEAR_MISS * allowed),
-                                  xp.where(big, err / xp.where(big, abs_num, 1), 0),
-                                  None if fd is None else xp.where(compared & ~xp.isnan(fd), fd, 0),
-                                  # perturbing a masked-out input moves a valid output more than rounding explains
-                                  xp.where(ok & ~cols, abs_num - scale[:, None], 0) if masked else None,
-                                  xp.where(~cols, xp.abs(an), 0) if masked else None,
-                                  xp.where(~ok, xp.abs(an), 0) if masked else None])
+                    terms.append(
+                        [
+                            compared & ~(excess <= 0),
+                            xp.where(compared, err, 0),  # a NaN fails
+                            compared & ~(err <= NEAR_MISS * allowed),
+                            xp.where(big, err / xp.where(big, abs_num, 1), 0),
+                            None if fd is None else xp.where(compared & ~xp.isnan(fd), fd, 0),
+                            # perturbing a masked-out input moves a valid output more than rounding explains
+                            xp.where(ok & ~cols, abs_num - scale[:, None], 0) if masked else None,
+                            xp.where(~cols, xp.abs(an), 0) if masked else None,
+                            xp.where(~ok, xp.abs(an), 0) if masked else None,
+                        ]
+                    )
             dtype = terms[0][1].dtype
             peaks = iter(_maxima(xp, [xp.asarray(t, dtype) for ts in terms for t in ts if t is not None]))
             for key, ts in zip(where, terms):
                 fail, top, far, rel, fd_max, moved, leak_in, leak_out = (
-                    xp.zeros((), dtype) if t is None else next(peaks) for t in ts)
+                    xp.zeros((), dtype) if t is None else next(peaks) for t in ts
+                )
                 # a NaN among the entries is an infinite error (the relative one: where the absolute one is)
                 inf = lambda v, nan: xp.where(xp.isnan(nan), xp.inf, v)  # noqa: E731
-                judged[key] = xp.stack([fail == 0, inf(top, top), (fail > 0) & (far == 0), inf(rel, top), fd_max,
-                                        inf(moved, moved), inf(leak_in, leak_in), inf(leak_out, leak_out)]).astype(dtype)
-    return xp.stack([judged[(i, sem, j, mode)] for i in range(len(out["specs"])) for sem in sems
-                     for j in range(len(names)) for mode in modes])
+                judged[key] = xp.stack(
+                    [
+                        fail == 0,
+                        inf(top, top),
+                        (fail > 0) & (far == 0),
+                        inf(rel, top),
+                        fd_max,
+                        inf(moved, moved),
+                        inf(leak_in, leak_in),
+                        inf(leak_out, leak_out),
+                    ]
+                ).astype(dtype)
+    return xp.stack(
+        [
+            judged[(i, sem, j, mode)]
+            for i in range(len(out["specs"]))
+            for sem in sems
+            for j in range(len(names))
+            for mode in modes
+        ]
+    )
 
 
 @functools.partial(jax.jit, static_argnames=("names", "sems", "modes"))
@@ -809,8 +986,12 @@ def _maxima(xp, arrays):
     one variadic reduction under ``jnp``."""
     if xp is np:
         return [np.max(a, initial=0) for a in arrays]
-    return jax.lax.reduce(arrays, [jnp.zeros((), a.dtype) for a in arrays],
-                          lambda a, b: [jnp.maximum(x, y) for x, y in zip(a, b)], tuple(range(arrays[0].ndim)))
+    return jax.lax.reduce(
+        arrays,
+        [jnp.zeros((), a.dtype) for a in arrays],
+        lambda a, b: [jnp.maximum(x, y) for x, y in zip(a, b)],
+        tuple(range(arrays[0].ndim)),
+    )
 
 
 def _errors(xp, num, an, fd, scale, atol, rtol):
@@ -864,12 +1045,14 @@ def _probes(outputs, leaves, specs, fills, base, modes, rng):
         vs = [jnp.where(s, f, value.astype(f.dtype)) for f, s in zip(fills, specs)]
         o = outputs(vs, padded)
         jvp, vjp = derivatives(vs)
-        return {"value": jnp.where(valid, _leak(o[0], base[0]), 0),
-                "mask": jnp.any(o[2] != valid),
-                "jvp": jnp.where(valid, _leak(jvp, jvp0), 0),
-                "vjp": [jnp.where(s, _leak(a, b), 0) for a, b, s in zip(vjp, vjp0, specs)],
-                # and no cotangent, not even a NaN, reaches the masked-out elements
-                "vjp_off": [jnp.where(s, 0, _leak(a, jnp.zeros_like(a))) for a, s in zip(vjp, specs)]}
+        return {
+            "value": jnp.where(valid, _leak(o[0], base[0]), 0),
+            "mask": jnp.any(o[2] != valid),
+            "jvp": jnp.where(valid, _leak(jvp, jvp0), 0),
+            "vjp": [jnp.where(s, _leak(a, b), 0) for a, b, s in zip(vjp, vjp0, specs)],
+            # and no cotangent, not even a NaN, reaches the masked-out elements
+            "vjp_off": [jnp.where(s, 0, _leak(a, jnp.zeros_like(a))) for a, s in zip(vjp, specs)],
+        }
 
     dtype = min((np.dtype(leaf.dtype) for leaf in leaves), key=lambda d: d.itemsize)
     values = jnp.array([np.nan, np.inf, -np.inf, float(np.sqrt(float(jnp.finfo(dtype).max)))], dtype)
@@ -955,10 +1138,10 @@ def _tables(F, x0, leaf, sem, modes, eps, which, richardson=False, keep_raw=Fals
     points = [x0 + steps, x0 - steps] + ([x0 + 2 * steps, x0 - 2 * steps] if richardson else [])
     ks = jnp.tile(jnp.arange(size), len(points))
     evals = jax.vmap(lambda v, k: F(v, k if dense else None, 0))(jnp.concatenate(points), ks)
-    d1 = (evals[:size] - evals[size:2 * size]) / (2 * eps)
+    d1 = (evals[:size] - evals[size : 2 * size]) / (2 * eps)
     res = {"num": d1.T}
     if richardson:
-        res["fd_err"] = _richardson(d1, (evals[2 * size:3 * size] - evals[3 * size:]) / (4 * eps)).T
+        res["fd_err"] = _richardson(d1, (evals[2 * size : 3 * size] - evals[3 * size :]) / (4 * eps)).T
     pattern = analytic_pattern(leaf, sem)
     g = lambda v: F(v, pattern, 1 if keep_raw else which)  # noqa: E731
     for mode, jac in (("fwd", jax.jacfwd), ("rev", jax.jacrev)):
@@ -1055,18 +1238,22 @@ def _compare(raw, leaves, names, sems, modes, fast, atol, rtol, roundoff=0.0, pr
                         under = f"{pname} under the masks"
                         if padded_inputs:  # a leak here may come from a padding slot as well
                             under += f" and in the padding slots of {padded_inputs}"
-                        leaks[f"valid outputs with {under}"] = float(np.max(np.asarray(probes["value"][p])[rows],
-                                                                          initial=0))
+                        leaks[f"valid outputs with {under}"] = float(
+                            np.max(np.asarray(probes["value"][p])[rows], initial=0)
+                        )
                         if bool(probes["mask"][p]):
                             leaks[f"output mask with {under}"] = float("inf")
                         if "fwd" in modes and "rev" not in modes:
                             leaks[f"JVP of valid outputs with {under}"] = float(
-                                np.max(np.asarray(probes["jvp"][p])[rows], initial=0))
+                                np.max(np.asarray(probes["jvp"][p])[rows], initial=0)
+                            )
                         if "rev" in modes:
                             leaks[f"VJP to valid inputs with {under}"] = float(
-                                np.max(np.asarray(probes["vjp"][i][p]), initial=0))
+                                np.max(np.asarray(probes["vjp"][i][p]), initial=0)
+                            )
                             leaks[f"VJP to masked-out inputs with {under}"] = float(
-                                np.max(np.asarray(probes["vjp_off"][i][p]), initial=0))
+                                np.max(np.asarray(probes["vjp_off"][i][p]), initial=0)
+                            )
                 cells = None
                 if sem == "masked" and raw.get("leak_map") is not None:
                     lm = raw["leak_map"][i]
@@ -1077,8 +1264,19 @@ def _compare(raw, leaves, names, sems, modes, fast, atol, rtol, roundoff=0.0, pr
                     if fast:
                         c = _fast_check(res, mode, sem, leaks, atol, rtol, roundoff)
                     else:
-                        table = _Table(res, mode, sem, rows, valid[rows] if sem == "masked" else None, spec, cells,
-                                       raw[f"scale/{sem}"], oshape, leaf.shape, (atol, rtol, roundoff))
+                        table = _Table(
+                            res,
+                            mode,
+                            sem,
+                            rows,
+                            valid[rows] if sem == "masked" else None,
+                            spec,
+                            cells,
+                            raw[f"scale/{sem}"],
+                            oshape,
+                            leaf.shape,
+                            (atol, rtol, roundoff),
+                        )
                         c = _full_check(next(judged), table, leaks, atol, _shares_tables(leaf, sems, fast, probes))
                     checks.append(Check(input=leaf.name, output=oname, mode=mode, semantics=sem, **c))
     return checks
@@ -1124,10 +1322,17 @@ def _full_check(judged, table, leaks, atol, shared):
         leaks.update((k, row[k]) for k in (JUDGED[6:] if shared else JUDGED[5:]))  # shared: no numerical leak taken
     matched = bool(row["passed"])
     fd_max = row["fd_error"] if "fd_err" in table.res else None
-    return dict(passed=matched and _leak_passed(leaks, atol), max_abs=row["max_abs"], max_rel=row["max_rel"],
-                leaks=leaks, fd_error=fd_max, mismatch=not matched, near_miss=bool(row["near_miss"]),
-                reason=_reason(matched, leaks, atol, table.mode, table.sem, row["max_abs"], fd_max),
-                details=table.details)
+    return dict(
+        passed=matched and _leak_passed(leaks, atol),
+        max_abs=row["max_abs"],
+        max_rel=row["max_rel"],
+        leaks=leaks,
+        fd_error=fd_max,
+        mismatch=not matched,
+        near_miss=bool(row["near_miss"]),
+        reason=_reason(matched, leaks, atol, table.mode, table.sem, row["max_abs"], fd_max),
+        details=table.details,
+    )
 
 
 @dataclasses.dataclass
@@ -1165,13 +1370,26 @@ class _Table:
         worst = []
         for flat_pos in _largest(excess.ravel(), 5):
             r, c = _unravel(flat_pos, excess.shape)
-            worst.append((_unravel(int(r_idx[r]), self.oshape), _unravel(int(c_idx[c]), self.ishape),
-                          float(n_blk[r, c]), float(a_blk[r, c]), bool(not excess[r, c] <= 0)))
+            worst.append(
+                (
+                    _unravel(int(r_idx[r]), self.oshape),
+                    _unravel(int(c_idx[c]), self.ishape),
+                    float(n_blk[r, c]),
+                    float(a_blk[r, c]),
+                    bool(not excess[r, c] <= 0),
+                )
+            )
         diff = np.full(num.shape, np.nan, err.dtype)
         diff[np.ix_(r_idx, c_idx)] = err
         cells = _leak_cells(self.cells, num, ok, self.spec, atol) if masked else None
-        return dict(worst=worst, diff=diff, numerical=num, analytical=an, leak_cells=cells,
-                    leak_map=[] if cells is None else _leak_entries(cells, self.oshape, self.ishape))
+        return dict(
+            worst=worst,
+            diff=diff,
+            numerical=num,
+            analytical=an,
+            leak_cells=cells,
+            leak_map=[] if cells is None else _leak_entries(cells, self.oshape, self.ishape),
+        )
 
 
 def _unravel(i, shape):
@@ -1220,12 +1438,19 @@ def _fast_check(res, mode, sem, leaks, atol, rtol, roundoff=0.0):
     worst = [(f"direction {d}", "", float(num[d]), float(an[d]), bool(bad[d])) for d in np.argsort(-err)]
     fd_max = float(np.nanmax(fd, initial=0))
     shown = dict(worst=worst, diff=None, numerical=num, analytical=an, leak_map=[], leak_cells=None)
-    return dict(passed=bool(not bad.any()) and _leak_passed(leaks, atol), max_abs=_max_of(err, has_nan),
-                max_rel=_max_of(_relative(err, abs_num, atol), has_nan), leaks=leaks, details=lambda: shown,
-                fd_error=fd_max if "fd_err" in res else None, mismatch=bool(bad.any()),
-                near_miss=bool(bad.any()) and bool(np.all(err <= NEAR_MISS * tol)),
-                reason=_reason(not bad.any(), leaks, atol, mode, sem, _max_of(err, has_nan),
-                               fd_max if "fd_err" in res else None))
+    return dict(
+        passed=bool(not bad.any()) and _leak_passed(leaks, atol),
+        max_abs=_max_of(err, has_nan),
+        max_rel=_max_of(_relative(err, abs_num, atol), has_nan),
+        leaks=leaks,
+        details=lambda: shown,
+        fd_error=fd_max if "fd_err" in res else None,
+        mismatch=bool(bad.any()),
+        near_miss=bool(bad.any()) and bool(np.all(err <= NEAR_MISS * tol)),
+        reason=_reason(
+            not bad.any(), leaks, atol, mode, sem, _max_of(err, has_nan), fd_max if "fd_err" in res else None
+        ),
+    )
 
 
 def _reason(matched, leaks, atol, mode, sem, top, fd_max):
@@ -1235,12 +1460,16 @@ def _reason(matched, leaks, atol, mode, sem, top, fd_max):
     if not matched:
         what = "jacfwd / JVP" if mode == "fwd" else "jacrev / VJP"
         estimate = "" if fd_max is None else f" and beyond their estimated error ({fd_max:.2g}, Richardson)"
-        why.append(f"the {what} derivative differs from finite differences by {top:.3g}, beyond the tolerance"
-                   f"{estimate}: a wrong derivative under {sem} semantics")
+        why.append(
+            f"the {what} derivative differs from finite differences by {top:.3g}, beyond the tolerance"
+            f"{estimate}: a wrong derivative under {sem} semantics"
+        )
     bad = [k for k, v in leaks.items() if not (np.isfinite(v) and v <= atol)]
     if bad:
-        why.append(f"masked-out data reaches what it must not ({'; '.join(bad[:3])}"
-                   f"{'; ...' if len(bad) > 3 else ''}): it breaks masked semantics")
+        why.append(
+            f"masked-out data reaches what it must not ({'; '.join(bad[:3])}"
+            f"{'; ...' if len(bad) > 3 else ''}): it breaks masked semantics"
+        )
     return "; ".join(why)
 
 

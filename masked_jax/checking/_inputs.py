@@ -19,10 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import sparse as jsparse
 
-from masked_jax._core import MaskedArray
-from masked_jax._core import SparseMasked
-from masked_jax.layouts import BCOOMaskedArray
-from masked_jax.layouts import RowSparseArray, rows_from_parts
+from masked_jax._core import MaskedArray, SparseMasked
+from masked_jax.layouts import BCOOMaskedArray, RowSparseArray, rows_from_parts
 
 ALL = "all"  # ``extra`` value: every element specified
 PADDED = "padded"  # ``extra`` value: the pattern plus one padding slot (sparse kinds; see ``Leaf.build``)
@@ -142,11 +140,15 @@ def describe(name: str, x, dtype):
         values = jnp.asarray(x)
         kind, spec = "array", np.ones(values.shape, bool)
     else:
-        raise TypeError(f"check_jacobian: input {name} is a {type(x).__name__}; expected arrays, "
-                        "MaskedArrays, BCOO-backed or row-sparse arrays, or jax BCOOs.")
+        raise TypeError(
+            f"check_jacobian: input {name} is a {type(x).__name__}; expected arrays, "
+            "MaskedArrays, BCOO-backed or row-sparse arrays, or jax BCOOs."
+        )
     if jnp.issubdtype(values.dtype, jnp.complexfloating):
-        raise TypeError(f"check_jacobian: input {name} is complex ({values.dtype}); complex inputs are "
-                        "not supported: pass the real and imaginary parts as separate inputs.")
+        raise TypeError(
+            f"check_jacobian: input {name} is complex ({values.dtype}); complex inputs are "
+            "not supported: pass the real and imaginary parts as separate inputs."
+        )
     if not jnp.issubdtype(values.dtype, jnp.floating):
         return None  # integer / bool: a constant, as torch's gradcheck ignores such inputs
     spec = np.asarray(spec).ravel()
@@ -154,8 +156,7 @@ def describe(name: str, x, dtype):
         # float16 / bfloat16: a central difference there cannot resolve a derivative (bfloat16's
         # rounding alone moves it by ~0.3 at outputs near 1), so the check runs in float32
         dtype = "float32"
-    leaf = Leaf(name, kind, tuple(values.shape), np.dtype(dtype or values.dtype).name,
-                np.packbits(spec).tobytes())
+    leaf = Leaf(name, kind, tuple(values.shape), np.dtype(dtype or values.dtype).name, np.packbits(spec).tobytes())
     return leaf, values  # cast and flattened inside the compiled check
 
 
@@ -178,8 +179,10 @@ def output_vectors(out, names_only=False):
             d = jnp.asarray(leaf)
             m = jnp.ones(d.shape, bool)
         else:
-            raise TypeError(f"check_jacobian: output {name} is a {type(leaf).__name__}; the function must "
-                            "return arrays, MaskedArrays or sparse arrays (in any pytree).")
+            raise TypeError(
+                f"check_jacobian: output {name} is a {type(leaf).__name__}; the function must "
+                "return arrays, MaskedArrays or sparse arrays (in any pytree)."
+            )
         if not jnp.issubdtype(d.dtype, jnp.floating):
             skipped.append(f"{name} ({d.dtype}: not differentiable)")
             continue

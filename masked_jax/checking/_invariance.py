@@ -78,8 +78,10 @@ class InvarianceReport:
 
     def __repr__(self) -> str:
         bad = self.failures()
-        head = (f"InvarianceReport({'PASSED' if not bad else 'FAILED'}: {len(self.cases) - len(bad)} of "
-                f"{len(self.cases)} re-paddings x transforms unchanged; rtol={self.rtol:g})")
+        head = (
+            f"InvarianceReport({'PASSED' if not bad else 'FAILED'}: {len(self.cases) - len(bad)} of "
+            f"{len(self.cases)} re-paddings x transforms unchanged; rtol={self.rtol:g})"
+        )
         lines = [head]
         for c in bad[:12]:
             what, index, expected, got = c.first
@@ -112,9 +114,21 @@ class InvarianceError(AssertionError):
         self.report = report
 
 
-def check_invariance(f, args, *, axis=-1, params=(), out_axis=None, lengths=("tight", "same", "longer"),
-                     positions=("end", "start"), fills=("zero", "nan", "inf", "-inf", "huge"),
-                     transforms=TRANSFORMS, rtol=None, seed=0, raise_exception=True) -> InvarianceReport:
+def check_invariance(
+    f,
+    args,
+    *,
+    axis=-1,
+    params=(),
+    out_axis=None,
+    lengths=("tight", "same", "longer"),
+    positions=("end", "start"),
+    fills=("zero", "nan", "inf", "-inf", "huge"),
+    transforms=TRANSFORMS,
+    rtol=None,
+    seed=0,
+    raise_exception=True,
+) -> InvarianceReport:
     """Check that ``f``'s valid outputs and parameter gradients do not depend on the padding.
 
     Every ``MaskedArray`` leaf of ``args`` is re-padded along ``axis`` (see the module
@@ -189,8 +203,10 @@ def check_invariance(f, args, *, axis=-1, params=(), out_axis=None, lengths=("ti
     flat, treedef = jax.tree_util.tree_flatten(args, is_leaf=lambda x: isinstance(x, MaskedArray))
     padded = [i for i, x in enumerate(flat) if isinstance(x, MaskedArray)]
     if not padded:
-        raise TypeError("check_invariance: no MaskedArray in args: the padded inputs must be MaskedArrays "
-                        "(their masks say what is padding); wrap hand-masked code in a lambda that unpacks them.")
+        raise TypeError(
+            "check_invariance: no MaskedArray in args: the padded inputs must be MaskedArrays "
+            "(their masks say what is padding); wrap hand-masked code in a lambda that unpacks them."
+        )
     ax = {}
     for i in padded:
         x = flat[i]
@@ -199,8 +215,10 @@ def check_invariance(f, args, *, axis=-1, params=(), out_axis=None, lengths=("ti
         ax[i] = axis % x.ndim
     length = {flat[i].shape[ax[i]] for i in padded}
     if len(length) != 1:
-        raise ValueError(f"check_invariance: the padded inputs disagree on the length of axis {axis}: "
-                         f"{sorted(length)}; they must share one padded length.")
+        raise ValueError(
+            f"check_invariance: the padded inputs disagree on the length of axis {axis}: "
+            f"{sorted(length)}; they must share one padded length."
+        )
     length = length.pop()
     keeps = {i: _kept(flat[i], ax[i]) for i in padded}
     longest = max(int(k.sum(-1).max(initial=0)) for k in keeps.values())
@@ -211,12 +229,18 @@ def check_invariance(f, args, *, axis=-1, params=(), out_axis=None, lengths=("ti
     rng = np.random.default_rng(seed)
     ref_keeps = keeps[padded[0]]
     outs_ref, ks = _valid_outputs(f(*args), out_axis, axis, length, ref_keeps)
-    weights = [None if not jnp.issubdtype(v.dtype, jnp.floating) else
-               jnp.asarray(rng.normal(size=v.shape), v.dtype) * (1 if m is None else m) for (v, m), _ in outs_ref]
+    weights = [
+        None
+        if not jnp.issubdtype(v.dtype, jnp.floating)
+        else jnp.asarray(rng.normal(size=v.shape), v.dtype) * (1 if m is None else m)
+        for (v, m), _ in outs_ref
+    ]
     run = _Run(f, flat, treedef, params, out_axis, axis, ks, weights)
     grad_ref = run.gradients(flat, "given", length, ref_keeps, jit=True) if run.diff else None
-    names = ["args" + jax.tree_util.keystr(path) for path, _ in
-             jax.tree_util.tree_flatten_with_path(args, is_leaf=lambda x: isinstance(x, MaskedArray))[0]]
+    names = [
+        "args" + jax.tree_util.keystr(path)
+        for path, _ in jax.tree_util.tree_flatten_with_path(args, is_leaf=lambda x: isinstance(x, MaskedArray))[0]
+    ]
 
     cases = []
     eager_grad = next((k for k, fill in enumerate(fills) if fill not in ("zero", "huge")), 0)
@@ -237,14 +261,19 @@ def check_invariance(f, args, *, axis=-1, params=(), out_axis=None, lengths=("ti
                     results = run.vmapped(variants, padded, layout, new_len, new_keeps)
                 else:  # eager gradients (0.2-0.7 s a call): one content, at the given length
                     jit = transform == "jit"
-                    results = [run.evaluate(leaves, layout, new_len, new_keeps, jit,
-                                            jit or (k == eager_grad and new_len == length))
-                               for k, leaves in enumerate(variants)]
+                    results = [
+                        run.evaluate(
+                            leaves, layout, new_len, new_keeps, jit, jit or (k == eager_grad and new_len == length)
+                        )
+                        for k, leaves in enumerate(variants)
+                    ]
                 for fill, (outs, grads) in zip(fills, results):
-                    first = _first_change(outs_ref, outs, grad_ref if grads is not None else None, grads, rtol,
-                                          names)
-                    cases.append(InvarianceCase(f"pad to {new_len} ({name}) at {pos}, {fill} content", transform,
-                                                first is None, first))
+                    first = _first_change(outs_ref, outs, grad_ref if grads is not None else None, grads, rtol, names)
+                    cases.append(
+                        InvarianceCase(
+                            f"pad to {new_len} ({name}) at {pos}, {fill} content", transform, first is None, first
+                        )
+                    )
     report = InvarianceReport(cases, rtol)
     if raise_exception and not report:
         raise InvarianceError(report)
@@ -273,7 +302,7 @@ def _kept(x, axis, xp=np):
     valid element is valid; rows: the positions of the axes before ``axis``)."""
     m = xp.moveaxis(xp.broadcast_to(xp.asarray(x.mask), x.shape), axis, -1)  # (lead..., trail..., L)
     lead = x.shape[:axis]
-    rows, trail = (int(np.prod(s, dtype=np.int64)) for s in (lead, m.shape[len(lead):-1]))
+    rows, trail = (int(np.prod(s, dtype=np.int64)) for s in (lead, m.shape[len(lead) : -1]))
     return m.reshape((rows, trail, x.shape[axis])).any(1)
 
 
@@ -322,7 +351,7 @@ def _repad(flat, padded, ax, slots, new_len, fill):
         d = np.moveaxis(data, a, -1)
         m = np.moveaxis(mask, a, -1)
         lead = x.shape[:a]
-        trail = d.shape[len(lead):-1]
+        trail = d.shape[len(lead) : -1]
         n_rows = int(np.prod(lead, dtype=np.int64))
         d = d.reshape((n_rows,) + trail + (x.shape[a],))
         m = m.reshape((n_rows,) + trail + (x.shape[a],))
@@ -354,19 +383,28 @@ def _valid_outputs(out, out_axis, axis, length, kept, ks=None):
         data = leaf.data if own else jnp.asarray(leaf)
         mask = jnp.broadcast_to(leaf.mask, leaf.shape) if own else None
         a = out_axis
-        if (a is None and own and data.ndim and -data.ndim <= axis < data.ndim and data.shape[axis] == length
-                and (ks is None or ks[j] is not None)):  # as the reference decided (lengths may coincide)
+        if (
+            a is None
+            and own
+            and data.ndim
+            and -data.ndim <= axis < data.ndim
+            and data.shape[axis] == length
+            and (ks is None or ks[j] is not None)
+        ):  # as the reference decided (lengths may coincide)
             a = axis
         k = None
         if a is not None:
             if not -data.ndim <= a < data.ndim:
-                raise ValueError(f"check_invariance: out_axis {a} is out of range for output {name} of shape "
-                                 f"{data.shape}.")
+                raise ValueError(
+                    f"check_invariance: out_axis {a} is out of range for output {name} of shape {data.shape}."
+                )
             a %= data.ndim
             pos_valid = _kept(leaf, a, jnp) if own else jnp.asarray(kept)
             if pos_valid.shape[0] != int(np.prod(data.shape[:a], dtype=np.int64)):
-                raise ValueError(f"check_invariance: output {name} of shape {data.shape} does not have the "
-                                 f"inputs' {pos_valid.shape[0]} rows before its padded axis {a}; give out_axis.")
+                raise ValueError(
+                    f"check_invariance: output {name} of shape {data.shape} does not have the "
+                    f"inputs' {pos_valid.shape[0]} rows before its padded axis {a}; give out_axis."
+                )
             k = max(int(np.asarray(pos_valid).sum(-1).max(initial=0)), 1) if ks is None else ks[j]
             data, mask = _compact(data, mask, a, pos_valid, k)
         measured.append(k)
@@ -379,7 +417,7 @@ def _compact(data, mask, a, pos_valid, k):
     positions first, in order; slots past a row's valid count are masked."""
     rows = pos_valid.shape[0]
     d = jnp.moveaxis(data, a, -1)
-    trail = d.shape[len(data.shape[:a]):-1]
+    trail = d.shape[len(data.shape[:a]) : -1]
     d = d.reshape((rows,) + trail + (data.shape[a],))
     m = None if mask is None else jnp.moveaxis(mask, a, -1).reshape(d.shape)
     if data.shape[a] < k:  # fewer positions than the reference's valid ones: pad (masked)
@@ -467,11 +505,14 @@ class _Run:
         if self.diff:
             g = self.grad_fn(layout, length, kept, False)
             grads = jax.jit(jax.vmap(g, in_axes=([axes[i] for i in self.diff], arr_axes)))(
-                [stacked[i] for i in self.diff], self.arrays(stacked))
+                [stacked[i] for i in self.diff], self.arrays(stacked)
+            )
             grads = dict(zip(self.diff, grads))
         take = lambda tree, j: jax.tree_util.tree_map(lambda x: x[j], tree)  # noqa: E731
-        return [(self.outputs(take(outs, j), length, kept), None if grads is None else take(grads, j))
-                for j in range(len(variants))]
+        return [
+            (self.outputs(take(outs, j), length, kept), None if grads is None else take(grads, j))
+            for j in range(len(variants))
+        ]
 
 
 def _inexact(v):
@@ -480,8 +521,13 @@ def _inexact(v):
 
 def _first_change(outs_ref, outs, grad_ref, grads, rtol, names):
     for ((ref, ref_m), name), ((got, got_m), _) in zip(outs_ref, outs):
-        change = _changed(np.asarray(ref), None if ref_m is None else np.asarray(ref_m), np.asarray(got),
-                          None if got_m is None else np.asarray(got_m), rtol)
+        change = _changed(
+            np.asarray(ref),
+            None if ref_m is None else np.asarray(ref_m),
+            np.asarray(got),
+            None if got_m is None else np.asarray(got_m),
+            rtol,
+        )
         if change is not None:
             return (name,) + change
     if grad_ref is not None:
@@ -514,5 +560,3 @@ def _changed(ref, ref_m, got, got_m, rtol):
         return None
     i = tuple(int(j) for j in np.argwhere(bad)[0])
     return (i, float(ref[i]), float(got[i]))
-
-

@@ -5,7 +5,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import html
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -108,16 +109,20 @@ class JacobianReport:
         return "; ".join(parts)
 
     def __repr__(self) -> str:
-        head = (f"JacobianReport({'PASSED' if self else 'FAILED'}: {self._verdict()})\n"
-                f"  backend={self.backend} dtype={self.dtype} eps={self.eps:g} atol={self.atol:g} "
-                f"rtol={self.rtol:g} method={'random projections (fast)' if self.fast else 'full Jacobian'}")
+        head = (
+            f"JacobianReport({'PASSED' if self else 'FAILED'}: {self._verdict()})\n"
+            f"  backend={self.backend} dtype={self.dtype} eps={self.eps:g} atol={self.atol:g} "
+            f"rtol={self.rtol:g} method={'random projections (fast)' if self.fast else 'full Jacobian'}"
+        )
         lines = [head]
         for note in self.notes:
             lines.append(f"  note: {note}")
         for c in self.checks:
-            lines.append(f"  [{'pass' if c.passed else 'FAIL'}] {c.semantics:6s} {c.mode} d{c.output}/d{c.input}: "
-                         f"max abs err {c.max_abs:.3g}, max rel err {c.max_rel:.3g}"
-                         + ("" if c.fd_error is None else f", finite-difference error estimate {c.fd_error:.2g}"))
+            lines.append(
+                f"  [{'pass' if c.passed else 'FAIL'}] {c.semantics:6s} {c.mode} d{c.output}/d{c.input}: "
+                f"max abs err {c.max_abs:.3g}, max rel err {c.max_rel:.3g}"
+                + ("" if c.fd_error is None else f", finite-difference error estimate {c.fd_error:.2g}")
+            )
             if c.reason:
                 lines.append(f"      why: {c.reason}")
             for name, value in c.leaks.items():
@@ -130,8 +135,9 @@ class JacobianReport:
             if c.mismatch:  # the worst entries: read from the tables only for a failed derivative
                 for out_idx, in_idx, num, an, bad in c.worst:
                     where = out_idx if self.fast else f"out{list(out_idx)} in{list(in_idx)}"
-                    lines.append(f"      {where}: numerical {num:.6g}  analytical {an:.6g}"
-                                 f"{'  <-- mismatch' if bad else ''}")
+                    lines.append(
+                        f"      {where}: numerical {num:.6g}  analytical {an:.6g}{'  <-- mismatch' if bad else ''}"
+                    )
         return "\n".join(lines)
 
     def _repr_html_(self) -> str:
@@ -142,36 +148,50 @@ class JacobianReport:
         full-mode check (at most ``max_heatmap`` x ``max_heatmap`` cells)."""
         e = html.escape
         colour = "#2e7d32" if self else "#c62828"
-        out = [f"<div><b style='color:{colour}'>Jacobian check {'passed' if self else 'FAILED'}</b>: "
-               f"{e(self._verdict())}<br><small>backend {e(self.backend)}, dtype {e(self.dtype)}, "
-               f"eps {self.eps:g}, atol {self.atol:g}, rtol {self.rtol:g}, "
-               f"{'random projections (fast)' if self.fast else 'full Jacobian'}</small>"]
+        out = [
+            f"<div><b style='color:{colour}'>Jacobian check {'passed' if self else 'FAILED'}</b>: "
+            f"{e(self._verdict())}<br><small>backend {e(self.backend)}, dtype {e(self.dtype)}, "
+            f"eps {self.eps:g}, atol {self.atol:g}, rtol {self.rtol:g}, "
+            f"{'random projections (fast)' if self.fast else 'full Jacobian'}</small>"
+        ]
         for note in self.notes:
             out.append(f"<br><small>note: {e(note)}</small>")
-        out.append(f"<table style='{_TABLE}'><tr><th>semantics</th><th>mode</th><th>output</th><th>input</th><th>result</th>"
-                   "<th>max abs err</th><th>max rel err</th><th>off-mask leak</th></tr>")
+        out.append(
+            f"<table style='{_TABLE}'><tr><th>semantics</th><th>mode</th><th>output</th><th>input</th><th>result</th>"
+            "<th>max abs err</th><th>max rel err</th><th>off-mask leak</th></tr>"
+        )
         for c in self.checks:
             leak = max(c.leaks.values()) if c.leaks else None
-            out.append(f"<tr><td>{c.semantics}</td><td>{c.mode}</td><td>{e(c.output)}</td><td>{e(c.input)}</td>"
-                       f"<td style='color:{'#2e7d32' if c.passed else '#c62828'}'>{'pass' if c.passed else 'FAIL'}</td>"
-                       f"<td>{c.max_abs:.3g}</td><td>{c.max_rel:.3g}</td>"
-                       f"<td>{'' if leak is None else f'{leak:.3g}'}</td></tr>")
+            out.append(
+                f"<tr><td>{c.semantics}</td><td>{c.mode}</td><td>{e(c.output)}</td><td>{e(c.input)}</td>"
+                f"<td style='color:{'#2e7d32' if c.passed else '#c62828'}'>{'pass' if c.passed else 'FAIL'}</td>"
+                f"<td>{c.max_abs:.3g}</td><td>{c.max_rel:.3g}</td>"
+                f"<td>{'' if leak is None else f'{leak:.3g}'}</td></tr>"
+            )
         out.append("</table>")
         for c in self.failures():
-            out.append(f"<p><b>{c.semantics} {c.mode} d{e(c.output)}/d{e(c.input)}</b>: {e(c.reason)}. Worst entries</p>"
-                       f"<table style='{_TABLE}'><tr><th>output</th><th>input</th><th>numerical</th><th>analytical</th></tr>")
+            out.append(
+                f"<p><b>{c.semantics} {c.mode} d{e(c.output)}/d{e(c.input)}</b>: {e(c.reason)}. Worst entries</p>"
+                f"<table style='{_TABLE}'><tr><th>output</th><th>input</th><th>numerical</th><th>analytical</th></tr>"
+            )
             for out_idx, in_idx, num, an, bad in c.worst:
                 style = " style='background:#ffcdd2'" if bad else ""
-                out.append(f"<tr{style}><td>{e(str(out_idx))}</td><td>{e(str(in_idx))}</td>"
-                           f"<td>{num:.6g}</td><td>{an:.6g}</td></tr>")
+                out.append(
+                    f"<tr{style}><td>{e(str(out_idx))}</td><td>{e(str(in_idx))}</td>"
+                    f"<td>{num:.6g}</td><td>{an:.6g}</td></tr>"
+                )
             out.append("</table>")
             if c.leak_map:
-                out.append(f"<p><b>leak map</b>: masked-out elements of {e(c.input)} reaching valid elements of "
-                           f"{e(c.output)}</p><table style='{_TABLE}'><tr><th>masked-out input</th><th>valid output"
-                           "</th><th>through</th></tr>")
+                out.append(
+                    f"<p><b>leak map</b>: masked-out elements of {e(c.input)} reaching valid elements of "
+                    f"{e(c.output)}</p><table style='{_TABLE}'><tr><th>masked-out input</th><th>valid output"
+                    "</th><th>through</th></tr>"
+                )
                 for in_idx, out_idx, kinds in c.leak_map:
-                    out.append(f"<tr style='background:{_LEAK}33'><td>{e(str(in_idx))}</td><td>{e(str(out_idx))}</td>"
-                               f"<td>{e(', '.join(kinds))}</td></tr>")
+                    out.append(
+                        f"<tr style='background:{_LEAK}33'><td>{e(str(in_idx))}</td><td>{e(str(out_idx))}</td>"
+                        f"<td>{e(', '.join(kinds))}</td></tr>"
+                    )
                 out.append("</table>")
             if heatmap and c.diff is not None:
                 out.append(_heatmap(c.diff, max_heatmap, c.leak_cells))
@@ -190,9 +210,11 @@ class JacobianReport:
             True
         """
         with open(path, "w", encoding="utf-8") as f:
-            f.write("<!DOCTYPE html><html><head><meta charset='utf-8'><title>Jacobian check</title></head>"
-                    "<body style='font:14px sans-serif;margin:16px;background:#ffffff;color:#111111'>"
-                    f"{self.to_html(heatmap=heatmap)}</body></html>")
+            f.write(
+                "<!DOCTYPE html><html><head><meta charset='utf-8'><title>Jacobian check</title></head>"
+                "<body style='font:14px sans-serif;margin:16px;background:#ffffff;color:#111111'>"
+                f"{self.to_html(heatmap=heatmap)}</body></html>"
+            )
 
     def plot(self, checks=None, max_cells: int = 60):
         """``|numerical - analytical|`` of full-mode checks as matplotlib heatmaps, one panel each.
@@ -222,20 +244,27 @@ class JacobianReport:
             checks = [c for c in with_diff if not c.passed] or with_diff
         checks = [c for c in checks if c.diff is not None]
         if not checks:
-            raise ValueError("no check to plot: fast mode (random projections) keeps no full Jacobian; "
-                             "run check_jacobian with fast=False")
+            raise ValueError(
+                "no check to plot: fast mode (random projections) keeps no full Jacobian; "
+                "run check_jacobian with fast=False"
+            )
         fig, axes = plt.subplots(1, len(checks), figsize=(4.2 * len(checks), 3.6), squeeze=False)
         for ax, c in zip(axes[0], checks):
             d = np.ma.masked_invalid(np.asarray(c.diff, dtype=float)[:max_cells, :max_cells])
             cmap = plt.get_cmap("Reds").with_extremes(bad="#dddddd")
-            im = ax.imshow(d, cmap=cmap, vmin=0.0, vmax=max(float(d.max()) if d.count() else 0.0, self.atol),
-                           interpolation="nearest", aspect="auto")
+            im = ax.imshow(
+                d,
+                cmap=cmap,
+                vmin=0.0,
+                vmax=max(float(d.max()) if d.count() else 0.0, self.atol),
+                interpolation="nearest",
+                aspect="auto",
+            )
             if c.leak_cells is not None and np.any(c.leak_cells):  # the leak map, over the greyed-out columns
                 rows, cols = np.nonzero(np.asarray(c.leak_cells)[:max_cells, :max_cells])
                 ax.scatter(cols, rows, marker="s", s=60, color=_LEAK, label="leak")
                 ax.legend(loc="upper right", fontsize=7)
-            ax.set_title(f"{c.semantics} {c.mode} d{c.output}/d{c.input}: {'pass' if c.passed else 'FAIL'}",
-                         fontsize=9)
+            ax.set_title(f"{c.semantics} {c.mode} d{c.output}/d{c.input}: {'pass' if c.passed else 'FAIL'}", fontsize=9)
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
             ax.yaxis.set_major_locator(MaxNLocator(integer=True))
             ax.set_xlabel("input element")
@@ -260,14 +289,18 @@ def _heatmap(diff, limit, leak_cells=None):
     top = float(np.nanmax(d)) if np.isfinite(d).any() else 0.0
     cell = f"width:{_CELL}px;height:{_CELL}px;min-width:{_CELL}px;padding:0;border:1px solid #ffffff"
     label = "font:10px sans-serif;color:#333333;padding:0 3px;text-align:right"
-    rows = ["<tr><td style=''></td>" + "".join(f"<td class='mj-axis' style='{label};text-align:center'>{j}</td>"
-                                      for j in range(d.shape[1])) + "</tr>"]
+    rows = [
+        "<tr><td style=''></td>"
+        + "".join(f"<td class='mj-axis' style='{label};text-align:center'>{j}</td>" for j in range(d.shape[1]))
+        + "</tr>"
+    ]
     for i, row in enumerate(d):
         tds = [f"<td class='mj-axis' style='{label}'>{i}</td>"]
         for j, v in enumerate(row):
             if leaks is not None and leaks[i, j]:
-                kinds = ", ".join(name for bit, name in ((1, "value"), (2, "gradient"), (4, "numerical"))
-                                  if leaks[i, j] & bit)
+                kinds = ", ".join(
+                    name for bit, name in ((1, "value"), (2, "gradient"), (4, "numerical")) if leaks[i, j] & bit
+                )
                 tds.append(f"<td class='mj-leak' style='{cell};background:{_LEAK}' title='leak: {kinds}'></td>")
             elif np.isnan(v):
                 tds.append(f"<td style='{cell};background:#dddddd' title='not compared'></td>")
@@ -275,26 +308,40 @@ def _heatmap(diff, limit, leak_cells=None):
                 tds.append(f"<td style='{cell};background:{_red(v, top)}' title='{v:.3g}'></td>")
         rows.append("<tr>" + "".join(tds) + "</tr>")
     steps = np.linspace(0.0, 1.0, 11)
-    scale = ("<div class='mj-scale' style='display:inline-block;vertical-align:top;margin-left:16px;"
-             "font:11px sans-serif;color:#333333'><div>|error|</div>"
-             + "".join(f"<div style='display:flex;align-items:center;height:{_CELL}px'>"
-                       f"<span style='{cell};display:inline-block;background:{_red(s * top, top)}'></span>"
-                       f"<span style='margin-left:4px'>{s * top:.2g}</span></div>" for s in steps[::-1])
-             + f"<div style='display:flex;align-items:center;margin-top:4px'><span style='{cell};"
-               "display:inline-block;background:#dddddd'></span><span style='margin-left:4px'>not compared"
-               "</span></div>"
-             + (f"<div style='display:flex;align-items:center;margin-top:4px'><span style='{cell};"
-                f"display:inline-block;background:{_LEAK}'></span><span style='margin-left:4px'>leak</span></div>"
-                if leaks is not None and leaks.any() else "") + "</div>")
+    scale = (
+        "<div class='mj-scale' style='display:inline-block;vertical-align:top;margin-left:16px;"
+        "font:11px sans-serif;color:#333333'><div>|error|</div>"
+        + "".join(
+            f"<div style='display:flex;align-items:center;height:{_CELL}px'>"
+            f"<span style='{cell};display:inline-block;background:{_red(s * top, top)}'></span>"
+            f"<span style='margin-left:4px'>{s * top:.2g}</span></div>"
+            for s in steps[::-1]
+        )
+        + f"<div style='display:flex;align-items:center;margin-top:4px'><span style='{cell};"
+        "display:inline-block;background:#dddddd'></span><span style='margin-left:4px'>not compared"
+        "</span></div>"
+        + (
+            f"<div style='display:flex;align-items:center;margin-top:4px'><span style='{cell};"
+            f"display:inline-block;background:{_LEAK}'></span><span style='margin-left:4px'>leak</span></div>"
+            if leaks is not None and leaks.any()
+            else ""
+        )
+        + "</div>"
+    )
     clipped = "" if d.shape == np.shape(diff) else f" (first {limit} x {limit} shown)"
-    return ("<div class='mj-heatmap-block' style='margin:8px 0'>"
-            f"<div class='mj-axis' style='font:12px sans-serif;color:#333333;margin-left:24px'>"
-            f"input element &rarr;{clipped}</div>"
-            "<div style='display:flex;align-items:flex-start'>"
-            "<div class='mj-axis' style='font:12px sans-serif;color:#333333;writing-mode:vertical-rl;"
-            "transform:rotate(180deg);margin-right:4px'>output element &rarr;</div>"
-            "<table class='mj-heatmap' style='border-collapse:collapse;table-layout:fixed'>"
-            + "".join(rows) + "</table>" + scale + "</div></div>")
+    return (
+        "<div class='mj-heatmap-block' style='margin:8px 0'>"
+        f"<div class='mj-axis' style='font:12px sans-serif;color:#333333;margin-left:24px'>"
+        f"input element &rarr;{clipped}</div>"
+        "<div style='display:flex;align-items:flex-start'>"
+        "<div class='mj-axis' style='font:12px sans-serif;color:#333333;writing-mode:vertical-rl;"
+        "transform:rotate(180deg);margin-right:4px'>output element &rarr;</div>"
+        "<table class='mj-heatmap' style='border-collapse:collapse;table-layout:fixed'>"
+        + "".join(rows)
+        + "</table>"
+        + scale
+        + "</div></div>"
+    )
 
 
 def _red(value, top):

@@ -11,12 +11,12 @@ Layer 4, beside ``masked_jax._maskify``: it builds on the array types and the la
 """
 
 from masked_jax.embeddings._bags import embedding_bag as embedding_bag
-from masked_jax.embeddings._lookup import lookup as lookup
-from masked_jax.embeddings._tables import TableStack as TableStack
-from masked_jax.embeddings._tables import stack_tables as stack_tables
 
 # for masked_jax's autodiff
 from masked_jax.embeddings._lookup import as_row_sparse as as_row_sparse
+from masked_jax.embeddings._lookup import lookup as lookup
 from masked_jax.embeddings._lookup import substitute_rows as substitute_rows
+from masked_jax.embeddings._tables import TableStack as TableStack
+from masked_jax.embeddings._tables import stack_tables as stack_tables
 
 __all__ = ["TableStack", "embedding_bag", "lookup", "stack_tables"]

@@ -14,11 +14,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from masked_jax._core import is_container, from_pair
+from masked_jax._core import SparseMasked, from_pair, is_container
 from masked_jax.embeddings._lookup import _read
-from masked_jax._core import SparseMasked
-from masked_jax.layouts import check_integer_indices
-from masked_jax.layouts import segment_total
+from masked_jax.layouts import check_integer_indices, segment_total
 from masked_jax.ops._base import lowest
 
 COMBINERS = ("sum", "mean", "sqrtn", "max")
@@ -46,8 +44,10 @@ def _ragged_segments(n_ids: int, offsets, lengths):
     """``(bag of each id, number of bags)`` from torch-style start ``offsets`` or bag ``lengths``;
     ids past the last bag belong to none (bag ``n_bags``, dropped)."""
     if (offsets is None) == (lengths is None):
-        raise ValueError("ragged bags need exactly one of offsets= (the start of each bag in ids) or "
-                         "lengths= (the size of each bag).")
+        raise ValueError(
+            "ragged bags need exactly one of offsets= (the start of each bag in ids) or "
+            "lengths= (the size of each bag)."
+        )
     name = "offsets" if lengths is None else "lengths"
     given = check_integer_indices(offsets if lengths is None else lengths, name)
     if given.ndim != 1:
@@ -55,8 +55,9 @@ def _ragged_segments(n_ids: int, offsets, lengths):
     host = _concrete(given)
     if lengths is None:
         if host is not None and host.size and (host[0] != 0 or np.any(np.diff(host) < 0) or host[-1] > n_ids):
-            raise ValueError(f"offsets must start at 0, never decrease and stay <= len(ids) = {n_ids}; "
-                             f"got {host.tolist()}.")
+            raise ValueError(
+                f"offsets must start at 0, never decrease and stay <= len(ids) = {n_ids}; got {host.tolist()}."
+            )
         starts = given
         ok = (jnp.all(given[1:] >= given[:-1]) & (given[0] == 0) & (given[-1] <= n_ids)) if given.size else True
     else:
@@ -127,8 +128,9 @@ def embedding_bag(table, ids, *, offsets=None, lengths=None, weights=None, combi
     table = jnp.asarray(table)
     if table.ndim == 0:
         raise ValueError("embedding_bag needs a table with at least one dimension (the rows).")
-    bag = Bag.prepare(table.shape[0], table.dtype, ids, offsets=offsets, lengths=lengths, weights=weights,
-                      combiner=combiner)
+    bag = Bag.prepare(
+        table.shape[0], table.dtype, ids, offsets=offsets, lengths=lengths, weights=weights, combiner=combiner
+    )
     return bag.combine(_read(table, bag.read))  # ids in [0, N]; padding reads N: zeros, no gradient
 
 
@@ -178,8 +180,9 @@ class Bag:
             pooled = pooled / jnp.where(valid, norm, 1)[expand]
         pooled = jnp.where(valid[expand], pooled, 0)
         mask = valid.reshape(valid.shape + (1,) * row_ndim)
-        return [from_pair(p[0], m[0], zeroed=True) for p, m in
-                zip(jnp.split(pooled, len(bags)), jnp.split(mask, len(bags)))]
+        return [
+            from_pair(p[0], m[0], zeroed=True) for p, m in zip(jnp.split(pooled, len(bags)), jnp.split(mask, len(bags)))
+        ]
 
     @classmethod
     def prepare(cls, n: int, dtype, ids, *, offsets=None, lengths=None, weights=None, combiner="sum"):
@@ -200,8 +203,9 @@ class Bag:
         ragged = offsets is not None or lengths is not None
         if ragged:
             if id_data.ndim != 1:
-                raise ValueError(f"ragged bags (offsets= or lengths=) take one-dimensional ids; got shape "
-                                 f"{id_data.shape}.")
+                raise ValueError(
+                    f"ragged bags (offsets= or lengths=) take one-dimensional ids; got shape {id_data.shape}."
+                )
             bag, n_bags = _ragged_segments(id_data.shape[0], offsets, lengths)
             counts = counts & (bag < n_bags)  # an id in no bag is padding: not read, no gradient
 

@@ -32,9 +32,8 @@ import numpy as np
 from jax import lax
 
 from masked_jax import _jaxpr
-from masked_jax._core import is_container, is_masked, from_pair
-from masked_jax._core import SparseMasked
-from masked_jax.layouts import RowSparseArray, check_integer_indices, pad_indices, take_rows, rows_from_parts
+from masked_jax._core import SparseMasked, from_pair, is_container, is_masked
+from masked_jax.layouts import RowSparseArray, check_integer_indices, pad_indices, rows_from_parts, take_rows
 
 _INLINE = (P.jit_p, P.closed_call_p)  # calls whose body is evaluated in place
 _PASS = (P.copy_p, P.device_put_p)  # identity-like ops a table may go through
@@ -107,7 +106,8 @@ def _misuse(what: str) -> TypeError:
     return TypeError(
         f"a table differentiated with row_sparse=... can only be read by rows (mj.lookup(table, ids), "
         f"table[ids], jnp.take(table, ids, axis=0)); here it is {what}. Such a use would need the "
-        "table's dense gradient: leave the table out of row_sparse to get one.")
+        "table's dense gradient: leave the table out of row_sparse to get one."
+    )
 
 
 class _Ref:
@@ -164,8 +164,10 @@ def _row_read(eqn, shape, invals):
         batch = first.shape
         kept = [sizes[d] for d in range(len(shape)) if d not in dn.collapsed_slice_dims]
         batch_axes = iter(range(len(batch)))
-        perm = [len(batch) + dn.offset_dims.index(a) if a in dn.offset_dims else next(batch_axes)
-                for a in range(len(batch) + len(kept))]
+        perm = [
+            len(batch) + dn.offset_dims.index(a) if a in dn.offset_dims else next(batch_axes)
+            for a in range(len(batch) + len(kept))
+        ]
 
         def arrange(rows):
             return jnp.transpose(rows.reshape(batch + tuple(kept)), perm)
@@ -235,13 +237,17 @@ class _Run:
         if prim is _jaxpr.REMAT_P:
             return self.checkpoint(params, invals)
         if prim is P.while_p:
-            raise _misuse("read inside a lax.while_loop (or fori_loop with traced bounds), whose number of "
-                          "reads is not known; use lax.scan or read the rows before the loop")
+            raise _misuse(
+                "read inside a lax.while_loop (or fori_loop with traced bounds), whose number of "
+                "reads is not known; use lax.scan or read the rows before the loop"
+            )
         if prim is P.cond_p:
             raise _misuse("read inside a lax.cond / lax.switch branch; read the rows before the branch")
         if prim in (P.custom_jvp_call_p, P.custom_vjp_call_p):
-            raise _misuse("an argument of a function with a custom_jvp / custom_vjp rule; read the rows "
-                          "outside it and pass them in")
+            raise _misuse(
+                "an argument of a function with a custom_jvp / custom_vjp rule; read the rows "
+                "outside it and pass them in"
+            )
         if prim in (P.gather_p, P.dynamic_slice_p, P.slice_p):
             raise _misuse(f"read by a {prim.name} that does not take whole rows along axis 0")
         raise _misuse(f"used by '{prim.name}'")
@@ -281,9 +287,11 @@ class _Run:
     def scan(self, params, invals):
         nconsts, ncarry = params["num_consts"], params["num_carry"]
         if any(isinstance(x, _Ref) for x in invals[nconsts:]):
-            raise _misuse("a carry or scanned input of lax.scan; close over it (or pass it as a constant) "
-                          "and read its rows inside the body")
-        consts, carry, xs = invals[:nconsts], invals[nconsts:nconsts + ncarry], invals[nconsts + ncarry:]
+            raise _misuse(
+                "a carry or scanned input of lax.scan; close over it (or pass it as a constant) "
+                "and read its rows inside the body"
+            )
+        consts, carry, xs = invals[:nconsts], invals[nconsts : nconsts + ncarry], invals[nconsts + ncarry :]
         refs_in = [x if isinstance(x, _Ref) else None for x in consts] + [None] * (len(invals) - nconsts)
         plain = [x for x in consts if not isinstance(x, _Ref)]
         group = None if self.collect else self.queue.pop(0)
@@ -296,8 +304,14 @@ class _Run:
             ks[:] = [sub.ks]
             return outs[:ncarry], (outs[ncarry:], sub.items if self.collect else None)
 
-        carry, (ys, recorded) = lax.scan(step, list(carry), (list(xs), group), length=params["length"],
-                                         reverse=params["reverse"], unroll=params["unroll"])
+        carry, (ys, recorded) = lax.scan(
+            step,
+            list(carry),
+            (list(xs), group),
+            length=params["length"],
+            reverse=params["reverse"],
+            unroll=params["unroll"],
+        )
         if self.collect:
             self.items.append(recorded)
             self.ks.append(ks[0])
@@ -316,8 +330,7 @@ class _Run:
         def fn(group, *args):
             return self.body(jaxpr, (), refs_in, group, args)[0]
 
-        return jax.checkpoint(fn, prevent_cse=params["prevent_cse"], policy=params["policy"])(
-            self.queue.pop(0), *plain)
+        return jax.checkpoint(fn, prevent_cse=params["prevent_cse"], policy=params["policy"])(self.queue.pop(0), *plain)
 
 
 def _is_array(x) -> bool:
@@ -361,10 +374,15 @@ def _flags(spec, arg):
     try:
         return jax.tree_util.tree_map(
             lambda flag, sub: jax.tree_util.tree_map(lambda _: bool(flag), sub, is_leaf=is_container),
-            spec, arg, is_leaf=is_container)
+            spec,
+            arg,
+            is_leaf=is_container,
+        )
     except ValueError as err:
-        raise ValueError(f"row_sparse must be a bool, a callable, or a prefix of the argument's "
-                         f"pytree structure with bool leaves: {err}") from None
+        raise ValueError(
+            f"row_sparse must be a bool, a callable, or a prefix of the argument's "
+            f"pytree structure with bool leaves: {err}"
+        ) from None
 
 
 def _mark(args, nums, spec):
@@ -377,8 +395,10 @@ def _mark(args, nums, spec):
         for j, (flag, leaf) in enumerate(zip(flags, leaves)):
             if flag:
                 if not isinstance(leaf, (jax.Array, np.ndarray)) or np.ndim(leaf) == 0:
-                    raise TypeError(f"row_sparse must select plain arrays of shape (N, ...) (the "
-                                    f"tables); got {type(leaf).__name__} of shape {np.shape(leaf)}.")
+                    raise TypeError(
+                        f"row_sparse must select plain arrays of shape (N, ...) (the "
+                        f"tables); got {type(leaf).__name__} of shape {np.shape(leaf)}."
+                    )
                 tables.append(jnp.asarray(leaf))
                 leaves[j] = _Slot(len(tables) - 1)
         out[i] = jax.tree_util.tree_unflatten(treedef, leaves)
@@ -405,7 +425,7 @@ def _rows_like(items, ks, rows, row_shape):
             out.append(_rows_like(item, k, rows, row_shape))
         else:
             size = math.prod(item.shape)
-            out.append(rows[k][0][rows[k][1]:rows[k][1] + size].reshape(item.shape + row_shape[k]))
+            out.append(rows[k][0][rows[k][1] : rows[k][1] + size].reshape(item.shape + row_shape[k]))
             rows[k][1] += size
     return out
 
@@ -420,8 +440,11 @@ def substitute_rows(fun, args, kwargs, nums, spec):
     # sizes, functions) stays as the function saw it
     starts = np.cumsum([0] + [len(jax.tree_util.tree_leaves(a)) for a in marked])
     differentiated = {j for i in nums for j in range(starts[i], starts[i + 1])}
-    dyn = [i for i, leaf in enumerate(leaves) if isinstance(leaf, _Slot) or _is_array(leaf)
-           or (i in differentiated and isinstance(leaf, (float, complex)))]
+    dyn = [
+        i
+        for i, leaf in enumerate(leaves)
+        if isinstance(leaf, _Slot) or _is_array(leaf) or (i in differentiated and isinstance(leaf, (float, complex)))
+    ]
     out_info = {}
 
     def flat_fun(*values):
@@ -438,8 +461,10 @@ def substitute_rows(fun, args, kwargs, nums, spec):
     closed = jax.make_jaxpr(flat_fun)(*values)
 
     def ref_values(values):
-        return [_Ref(leaves[i].k, tables[leaves[i].k].dtype) if isinstance(leaves[i], _Slot) else v
-                for i, v in zip(dyn, values)]
+        return [
+            _Ref(leaves[i].k, tables[leaves[i].k].dtype) if isinstance(leaves[i], _Slot) else v
+            for i, v in zip(dyn, values)
+        ]
 
     run = _Run(tables, collect=True)
     if any(isinstance(o, _Ref) for o in run.eval(closed.jaxpr, closed.consts, ref_values(values))):
@@ -451,21 +476,32 @@ def substitute_rows(fun, args, kwargs, nums, spec):
         all_ids.append(pad_indices(ids, tables[k].shape[0]) if ids.shape[0] == 1 else ids)
     for i in nums:
         rows_args[i] = jax.tree_util.tree_map(
-            lambda x: _LookupRows.tree_unflatten(tables[x.k].shape, (_read(tables[x.k], all_ids[x.k]), all_ids[x.k]))
-            if isinstance(x, _Slot) else x, marked[i], is_leaf=lambda x: isinstance(x, _Slot))
+            lambda x: (
+                _LookupRows.tree_unflatten(tables[x.k].shape, (_read(tables[x.k], all_ids[x.k]), all_ids[x.k]))
+                if isinstance(x, _Slot)
+                else x
+            ),
+            marked[i],
+            is_leaf=lambda x: isinstance(x, _Slot),
+        )
 
     def fun2(*a, **kw):
         flat, tree2 = jax.tree_util.tree_flatten((tuple(a), kw), is_leaf=lambda x: isinstance(x, _LookupRows))
         if tree2 != treedef:
-            raise ValueError("row_sparse: the function was called with arguments of another structure "
-                             "than the ones its lookups were recorded with.")
+            raise ValueError(
+                "row_sparse: the function was called with arguments of another structure "
+                "than the ones its lookups were recorded with."
+            )
         rows = [None] * len(tables)
         for i in dyn:
             if isinstance(leaves[i], _Slot):
                 rows[leaves[i].k] = [flat[i].data, 0]
         queue = _rows_like(run.items, run.ks, rows, [t.shape[1:] for t in tables])
-        outs = iter(_Run(tables, collect=False, queue=queue).eval(
-            closed.jaxpr, closed.consts, ref_values([flat[i] for i in dyn])))
+        outs = iter(
+            _Run(tables, collect=False, queue=queue).eval(
+                closed.jaxpr, closed.consts, ref_values([flat[i] for i in dyn])
+            )
+        )
         out_leaves = [next(outs) if s is None else s for s in out_info["static"]]
         return jax.tree_util.tree_unflatten(out_info["tree"], out_leaves)
 
@@ -475,8 +511,10 @@ def substitute_rows(fun, args, kwargs, nums, spec):
 def as_row_sparse(grads):
     """Gradients with every replayed table turned into a plain :class:`RowSparseArray`."""
     return jax.tree_util.tree_map(
-        lambda g: g.as_row_sparse() if isinstance(g, _LookupRows) else g, grads,
-        is_leaf=lambda g: isinstance(g, _LookupRows))
+        lambda g: g.as_row_sparse() if isinstance(g, _LookupRows) else g,
+        grads,
+        is_leaf=lambda g: isinstance(g, _LookupRows),
+    )
 
 
 __all__ = ["lookup"]

@@ -9,14 +9,14 @@ row-sparse gradient, a lazy optimizer, donation and sharding by rows apply to it
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from masked_jax._core import from_pair, is_container
 from masked_jax.embeddings._bags import Bag
-from masked_jax._core import is_container, from_pair
 from masked_jax.embeddings._lookup import _normalize_ids, _read
 
 
@@ -97,7 +97,7 @@ class TableStack:
     def unstack(self, table) -> dict:
         """The tables, as slices of the stacked array (a dict in this stack's order)."""
         table = self._check(table)
-        return {k: table[self.offsets[k]:self.offsets[k] + n] for k, n in self.rows.items()}
+        return {k: table[self.offsets[k] : self.offsets[k] + n] for k, n in self.rows.items()}
 
     def global_ids(self, name: str, ids):
         """Row ids of table ``name`` as rows of the stacked array, with :func:`~masked_jax.lookup`'s
@@ -210,8 +210,9 @@ def stack_tables(tables: Mapping[str, jax.Array]) -> tuple[TableStack, jax.Array
             raise ValueError(f"table {k!r} needs at least one dimension (the rows); got shape {s}.")
     row_shapes = {s[1:] for s in shapes.values()}
     if len(row_shapes) != 1:
-        raise ValueError(f"stacked tables must share one row shape; got {shapes}. Stack tables of each row "
-                         "shape separately.")
+        raise ValueError(
+            f"stacked tables must share one row shape; got {shapes}. Stack tables of each row shape separately."
+        )
     dtypes = {jnp.result_type(t) for t in tables.values()}
     if len(dtypes) != 1:
         raise ValueError(f"stacked tables must share one dtype; got {sorted(map(str, dtypes))}.")

@@ -17,21 +17,27 @@ from masked_jax._core import StorageFallbackWarning as StorageFallbackWarning
 from masked_jax._core import strict_storage as strict_storage
 from masked_jax.layouts._bcoo import BCOOMaskedArray as BCOOMaskedArray
 from masked_jax.layouts._bcoo import from_bcoo as from_bcoo
-from masked_jax.layouts._rows import RowSparseArray as RowSparseArray
-from masked_jax.layouts._rows import row_sparse as row_sparse
 from masked_jax.layouts._dispatch import apply as apply
 from masked_jax.layouts._dispatch import densify as densify
+from masked_jax.layouts._rows import RowSparseArray as RowSparseArray
 
 # for the layers above
 from masked_jax.layouts._rows import at_least_two_rows as at_least_two_rows
 from masked_jax.layouts._rows import check_integer_indices as check_integer_indices
 from masked_jax.layouts._rows import pad_indices as pad_indices
+from masked_jax.layouts._rows import row_sparse as row_sparse
 from masked_jax.layouts._rows import rows_from_parts as rows_from_parts
 from masked_jax.layouts._rows import take_rows as take_rows
 from masked_jax.layouts._segments import distinct_ids as distinct_ids
 from masked_jax.layouts._segments import segment_total as segment_total
 
 __all__ = [
-    "BCOOMaskedArray", "RowSparseArray", "SparseMasked", "StorageFallbackError",
-    "StorageFallbackWarning", "from_bcoo", "row_sparse", "strict_storage",
+    "BCOOMaskedArray",
+    "RowSparseArray",
+    "SparseMasked",
+    "StorageFallbackError",
+    "StorageFallbackWarning",
+    "from_bcoo",
+    "row_sparse",
+    "strict_storage",
 ]

@@ -16,11 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import sparse as jsparse
 
-from masked_jax._core import MaskedArray, from_pair
-from masked_jax._core import SparseMasked, is_tracer
+from masked_jax._core import MaskedArray, SparseMasked, from_pair, is_tracer
 from masked_jax.layouts._segments import segment_total, unique_ids
 from masked_jax.ops._base import Pair, accumulation_dtype, widened_indices
-
 
 DATA_KEY, INDICES_KEY = jax.tree_util.GetAttrKey("data"), jax.tree_util.GetAttrKey("indices")
 
@@ -78,11 +76,10 @@ class BCOOMaskedArray(SparseMasked, storage="bcoo"):
     nse = property(lambda self: self.indices.shape[-2])
 
     def __repr__(self):
-        return (f"BCOOMaskedArray({self._repr_shape()}, nse={self.nse}, n_batch={self.n_batch}, "
-                f"n_dense={self.n_dense})")
+        return f"BCOOMaskedArray({self._repr_shape()}, nse={self.nse}, n_batch={self.n_batch}, n_dense={self.n_dense})"
 
     @classmethod
-    def from_bcoo(cls, bcoo: jsparse.BCOO) -> "BCOOMaskedArray":
+    def from_bcoo(cls, bcoo: jsparse.BCOO) -> BCOOMaskedArray:
         if not isinstance(bcoo, jsparse.BCOO):
             raise TypeError(f"from_bcoo needs a jax.experimental.sparse.BCOO; got {type(bcoo).__name__}.")
         return cls.tree_unflatten(bcoo.shape, (bcoo.data, widened_indices(bcoo.indices)))
@@ -103,12 +100,12 @@ class BCOOMaskedArray(SparseMasked, storage="bcoo"):
 
     def clean_indices(self):
         """The indices with every padding entry at one past the end (the one padding convention)."""
-        end = jnp.array(self.shape[self.n_batch:self.n_batch + self.n_sparse], self.indices.dtype)
+        end = jnp.array(self.shape[self.n_batch : self.n_batch + self.n_sparse], self.indices.dtype)
         return jnp.where(self.entry_valid()[..., None], self.indices, end)
 
     def entry_valid(self):
         """Per stored entry: True unless it is padding (an index out of range)."""
-        sparse_shape = jnp.array(self.shape[self.n_batch:self.n_batch + self.n_sparse])
+        sparse_shape = jnp.array(self.shape[self.n_batch : self.n_batch + self.n_sparse])
         ok = (self.indices >= 0) & (self.indices < sparse_shape)
         return jnp.all(ok, axis=-1)
 
@@ -117,7 +114,7 @@ class BCOOMaskedArray(SparseMasked, storage="bcoo"):
         valid = self.entry_valid().reshape(self.entry_valid().shape + (1,) * self.n_dense)
         return Pair(self.data, jnp.broadcast_to(valid, self.data.shape))
 
-    def with_data(self, data) -> "BCOOMaskedArray":
+    def with_data(self, data) -> BCOOMaskedArray:
         return BCOOMaskedArray.tree_unflatten(self.shape, (data, self.indices))
 
     def todense(self) -> MaskedArray:
@@ -131,7 +128,7 @@ class BCOOMaskedArray(SparseMasked, storage="bcoo"):
         mask = jsparse.BCOO((ones, self.clean_indices()), shape=self.shape).todense() > 0
         return from_pair(data, mask)
 
-    def coalesce(self) -> "BCOOMaskedArray":
+    def coalesce(self) -> BCOOMaskedArray:
         """Sum duplicate entries (static nse; freed slots become padding)."""
         boolean = self.dtype == jnp.bool_  # duplicates of a bool are or-ed
         size = int(np.prod(self.shape))
@@ -152,15 +149,18 @@ class BCOOMaskedArray(SparseMasked, storage="bcoo"):
         data = summed.data > 0 if boolean else summed.data
         return BCOOMaskedArray.tree_unflatten(self.shape, (data, summed.indices))
 
-    def flatten_dense(self) -> "BCOOMaskedArray":
+    def flatten_dense(self) -> BCOOMaskedArray:
         """Move hybrid dense dimensions into the sparse ones (one entry per stored element)."""
         if self.n_dense == 0:
             return self
         return BCOOMaskedArray.from_bcoo(jsparse.bcoo_update_layout(self.to_bcoo(), n_dense=0))
 
-    def transpose(self, axes=None) -> "BCOOMaskedArray":
-        return BCOOMaskedArray.from_bcoo(jsparse.bcoo_transpose(
-            self.to_bcoo(), permutation=tuple(axes) if axes is not None else tuple(range(self.ndim))[::-1]))
+    def transpose(self, axes=None) -> BCOOMaskedArray:
+        return BCOOMaskedArray.from_bcoo(
+            jsparse.bcoo_transpose(
+                self.to_bcoo(), permutation=tuple(axes) if axes is not None else tuple(range(self.ndim))[::-1]
+            )
+        )
 
     @property
     def T(self):
@@ -174,17 +174,17 @@ class BCOOMaskedArray(SparseMasked, storage="bcoo"):
         return rows.from_masked(self.todense())
 
     @classmethod
-    def _empty(cls, dense, nse, n_batch, n_dense) -> "BCOOMaskedArray":
+    def _empty(cls, dense, nse, n_batch, n_dense) -> BCOOMaskedArray:
         """The layout of a zero-size ``dense``: ``nse`` slots, all padding (index = the shape)."""
         shape = dense.shape
         n_sparse = len(shape) - n_batch - n_dense
-        batch, block = shape[:n_batch], shape[len(shape) - n_dense:]
+        batch, block = shape[:n_batch], shape[len(shape) - n_dense :]
         data = jnp.zeros(batch + (nse,) + block, dense.dtype)
-        indices = jnp.broadcast_to(jnp.array(shape[n_batch:n_batch + n_sparse], jnp.int32), batch + (nse, n_sparse))
+        indices = jnp.broadcast_to(jnp.array(shape[n_batch : n_batch + n_sparse], jnp.int32), batch + (nse, n_sparse))
         return cls.tree_unflatten(shape, (data, indices))
 
     @classmethod
-    def from_masked(cls, x, nse=None, n_batch=0, n_dense=0) -> "BCOOMaskedArray":  # type: ignore[override]
+    def from_masked(cls, x, nse=None, n_batch=0, n_dense=0) -> BCOOMaskedArray:  # type: ignore[override]
         """BCOO storage holding exactly the valid entries of ``x`` (explicit zeros included).
 
         With ``n_dense > 0`` each stored entry is a whole dense block, so a block must be fully
@@ -199,17 +199,21 @@ class BCOOMaskedArray(SparseMasked, storage="bcoo"):
         if dense.size == 0:  # nothing to store (jax's bcoo_fromdense cannot extract from an empty array)
             return cls._empty(dense, nse or 0, n_batch, n_dense)
         if n_dense and not is_tracer(dense.mask):
-            blocks = dense.mask.reshape(dense.shape[:dense.ndim - n_dense] + (math.prod(dense.shape[dense.ndim - n_dense:]),))
+            blocks = dense.mask.reshape(
+                dense.shape[: dense.ndim - n_dense] + (math.prod(dense.shape[dense.ndim - n_dense :]),)
+            )
             if not bool(jnp.all(jnp.all(blocks, -1) == jnp.any(blocks, -1))):
                 raise ValueError(
                     f"a hybrid layout (n_dense={n_dense}) stores whole dense blocks: each block over the "
-                    f"last {n_dense} dimension(s) must be fully valid or fully masked.")
+                    f"last {n_dense} dimension(s) must be fully valid or fully masked."
+                )
         pattern = jsparse.BCOO.fromdense(dense.mask, nse=nse, n_batch=n_batch, n_dense=n_dense)
         if nse is not None and not is_tracer(dense.mask):
             need = jsparse.BCOO.fromdense(dense.mask, n_batch=n_batch, n_dense=n_dense).nse
             if need > nse:
-                raise ValueError(f"nse={nse} is too small: this layout needs {need} entries to hold every "
-                                 "valid element.")
+                raise ValueError(
+                    f"nse={nse} is too small: this layout needs {need} entries to hold every valid element."
+                )
         data = jsparse.bcoo_extract(pattern, dense.data).data
         return cls.tree_unflatten(dense.shape, (data, pattern.indices))
 
@@ -232,4 +236,3 @@ def to_bcoo(x, nse=None) -> jsparse.BCOO:
     if isinstance(x, BCOOMaskedArray):
         return x.to_bcoo()
     return BCOOMaskedArray.from_masked(x, nse).to_bcoo()
-

@@ -27,16 +27,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from masked_jax._core import MaskedArray, unwrap, wrap, is_container, from_pair
-from masked_jax._core import STATE, SparseMasked
-from masked_jax.layouts._bcoo import BCOOMaskedArray
+from masked_jax._core import STATE, MaskedArray, SparseMasked, from_pair, is_container, unwrap, wrap
 from masked_jax.layouts import _segments as segments
-from masked_jax.layouts._rows import RowSparseArray, take_rows, rows_from_parts
+from masked_jax.layouts._bcoo import BCOOMaskedArray
+from masked_jax.layouts._rows import RowSparseArray, rows_from_parts, take_rows
 from masked_jax.ops._base import Pair, normalize_axis
 
 # Their result along the stored axis would index the block, not the array.
 _ROW_REDUCE_ALONG_ROWS_UNSUPPORTED = {"argmax", "argmin", "cumsum", "cumprod", "count"}
-
 
 
 def is_sparse(x) -> bool:
@@ -68,6 +66,7 @@ def _part(spec, i):
 def densify(values, name: str):
     """``values`` with every sparse operand (also inside lists/tuples) converted to dense storage,
     through the storage fallback (warns once per op ``name``, raises under strict storage)."""
+
     def one(v):
         if is_sparse(v):
             STATE.fallback(name, v.storage)
@@ -165,7 +164,7 @@ def _bcoo_intersect(rule, a, b, kwargs):
         out = jax.vmap(lambda u, v: _bcoo_intersect(rule, u, v, kwargs))(unbatch(a), unbatch(b))
         return BCOOMaskedArray.tree_unflatten(a.shape, (out.data, out.indices))
     a, b = a.coalesce(), b.coalesce()
-    sparse_shape = a.shape[:a.n_sparse]
+    sparse_shape = a.shape[: a.n_sparse]
 
     def linear(x):
         lin = jnp.ravel_multi_index(tuple(x.indices.T), sparse_shape, mode="clip")
@@ -263,12 +262,28 @@ def _matmul_dense(x, w):
     return from_pair(data, counts > 0)
 
 
-
 RowSparseArray.rules = {
-    "elementwise": on_block, "reductions": rows_reduce, "normalization": rows_reduce, "linalg": matmul_dense,
-    "binary": _binary_rule(_rows_intersect, lambda a, b: isinstance(a, RowSparseArray) and isinstance(
-        b, RowSparseArray) and a.shape == b.shape, _rows_with_dense)}
+    "elementwise": on_block,
+    "reductions": rows_reduce,
+    "normalization": rows_reduce,
+    "linalg": matmul_dense,
+    "binary": _binary_rule(
+        _rows_intersect,
+        lambda a, b: isinstance(a, RowSparseArray) and isinstance(b, RowSparseArray) and a.shape == b.shape,
+        _rows_with_dense,
+    ),
+}
 BCOOMaskedArray.rules = {
-    "elementwise": on_block, "reductions": bcoo_reduce, "normalization": bcoo_reduce, "linalg": matmul_dense,
-    "binary": _binary_rule(_bcoo_intersect, lambda a, b: isinstance(a, BCOOMaskedArray) and isinstance(
-        b, BCOOMaskedArray) and (a.shape, a.n_batch, a.n_dense) == (b.shape, b.n_batch, b.n_dense))}
+    "elementwise": on_block,
+    "reductions": bcoo_reduce,
+    "normalization": bcoo_reduce,
+    "linalg": matmul_dense,
+    "binary": _binary_rule(
+        _bcoo_intersect,
+        lambda a, b: (
+            isinstance(a, BCOOMaskedArray)
+            and isinstance(b, BCOOMaskedArray)
+            and (a.shape, a.n_batch, a.n_dense) == (b.shape, b.n_batch, b.n_dense)
+        ),
+    ),
+}

@@ -17,10 +17,9 @@ import numpy as np
 from jax.experimental import sparse as jsparse
 
 from masked_jax import _validate
-from masked_jax._core import MaskedArray, check_data, from_pair
-from masked_jax._core import SparseMasked, is_tracer
-from masked_jax.layouts._segments import distinct_ids, segment_total, unique_ids
+from masked_jax._core import MaskedArray, SparseMasked, check_data, from_pair, is_tracer
 from masked_jax.layouts._bcoo import DATA_KEY, INDICES_KEY, BCOOMaskedArray
+from masked_jax.layouts._segments import distinct_ids, segment_total, unique_ids
 from masked_jax.ops._base import Pair, accumulation_dtype, widened_indices
 
 
@@ -75,7 +74,7 @@ class RowSparseArray(SparseMasked, storage="row_sparse"):
         valid = self.row_valid().reshape((-1,) + (1,) * (self.ndim - 1))
         return Pair(self.data, jnp.broadcast_to(valid, self.data.shape))
 
-    def with_data(self, data) -> "RowSparseArray":
+    def with_data(self, data) -> RowSparseArray:
         shape = self.shape[:1] + tuple(data.shape[1:])
         return rows_from_parts(shape, data, self.indices, self.unique_indices)
 
@@ -99,7 +98,7 @@ class RowSparseArray(SparseMasked, storage="row_sparse"):
         mask = jnp.broadcast_to(rows.reshape((-1,) + (1,) * (self.ndim - 1)), self.shape)
         return from_pair(data, mask)
 
-    def coalesce(self) -> "RowSparseArray":
+    def coalesce(self) -> RowSparseArray:
         """Sum duplicate rows; indices become sorted and unique, padding (index N) last. Static K.
 
         A no-op when the indices are known to be unique (``unique_indices``: set by
@@ -113,7 +112,7 @@ class RowSparseArray(SparseMasked, storage="row_sparse"):
         """
         return self.sum_duplicates(unique_ids)
 
-    def sum_duplicates(self, method=distinct_ids) -> "RowSparseArray":
+    def sum_duplicates(self, method=distinct_ids) -> RowSparseArray:
         """Duplicate rows summed, each distinct row stored once, in whatever order is fastest to find.
 
         The optimizers' path: they gather and scatter by index, in any order. :meth:`coalesce`
@@ -138,7 +137,7 @@ class RowSparseArray(SparseMasked, storage="row_sparse"):
             data = segment_total(self.data, seg, k)  # float32 accumulation for half precision
         return rows_from_parts(self.shape, data, uniq, True)
 
-    def retain(self, rows) -> "RowSparseArray":
+    def retain(self, rows) -> RowSparseArray:
         """Keep only the stored rows whose index is in ``rows`` (MXNet ``retain``); K is unchanged,
         dropped rows become padding.
 
@@ -150,13 +149,16 @@ class RowSparseArray(SparseMasked, storage="row_sparse"):
         """
         rows = jnp.asarray(rows)
         keep = jnp.isin(self.indices, rows)
-        return rows_from_parts(self.shape, self.data, jnp.where(keep, self.indices, self.shape[0]),
-                                    self.unique_indices)
+        return rows_from_parts(self.shape, self.data, jnp.where(keep, self.indices, self.shape[0]), self.unique_indices)
 
     def to_bcoo(self) -> jsparse.BCOO:
         """The stored rows as a ``jax.experimental.sparse.BCOO`` (1 sparse + ndim-1 dense dims)."""
-        return jsparse.BCOO((self.clean_data(), self.clean_indices()[:, None]), shape=self.shape,
-                            indices_sorted=False, unique_indices=False)
+        return jsparse.BCOO(
+            (self.clean_data(), self.clean_indices()[:, None]),
+            shape=self.shape,
+            indices_sorted=False,
+            unique_indices=False,
+        )
 
     def to_bcoo_masked(self):
         """The same stored rows as a BCOO-backed masked array (no densifying)."""
@@ -168,7 +170,7 @@ class RowSparseArray(SparseMasked, storage="row_sparse"):
         return SparseMasked.LAYOUTS["bcoo"].from_masked(self).flatten_dense().transpose()
 
     @classmethod
-    def from_masked(cls, x, nse=None) -> "RowSparseArray":
+    def from_masked(cls, x, nse=None) -> RowSparseArray:
         """Row-sparse storage of ``x``: a row is stored iff it has any valid element (its masked
         elements must be absent: rows are all-or-nothing, so a partly valid row raises eagerly)."""
         if hasattr(x, "to_row_sparse"):
@@ -241,9 +243,11 @@ def check_integer_indices(indices, argname: str = "indices"):
         if host.size and not jax.config.jax_enable_x64:
             lo, hi = np.iinfo(np.int32).min, np.iinfo(np.int32).max
             if host.min() < lo or host.max() > hi:
-                raise ValueError(f"{argname} holds values outside int32 ([{host.min()}, {host.max()}]) and "
-                                 "jax_enable_x64 is off, so they would wrap silently; enable x64 or pass "
-                                 "indices in int32 range.")
+                raise ValueError(
+                    f"{argname} holds values outside int32 ([{host.min()}, {host.max()}]) and "
+                    "jax_enable_x64 is off, so they would wrap silently; enable x64 or pass "
+                    "indices in int32 range."
+                )
         indices = host
     indices = jnp.asarray(indices)
     if not jnp.issubdtype(indices.dtype, jnp.integer):
@@ -297,8 +301,9 @@ def row_sparse(data, indices, shape, *, unique_indices: bool = False) -> RowSpar
         host = np.asarray(indices)
         bad = host[(host < 0) | (host > shape[0])]
         if bad.size:
-            raise ValueError(f"indices must be in [0, {shape[0]}) (or {shape[0]}, the padding index); got "
-                             f"{bad[:5].tolist()}.")
+            raise ValueError(
+                f"indices must be in [0, {shape[0]}) (or {shape[0]}, the padding index); got {bad[:5].tolist()}."
+            )
         stored = host[host < shape[0]]
         if unique_indices and np.unique(stored).size != stored.size:
             raise ValueError("unique_indices=True but indices has duplicates.")

@@ -47,9 +47,11 @@ def sorted_search(sorted_values, queries):
     if sorted_values.shape[-1] <= 1:
         return jnp.searchsorted(sorted_values, queries, method="compare_all")
     return jax.lax.platform_dependent(
-        sorted_values, queries,
+        sorted_values,
+        queries,
         cpu=lambda v, q: jnp.searchsorted(v, q, method="scan"),
-        default=lambda v, q: jnp.searchsorted(v, q, method="scan_unrolled"))
+        default=lambda v, q: jnp.searchsorted(v, q, method="scan_unrolled"),
+    )
 
 
 def unique_ids(ids, sentinel: int):

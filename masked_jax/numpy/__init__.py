@@ -26,9 +26,8 @@ Examples:
 
 from __future__ import annotations
 
-
-from masked_jax.numpy import _frontend
 from masked_jax._core import as_masked, masked_array  # noqa: F401
+from masked_jax.numpy import _frontend
 
 __all__ = ["as_masked", "masked_array"]
 _frontend.attach("numpy", globals())
@@ -38,12 +37,13 @@ __all__ += ["amax", "amin"]
 
 # The Array API standard: constants, dtypes, creation and dtype functions, the standard's names for
 # the registry's ops, and the compositions with a masked meaning.
-from masked_jax.numpy import _array_api  # noqa: E402
+# Beyond the standard: jax.numpy functions whose masked meaning is a composition.
+from masked_jax.numpy import (
+    _array_api,  # noqa: E402
+    _compositions,  # noqa: E402
+)
 from masked_jax.numpy._array_api import *  # noqa: E402, F403
 from masked_jax.numpy._array_api import __array_namespace_info__  # noqa: E402, F401
-
-# Beyond the standard: jax.numpy functions whose masked meaning is a composition.
-from masked_jax.numpy import _compositions  # noqa: E402
 from masked_jax.numpy._compositions import *  # noqa: E402, F403
 
 __array_api_version__ = _array_api.API_VERSION

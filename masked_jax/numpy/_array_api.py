@@ -18,9 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from masked_jax._core import MaskedArray, fully_valid_data, from_pair
+from masked_jax._core import MaskedArray, SparseMasked, from_pair, fully_valid_data
 from masked_jax._core import as_masked as _as_masked
-from masked_jax._core import SparseMasked
 from masked_jax.numpy import _frontend
 from masked_jax.ops._base import normalize_axis, result_dtype
 
@@ -34,14 +33,38 @@ uint8, uint16, uint32, uint64 = jnp.uint8, jnp.uint16, jnp.uint32, jnp.uint64
 float32, float64, complex64, complex128 = jnp.float32, jnp.float64, jnp.complex64, jnp.complex128
 
 CONSTANTS = ["e", "pi", "inf", "nan", "newaxis"]
-DTYPES = ["bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
-          "float32", "float64", "complex64", "complex128"]
+DTYPES = [
+    "bool",
+    "int8",
+    "int16",
+    "int32",
+    "int64",
+    "uint8",
+    "uint16",
+    "uint32",
+    "uint64",
+    "float32",
+    "float64",
+    "complex64",
+    "complex128",
+]
 
 # The standard's names for ops of the registry (the same functions, not copies).
-ALIASES = {"acos": "arccos", "acosh": "arccosh", "asin": "arcsin", "asinh": "arcsinh", "atan": "arctan",
-           "atanh": "arctanh", "atan2": "arctan2", "pow": "power", "bitwise_invert": "invert",
-           "bitwise_left_shift": "left_shift", "bitwise_right_shift": "right_shift",
-           "concat": "concatenate", "permute_dims": "transpose"}
+ALIASES = {
+    "acos": "arccos",
+    "acosh": "arccosh",
+    "asin": "arcsin",
+    "asinh": "arcsinh",
+    "atan": "arctan",
+    "atanh": "arctanh",
+    "atan2": "arctan2",
+    "pow": "power",
+    "bitwise_invert": "invert",
+    "bitwise_left_shift": "left_shift",
+    "bitwise_right_shift": "right_shift",
+    "concat": "concatenate",
+    "permute_dims": "transpose",
+}
 
 
 def as_masked(x) -> MaskedArray:
@@ -80,16 +103,29 @@ def _valid(make):
     def created(*args, **kwargs):
         return as_masked(make(*args, **kwargs))
 
-    return _document(created, make.__name__, f"``jax.numpy.{make.__name__}``, fully valid.",
-                     ">>> import masked_jax.numpy as mnp",
-                     f">>> bool(mnp.{make.__name__}({_EXAMPLE_ARGS[make.__name__]}).mask.all())", "True",
-                     signature_of=make)
+    return _document(
+        created,
+        make.__name__,
+        f"``jax.numpy.{make.__name__}``, fully valid.",
+        ">>> import masked_jax.numpy as mnp",
+        f">>> bool(mnp.{make.__name__}({_EXAMPLE_ARGS[make.__name__]}).mask.all())",
+        "True",
+        signature_of=make,
+    )
 
 
-_EXAMPLE_ARGS = {"arange": "3", "empty": "(2,)", "eye": "2", "full": "(2,), 7.0", "linspace": "0.0, 1.0, 5",
-                 "ones": "(2,)", "zeros": "(2,)"}
+_EXAMPLE_ARGS = {
+    "arange": "3",
+    "empty": "(2,)",
+    "eye": "2",
+    "full": "(2,), 7.0",
+    "linspace": "0.0, 1.0, 5",
+    "ones": "(2,)",
+    "zeros": "(2,)",
+}
 arange, empty, eye, full, linspace, ones, zeros = (
-    _valid(f) for f in (jnp.arange, jnp.empty, jnp.eye, jnp.full, jnp.linspace, jnp.ones, jnp.zeros))
+    _valid(f) for f in (jnp.arange, jnp.empty, jnp.eye, jnp.full, jnp.linspace, jnp.ones, jnp.zeros)
+)
 
 
 def asarray(obj, /, *, dtype=None, device=None, copy=None) -> MaskedArray:
@@ -109,13 +145,14 @@ def asarray(obj, /, *, dtype=None, device=None, copy=None) -> MaskedArray:
         leaves = jax.tree_util.tree_leaves(obj, is_leaf=_is_masked)
         if builtins.any(_is_masked(v) for v in leaves):
             # a nested sequence with masked elements: their data and masks, stacked alike
-            dense = jax.tree_util.tree_map(lambda v: v.todense() if isinstance(v, SparseMasked) else v, obj,
-                                           is_leaf=_is_masked)
+            dense = jax.tree_util.tree_map(
+                lambda v: v.todense() if isinstance(v, SparseMasked) else v, obj, is_leaf=_is_masked
+            )
             data = jax.tree_util.tree_map(lambda v: v.data if _is_masked(v) else v, dense, is_leaf=_is_masked)
-            mask = jax.tree_util.tree_map(lambda v: v.mask if _is_masked(v) else np.ones(np.shape(v), np.bool_),
-                                          dense, is_leaf=_is_masked)
-            return from_pair(jnp.asarray(data, dtype=dtype, device=device, copy=copy),
-                                          jnp.asarray(mask, device=device))
+            mask = jax.tree_util.tree_map(
+                lambda v: v.mask if _is_masked(v) else np.ones(np.shape(v), np.bool_), dense, is_leaf=_is_masked
+            )
+            return from_pair(jnp.asarray(data, dtype=dtype, device=device, copy=copy), jnp.asarray(mask, device=device))
     return as_masked(jnp.asarray(obj, dtype=dtype, device=device, copy=copy))
 
 
@@ -139,14 +176,21 @@ def _like(make):
         return as_masked(make(jnp.empty(x.shape, _dtype_of(x)), *args, **kwargs))
 
     fill = ", 5.0" if make is jnp.full_like else ""
-    return _document(created, make.__name__, f"``jax.numpy.{make.__name__}`` of ``x``'s shape and dtype, fully "
-                     "valid (whatever ``x``'s mask).", ">>> import jax.numpy as jnp, masked_jax as mj, masked_jax.numpy as mnp",
-                     ">>> x = mj.masked_array(jnp.array([1.0, 2.0]), jnp.array([True, False]))",
-                     f">>> bool(mnp.{make.__name__}(x{fill}).mask.all())", "True", signature_of=make)
+    return _document(
+        created,
+        make.__name__,
+        f"``jax.numpy.{make.__name__}`` of ``x``'s shape and dtype, fully valid (whatever ``x``'s mask).",
+        ">>> import jax.numpy as jnp, masked_jax as mj, masked_jax.numpy as mnp",
+        ">>> x = mj.masked_array(jnp.array([1.0, 2.0]), jnp.array([True, False]))",
+        f">>> bool(mnp.{make.__name__}(x{fill}).mask.all())",
+        "True",
+        signature_of=make,
+    )
 
 
 empty_like, full_like, ones_like, zeros_like = (
-    _like(f) for f in (jnp.empty_like, jnp.full_like, jnp.ones_like, jnp.zeros_like))
+    _like(f) for f in (jnp.empty_like, jnp.full_like, jnp.ones_like, jnp.zeros_like)
+)
 
 
 def _triangle(keep, example_mask):
@@ -156,11 +200,17 @@ def _triangle(keep, example_mask):
             raise ValueError(f"{keep.__name__} needs at least 2 dimensions; got shape {x.shape}.")
         return from_pair(keep(x.data, k=k), x.compact_mask)
 
-    return _document(tri, keep.__name__, f"``jax.numpy.{keep.__name__}``: zeros outside the kept triangle; the "
-                     "mask is unchanged (a written zero is valid where the entry was: a constant never makes a "
-                     "masked entry valid, as under ``maskify``).", ">>> import jax.numpy as jnp, masked_jax as mj, masked_jax.numpy as mnp",
-                     ">>> x = mj.masked_array(jnp.ones((2, 2)), jnp.array([[False, False], [True, True]]))",
-                     f">>> mnp.{keep.__name__}(x).mask.tolist()", example_mask)
+    return _document(
+        tri,
+        keep.__name__,
+        f"``jax.numpy.{keep.__name__}``: zeros outside the kept triangle; the "
+        "mask is unchanged (a written zero is valid where the entry was: a constant never makes a "
+        "masked entry valid, as under ``maskify``).",
+        ">>> import jax.numpy as jnp, masked_jax as mj, masked_jax.numpy as mnp",
+        ">>> x = mj.masked_array(jnp.ones((2, 2)), jnp.array([[False, False], [True, True]]))",
+        f">>> mnp.{keep.__name__}(x).mask.tolist()",
+        example_mask,
+    )
 
 
 tril = _triangle(jnp.tril, "[[False, False], [True, True]]")
@@ -184,6 +234,7 @@ def meshgrid(*arrays, indexing: str = "xy") -> list[MaskedArray]:
 
 
 # -- data type functions: a MaskedArray stands for its dtype ------------------------------------
+
 
 def can_cast(from_, to, /) -> builtins.bool:
     """``jax.numpy.can_cast``; ``from_`` may be a dtype or an array.
@@ -242,6 +293,7 @@ def result_type(*arrays_and_dtypes):
 
 # -- compositions of registry ops ---------------------------------------------------------------
 
+
 def matrix_transpose(x, /) -> MaskedArray:
     """The last two axes swapped, mask with data.
 
@@ -264,8 +316,10 @@ def vecdot(x1, x2, /, *, axis: int = -1) -> MaskedArray:
     """
     a, b = as_masked(x1), as_masked(x2)
     if a.shape[axis] != b.shape[axis]:
-        raise ValueError(f"vecdot: the contracted axis {axis} has size {a.shape[axis]} in x1 and "
-                         f"{b.shape[axis]} in x2; they must match.")
+        raise ValueError(
+            f"vecdot: the contracted axis {axis} has size {a.shape[axis]} in x1 and "
+            f"{b.shape[axis]} in x2; they must match."
+        )
     out_dtype = jax.eval_shape(lambda u, v: jnp.vecdot(u, v, axis=axis), a.data, b.data).dtype
     if jnp.issubdtype(out_dtype, jnp.integer) and jnp.iinfo(out_dtype).bits < 8:
         # int4 and narrower: jnp sums none of them, but its vecdot does; integer sums wrap alike in
@@ -303,8 +357,10 @@ def _cumulative(name, x, axis, dtype, include_initial):
     x = as_masked(x)
     if axis is None:
         if x.ndim != 1:
-            raise ValueError(f"cumulative_{name}: axis is required for a {x.ndim}-d array (the standard "
-                             "leaves it optional for 1-d arrays only).")
+            raise ValueError(
+                f"cumulative_{name}: axis is required for a {x.ndim}-d array (the standard "
+                "leaves it optional for 1-d arrays only)."
+            )
         axis = 0
     # the standard's cumulative_sum promotes as sum does (int8 -> the default int), jnp.cumsum does not
     dtype = result_dtype(getattr(jnp, f"cumulative_{name}"), x.dtype, dtype=dtype)
@@ -312,7 +368,7 @@ def _cumulative(name, x, axis, dtype, include_initial):
     if not include_initial:
         return out
     axis = axis % x.ndim
-    shape = out.shape[:axis] + (1,) + out.shape[axis + 1:]
+    shape = out.shape[:axis] + (1,) + out.shape[axis + 1 :]
     initial = jnp.zeros(shape, out.dtype) if name == "sum" else jnp.ones(shape, out.dtype)
     return _op("concatenate")([as_masked(initial), out], axis=axis)
 
@@ -330,7 +386,9 @@ def cumulative_sum(x, /, *, axis: int | None = None, dtype=None, include_initial
     return _cumulative("sum", x, axis, dtype, include_initial)
 
 
-def cumulative_prod(x, /, *, axis: int | None = None, dtype=None, include_initial: builtins.bool = False) -> MaskedArray:
+def cumulative_prod(
+    x, /, *, axis: int | None = None, dtype=None, include_initial: builtins.bool = False
+) -> MaskedArray:
     """Running product over the valid entries (Array API 2024.12); a masked entry is masked in the
     output and multiplies by nothing (``numpy.ma.cumprod``). ``include_initial`` prepends a valid 1.
 
@@ -361,8 +419,10 @@ def _valid_values(x):
     try:
         return np.asarray(x.data)[np.asarray(x.mask)], x
     except jax.errors.TracerArrayConversionError as err:
-        raise TypeError("this function's output size depends on the data: it needs concrete arrays, "
-                        "not traced ones (call it outside jit, as jax.numpy's)") from err
+        raise TypeError(
+            "this function's output size depends on the data: it needs concrete arrays, "
+            "not traced ones (call it outside jit, as jax.numpy's)"
+        ) from err
 
 
 class UniqueAllResult(NamedTuple):
@@ -404,8 +464,9 @@ def unique_of_valid(x, *, equal_nan: builtins.bool, index=True, inverse=True, co
     for are computed (each is a separate compilation); the others are ``None``."""
     vals, x = _valid_values(x)
     flat = np.flatnonzero(np.asarray(x.mask))
-    out = jnp.unique(jnp.asarray(vals), return_index=index, return_inverse=inverse, return_counts=counts,
-                     equal_nan=equal_nan)
+    out = jnp.unique(
+        jnp.asarray(vals), return_index=index, return_inverse=inverse, return_counts=counts, equal_nan=equal_nan
+    )
     out = list(out) if isinstance(out, (tuple, list)) else [out]
     values = out.pop(0)
     first = out.pop(0) if index else None
@@ -501,6 +562,7 @@ def searchsorted(x1, x2, /, *, side: str = "left", sorter=None) -> MaskedArray:
 
 
 # -- the inspection namespace -------------------------------------------------------------------
+
 
 def __array_namespace_info__():
     """jax.numpy's inspection namespace (devices, default and supported dtypes); the capabilities
@@ -606,8 +668,9 @@ def cross(x1, x2, /, *, axis: int = -1) -> MaskedArray:
     """
     a, b = as_masked(x1), as_masked(x2)
     if a.shape[axis] != 3 or b.shape[axis] != 3:
-        raise ValueError(f"cross: the vectors along axis {axis} must have 3 components; got shapes "
-                         f"{a.shape} and {b.shape}.")
+        raise ValueError(
+            f"cross: the vectors along axis {axis} must have 3 components; got shapes {a.shape} and {b.shape}."
+        )
     valid = jnp.all(a.mask, axis=axis, keepdims=True) & jnp.all(b.mask, axis=axis, keepdims=True)
     data = jnp.cross(jnp.where(a.mask, a.data, 0), jnp.where(b.mask, b.data, 0), axis=axis)
     return from_pair(data, jnp.broadcast_to(valid, data.shape))
@@ -615,32 +678,80 @@ def cross(x1, x2, /, *, axis: int = -1) -> MaskedArray:
 
 # -- linalg and fft: decompositions and transforms have no masked meaning -----------------------
 
+
 def _fully_valid(x, name):
     """The data of ``x`` when it is a plain array or a ``MaskedArray`` whose mask is concretely all
     True; otherwise a ``TypeError`` that says why."""
-    return fully_valid_data(x, name, "it has no masked meaning: a decomposition or transform of an array with "
-                            "masked entries is not defined by its valid entries alone; for the dense meaning call "
-                            "it on x.filled(value).")
+    return fully_valid_data(
+        x,
+        name,
+        "it has no masked meaning: a decomposition or transform of an array with "
+        "masked entries is not defined by its valid entries alone; for the dense meaning call "
+        "it on x.filled(value).",
+    )
 
 
 def dense_only(fn, name):
     def dense(x, /, *args, **kwargs):
-        out = fn(_fully_valid(x, name), *(_fully_valid(a, name) for a in args),
-                 **{k: _fully_valid(v, f"{name}'s {k}") for k, v in kwargs.items()})
+        out = fn(
+            _fully_valid(x, name),
+            *(_fully_valid(a, name) for a in args),
+            **{k: _fully_valid(v, f"{name}'s {k}") for k, v in kwargs.items()},
+        )
         return jax.tree_util.tree_map(as_masked, out)
 
-    return _document(dense, name.rsplit(".", 1)[-1],
-                     f"``jax.numpy.{name}`` of fully valid arrays, with a fully valid result. An array with masked "
-                     f"entries (or a traced mask) raises ``TypeError``: {name} has no masked meaning.",
-                     ">>> import jax.numpy as jnp, masked_jax as mj, masked_jax.numpy as mnp", ">>> mnp.linalg.det(mnp.eye(2))", "MaskedArray(1.0, dtype=float32)",
-                     ">>> mnp.linalg.det(mj.masked_array(jnp.eye(2), jnp.eye(2) > 0))",
-                     "Traceback (most recent call last):", "TypeError: linalg.det must be fully valid (a concrete all-True mask): it has no masked meaning: ...",
-                     signature_of=fn)
+    return _document(
+        dense,
+        name.rsplit(".", 1)[-1],
+        f"``jax.numpy.{name}`` of fully valid arrays, with a fully valid result. An array with masked "
+        f"entries (or a traced mask) raises ``TypeError``: {name} has no masked meaning.",
+        ">>> import jax.numpy as jnp, masked_jax as mj, masked_jax.numpy as mnp",
+        ">>> mnp.linalg.det(mnp.eye(2))",
+        "MaskedArray(1.0, dtype=float32)",
+        ">>> mnp.linalg.det(mj.masked_array(jnp.eye(2), jnp.eye(2) > 0))",
+        "Traceback (most recent call last):",
+        "TypeError: linalg.det must be fully valid (a concrete all-True mask): it has no masked meaning: ...",
+        signature_of=fn,
+    )
 
 
-__all__ = CONSTANTS + DTYPES + [
-    "arange", "asarray", "empty", "empty_like", "eye", "from_dlpack", "full", "full_like", "linspace", "meshgrid",
-    "ones", "ones_like", "tril", "triu", "zeros", "zeros_like", "can_cast", "finfo", "iinfo", "isdtype",
-    "result_type", "matrix_transpose", "vecdot", "broadcast_arrays", "unstack", "cumulative_sum", "cumulative_prod",
-    "count_nonzero", "unique_all",
-    "unique_counts", "unique_inverse", "unique_values", "nonzero", "searchsorted"]
+__all__ = (
+    CONSTANTS
+    + DTYPES
+    + [
+        "arange",
+        "asarray",
+        "empty",
+        "empty_like",
+        "eye",
+        "from_dlpack",
+        "full",
+        "full_like",
+        "linspace",
+        "meshgrid",
+        "ones",
+        "ones_like",
+        "tril",
+        "triu",
+        "zeros",
+        "zeros_like",
+        "can_cast",
+        "finfo",
+        "iinfo",
+        "isdtype",
+        "result_type",
+        "matrix_transpose",
+        "vecdot",
+        "broadcast_arrays",
+        "unstack",
+        "cumulative_sum",
+        "cumulative_prod",
+        "count_nonzero",
+        "unique_all",
+        "unique_counts",
+        "unique_inverse",
+        "unique_values",
+        "nonzero",
+        "searchsorted",
+    ]
+)

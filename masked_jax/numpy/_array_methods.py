@@ -51,19 +51,30 @@ def searchsorted(self, v: Any, side: str = "left", sorter: Any = None) -> Masked
 _real.__doc__ = "The real part; the mask unchanged." + method_example("x.real.mask.sum()", "Array(3, dtype=int32)")
 _imag.__doc__ = "The imaginary part; the mask unchanged." + method_example("x.imag.mask.sum()", "Array(3, dtype=int32)")
 conjugate.__doc__ = "The complex conjugate; the mask unchanged." + method_example(
-    "x.conjugate().mask.sum()", "Array(3, dtype=int32)")
-diagonal.__doc__ = ("``masked_jax.numpy.diagonal(x, offset, axis1, axis2)``: valid where the entry is."
-                    + method_example("x.diagonal()", "MaskedArray([1.5 4.5], dtype=float32)"))
-trace.__doc__ = ("``masked_jax.numpy.trace(x, ...)``: the sum of the valid diagonal entries."
-                 + method_example("x.trace()", "MaskedArray(6.0, dtype=float32)"))
-nonzero.__doc__ = ("``masked_jax.numpy.nonzero(x)``: the indices of the valid nonzero entries."
-                   + method_example("x.nonzero()[1]", "Array([0, 0, 1], dtype=int32)"))
-searchsorted.__doc__ = ("``masked_jax.numpy.searchsorted(x, v, ...)``: insertion positions among the valid "
-                        "entries of the sorted 1-d ``x``." + method_example("x[1].searchsorted(4.0)",
-                                                                           "MaskedArray(1, dtype=int32)"))
+    "x.conjugate().mask.sum()", "Array(3, dtype=int32)"
+)
+diagonal.__doc__ = "``masked_jax.numpy.diagonal(x, offset, axis1, axis2)``: valid where the entry is." + method_example(
+    "x.diagonal()", "MaskedArray([1.5 4.5], dtype=float32)"
+)
+trace.__doc__ = "``masked_jax.numpy.trace(x, ...)``: the sum of the valid diagonal entries." + method_example(
+    "x.trace()", "MaskedArray(6.0, dtype=float32)"
+)
+nonzero.__doc__ = "``masked_jax.numpy.nonzero(x)``: the indices of the valid nonzero entries." + method_example(
+    "x.nonzero()[1]", "Array([0, 0, 1], dtype=int32)"
+)
+searchsorted.__doc__ = (
+    "``masked_jax.numpy.searchsorted(x, v, ...)``: insertion positions among the valid "
+    "entries of the sorted 1-d ``x``." + method_example("x[1].searchsorted(4.0)", "MaskedArray(1, dtype=int32)")
+)
 
-_METHODS = {"__round__": __round__, "conjugate": conjugate, "diagonal": diagonal, "trace": trace,
-            "nonzero": nonzero, "searchsorted": searchsorted}
+_METHODS = {
+    "__round__": __round__,
+    "conjugate": conjugate,
+    "diagonal": diagonal,
+    "trace": trace,
+    "nonzero": nonzero,
+    "searchsorted": searchsorted,
+}
 _PROPERTIES = {"real": _real, "imag": _imag}
 
 

@@ -13,11 +13,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from masked_jax._core import MaskedArray, from_pair
 from masked_jax.numpy._array_api import _diagonal, _document, _fully_valid, _op, _trace, as_masked, unique_of_valid
 from masked_jax.numpy._array_api import cross as _cross_last
-from masked_jax._core import MaskedArray, from_pair
 from masked_jax.ops._base import highest, lowest, normalize_axis
-
 
 # jax.numpy's other names for functions of the registry (the same functions, not copies)
 ALIASES = {"around": "round", "conjugate": "conj", "degrees": "rad2deg", "radians": "deg2rad"}
@@ -35,20 +34,39 @@ def _nan_reduction(name):
         if name in ("cumsum", "cumprod"):  # as jnp: a NaN adds (multiplies) nothing, its position stays
             x = as_masked(a)
             if jnp.issubdtype(x.dtype, jnp.inexact):
-                x = from_pair(jnp.where(jnp.isnan(x.data), 0 if name == "cumsum" else 1, x.data),
-                                           x.compact_mask)
+                x = from_pair(jnp.where(jnp.isnan(x.data), 0 if name == "cumsum" else 1, x.data), x.compact_mask)
             return _op(name)(x, *args, **kwargs)
         return _op(name)(_nan_masked(a), *args, **kwargs)
 
     args = {"quantile": ", 0.5", "percentile": ", 50.0"}.get(name, "")
-    return _document(reduce, f"nan{name}", f"``{name}`` with NaN treated as masked (``jax.numpy.nan{name}``'s "
-                     "meaning, on the valid entries); a slice with no valid non-NaN entry is masked.", ">>> import jax.numpy as jnp, masked_jax as mj, masked_jax.numpy as mnp",
-                     ">>> x = mj.masked_array(jnp.array([1.0, jnp.nan, 3.0, 7.0]), jnp.array([True, True, True, False]))",
-                     f">>> bool(jnp.isnan(mnp.nan{name}(x{args}).filled(0)).any())", "False")
+    return _document(
+        reduce,
+        f"nan{name}",
+        f"``{name}`` with NaN treated as masked (``jax.numpy.nan{name}``'s "
+        "meaning, on the valid entries); a slice with no valid non-NaN entry is masked.",
+        ">>> import jax.numpy as jnp, masked_jax as mj, masked_jax.numpy as mnp",
+        ">>> x = mj.masked_array(jnp.array([1.0, jnp.nan, 3.0, 7.0]), jnp.array([True, True, True, False]))",
+        f">>> bool(jnp.isnan(mnp.nan{name}(x{args}).filled(0)).any())",
+        "False",
+    )
 
 
-NAN_REDUCTIONS = ["sum", "prod", "mean", "max", "min", "std", "var", "argmax", "argmin", "cumsum", "cumprod",
-                  "median", "quantile", "percentile"]
+NAN_REDUCTIONS = [
+    "sum",
+    "prod",
+    "mean",
+    "max",
+    "min",
+    "std",
+    "var",
+    "argmax",
+    "argmin",
+    "cumsum",
+    "cumprod",
+    "median",
+    "quantile",
+    "percentile",
+]
 NAN = {f"nan{n}": _nan_reduction(n) for n in NAN_REDUCTIONS}
 globals().update(NAN)
 
@@ -72,7 +90,9 @@ def diff(a, n: int = 1, axis: int = -1, prepend=None, append=None) -> MaskedArra
     if len(parts) > 1:
         shape = list(x.shape)
         shape[axis] = 1
-        parts = [p if p is x or np.ndim(p) == x.ndim else _op("broadcast_to")(as_masked(p), tuple(shape)) for p in parts]
+        parts = [
+            p if p is x or np.ndim(p) == x.ndim else _op("broadcast_to")(as_masked(p), tuple(shape)) for p in parts
+        ]
         x = _op("concatenate")([as_masked(p) for p in parts], axis=axis)
     for _ in range(n):
         hi = tuple(slice(1, None) if d == axis else slice(None) for d in range(x.ndim))
@@ -123,8 +143,11 @@ def _at_least(x, ndim):
     x = as_masked(x)
     if x.ndim >= ndim:
         return x
-    shape = {0: {1: (1,), 2: (1, 1), 3: (1, 1, 1)}, 1: {2: (1,) + x.shape, 3: (1,) + x.shape + (1,)},
-             2: {3: x.shape + (1,)}}[x.ndim][ndim]
+    shape = {
+        0: {1: (1,), 2: (1, 1), 3: (1, 1, 1)},
+        1: {2: (1,) + x.shape, 3: (1,) + x.shape + (1,)},
+        2: {3: x.shape + (1,)},
+    }[x.ndim][ndim]
     return _op("reshape")(x, shape)
 
 
@@ -198,8 +221,14 @@ def _split_along(axis_of, name):
         x = as_masked(ary)
         return list(_op("split")(x, indices_or_sections, axis=axis_of(x)))
 
-    return _document(split_fn, name, f"``jax.numpy.{name}``: ``split`` along its axis, masks with data.",
-                     ">>> import masked_jax.numpy as mnp", f">>> len(mnp.{name}(mnp.zeros((2, 2, 2)), 2))", "2")
+    return _document(
+        split_fn,
+        name,
+        f"``jax.numpy.{name}``: ``split`` along its axis, masks with data.",
+        ">>> import masked_jax.numpy as mnp",
+        f">>> len(mnp.{name}(mnp.zeros((2, 2, 2)), 2))",
+        "2",
+    )
 
 
 hsplit = _split_along(lambda x: 1 if x.ndim > 1 else 0, "hsplit")
@@ -256,8 +285,9 @@ def bincount(x, weights=None, minlength: int = 0, *, length: int | None = None) 
         w = jnp.where(valid, wm.data, 0)
     if length is None:
         try:
-            length = builtins.max(int(np.max(np.where(np.asarray(valid), np.asarray(x.data), -1), initial=-1)) + 1,
-                                  minlength)
+            length = builtins.max(
+                int(np.max(np.where(np.asarray(valid), np.asarray(x.data), -1), initial=-1)) + 1, minlength
+            )
         except jax.errors.TracerArrayConversionError as err:
             raise TypeError("bincount under jit needs length= (its output size depends on the data)") from err
     return jnp.bincount(jnp.where(valid, x.data, 0), weights=w, minlength=minlength, length=length)
@@ -286,8 +316,13 @@ def histogram(a, bins=10, range=None, weights=None, density=None):  # noqa: A002
         hi = jnp.max(jnp.where(valid, x.data, lowest(x.dtype)))
         any_valid = jnp.any(valid)
         range = (jnp.where(any_valid, lo, 0), jnp.where(any_valid, hi, 1))
-    return jnp.histogram(jnp.where(valid, x.data, range[0] if range is not None else 0), bins=bins, range=range,
-                         weights=w, density=density)
+    return jnp.histogram(
+        jnp.where(valid, x.data, range[0] if range is not None else 0),
+        bins=bins,
+        range=range,
+        weights=w,
+        density=density,
+    )
 
 
 def _convolution(fn, name):
@@ -305,11 +340,17 @@ def _convolution(fn, name):
             valid = fn(xm, km, mode=mode) > 0.5
         return from_pair(data, valid)
 
-    return _document(conv, name, f"``jax.numpy.{name}`` with ``numpy.ma.{name}``'s masks: with ``propagate_mask`` "
-                     "an output is masked when any masked entry takes part in it, without it only when no pair of "
-                     "valid entries does (masked entries then count as 0).", ">>> import jax.numpy as jnp, masked_jax as mj, masked_jax.numpy as mnp",
-                     ">>> a = mj.masked_array(jnp.array([1.0, 2.0, 3.0]), jnp.array([True, False, True]))",
-                     f">>> mnp.{name}(a, jnp.array([1.0, 1.0]), mode='valid').mask.tolist()", "[False, False]")
+    return _document(
+        conv,
+        name,
+        f"``jax.numpy.{name}`` with ``numpy.ma.{name}``'s masks: with ``propagate_mask`` "
+        "an output is masked when any masked entry takes part in it, without it only when no pair of "
+        "valid entries does (masked entries then count as 0).",
+        ">>> import jax.numpy as jnp, masked_jax as mj, masked_jax.numpy as mnp",
+        ">>> a = mj.masked_array(jnp.array([1.0, 2.0, 3.0]), jnp.array([True, False, True]))",
+        f">>> mnp.{name}(a, jnp.array([1.0, 1.0]), mode='valid').mask.tolist()",
+        "[False, False]",
+    )
 
 
 convolve = _convolution(jnp.convolve, "convolve")
@@ -341,8 +382,15 @@ def interp(x, xp, fp, left=None, right=None, period=None) -> MaskedArray:
     return from_pair(out, q.mask & jnp.any(ok))
 
 
-def unique(ar, return_index: bool = False, return_inverse: bool = False, return_counts: bool = False,
-           axis: int | None = None, *, equal_nan: bool = True):
+def unique(
+    ar,
+    return_index: bool = False,
+    return_inverse: bool = False,
+    return_counts: bool = False,
+    axis: int | None = None,
+    *,
+    equal_nan: bool = True,
+):
     """The sorted distinct valid values of ``ar`` (and, as in ``numpy.unique``, the first indices,
     the inverse and the counts, over the flattened array). Needs concrete arrays.
 
@@ -352,8 +400,9 @@ def unique(ar, return_index: bool = False, return_inverse: bool = False, return_
         MaskedArray([1 3], dtype=int32)
     """
     if axis is not None:
-        raise ValueError("unique: axis= has no masked meaning (rows with masked entries are not values); "
-                         "pass axis=None")
+        raise ValueError(
+            "unique: axis= has no masked meaning (rows with masked entries are not values); pass axis=None"
+        )
     r = unique_of_valid(ar, equal_nan=equal_nan, index=return_index, inverse=return_inverse, counts=return_counts)
     extra = [r.indices] * return_index + [r.inverse_indices] * return_inverse + [r.counts] * return_counts
     return (r.values, *extra) if extra else r.values
@@ -417,8 +466,9 @@ def select(condlist, choicelist, default=0) -> MaskedArray:
         MaskedArray([2.0 5.0 3.0 --], dtype=float32)
     """
     if len(condlist) != len(choicelist):
-        raise ValueError(f"select: condlist and choicelist must have the same length; got {len(condlist)} "
-                         f"and {len(choicelist)}.")
+        raise ValueError(
+            f"select: condlist and choicelist must have the same length; got {len(condlist)} and {len(choicelist)}."
+        )
     if not condlist:
         raise ValueError("select: condlist must not be empty.")
     where = _op("where")
@@ -575,7 +625,41 @@ def size(a, axis: int | None = None) -> int:
     return math.prod(dims) if axis is None else dims[normalize_axis(axis, len(dims))[0]]
 
 
-__all__ = [*NAN, "diff", "diagonal", "trace", "cross", "hstack", "vstack", "dstack", "column_stack", "array_split",
-           "hsplit", "vsplit", "dsplit", "isin", "digitize", "bincount", "histogram", "convolve", "correlate",
-           "interp", "unique", "diag", "diagflat", "append", "select", "allclose", "matvec", "vecmat", "kron", "ediff1d",
-           "argwhere", "flatnonzero", "copy", "shape", "ndim", "size"]
+__all__ = [
+    *NAN,
+    "diff",
+    "diagonal",
+    "trace",
+    "cross",
+    "hstack",
+    "vstack",
+    "dstack",
+    "column_stack",
+    "array_split",
+    "hsplit",
+    "vsplit",
+    "dsplit",
+    "isin",
+    "digitize",
+    "bincount",
+    "histogram",
+    "convolve",
+    "correlate",
+    "interp",
+    "unique",
+    "diag",
+    "diagflat",
+    "append",
+    "select",
+    "allclose",
+    "matvec",
+    "vecmat",
+    "kron",
+    "ediff1d",
+    "argwhere",
+    "flatnonzero",
+    "copy",
+    "shape",
+    "ndim",
+    "size",
+]

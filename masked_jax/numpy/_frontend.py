@@ -19,13 +19,11 @@ import inspect
 import jax.numpy as jnp
 
 from masked_jax import _validate, ops
-from masked_jax._core import unwrap, wrap, fully_valid_data, is_operand, from_pair
-from masked_jax._core import ArrayMethods
-from masked_jax._core import SparseMasked
 from masked_jax import layouts as dispatch
+from masked_jax._core import ArrayMethods, SparseMasked, from_pair, fully_valid_data, is_operand, unwrap, wrap
 from masked_jax.ops._base import Pair, and_masks, normalize_axis
-from masked_jax.ops.reductions import IDENTITY_REDUCTIONS, NAN_OVER_EMPTY, empty_slices
 from masked_jax.ops._registry import ANNOTATIONS, OPERAND, OpSpec, on_register
+from masked_jax.ops.reductions import IDENTITY_REDUCTIONS, NAN_OVER_EMPTY, empty_slices
 
 _SEMANTICS = {
     "elementwise": "applied to the data; the mask is unchanged.",
@@ -43,25 +41,45 @@ _SEMANTICS = {
 }
 
 _EXAMPLES = {
-    "elementwise": ("x = mj.masked_array(jnp.array([0.5, 2.0]), jnp.array([True, False]))",
-                    "{mod}.{name}(x).mask", "Array([ True, False], dtype=bool)"),
-    "binary": ("x = mj.masked_array(jnp.array([1, 2]), jnp.array([True, False]))",
-               "{mod}.{name}(x, jnp.array([3, 4])).mask", "Array([ True, False], dtype=bool)"),
-    "reductions": ("x = mj.masked_array(jnp.array([[1.0, 2.0], [3.0, 4.0]]), "
-                   "jnp.array([[True, False], [False, False]]))",
-                   "{mod}.{name}(x, axis=1).mask", "Array([ True, False], dtype=bool)"),
-    "normalization": ("x = mj.masked_array(jnp.array([[1.0, 2.0], [3.0, 4.0]]), "
-                      "jnp.array([[True, False], [False, False]]))",
-                      "{mod}.{name}(x, axis=1).mask", "Array([[ True, False],\n       [False, False]], dtype=bool)"),
-    "shape": ("x = mj.masked_array(jnp.array([[1.0, 2.0], [3.0, 4.0]]), jnp.array([[True, False], [True, True]]))",
-              "{mod}.{name}(x).mask.sum()", "Array(3, dtype=int32)"),
-    "linalg": ("a = mj.masked_array(jnp.array([[1.0, 2.0], [3.0, 4.0]]), jnp.array([[True, False], [False, False]]))",
-               "{mod}.{name}(a, jnp.ones((2, 2))).mask", "Array([[ True,  True],\n       [False, False]], dtype=bool)"),
+    "elementwise": (
+        "x = mj.masked_array(jnp.array([0.5, 2.0]), jnp.array([True, False]))",
+        "{mod}.{name}(x).mask",
+        "Array([ True, False], dtype=bool)",
+    ),
+    "binary": (
+        "x = mj.masked_array(jnp.array([1, 2]), jnp.array([True, False]))",
+        "{mod}.{name}(x, jnp.array([3, 4])).mask",
+        "Array([ True, False], dtype=bool)",
+    ),
+    "reductions": (
+        "x = mj.masked_array(jnp.array([[1.0, 2.0], [3.0, 4.0]]), jnp.array([[True, False], [False, False]]))",
+        "{mod}.{name}(x, axis=1).mask",
+        "Array([ True, False], dtype=bool)",
+    ),
+    "normalization": (
+        "x = mj.masked_array(jnp.array([[1.0, 2.0], [3.0, 4.0]]), jnp.array([[True, False], [False, False]]))",
+        "{mod}.{name}(x, axis=1).mask",
+        "Array([[ True, False],\n       [False, False]], dtype=bool)",
+    ),
+    "shape": (
+        "x = mj.masked_array(jnp.array([[1.0, 2.0], [3.0, 4.0]]), jnp.array([[True, False], [True, True]]))",
+        "{mod}.{name}(x).mask.sum()",
+        "Array(3, dtype=int32)",
+    ),
+    "linalg": (
+        "a = mj.masked_array(jnp.array([[1.0, 2.0], [3.0, 4.0]]), jnp.array([[True, False], [False, False]]))",
+        "{mod}.{name}(a, jnp.ones((2, 2))).mask",
+        "Array([[ True,  True],\n       [False, False]], dtype=bool)",
+    ),
 }
 
-RETURNS = {"masked": "MaskedArray", "array": "Array", "list": "list[MaskedArray]",
-           "pair": "tuple[MaskedArray, MaskedArray]",
-           "any": "MaskedArray | list[MaskedArray]"}
+RETURNS = {
+    "masked": "MaskedArray",
+    "array": "Array",
+    "list": "list[MaskedArray]",
+    "pair": "tuple[MaskedArray, MaskedArray]",
+    "any": "MaskedArray | list[MaskedArray]",
+}
 _WHERE_FAMILIES = ("reductions", "normalization")
 _UNARY_DUNDERS = {"__neg__", "__pos__", "__abs__", "__invert__"}
 _VARARG_METHODS = {"reshape", "transpose"}  # x.reshape(2, 3) as x.reshape((2, 3))
@@ -97,8 +115,7 @@ def docstring(spec: OpSpec, module: str) -> str:
         "    >>> import jax.numpy as jnp, masked_jax as mj\n"
         f"    >>> import {module} as m\n"
         f"    >>> {setup}\n"
-        f"    >>> {call.format(mod='m', name=spec.name)}\n"
-        + "".join(f"    {line}\n" for line in result.split("\n"))
+        f"    >>> {call.format(mod='m', name=spec.name)}\n" + "".join(f"    {line}\n" for line in result.split("\n"))
     )
 
 
@@ -149,8 +166,9 @@ class _Call:
                     labels.extend(f"{name}[{i}]" for i in range(len(value)))
                 elif self.spec.sequence:
                     if not isinstance(value, (list, tuple)):
-                        raise TypeError(f"{self.qualname}: {name} must be a sequence of arrays; got "
-                                        f"{type(value).__name__}.")
+                        raise TypeError(
+                            f"{self.qualname}: {name} must be a sequence of arrays; got {type(value).__name__}."
+                        )
                     operands.extend(value)
                     labels.extend(f"{name}[{i}]" for i in range(len(value)))
                 else:
@@ -161,17 +179,26 @@ class _Call:
             else:
                 params[name] = value
         for name, value in params.items():  # a masked array where jnp takes a plain one (repeats, shift)
-            if is_operand(value) and name not in self.spec.optional_operands \
-                    and (self.spec.name, name) not in _MASKED_PARAMETERS:
-                params[name] = fully_valid_data(value, f"{self.qualname}: {name}=",
-                                                "it is a parameter, not data, and a masked entry has no value to use.")
+            if (
+                is_operand(value)
+                and name not in self.spec.optional_operands
+                and (self.spec.name, name) not in _MASKED_PARAMETERS
+            ):
+                params[name] = fully_valid_data(
+                    value,
+                    f"{self.qualname}: {name}=",
+                    "it is a parameter, not data, and a masked entry has no value to use.",
+                )
         for name, check in _validate.BY_NAME.items():  # arguments validated by kind, as jnp does or better
             if name in params:
                 params[name] = check(params[name], f"{self.qualname}: {name}")
         where = params.pop("where", None) if self.spec.family in _WHERE_FAMILIES else None
         self._check_supported(params)
-        if self.spec.name in IDENTITY_REDUCTIONS + NAN_OVER_EMPTY and operands \
-                and _empty_reduction(operands[0], params):
+        if (
+            self.spec.name in IDENTITY_REDUCTIONS + NAN_OVER_EMPTY
+            and operands
+            and _empty_reduction(operands[0], params)
+        ):
             # a reduction over a zero-size slice: nothing is masked, so jnp's result, valid: the
             # identity of a sum (prod, any, all), NaN for a mean (var, std: 0 / 0); a sparse layout
             # stores nothing to read then, so it is made dense without a storage fallback
@@ -179,8 +206,11 @@ class _Call:
             out = self.dense(operands, params, where, labels)
             data = jnp.full_like(out.data, jnp.nan) if self.spec.name in NAN_OVER_EMPTY else out.data
             return from_pair(data, None)
-        if where is None and not any(params.get(n) is not None for n in self.spec.optional_operands) \
-                and any(isinstance(o, SparseMasked) for o in operands):
+        if (
+            where is None
+            and not any(params.get(n) is not None for n in self.spec.optional_operands)
+            and any(isinstance(o, SparseMasked) for o in operands)
+        ):
             return dispatch.apply(self.spec, operands, params, self.dense)
         return self.dense(operands, params, where, labels)
 
@@ -191,8 +221,10 @@ class _Call:
             default = self.signature.parameters[name].default
             value = params.pop(name)
             if not (value is default or (isinstance(value, (bool, int, float, str)) and value == default)):
-                raise TypeError(f"{self.qualname}: {name}={value!r} is not supported with masked semantics "
-                                f"(only its default, {name}={default!r}).")
+                raise TypeError(
+                    f"{self.qualname}: {name}={value!r} is not supported with masked semantics "
+                    f"(only its default, {name}={default!r})."
+                )
 
     def dense(self, operands, params, where=None, labels=None):
         operands = dispatch.densify(operands, self.spec.name)
@@ -201,8 +233,9 @@ class _Call:
         if where is not None:
             w = _as_mask(where, self.qualname)
             x = pairs[0]
-            pairs[0] = Pair(x.data, and_masks(jnp.broadcast_to(True if x.mask is None else x.mask,
-                                                               jnp.shape(x.data)), w))
+            pairs[0] = Pair(
+                x.data, and_masks(jnp.broadcast_to(True if x.mask is None else x.mask, jnp.shape(x.data)), w)
+            )
         for name in self.spec.optional_operands:
             if params.get(name) is not None:
                 (value,) = dispatch.densify([params[name]], self.spec.name)
@@ -239,12 +272,15 @@ def public_function(spec: OpSpec, module: str):
 def _method(spec: OpSpec, name: str, fn):
     base = "__" + name[3:] if name.startswith("__r") else None
     if name in _UNARY_DUNDERS:
+
         def method(self):
             return fn(self)
     elif base is not None and base in spec.methods:
+
         def method(self, other):
             return fn(other, self) if is_operand(other) else NotImplemented
     elif name.startswith("__") and name != "__getitem__":
+
         def method(self, other):
             return fn(self, other) if is_operand(other) else NotImplemented
     else:

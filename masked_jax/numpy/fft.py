@@ -29,5 +29,18 @@ fftshift = _array_api.dense_only(jnp.fft.fftshift, "fft.fftshift")
 ifftshift = _array_api.dense_only(jnp.fft.ifftshift, "fft.ifftshift")
 
 __all__ = [
-    "fft", "ifft", "fftn", "ifftn", "rfft", "irfft", "rfftn", "irfftn", "hfft", "ihfft", "fftfreq", "rfftfreq", "fftshift", "ifftshift",
+    "fft",
+    "ifft",
+    "fftn",
+    "ifftn",
+    "rfft",
+    "irfft",
+    "rfftn",
+    "irfftn",
+    "hfft",
+    "ihfft",
+    "fftfreq",
+    "rfftfreq",
+    "fftshift",
+    "ifftshift",
 ]

@@ -6,7 +6,7 @@ on :class:`~masked_jax.ops._base.Pair` values; ``masked_jax.numpy``, ``masked_ja
 specs, so each op's semantics lives in exactly one place.
 """
 
-from masked_jax.ops import elementwise, binary, reductions, statistics, normalization, shape, linalg  # noqa: F401
+from masked_jax.ops import binary, elementwise, linalg, normalization, reductions, shape, statistics  # noqa: F401
 from masked_jax.ops._base import Pair
 from masked_jax.ops._registry import FAMILIES, REGISTRY, OpSpec, register, unregister
 

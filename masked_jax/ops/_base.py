@@ -17,7 +17,8 @@ instead of ``0 * inf = NaN`` (the ``jnp.where`` double-NaN trap).
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, NamedTuple, Optional
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +27,7 @@ import numpy as np
 from masked_jax._validate import dtype_kind
 from masked_jax.ops import _factors
 
-Mask = Optional[jnp.ndarray]
+Mask = jnp.ndarray | None
 
 
 class Pair(NamedTuple):
@@ -49,8 +50,9 @@ def and_masks(*masks: Mask) -> Mask:
     if not _factors.active():
         return functools.reduce(jnp.logical_and, present)
     shape = np.broadcast_shapes(*(np.shape(m) for m in present))
-    fs = _factors.without_implied(tuple(dict.fromkeys(
-        f for m in present for f in _factors.aligned(_factors.factors(m), len(shape)))))
+    fs = _factors.without_implied(
+        tuple(dict.fromkeys(f for m in present for f in _factors.aligned(_factors.factors(m), len(shape))))
+    )
     for m in present:
         own = _factors.without_implied(_factors.aligned(_factors.factors(m), len(shape)))
         if np.shape(m) == shape and set(own) == set(fs):
@@ -58,7 +60,7 @@ def and_masks(*masks: Mask) -> Mask:
     return _factors.record(functools.reduce(jnp.logical_and, present), fs)
 
 
-def fill(data, mask: Mask, value, *, finite: bool = False, conditional: Optional[bool] = None, along=None):
+def fill(data, mask: Mask, value, *, finite: bool = False, conditional: bool | None = None, along=None):
     """``data`` with masked-out positions replaced by ``value`` (no-op if ``mask`` is None).
 
     Under ``maskify`` the output is recorded as holding ``value`` there (see
@@ -77,8 +79,12 @@ def fill(data, mask: Mask, value, *, finite: bool = False, conditional: Optional
     k = _factors.known(data, mask, conditional=finite if conditional is None else conditional, along=along)
     if k is not None and ((k.exact and k.value == value) or finite):
         return data
-    return _factors.memo(("fill", id(data), id(mask), value), lambda: _factors.record_value(
-        jnp.where(mask, data, scalar_like(value, data.dtype)), mask, value, True), data, mask)
+    return _factors.memo(
+        ("fill", id(data), id(mask), value),
+        lambda: _factors.record_value(jnp.where(mask, data, scalar_like(value, data.dtype)), mask, value, True),
+        data,
+        mask,
+    )
 
 
 def bound(prim, params):
@@ -153,8 +159,13 @@ def any_valid(mask, shape, axes, keepdims=False):
     if uniform_along(mask, axes):  # nothing to reduce
         out = mask
     else:
-        out = _factors.memo(("any", id(mask), axes), lambda: _factors.record(
-            jnp.any(mask, axis=axes, keepdims=True), _factors.any_along(_factors.factors(mask), axes)), mask)
+        out = _factors.memo(
+            ("any", id(mask), axes),
+            lambda: _factors.record(
+                jnp.any(mask, axis=axes, keepdims=True), _factors.any_along(_factors.factors(mask), axes)
+            ),
+            mask,
+        )
     if keepdims:
         return out
     squeezed = jnp.squeeze(out, axis=axes)
@@ -193,7 +204,7 @@ def normalize_axis(axis, ndim: int) -> tuple[int, ...]:
     return tuple(sorted(out))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _has_inf(dtype) -> bool:
     """Whether float ``dtype`` holds infinities (float8_e4m3fn and the other "fn" types do not: inf
     casts to NaN there, so their extremes are the largest finite values)."""
@@ -252,7 +263,7 @@ def result_dtype(jax_fn, in_dtype, **params):
     return _result_dtype(jax_fn, np.dtype(in_dtype), params, bool(jax.config.jax_enable_x64))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _result_dtype(jax_fn, in_dtype, params, x64):  # x64: the answer depends on it
     return jax.eval_shape(lambda d: jax_fn(d, **dict(params)), jax.ShapeDtypeStruct((1,), in_dtype)).dtype
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -34,7 +34,7 @@ class Factor(NamedTuple):
     ``None`` where the factor has size 1."""
 
     root: int  # id of the root array, which the records keep alive
-    axes: tuple[Optional[int], ...]
+    axes: tuple[int | None, ...]
 
 
 @contextlib.contextmanager
@@ -160,6 +160,7 @@ def same_along(fa, fb, roles_a, roles_b):
     contracted axis, ``("b", t)`` for the t-th batch axis, ``None`` for a free axis. True when the
     factors that vary along a contracted axis are, on each side, functions of contracted and batch
     axes only and the two sides' are the same roots under the same roles."""
+
     def varying(fs, roles):
         keyed = set()
         for f in fs:
@@ -180,6 +181,7 @@ def same_along(fa, fb, roles_a, roles_b):
 # values. The rules read the record to sanitise only where it matters: data already holding a
 # value at which the op and its derivatives are finite are not filled again (a layer norm's
 # ``(x - mean) * rsqrt(var + eps)`` fills once, not at every step).
+
 
 class Known(NamedTuple):
     """What data hold where a mask with (at least) ``factors`` is False: ``value``, exactly when
@@ -202,7 +204,7 @@ class Known(NamedTuple):
     value: object
     exact: bool
     conditional: bool = False
-    along: Optional[tuple] = None
+    along: tuple | None = None
 
 
 def _value_records():
@@ -216,7 +218,7 @@ def _mask_key(mask, ndim):
     return frozenset(aligned(factors(mask), ndim))
 
 
-def known(data, mask, conditional=False, along=None) -> Optional[Known]:
+def known(data, mask, conditional=False, along=None) -> Known | None:
     """The recorded value of ``data`` wherever ``mask`` is False, if one is known: a record made
     under a mask with the same or more factors (more factors: more positions) covers it. A
     conditional record (see :class:`Known`) only where ``conditional`` asks for it, a record
@@ -315,8 +317,10 @@ def evaluate(fn, values, dtypes, derivatives=True):
                 finite = bool(jnp.isfinite(out))
                 for i in diff:
                     tangents = [jnp.zeros_like(a) if j != i else jnp.ones_like(a) for j, a in enumerate(args)]
-                    tangents = [t if jnp.issubdtype(a.dtype, jnp.inexact) else np.zeros((), jax.dtypes.float0)
-                                for t, a in zip(tangents, args)]
+                    tangents = [
+                        t if jnp.issubdtype(a.dtype, jnp.inexact) else np.zeros((), jax.dtypes.float0)
+                        for t, a in zip(tangents, args)
+                    ]
                     _, dout = jax.jvp(fn, tuple(args), tuple(tangents))
                     finite = finite and bool(jnp.all(jnp.isfinite(dout)))
                 result = (out.item(), finite)

@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+from collections.abc import Callable, Mapping
 from types import MappingProxyType
-from typing import Any, Callable, Mapping
+from typing import Any
 
 FAMILIES = ("elementwise", "binary", "reductions", "normalization", "shape", "linalg")
 
@@ -185,8 +186,11 @@ def signature_of(fn: Callable[..., Any], *, drop: tuple[str, ...] = ()) -> inspe
     """The signature of ``fn`` without private and ``drop``-ped parameters, annotations removed
     (they are set from :data:`ANNOTATIONS` when the public function is built)."""
     sig = inspect.signature(fn)
-    params = [p.replace(annotation=inspect.Parameter.empty) for p in sig.parameters.values()
-              if not p.name.startswith("_") and p.name not in drop]
+    params = [
+        p.replace(annotation=inspect.Parameter.empty)
+        for p in sig.parameters.values()
+        if not p.name.startswith("_") and p.name not in drop
+    ]
     return sig.replace(parameters=params, return_annotation=inspect.Signature.empty)
 
 
@@ -195,5 +199,17 @@ def rule_signature(rule: Callable[..., Any]) -> inspect.Signature:
     return signature_of(rule)
 
 
-__all__ = ["ANNOTATIONS", "CHECKS", "FAMILIES", "MASKIFY_ONLY", "OPERAND", "OpSpec", "REGISTRY", "on_register",
-           "register", "rule_signature", "signature_of", "unregister"]
+__all__ = [
+    "ANNOTATIONS",
+    "CHECKS",
+    "FAMILIES",
+    "MASKIFY_ONLY",
+    "OPERAND",
+    "OpSpec",
+    "REGISTRY",
+    "on_register",
+    "register",
+    "rule_signature",
+    "signature_of",
+    "unregister",
+]

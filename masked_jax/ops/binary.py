@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import inspect
 
-import jax.extend.core.primitives as P
 import jax
+import jax.extend.core.primitives as P
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -66,8 +66,13 @@ def nary(fn, safe=1, preserves=()):
             return _result(out, mask)
         if all(v is not None for v in values):
             at_safe = safe is not None and all(v == safe for v in values)
-            _factors.record_value(out, mask, _factors.evaluate(f, tuple(values), dtypes, not at_safe)[0], False,
-                                  conditional=conditional is not None)
+            _factors.record_value(
+                out,
+                mask,
+                _factors.evaluate(f, tuple(values), dtypes, not at_safe)[0],
+                False,
+                conditional=conditional is not None,
+            )
         return Pair(out, mask)
 
     rule.__name__ = getattr(fn, "__name__", "nary")
@@ -95,8 +100,12 @@ def _conditional(operands, held, mask, preserves):
     """``(i, value)`` when operand ``i`` is the one masked operand, in a position ``fn`` preserves,
     holding ``value`` by a conditional record, and every other operand is a finite 0-d constant."""
     masked = [i for i, o in enumerate(operands) if o.mask is not None]
-    if len(masked) != 1 or masked[0] not in preserves or held[masked[0]] is not None \
-            or any(v is None for i, v in enumerate(held) if i != masked[0]):
+    if (
+        len(masked) != 1
+        or masked[0] not in preserves
+        or held[masked[0]] is not None
+        or any(v is None for i, v in enumerate(held) if i != masked[0])
+    ):
         return None
     k = _factors.known(operands[masked[0]].data, mask, conditional=True)
     return None if k is None else (masked[0], k.value)
@@ -120,8 +129,9 @@ def check_broadcast(name, operands):
     try:
         np.broadcast_shapes(*shapes)
     except ValueError:
-        raise ValueError(f"{name}: operands could not be broadcast together; got shapes "
-                         f"{', '.join(map(str, shapes))}.") from None
+        raise ValueError(
+            f"{name}: operands could not be broadcast together; got shapes {', '.join(map(str, shapes))}."
+        ) from None
 
 
 def is_constant(p: Pair) -> bool:
@@ -178,8 +188,10 @@ def _magnitudes(x1, x2):
     if jnp.issubdtype(dtype, jnp.unsignedinteger):
         return x1, x2, dtype
     unsigned = jnp.dtype(f"uint{jnp.iinfo(dtype).bits}")
-    mag = [jnp.where(x < 0, 0 - lax.bitcast_convert_type(x, unsigned), lax.bitcast_convert_type(x, unsigned))
-           for x in (x1, x2)]
+    mag = [
+        jnp.where(x < 0, 0 - lax.bitcast_convert_type(x, unsigned), lax.bitcast_convert_type(x, unsigned))
+        for x in (x1, x2)
+    ]
     return mag[0], mag[1], dtype
 
 
@@ -259,10 +271,23 @@ BINARY = [
 
 # Ops whose output (or operands) are not floats have no Jacobian to check.
 _NO_JACOBIAN = {
-    **dict.fromkeys(("equal", "not_equal", "less", "less_equal", "greater", "greater_equal", "logical_and",
-                     "logical_or", "logical_xor"), "bool output: no derivative"),
-    **dict.fromkeys(("bitwise_and", "bitwise_or", "bitwise_xor", "left_shift", "right_shift"),
-                    "integer operands: no derivative"),
+    **dict.fromkeys(
+        (
+            "equal",
+            "not_equal",
+            "less",
+            "less_equal",
+            "greater",
+            "greater_equal",
+            "logical_and",
+            "logical_or",
+            "logical_xor",
+        ),
+        "bool output: no derivative",
+    ),
+    **dict.fromkeys(
+        ("bitwise_and", "bitwise_or", "bitwise_xor", "left_shift", "right_shift"), "integer operands: no derivative"
+    ),
     "nextafter": "steps to the next float: its finite difference is not a derivative",
     "heaviside": "a step function: no derivative where it jumps, zero elsewhere",
     "divmod": "the quotient is a step function of the operands",
@@ -280,29 +305,47 @@ LAX_ONLY = [
     ("zeta", lax.zeta, 2, P.zeta_p),
     ("complex", lax.complex, None, P.complex_p),
 ]
-_NO_JACOBIAN.update({
-    "polygamma": "the order operand is an integer: no derivative in it (jax defines none)",
-    "zeta": "jax defines no derivative in the exponent operand",
-    "complex": "complex output: the harness differentiates real functions",
-})
+_NO_JACOBIAN.update(
+    {
+        "polygamma": "the order operand is an integer: no derivative in it (jax defines none)",
+        "zeta": "jax defines no derivative in the exponent operand",
+        "complex": "complex output: the harness differentiates real functions",
+    }
+)
 
 
 # the operands each op keeps non-finite when the others are finite constants
 PRESERVES = {"add": (0, 1), "subtract": (0, 1), "multiply": (0, 1), "divide": (0,), "true_divide": (0,)}
 
 
-_DIVMOD = ("x = mj.masked_array(jnp.array([7.0, 9.0]), jnp.array([True, False]))", "{mod}.divmod(x, 2.0)",
-           "(MaskedArray([3.0 --], dtype=float32), MaskedArray([1.0 --], dtype=float32))")
+_DIVMOD = (
+    "x = mj.masked_array(jnp.array([7.0, 9.0]), jnp.array([True, False]))",
+    "{mod}.divmod(x, 2.0)",
+    "(MaskedArray([3.0 --], dtype=float32), MaskedArray([1.0 --], dtype=float32))",
+)
 
 
 def _binary_spec(name, fn, safe, prims, methods=(), modules=("numpy",), jax_name=None, signature=_X1X2):
     operands = tuple(signature.parameters)[:2]
-    return OpSpec(name=name, family="binary", rule=nary(fn, safe, PRESERVES.get(name, ())), signature=signature,
-                  operands=operands, methods=methods, primitives=prims, safe=safe, fn=fn, modules=modules,
-                  jax_name=jax_name or f"jnp.{name}", returns="pair" if name == "divmod" else "masked",
-                  example=_DIVMOD if name == "divmod" else None,
-                  excluded={**(MASKIFY_ONLY if not modules else {}),
-                            **({"jacobians": _NO_JACOBIAN[name]} if name in _NO_JACOBIAN else {})})
+    return OpSpec(
+        name=name,
+        family="binary",
+        rule=nary(fn, safe, PRESERVES.get(name, ())),
+        signature=signature,
+        operands=operands,
+        methods=methods,
+        primitives=prims,
+        safe=safe,
+        fn=fn,
+        modules=modules,
+        jax_name=jax_name or f"jnp.{name}",
+        returns="pair" if name == "divmod" else "masked",
+        example=_DIVMOD if name == "divmod" else None,
+        excluded={
+            **(MASKIFY_ONLY if not modules else {}),
+            **({"jacobians": _NO_JACOBIAN[name]} if name in _NO_JACOBIAN else {}),
+        },
+    )
 
 
 for _name, _fn, _safe, _prims, _methods in BINARY:
@@ -312,20 +355,45 @@ for _name, _fn, _safe, _prim in LAX_ONLY:
 # isclose(a, b, rtol, atol, equal_nan): the tolerances are parameters, not operands
 register(_binary_spec("isclose", jnp.isclose, None, (), signature=signature_of(jnp.isclose)))
 
-register(OpSpec(
-    name="where", family="binary", rule=where, fn=jnp.where, jax_name="jnp.where",
-    signature=inspect.Signature([inspect.Parameter(n, _POS) for n in ("condition", "x", "y")]),
-    operands=("condition", "x", "y"),
-    example=("x = mj.masked_array(jnp.array([1.0, 2.0]), jnp.array([True, False]))",
-             "{mod}.where(jnp.array([False, True]), x, 0.0)", "MaskedArray([0.0 --], dtype=float32)"),
-))
-register(OpSpec(
-    name="clip", family="binary", rule=clip, fn=jnp.clip, jax_name="jnp.clip", methods=("clip",),
-    signature=inspect.Signature([inspect.Parameter("arr", _POS), inspect.Parameter("min", _KW, default=None),
-                                 inspect.Parameter("max", _KW, default=None)]),
-    operands=("arr",), optional_operands=("min", "max"),
-    example=("x = mj.masked_array(jnp.array([-2.0, 0.5, 9.0]), jnp.array([True, True, False]))",
-             "{mod}.clip(x, 0.0, 1.0)", "MaskedArray([0.0 0.5 --], dtype=float32)"),
-))
+register(
+    OpSpec(
+        name="where",
+        family="binary",
+        rule=where,
+        fn=jnp.where,
+        jax_name="jnp.where",
+        signature=inspect.Signature([inspect.Parameter(n, _POS) for n in ("condition", "x", "y")]),
+        operands=("condition", "x", "y"),
+        example=(
+            "x = mj.masked_array(jnp.array([1.0, 2.0]), jnp.array([True, False]))",
+            "{mod}.where(jnp.array([False, True]), x, 0.0)",
+            "MaskedArray([0.0 --], dtype=float32)",
+        ),
+    )
+)
+register(
+    OpSpec(
+        name="clip",
+        family="binary",
+        rule=clip,
+        fn=jnp.clip,
+        jax_name="jnp.clip",
+        methods=("clip",),
+        signature=inspect.Signature(
+            [
+                inspect.Parameter("arr", _POS),
+                inspect.Parameter("min", _KW, default=None),
+                inspect.Parameter("max", _KW, default=None),
+            ]
+        ),
+        operands=("arr",),
+        optional_operands=("min", "max"),
+        example=(
+            "x = mj.masked_array(jnp.array([-2.0, 0.5, 9.0]), jnp.array([True, True, False]))",
+            "{mod}.clip(x, 0.0, 1.0)",
+            "MaskedArray([0.0 0.5 --], dtype=float32)",
+        ),
+    )
+)
 
 del _name, _fn, _safe, _prims, _methods, _prim

@@ -77,8 +77,20 @@ def _with_args(fn, args, kwargs):
     return lambda d: fn(d, *args, **kwargs)
 
 
-def unary_spec(name, fn, safe=1, *, modules=("numpy",), methods=(), primitives=(), jax_name=None,
-               signature=None, example=None, excluded=None, returns="masked") -> OpSpec:
+def unary_spec(
+    name,
+    fn,
+    safe=1,
+    *,
+    modules=("numpy",),
+    methods=(),
+    primitives=(),
+    jax_name=None,
+    signature=None,
+    example=None,
+    excluded=None,
+    returns="masked",
+) -> OpSpec:
     """The spec of an elementwise op ``fn`` with sanitising value ``safe``.
 
     The public signature is ``fn``'s own where it has one (``round(a, decimals=0, out=None)``),
@@ -93,9 +105,22 @@ def unary_spec(name, fn, safe=1, *, modules=("numpy",), methods=(), primitives=(
         if first is None or first.kind is inspect.Parameter.VAR_POSITIONAL:  # a jnp ufunc: (x, /)
             signature = _X
     first = next(iter(signature.parameters))
-    return OpSpec(name=name, family="elementwise", rule=unary(fn, safe), signature=signature, operands=(first,),
-                  modules=modules, methods=methods, primitives=tuple(primitives), safe=safe, fn=fn,
-                  jax_name=jax_name or f"jnp.{name}", example=example, excluded=excluded or {}, returns=returns)
+    return OpSpec(
+        name=name,
+        family="elementwise",
+        rule=unary(fn, safe),
+        signature=signature,
+        operands=(first,),
+        modules=modules,
+        methods=methods,
+        primitives=tuple(primitives),
+        safe=safe,
+        fn=fn,
+        jax_name=jax_name or f"jnp.{name}",
+        example=example,
+        excluded=excluded or {},
+        returns=returns,
+    )
 
 
 def astype(x: Pair, dtype, copy=False, device=None) -> Pair:
@@ -106,8 +131,11 @@ def astype(x: Pair, dtype, copy=False, device=None) -> Pair:
     return Pair(jax.device_put(data, device), None if x.mask is None else jax.device_put(x.mask, device))
 
 
-_INT = ("x = mj.masked_array(jnp.array([1, 2]), jnp.array([True, False]))", "{mod}.{name}(x).mask",
-        "Array([ True, False], dtype=bool)")
+_INT = (
+    "x = mj.masked_array(jnp.array([1, 2]), jnp.array([True, False]))",
+    "{mod}.{name}(x).mask",
+    "Array([ True, False], dtype=bool)",
+)
 
 # name, jax function, safe value, primitives it answers to in maskify, MaskedArray methods.
 # Domain-limited functions get a safe point inside their domain with a finite derivative.
@@ -174,10 +202,16 @@ UNARY = [
 
 # Two results, each valid where the operand is: ``(fractional, integral)``, ``(mantissa, exponent)``.
 PAIRS = {
-    "modf": ("x = mj.masked_array(jnp.array([1.5, -2.25]), jnp.array([True, False]))", "{mod}.modf(x)",
-             "(MaskedArray([0.5 --], dtype=float32), MaskedArray([1.0 --], dtype=float32))"),
-    "frexp": ("x = mj.masked_array(jnp.array([3.0, 8.0]), jnp.array([True, False]))", "{mod}.frexp(x)",
-              "(MaskedArray([0.75 --], dtype=float32), MaskedArray([2 --], dtype=int32))"),
+    "modf": (
+        "x = mj.masked_array(jnp.array([1.5, -2.25]), jnp.array([True, False]))",
+        "{mod}.modf(x)",
+        "(MaskedArray([0.5 --], dtype=float32), MaskedArray([1.0 --], dtype=float32))",
+    ),
+    "frexp": (
+        "x = mj.masked_array(jnp.array([3.0, 8.0]), jnp.array([True, False]))",
+        "{mod}.frexp(x)",
+        "(MaskedArray([0.75 --], dtype=float32), MaskedArray([2 --], dtype=int32))",
+    ),
 }
 
 # jax.nn activations: public in masked_jax.nn.
@@ -202,23 +236,39 @@ LAX_ONLY = [
     ("bessel_i0e", lax.bessel_i0e, 0, (P.bessel_i0e_p,)),
     ("bessel_i1e", lax.bessel_i1e, 0, (P.bessel_i1e_p,)),
     ("integer_pow", lambda x, y=2: lax.integer_pow(x, y), 1, (P.integer_pow_p,)),
-    ("convert_element_type", lambda x, new_dtype=None: lax.convert_element_type(x, new_dtype), None,
-     (P.convert_element_type_p,)),
-    ("reduce_precision", lambda x, exponent_bits=8, mantissa_bits=7: lax.reduce_precision(x, exponent_bits, mantissa_bits),
-     None, (P.reduce_precision_p,)),
+    (
+        "convert_element_type",
+        lambda x, new_dtype=None: lax.convert_element_type(x, new_dtype),
+        None,
+        (P.convert_element_type_p,),
+    ),
+    (
+        "reduce_precision",
+        lambda x, exponent_bits=8, mantissa_bits=7: lax.reduce_precision(x, exponent_bits, mantissa_bits),
+        None,
+        (P.reduce_precision_p,),
+    ),
     ("stop_gradient", lax.stop_gradient, None, (P.stop_gradient_p,)),
     ("copy", jnp.array, None, (P.copy_p,)),
     ("population_count", lax.population_count, 0, (P.population_count_p,)),
-    ("bitcast_convert_type", lambda x, new_dtype=None: lax.bitcast_convert_type(x, new_dtype), None,
-     (P.bitcast_convert_type_p,)),
+    (
+        "bitcast_convert_type",
+        lambda x, new_dtype=None: lax.bitcast_convert_type(x, new_dtype),
+        None,
+        (P.bitcast_convert_type_p,),
+    ),
     ("clz", lax.clz, 0, (P.clz_p,)),
 ]
 
 # Ops whose output (or input) is not a float have no Jacobian to check.
 NO_JACOBIAN = {
-    **dict.fromkeys(("isnan", "isinf", "isfinite", "signbit", "logical_not", "isneginf", "isposinf", "iscomplex",
-                     "isreal"), "bool output: no derivative"),
-    **dict.fromkeys(("bitwise_not", "invert", "population_count", "clz", "bitwise_count"), "integer input: no derivative"),
+    **dict.fromkeys(
+        ("isnan", "isinf", "isfinite", "signbit", "logical_not", "isneginf", "isposinf", "iscomplex", "isreal"),
+        "bool output: no derivative",
+    ),
+    **dict.fromkeys(
+        ("bitwise_not", "invert", "population_count", "clz", "bitwise_count"), "integer input: no derivative"
+    ),
     "spacing": "the distance to the next float: a step function, its finite difference is not a derivative",
     "frexp": "an integer exponent and a mantissa that jumps where the exponent does",
     "stop_gradient": "its derivative is zero by definition, not the finite difference",
@@ -228,28 +278,57 @@ NO_JACOBIAN = {
 
 _LAX_PARAMS = ("integer_pow", "convert_element_type", "reduce_precision", "bitcast_convert_type")
 
-_CONSTANT = ("of a real array is a constant array: it does not depend on the input, so maskify has no mask to "
-             "give it")
+_CONSTANT = "of a real array is a constant array: it does not depend on the input, so maskify has no mask to give it"
 _NOT_INTERPRETED = {name: {"maskify": f"jnp.{name} {_CONSTANT}"} for name in ("imag", "iscomplex", "isreal")}
 
 for _name, _fn, _safe, _prims, _methods in UNARY:
-    register(unary_spec(_name, _fn, _safe, primitives=_prims, methods=_methods,
-                        example=_INT if _name in ("bitwise_not", "invert", "bitwise_count") else PAIRS.get(_name),
-                        returns="pair" if _name in PAIRS else "masked",
-                        excluded={**({"jacobians": NO_JACOBIAN[_name]} if _name in NO_JACOBIAN else {}),
-                                  **_NOT_INTERPRETED.get(_name, {})}))
+    register(
+        unary_spec(
+            _name,
+            _fn,
+            _safe,
+            primitives=_prims,
+            methods=_methods,
+            example=_INT if _name in ("bitwise_not", "invert", "bitwise_count") else PAIRS.get(_name),
+            returns="pair" if _name in PAIRS else "masked",
+            excluded={
+                **({"jacobians": NO_JACOBIAN[_name]} if _name in NO_JACOBIAN else {}),
+                **_NOT_INTERPRETED.get(_name, {}),
+            },
+        )
+    )
 for _name, _fn, _safe, _prims in ACTIVATIONS:
     register(unary_spec(_name, _fn, _safe, modules=("nn",), primitives=_prims, jax_name=f"jax.nn.{_name}"))
 for _name, _fn, _safe, _prims in LAX_ONLY:
-    register(unary_spec(_name, _fn, _safe, modules=(), primitives=_prims, jax_name=f"lax.{_name}",
-                        signature=inspect.signature(_fn) if _name in _LAX_PARAMS else _X,
-                        excluded={**MASKIFY_ONLY, **({"jacobians": NO_JACOBIAN[_name]} if _name in NO_JACOBIAN else {})}))
+    register(
+        unary_spec(
+            _name,
+            _fn,
+            _safe,
+            modules=(),
+            primitives=_prims,
+            jax_name=f"lax.{_name}",
+            signature=inspect.signature(_fn) if _name in _LAX_PARAMS else _X,
+            excluded={**MASKIFY_ONLY, **({"jacobians": NO_JACOBIAN[_name]} if _name in NO_JACOBIAN else {})},
+        )
+    )
 
-register(OpSpec(
-    name="astype", family="elementwise", rule=astype, signature=signature_of(jnp.astype),
-    operands=("x",), methods=("astype",), fn=jnp.astype, jax_name="jnp.astype",
-    example=("x = mj.masked_array(jnp.array([1.5, 2.5]), jnp.array([True, False]))",
-             "{mod}.astype(x, jnp.int32).dtype", "dtype('int32')"),
-))
+register(
+    OpSpec(
+        name="astype",
+        family="elementwise",
+        rule=astype,
+        signature=signature_of(jnp.astype),
+        operands=("x",),
+        methods=("astype",),
+        fn=jnp.astype,
+        jax_name="jnp.astype",
+        example=(
+            "x = mj.masked_array(jnp.array([1.5, 2.5]), jnp.array([True, False]))",
+            "{mod}.astype(x, jnp.int32).dtype",
+            "dtype('int32')",
+        ),
+    )
+)
 
 del _name, _fn, _safe, _prims, _methods

@@ -21,14 +21,12 @@ IEEE sums are. Complex operands take this rule by their real and imaginary parts
 from __future__ import annotations
 
 import functools
-
-import jax
-import jax.numpy as jnp
-import numpy as np
-
 import inspect
 
+import jax
 import jax.extend.core.primitives as P
+import jax.numpy as jnp
+import numpy as np
 
 from masked_jax.ops import _factors
 from masked_jax.ops._base import Pair, and_masks, any_valid, fill, ranked, uniform_along
@@ -88,6 +86,7 @@ def _guarded(exact, pred, fast, *operands):
     form); here a batched predicate is or-ed over the batch instead, and ``exact`` runs, vmapped,
     for the whole batch or not at all. That is exact because ``exact`` equals ``fast`` wherever
     ``fast`` is finite. Nested ``vmap``s recurse."""
+
     @jax.custom_batching.custom_vmap
     def pick(pred, fast, *ops):
         return jax.lax.cond(pred, lambda: exact(*ops), lambda: fast)
@@ -145,8 +144,9 @@ def dot_general(bind, a: Pair, b: Pair, dimension_numbers) -> Pair:
         r = any_valid(m, shape, tuple(contract), keepdims=True)
         perm = list(batch) + list(free) + list(contract)
         t = jnp.transpose(r, perm)
-        out = jnp.reshape(t, t.shape[:len(batch)] + (1,) * before + t.shape[len(batch):len(batch) + len(free)]
-                          + (1,) * after)
+        out = jnp.reshape(
+            t, t.shape[: len(batch)] + (1,) * before + t.shape[len(batch) : len(batch) + len(free)] + (1,) * after
+        )
         if _factors.active():
             _factors.record(out, _factors.reshaped(_factors.transposed(_factors.factors(r), perm), t.shape, out.shape))
         return out
@@ -161,7 +161,8 @@ def dot_general(bind, a: Pair, b: Pair, dimension_numbers) -> Pair:
         # masked terms meet valid outputs: one side must hold exactly 0 there (one that already
         # does, else the smaller one is filled), the other finite values (not conditionally)
         zero_b = _factors.holds_zero(b.data, mb, along=rc) or (
-            not _factors.holds_zero(a.data, ma, along=lc) and np.size(b.data) <= np.size(a.data))
+            not _factors.holds_zero(a.data, ma, along=lc) and np.size(b.data) <= np.size(a.data)
+        )
         fa = fill(a.data, ma, 0, finite=zero_b, conditional=False, along=lc)
         fb = fill(b.data, mb, 0, finite=not zero_b, conditional=False, along=rc)
         fa, fb = _materialized(fa, a.data), _materialized(fb, b.data)
@@ -229,22 +230,44 @@ def _compact_mask_contraction(ma, mb, shape_a, shape_b, lc, rc, lb, rb):
             ma = jnp.zeros_like(ma)
     for da, db in zip(lb, rb):
         size = max(ma.shape[da], mb.shape[db])
-        ma = jnp.broadcast_to(ma, ma.shape[:da] + (size,) + ma.shape[da + 1:])
-        mb = jnp.broadcast_to(mb, mb.shape[:db] + (size,) + mb.shape[db + 1:])
+        ma = jnp.broadcast_to(ma, ma.shape[:da] + (size,) + ma.shape[da + 1 :])
+        mb = jnp.broadcast_to(mb, mb.shape[:db] + (size,) + mb.shape[db + 1 :])
     counts = jax.lax.dot_general(ma.astype(jnp.float32), mb.astype(jnp.float32), ((lc, rc), (lb, rb)))
     return counts > 0
 
 
 # Each operand entry as a code: 0 masked, 1 +inf, 2 -inf, 3 positive finite, 4 negative finite, 5 zero,
 # 6 NaN; the kinds of entry the non-finite terms are counted over, as sets of codes.
-_KINDS = {"v": {1, 2, 3, 4, 5, 6}, "pi": {1}, "ni": {2}, "pf": {3}, "nf": {4}, "p": {1, 3}, "n": {2, 4},
-          "i": {1, 2}, "z": {5}, "nan": {6}}
-_TERMS = [("pi", "p"), ("pf", "pi"), ("ni", "n"), ("nf", "ni"),    # +inf terms
-          ("pi", "n"), ("pf", "ni"), ("ni", "p"), ("nf", "pi"),    # -inf terms
-          ("nan", "v"), ("v", "nan"), ("i", "z"), ("z", "i")]      # NaN terms
+_KINDS = {
+    "v": {1, 2, 3, 4, 5, 6},
+    "pi": {1},
+    "ni": {2},
+    "pf": {3},
+    "nf": {4},
+    "p": {1, 3},
+    "n": {2, 4},
+    "i": {1, 2},
+    "z": {5},
+    "nan": {6},
+}
+_TERMS = [
+    ("pi", "p"),
+    ("pf", "pi"),
+    ("ni", "n"),
+    ("nf", "ni"),  # +inf terms
+    ("pi", "n"),
+    ("pf", "ni"),
+    ("ni", "p"),
+    ("nf", "pi"),  # -inf terms
+    ("nan", "v"),
+    ("v", "nan"),
+    ("i", "z"),
+    ("z", "i"),
+]  # NaN terms
 # per term kind, the codes each side may hold as the bits of one int8 (bit c: code c)
-_LEFT_BITS, _RIGHT_BITS = (np.array([sum(1 << code for code in _KINDS[pair[side]]) for pair in _TERMS], np.int8)
-                           for side in (0, 1))
+_LEFT_BITS, _RIGHT_BITS = (
+    np.array([sum(1 << code for code in _KINDS[pair[side]]) for pair in _TERMS], np.int8) for side in (0, 1)
+)
 
 
 def _codes(x, valid):
@@ -294,14 +317,18 @@ def einsum(*operands: Pair, subscripts: str, **kwargs) -> Pair:
     return contraction(lambda *ops, **kw: jnp.einsum(subscripts, *ops, **kw))(*operands, **kwargs)
 
 
-
 _A = "a = mj.masked_array(jnp.array([[1.0, 2.0], [3.0, 4.0]]), jnp.array([[True, False], [False, False]]))"
 _V = "a = mj.masked_array(jnp.array([1.0, 2.0]), jnp.array([True, False]))"
 _ROWS = "Array([[ True,  True],\n       [False, False]], dtype=bool)"
 # name, jax function, methods, primitives, example
 CONTRACTIONS = [
-    ("matmul", jnp.matmul, ("__matmul__", "__rmatmul__"), (P.dot_general_p,),
-     (_A, "{mod}.matmul(a, jnp.ones((2, 2))).mask", _ROWS)),
+    (
+        "matmul",
+        jnp.matmul,
+        ("__matmul__", "__rmatmul__"),
+        (P.dot_general_p,),
+        (_A, "{mod}.matmul(a, jnp.ones((2, 2))).mask", _ROWS),
+    ),
     ("dot", jnp.dot, ("dot",), (), (_A, "{mod}.dot(a, jnp.ones((2, 2))).mask", _ROWS)),
     ("vdot", jnp.vdot, (), (), (_V, "{mod}.vdot(a, jnp.array([10.0, 10.0]))", "MaskedArray(10.0, dtype=float32)")),
     ("inner", jnp.inner, (), (), (_V, "{mod}.inner(a, jnp.array([10.0, 10.0]))", "MaskedArray(10.0, dtype=float32)")),
@@ -309,14 +336,32 @@ CONTRACTIONS = [
     ("tensordot", jnp.tensordot, (), (), (_A, "{mod}.tensordot(a, jnp.ones((2, 2)), axes=1).mask", _ROWS)),
 ]
 for _name, _fn, _methods, _prims, _example in CONTRACTIONS:
-    register(OpSpec(name=_name, family="linalg", rule=contraction(_fn), operands=("a", "b"), methods=_methods,
-                    signature=signature_of(_fn, drop=("out_sharding",)), primitives=_prims, fn=_fn,
-                    jax_name=f"jnp.{_name}", example=_example))
+    register(
+        OpSpec(
+            name=_name,
+            family="linalg",
+            rule=contraction(_fn),
+            operands=("a", "b"),
+            methods=_methods,
+            signature=signature_of(_fn, drop=("out_sharding",)),
+            primitives=_prims,
+            fn=_fn,
+            jax_name=f"jnp.{_name}",
+            example=_example,
+        )
+    )
 
 _POS = inspect.Parameter.POSITIONAL_ONLY
-register(OpSpec(
-    name="einsum", family="linalg", rule=einsum, fn=jnp.einsum, jax_name="jnp.einsum",
-    signature=signature_of(jnp.einsum, drop=("out_sharding",)), operands=("*operands",),
-    example=(_A, "{mod}.einsum('ij,jk->ik', a, jnp.ones((2, 2))).mask", _ROWS),
-))
+register(
+    OpSpec(
+        name="einsum",
+        family="linalg",
+        rule=einsum,
+        fn=jnp.einsum,
+        jax_name="jnp.einsum",
+        signature=signature_of(jnp.einsum, drop=("out_sharding",)),
+        operands=("*operands",),
+        example=(_A, "{mod}.einsum('ij,jk->ik', a, jnp.ones((2, 2))).mask", _ROWS),
+    )
+)
 del _name, _fn, _methods, _prims, _example

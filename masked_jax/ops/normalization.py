@@ -120,10 +120,20 @@ def _seg_normalize(g, v, ord=2, eps=1e-12):
 
 def _normalization(name, rule, segment, jax_fn=None):
     sig = signature_of(jax_fn) if jax_fn is not None else rule_signature(rule)
-    return register(OpSpec(name=name, family="normalization", rule=rule, signature=sig, operands=("x",),
-                           modules=("nn",), segment=segment, fn=jax_fn,
-                           jax_name=f"jax.nn.{name}" if jax_fn is not None else name,
-                           excluded={} if jax_fn is not None else {"maskify": "no jax function to interpret"}))
+    return register(
+        OpSpec(
+            name=name,
+            family="normalization",
+            rule=rule,
+            signature=sig,
+            operands=("x",),
+            modules=("nn",),
+            segment=segment,
+            fn=jax_fn,
+            jax_name=f"jax.nn.{name}" if jax_fn is not None else name,
+            excluded={} if jax_fn is not None else {"maskify": "no jax function to interpret"},
+        )
+    )
 
 
 _normalization("softmax", softmax, _seg_softmax, jax.nn.softmax)

@@ -20,14 +20,26 @@ import builtins
 import functools
 
 import jax
+import jax.extend.core.primitives as P
 import jax.numpy as jnp
 import numpy as np
 
-import jax.extend.core.primitives as P
-
 from masked_jax.ops import _factors
-from masked_jax.ops._base import (Pair, accumulation_dtype, any_valid, candidate_axes, compact_or_ones, count_valid, fill, highest,
-                                  lowest, materialize, normalize_axis, result_dtype, uniform_along)
+from masked_jax.ops._base import (
+    Pair,
+    accumulation_dtype,
+    any_valid,
+    candidate_axes,
+    compact_or_ones,
+    count_valid,
+    fill,
+    highest,
+    lowest,
+    materialize,
+    normalize_axis,
+    result_dtype,
+    uniform_along,
+)
 from masked_jax.ops._registry import OpSpec, register, rule_signature, signature_of
 
 
@@ -91,9 +103,7 @@ def sum_and_count(data, mask, axes):
     """
     acc = accumulation_dtype(data.dtype)
     zero = jnp.zeros((), acc)
-    total, n = jax.lax.reduce(
-        (data.astype(acc), mask.astype(jnp.int32)), (zero, jnp.int32(0)), _add_pairs, axes
-    )
+    total, n = jax.lax.reduce((data.astype(acc), mask.astype(jnp.int32)), (zero, jnp.int32(0)), _add_pairs, axes)
     return total.astype(data.dtype), n
 
 
@@ -395,6 +405,7 @@ def _seg_mean(g, v, dtype=None):
 def _static_valid(rule):
     """``rule`` for an op whose output is valid iff its slice has a valid entry: a statically valid
     operand (no mask) with no zero-size axis (so no empty slice) gives a statically valid output."""
+
     @functools.wraps(rule)
     def wrapped(x: Pair, *args, **kwargs) -> Pair:
         out = rule(x, *args, **kwargs)
@@ -407,22 +418,71 @@ def _fn(name, jax_fn, rule, *, methods=(), primitives=(), segment=None, signatur
     sig = signature or signature_of(jax_fn, drop=("out_sharding",))
     if name in _SLICE_VALID:
         rule = _static_valid(rule)
-    return register(OpSpec(name=name, family="reductions", rule=rule, signature=sig,
-                           operands=(next(iter(sig.parameters)),), methods=methods, primitives=primitives,
-                           segment=segment, fn=jax_fn, jax_name=kw.pop("jax_name", f"jnp.{name}"), **kw))
+    return register(
+        OpSpec(
+            name=name,
+            family="reductions",
+            rule=rule,
+            signature=sig,
+            operands=(next(iter(sig.parameters)),),
+            methods=methods,
+            primitives=primitives,
+            segment=segment,
+            fn=jax_fn,
+            jax_name=kw.pop("jax_name", f"jnp.{name}"),
+            **kw,
+        )
+    )
 
 
-_SLICE_VALID = {"sum", "prod", "mean", "max", "min", "ptp", "argmax", "argmin", "any", "all", "logsumexp",
-                "logmeanexp", "cumsum", "cumprod"}
-_fn("count", None, count, returns="array", signature=rule_signature(count), methods=("count",),
-    jax_name="numpy.ma.count", summary="Number of valid elements (a plain integer array).",
-    example=("x = mj.masked_array(jnp.ones((2, 2)), jnp.array([[True, False], [True, True]]))",
-             "{mod}.count(x, axis=1)", "Array([1, 2], dtype=int32)"),
-    excluded={"jacobians": "integer output: no derivative", "maskify": "no jax function to interpret"})
-_fn("sum", jnp.sum, sum, methods=("sum",), primitives=(P.reduce_sum_p,),
-    segment=lambda g, v, dtype=None: g.sum(v.astype(_sum_dtype(v.dtype, dtype))))
-_fn("prod", jnp.prod, prod, methods=("prod",), primitives=(P.reduce_prod_p,),
-    segment=lambda g, v, dtype=None: g.prod(v.astype(_sum_dtype(v.dtype, dtype))))
+_SLICE_VALID = {
+    "sum",
+    "prod",
+    "mean",
+    "max",
+    "min",
+    "ptp",
+    "argmax",
+    "argmin",
+    "any",
+    "all",
+    "logsumexp",
+    "logmeanexp",
+    "cumsum",
+    "cumprod",
+}
+_fn(
+    "count",
+    None,
+    count,
+    returns="array",
+    signature=rule_signature(count),
+    methods=("count",),
+    jax_name="numpy.ma.count",
+    summary="Number of valid elements (a plain integer array).",
+    example=(
+        "x = mj.masked_array(jnp.ones((2, 2)), jnp.array([[True, False], [True, True]]))",
+        "{mod}.count(x, axis=1)",
+        "Array([1, 2], dtype=int32)",
+    ),
+    excluded={"jacobians": "integer output: no derivative", "maskify": "no jax function to interpret"},
+)
+_fn(
+    "sum",
+    jnp.sum,
+    sum,
+    methods=("sum",),
+    primitives=(P.reduce_sum_p,),
+    segment=lambda g, v, dtype=None: g.sum(v.astype(_sum_dtype(v.dtype, dtype))),
+)
+_fn(
+    "prod",
+    jnp.prod,
+    prod,
+    methods=("prod",),
+    primitives=(P.reduce_prod_p,),
+    segment=lambda g, v, dtype=None: g.prod(v.astype(_sum_dtype(v.dtype, dtype))),
+)
 _fn("mean", jnp.mean, mean, methods=("mean",), segment=_seg_mean)
 _fn("var", jnp.var, var, methods=("var",), segment=_seg_var)
 _fn("std", jnp.std, std, methods=("std",), segment=_seg_std)
@@ -433,19 +493,67 @@ _INDEX = {"jacobians": "integer output: no derivative"}
 _BOOL = {"jacobians": "bool output: no derivative"}
 _fn("argmax", jnp.argmax, argmax, methods=("argmax",), primitives=(P.argmax_p,), excluded=_INDEX)
 _fn("argmin", jnp.argmin, argmin, methods=("argmin",), primitives=(P.argmin_p,), excluded=_INDEX)
-_fn("any", jnp.any, any, methods=("any",), primitives=(P.reduce_or_p,), segment=lambda g, v: g.max(v.astype(bool)),
-    excluded=_BOOL)
-_fn("all", jnp.all, all, methods=("all",), primitives=(P.reduce_and_p,), segment=lambda g, v: g.min(v.astype(bool)),
-    excluded=_BOOL)
-_fn("logsumexp", jax.nn.logsumexp, logsumexp, modules=("numpy", "nn"), segment=_seg_logsumexp,
-    jax_name="jax.nn.logsumexp")
-_fn("logmeanexp", jax.nn.logmeanexp, logmeanexp, modules=("numpy", "nn"), jax_name="jax.nn.logmeanexp",
-    static=_logmeanexp_static, segment=_seg_logmeanexp,
-    example=("x = mj.masked_array(jnp.array([0.0, 0.0, 9.0]), jnp.array([True, True, False]))",
-             "{mod}.logmeanexp(x)", "MaskedArray(0.0, dtype=float32)"))
-_fn("cumsum", jnp.cumsum, cumsum, methods=("cumsum",), primitives=(P.cumsum_p,),
-    example=("x = mj.masked_array(jnp.array([1.0, 2.0, 3.0]), jnp.array([True, False, True]))",
-             "{mod}.cumsum(x)", "MaskedArray([1.0 -- 4.0], dtype=float32)"))
-_fn("cumprod", jnp.cumprod, cumprod, methods=("cumprod",), primitives=(P.cumprod_p,),
-    example=("x = mj.masked_array(jnp.array([1.0, 2.0, 3.0]), jnp.array([True, False, True]))",
-             "{mod}.cumprod(x)", "MaskedArray([1.0 -- 3.0], dtype=float32)"))
+_fn(
+    "any",
+    jnp.any,
+    any,
+    methods=("any",),
+    primitives=(P.reduce_or_p,),
+    segment=lambda g, v: g.max(v.astype(bool)),
+    excluded=_BOOL,
+)
+_fn(
+    "all",
+    jnp.all,
+    all,
+    methods=("all",),
+    primitives=(P.reduce_and_p,),
+    segment=lambda g, v: g.min(v.astype(bool)),
+    excluded=_BOOL,
+)
+_fn(
+    "logsumexp",
+    jax.nn.logsumexp,
+    logsumexp,
+    modules=("numpy", "nn"),
+    segment=_seg_logsumexp,
+    jax_name="jax.nn.logsumexp",
+)
+_fn(
+    "logmeanexp",
+    jax.nn.logmeanexp,
+    logmeanexp,
+    modules=("numpy", "nn"),
+    jax_name="jax.nn.logmeanexp",
+    static=_logmeanexp_static,
+    segment=_seg_logmeanexp,
+    example=(
+        "x = mj.masked_array(jnp.array([0.0, 0.0, 9.0]), jnp.array([True, True, False]))",
+        "{mod}.logmeanexp(x)",
+        "MaskedArray(0.0, dtype=float32)",
+    ),
+)
+_fn(
+    "cumsum",
+    jnp.cumsum,
+    cumsum,
+    methods=("cumsum",),
+    primitives=(P.cumsum_p,),
+    example=(
+        "x = mj.masked_array(jnp.array([1.0, 2.0, 3.0]), jnp.array([True, False, True]))",
+        "{mod}.cumsum(x)",
+        "MaskedArray([1.0 -- 4.0], dtype=float32)",
+    ),
+)
+_fn(
+    "cumprod",
+    jnp.cumprod,
+    cumprod,
+    methods=("cumprod",),
+    primitives=(P.cumprod_p,),
+    example=(
+        "x = mj.masked_array(jnp.array([1.0, 2.0, 3.0]), jnp.array([True, False, True]))",
+        "{mod}.cumprod(x)",
+        "MaskedArray([1.0 -- 3.0], dtype=float32)",
+    ),
+)

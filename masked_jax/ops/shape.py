@@ -114,7 +114,9 @@ def _split_indices(indices):
     valid = None
     if isinstance(indices, Pair) or hasattr(indices, "mask"):
         if not hasattr(indices, "data"):
-            raise TypeError(f"indices must be an integer array or a masked array of them; got {type(indices).__name__}.")
+            raise TypeError(
+                f"indices must be an integer array or a masked array of them; got {type(indices).__name__}."
+            )
         indices, valid = jnp.asarray(indices.data), indices.mask
     dtype = jnp.result_type(indices)
     if not jnp.issubdtype(dtype, jnp.integer):
@@ -234,8 +236,20 @@ def _shape_op(name, rule, jax_fn, *, methods=(), sequence=False, signature=None,
     sig = signature or signature_of(jax_fn, drop=("out_sharding",))
     first = next(iter(sig.parameters))
     first = "*" + first if sig.parameters[first].kind is inspect.Parameter.VAR_POSITIONAL else first
-    return register(OpSpec(name=name, family="shape", rule=rule, signature=sig, operands=operands or (first,),
-                           methods=methods, sequence=sequence, fn=jax_fn, jax_name=f"jnp.{name}", **kw))
+    return register(
+        OpSpec(
+            name=name,
+            family="shape",
+            rule=rule,
+            signature=sig,
+            operands=operands or (first,),
+            methods=methods,
+            sequence=sequence,
+            fn=jax_fn,
+            jax_name=f"jnp.{name}",
+            **kw,
+        )
+    )
 
 
 _X22 = "x = mj.masked_array(jnp.array([[1.0, 2.0], [3.0, 4.0]]), jnp.array([[True, False], [True, True]]))"
@@ -262,56 +276,129 @@ PASSTHROUGH = [
 ]
 for _name, _fn, _args, _count, _methods in PASSTHROUGH:
     _call = "{mod}.{name}(" + ", ".join(a for a in ("x", _args) if a) + ").mask.sum()"
-    _shape_op(_name, passthrough(_fn), _fn, methods=_methods,
-              example=(_X22, _call, f"Array({_count}, dtype=int32)"))
+    _shape_op(_name, passthrough(_fn), _fn, methods=_methods, example=(_X22, _call, f"Array({_count}, dtype=int32)"))
 
-_shape_op("take_along_axis", take_along_axis, jnp.take_along_axis,
-          example=(_X22, "{mod}.take_along_axis(x, jnp.array([[0], [1]]), 1).mask.sum()", "Array(2, dtype=int32)"))
+_shape_op(
+    "take_along_axis",
+    take_along_axis,
+    jnp.take_along_axis,
+    example=(_X22, "{mod}.take_along_axis(x, jnp.array([[0], [1]]), 1).mask.sum()", "Array(2, dtype=int32)"),
+)
 for _name, _fn in (("atleast_1d", jnp.atleast_1d), ("atleast_2d", jnp.atleast_2d), ("atleast_3d", jnp.atleast_3d)):
-    _shape_op(_name, atleast(_fn), _fn, returns="any", example=(_X22, "{mod}.%s(x).mask.sum()" % _name, "Array(3, dtype=int32)"))
-_shape_op("split", split, jnp.split, returns="list",
-          excluded={"jacobians": "returns a list of slices; each is a getitem, whose Jacobian is checked"},
-          example=(_X22, "[p.mask.tolist() for p in {mod}.split(x, 2)]", "[[[True, False]], [[True, True]]]"))
-_JOIN = ("x = mj.masked_array(jnp.array([1.0, 2.0]), jnp.array([True, False]))",
-         "{mod}.{name}([x, jnp.array([3.0, 4.0])]).mask.sum()", "Array(3, dtype=int32)")
+    _shape_op(
+        _name,
+        atleast(_fn),
+        _fn,
+        returns="any",
+        example=(_X22, f"{{mod}}.{_name}(x).mask.sum()", "Array(3, dtype=int32)"),
+    )
+_shape_op(
+    "split",
+    split,
+    jnp.split,
+    returns="list",
+    excluded={"jacobians": "returns a list of slices; each is a getitem, whose Jacobian is checked"},
+    example=(_X22, "[p.mask.tolist() for p in {mod}.split(x, 2)]", "[[[True, False]], [[True, True]]]"),
+)
+_JOIN = (
+    "x = mj.masked_array(jnp.array([1.0, 2.0]), jnp.array([True, False]))",
+    "{mod}.{name}([x, jnp.array([3.0, 4.0])]).mask.sum()",
+    "Array(3, dtype=int32)",
+)
 _shape_op("concatenate", concatenate, jnp.concatenate, sequence=True, example=_JOIN)
 _shape_op("stack", stack, jnp.stack, sequence=True, example=_JOIN)
-_shape_op("pad", pad, jnp.pad,
-          example=("x = mj.masked_array(jnp.array([1.0, 2.0]), jnp.array([True, False]))", "{mod}.pad(x, 1)",
-                   "MaskedArray([0.0 1.0 -- 0.0], dtype=float32)"))
-_shape_op("take", take, jnp.take, methods=("take",),
-          example=("x = mj.masked_array(jnp.array([1.0, 2.0]), jnp.array([True, False]))",
-                   "{mod}.take(x, jnp.array([1, 0, 5]))", "MaskedArray([-- 1.0 --], dtype=float32)"))
+_shape_op(
+    "pad",
+    pad,
+    jnp.pad,
+    example=(
+        "x = mj.masked_array(jnp.array([1.0, 2.0]), jnp.array([True, False]))",
+        "{mod}.pad(x, 1)",
+        "MaskedArray([0.0 1.0 -- 0.0], dtype=float32)",
+    ),
+)
+_shape_op(
+    "take",
+    take,
+    jnp.take,
+    methods=("take",),
+    example=(
+        "x = mj.masked_array(jnp.array([1.0, 2.0]), jnp.array([True, False]))",
+        "{mod}.take(x, jnp.array([1, 0, 5]))",
+        "MaskedArray([-- 1.0 --], dtype=float32)",
+    ),
+)
 
 
 def _sort_static(body, a):
-    return [dict(axis=ax, stable=st, descending=d) for ax in candidate_axes(a) for d in (False, True)
-            for st in (True, False)]
+    return [
+        dict(axis=ax, stable=st, descending=d)
+        for ax in candidate_axes(a)
+        for d in (False, True)
+        for st in (True, False)
+    ]
 
 
 def _partition_static(body, a):
     """jnp's partition takes ``top_k`` of ``kth + 1`` and of ``n - kth - 1`` elements: the ``k`` values in
     its body name the candidate ``kth`` values (instead of every position of every axis)."""
     ks = {e.params["k"] for e in body.eqns if e.primitive is jax.lax.top_k_p}
-    return [dict(kth=kth, axis=ax) for ax in candidate_axes(a, none=False)
-            for kth in sorted({k - 1 for k in ks} | {a[ax] - k - 1 for k in ks}) if 0 <= kth < a[ax]]
+    return [
+        dict(kth=kth, axis=ax)
+        for ax in candidate_axes(a, none=False)
+        for kth in sorted({k - 1 for k in ks} | {a[ax] - k - 1 for k in ks})
+        if 0 <= kth < a[ax]
+    ]
 
 
 _SORT = "x = mj.masked_array(jnp.array([3.0, 1.0, 2.0]), jnp.array([True, False, True]))"
-_shape_op("sort", sort, jnp.sort, methods=("sort",), static=_sort_static,
-          example=(_SORT, "{mod}.sort(x)", "MaskedArray([2.0 3.0 --], dtype=float32)"))
-_shape_op("argsort", argsort, jnp.argsort, methods=("argsort",), returns="array", static=_sort_static,
-          example=(_SORT, "{mod}.argsort(x)", "Array([2, 0, 1], dtype=int32)"),
-          excluded={"jacobians": "integer output: no derivative"})
+_shape_op(
+    "sort",
+    sort,
+    jnp.sort,
+    methods=("sort",),
+    static=_sort_static,
+    example=(_SORT, "{mod}.sort(x)", "MaskedArray([2.0 3.0 --], dtype=float32)"),
+)
+_shape_op(
+    "argsort",
+    argsort,
+    jnp.argsort,
+    methods=("argsort",),
+    returns="array",
+    static=_sort_static,
+    example=(_SORT, "{mod}.argsort(x)", "Array([2, 0, 1], dtype=int32)"),
+    excluded={"jacobians": "integer output: no derivative"},
+)
 _PART = "x = mj.masked_array(jnp.array([3.0, 1.0, 2.0, 0.0]), jnp.array([True, True, True, False]))"
-_shape_op("partition", partition, jnp.partition, static=_partition_static,
-          example=(_PART, "{mod}.partition(x, 1)[1]", "MaskedArray(2.0, dtype=float32)"))
-_shape_op("argpartition", argpartition, jnp.argpartition, methods=("argpartition",), returns="array",
-          static=_partition_static,
-          example=(_PART, "{mod}.argpartition(x, 1)", "Array([1, 2, 0, 3], dtype=int32)"),
-          excluded={"jacobians": "integer output: no derivative"})
-_shape_op("getitem", getitem, None, modules=(),
-          signature=inspect.Signature([inspect.Parameter("a", inspect.Parameter.POSITIONAL_ONLY),
-                                       inspect.Parameter("index", inspect.Parameter.POSITIONAL_ONLY)]))
+_shape_op(
+    "partition",
+    partition,
+    jnp.partition,
+    static=_partition_static,
+    example=(_PART, "{mod}.partition(x, 1)[1]", "MaskedArray(2.0, dtype=float32)"),
+)
+_shape_op(
+    "argpartition",
+    argpartition,
+    jnp.argpartition,
+    methods=("argpartition",),
+    returns="array",
+    static=_partition_static,
+    example=(_PART, "{mod}.argpartition(x, 1)", "Array([1, 2, 0, 3], dtype=int32)"),
+    excluded={"jacobians": "integer output: no derivative"},
+)
+_shape_op(
+    "getitem",
+    getitem,
+    None,
+    modules=(),
+    signature=inspect.Signature(
+        [
+            inspect.Parameter("a", inspect.Parameter.POSITIONAL_ONLY),
+            inspect.Parameter("index", inspect.Parameter.POSITIONAL_ONLY),
+        ]
+    ),
+)
 
 del _name, _fn, _args, _count, _methods

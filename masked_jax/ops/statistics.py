@@ -10,8 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from masked_jax.ops._base import Pair, candidate_axes, fill, materialize, normalize_axis, result_dtype
 from masked_jax._validate import dtype_kind
+from masked_jax.ops._base import Pair, candidate_axes, fill, materialize, normalize_axis, result_dtype
 from masked_jax.ops._registry import OpSpec, register, signature_of
 from masked_jax.ops.reductions import _float, _float_dtype, _mask, _safe_div, max, mean, min, safe_sqrt, sum
 
@@ -31,9 +31,7 @@ def average(x: Pair, axis=None, weights: Pair | None = None, keepdims=False) -> 
             )
         ax = normalize_axis(axis, data.ndim)[0]
         if w.shape[0] != data.shape[ax]:
-            raise ValueError(
-                f"weights must have length {data.shape[ax]} along axis {axis}; got {w.shape[0]}."
-            )
+            raise ValueError(f"weights must have length {data.shape[ax]} along axis {axis}; got {w.shape[0]}.")
         shape = [1] * data.ndim
         shape[ax] = -1
         w = w.reshape(shape)
@@ -113,8 +111,10 @@ def quantile(x: Pair, q, axis=None, method="linear", keepdims=False) -> Pair:
         v_hi = jnp.take_along_axis(srt_b, hi_i, -1)
     valid = n > 0
     if method == "linear":  # the weights only where the slice has entries (no 0 * inf at empty ones)
-        out = (jnp.where(valid, v_lo, 0).astype(q.dtype) * jnp.where(valid, low_weight, 1)
-               + jnp.where(valid, v_hi, 0).astype(q.dtype) * jnp.where(valid, high_weight, 0)).astype(dtype)
+        out = (
+            jnp.where(valid, v_lo, 0).astype(q.dtype) * jnp.where(valid, low_weight, 1)
+            + jnp.where(valid, v_hi, 0).astype(q.dtype) * jnp.where(valid, high_weight, 0)
+        ).astype(dtype)
     elif method == "lower":
         out = v_lo
     elif method == "higher":
@@ -279,27 +279,53 @@ def _seg_norm(g, v, ord=None):
     return safe_root(g.sum(_float(a) ** ord), ord)
 
 
-_Q = ("x = mj.masked_array(jnp.array([1.0, 2.0, 3.0, 100.0]), jnp.array([True, True, True, False]))",
-      "{mod}.{name}(x, {q})", "MaskedArray(2.0, dtype=float32)")
+_Q = (
+    "x = mj.masked_array(jnp.array([1.0, 2.0, 3.0, 100.0]), jnp.array([True, True, True, False]))",
+    "{mod}.{name}(x, {q})",
+    "MaskedArray(2.0, dtype=float32)",
+)
 
 
 def _stat(name, jax_fn, rule, **kw):
     sig = signature_of(jax_fn, drop=("out_sharding",))
-    return register(OpSpec(name=name, family="reductions", rule=rule, signature=sig,
-                           operands=(next(iter(sig.parameters)),), fn=jax_fn,
-                           jax_name=kw.pop("jax_name", f"jnp.{name}"), **kw))
+    return register(
+        OpSpec(
+            name=name,
+            family="reductions",
+            rule=rule,
+            signature=sig,
+            operands=(next(iter(sig.parameters)),),
+            fn=jax_fn,
+            jax_name=kw.pop("jax_name", f"jnp.{name}"),
+            **kw,
+        )
+    )
 
 
-_stat("average", jnp.average, average, optional_operands=("weights",),
-      excluded={"maskify": "jnp.average divides by the sum of every weight, which maskify cannot tell from an "
-                           "ordinary division yet: use masked_jax.numpy.average"},
-      example=("x = mj.masked_array(jnp.array([1.0, 2.0, 50.0]), jnp.array([True, True, False]))",
-               "{mod}.average(x, weights=jnp.array([3.0, 1.0, 1.0]))", "MaskedArray(1.25, dtype=float32)"))
+_stat(
+    "average",
+    jnp.average,
+    average,
+    optional_operands=("weights",),
+    excluded={
+        "maskify": "jnp.average divides by the sum of every weight, which maskify cannot tell from an "
+        "ordinary division yet: use masked_jax.numpy.average"
+    },
+    example=(
+        "x = mj.masked_array(jnp.array([1.0, 2.0, 50.0]), jnp.array([True, True, False]))",
+        "{mod}.average(x, weights=jnp.array([3.0, 1.0, 1.0]))",
+        "MaskedArray(1.25, dtype=float32)",
+    ),
+)
 
 
 def _quantile_static(body, a, q=()):
-    return [dict(axis=ax, method=me, keepdims=k) for ax in candidate_axes(a) for me in QUANTILE_METHODS
-            for k in (False, True)]
+    return [
+        dict(axis=ax, method=me, keepdims=k)
+        for ax in candidate_axes(a)
+        for me in QUANTILE_METHODS
+        for k in (False, True)
+    ]
 
 
 def _median_static(body, a):
@@ -315,11 +341,30 @@ def _corrcoef_static(body, x):
 
 
 _stat("quantile", jnp.quantile, quantile, static=_quantile_static, example=(_Q[0], _Q[1].replace("{q}", "0.5"), _Q[2]))
-_stat("percentile", jnp.percentile, percentile, static=_quantile_static, example=(_Q[0], _Q[1].replace("{q}", "50"), _Q[2]))
+_stat(
+    "percentile",
+    jnp.percentile,
+    percentile,
+    static=_quantile_static,
+    example=(_Q[0], _Q[1].replace("{q}", "50"), _Q[2]),
+)
 _stat("median", jnp.median, median, static=_median_static)
-_COV = ("x = mj.masked_array(jnp.array([[1.0, 2.0, 3.0, 9.0], [2.0, 4.0, 7.0, 0.0]]), "
-        "jnp.array([[1, 1, 1, 0], [1, 1, 1, 1]], bool))")
-_stat("cov", jnp.cov, cov, static=_cov_static, example=(_COV, "{mod}.cov(x).round(2)", "MaskedArray([[1.0 2.5]\n             [2.5 8.92]], dtype=float32)"))
-_stat("corrcoef", jnp.corrcoef, corrcoef, static=_corrcoef_static,
-      example=(_COV, "{mod}.corrcoef(x)[0, 1].round(3)", "MaskedArray(0.837, dtype=float32)"))
+_COV = (
+    "x = mj.masked_array(jnp.array([[1.0, 2.0, 3.0, 9.0], [2.0, 4.0, 7.0, 0.0]]), "
+    "jnp.array([[1, 1, 1, 0], [1, 1, 1, 1]], bool))"
+)
+_stat(
+    "cov",
+    jnp.cov,
+    cov,
+    static=_cov_static,
+    example=(_COV, "{mod}.cov(x).round(2)", "MaskedArray([[1.0 2.5]\n             [2.5 8.92]], dtype=float32)"),
+)
+_stat(
+    "corrcoef",
+    jnp.corrcoef,
+    corrcoef,
+    static=_corrcoef_static,
+    example=(_COV, "{mod}.corrcoef(x)[0, 1].round(3)", "MaskedArray(0.837, dtype=float32)"),
+)
 _stat("norm", jnp.linalg.norm, norm, segment=_seg_norm, jax_name="jnp.linalg.norm")

@@ -17,7 +17,6 @@ Examples:
 """
 
 from masked_jax.optim._adagrad import masked_adagrad as masked_adagrad
-from masked_jax.optim._state import ScaleByRowwiseRssState as ScaleByRowwiseRssState
 from masked_jax.optim._adagrad import rowwise_adagrad as rowwise_adagrad
 from masked_jax.optim._adagrad import scale_by_rowwise_rss as scale_by_rowwise_rss
 from masked_jax.optim._adagrad import scale_by_rss as scale_by_rss
@@ -25,7 +24,18 @@ from masked_jax.optim._apply import apply_updates as apply_updates
 from masked_jax.optim._lazy import lazy as lazy
 from masked_jax.optim._sharded import init_sharded as init_sharded
 from masked_jax.optim._sharded import sharded_update as sharded_update
+from masked_jax.optim._state import ScaleByRowwiseRssState as ScaleByRowwiseRssState
 from masked_jax.optim._step import make_train_step as make_train_step
 
-__all__ = ["ScaleByRowwiseRssState", "apply_updates", "init_sharded", "lazy", "make_train_step", "masked_adagrad",
-           "rowwise_adagrad", "scale_by_rowwise_rss", "scale_by_rss", "sharded_update"]
+__all__ = [
+    "ScaleByRowwiseRssState",
+    "apply_updates",
+    "init_sharded",
+    "lazy",
+    "make_train_step",
+    "masked_adagrad",
+    "rowwise_adagrad",
+    "scale_by_rowwise_rss",
+    "scale_by_rss",
+    "sharded_update",
+]

@@ -19,9 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from masked_jax._core import is_container, from_pair
-from masked_jax.layouts import RowSparseArray, rows_from_parts
-from masked_jax.layouts import distinct_ids
+from masked_jax._core import from_pair, is_container
+from masked_jax.layouts import RowSparseArray, distinct_ids, rows_from_parts
 from masked_jax.optim._views import data_of, view
 
 
@@ -37,9 +36,11 @@ def _configuration(ms):
     try:
         return ms._opt, ms._every_k_schedule, ms._acc_update, ms._should_skip_update_fn, ms._accumulator_dtype
     except AttributeError:  # pragma: no cover - an optax whose MultiSteps keeps its settings elsewhere
-        raise ValueError("lazy(optax.MultiSteps(...)): this optax version's MultiSteps does not expose its inner "
-                         "transformation and schedule; use optax.MultiSteps(lazy(inner), k) with plain "
-                         "gradients instead.") from None
+        raise ValueError(
+            "lazy(optax.MultiSteps(...)): this optax version's MultiSteps does not expose its inner "
+            "transformation and schedule; use optax.MultiSteps(lazy(inner), k) with plain "
+            "gradients instead."
+        ) from None
 
 
 def _dense(g):
@@ -71,29 +72,35 @@ def lazy_multi_steps(ms, lift) -> optax.GradientTransformation:
         k = every_k(st.gradient_step)
         skip, skip_state = should_skip(grads, st.gradient_step, params)
 
-        acc = jax.tree_util.tree_map(lambda g, a: acc_update(g, a, n_acc=st.mini_step).astype(acc_dtype),
-                                     grads, st.acc_grads)
+        acc = jax.tree_util.tree_map(
+            lambda g, a: acc_update(g, a, n_acc=st.mini_step).astype(acc_dtype), grads, st.acc_grads
+        )
         touched = jax.tree_util.tree_map(jnp.logical_or, state.touched, valid)
         emit = st.mini_step == k - 1
-        masked_acc = jax.tree_util.tree_map(lambda a, t, g: from_pair(a.astype(g.dtype), t),
-                                            acc, touched, grads)
+        masked_acc = jax.tree_util.tree_map(lambda a, t, g: from_pair(a.astype(g.dtype), t), acc, touched, grads)
         u, new_inner = lazy_inner.update(masked_acc, st.inner_opt_state, params)
-        u = jax.tree_util.tree_map(lambda x: from_pair(jnp.where(emit, x.data, 0), x.mask & emit),
-                                   u, is_leaf=is_container)
+        u = jax.tree_util.tree_map(
+            lambda x: from_pair(jnp.where(emit, x.data, 0), x.mask & emit), u, is_leaf=is_container
+        )
         stepped = optax.MultiStepsState(
             mini_step=(st.mini_step + 1) % k,
             gradient_step=jnp.where(emit, st.gradient_step + 1, st.gradient_step),
-            inner_opt_state=jax.tree_util.tree_map(lambda new, old: jnp.where(emit, new, old),
-                                                   new_inner, st.inner_opt_state),
+            inner_opt_state=jax.tree_util.tree_map(
+                lambda new, old: jnp.where(emit, new, old), new_inner, st.inner_opt_state
+            ),
             acc_grads=jax.tree_util.tree_map(lambda a: jnp.where(emit, jnp.zeros_like(a), a), acc),
-            skip_state=skip_state)
+            skip_state=skip_state,
+        )
         touched = jax.tree_util.tree_map(lambda t: t & ~emit, touched)
         # a skipped micro-step (should_skip_update_fn) leaves everything as it was
-        new_state = jax.tree_util.tree_map(lambda old, new: jnp.where(skip, old, new),
-                                           LazyMultiStepsState(st._replace(skip_state=skip_state), state.touched),
-                                           LazyMultiStepsState(stepped, touched))
-        u = jax.tree_util.tree_map(lambda x: from_pair(jnp.where(skip, 0, x.data), x.mask & ~skip),
-                                   u, is_leaf=is_container)
+        new_state = jax.tree_util.tree_map(
+            lambda old, new: jnp.where(skip, old, new),
+            LazyMultiStepsState(st._replace(skip_state=skip_state), state.touched),
+            LazyMultiStepsState(stepped, touched),
+        )
+        u = jax.tree_util.tree_map(
+            lambda x: from_pair(jnp.where(skip, 0, x.data), x.mask & ~skip), u, is_leaf=is_container
+        )
         return u, new_state
 
     return optax.GradientTransformation(init_fn, update_fn)
@@ -122,11 +129,16 @@ def _capacities(capacity, params):
         return [capacity if np.ndim(p) >= 1 else None for p in jax.tree_util.tree_leaves(params)]
     try:
         per_leaf = jax.tree_util.tree_map(
-            lambda c, sub: jax.tree_util.tree_map(lambda _: c, sub), capacity, params,
-            is_leaf=lambda c: c is None or isinstance(c, int))
+            lambda c, sub: jax.tree_util.tree_map(lambda _: c, sub),
+            capacity,
+            params,
+            is_leaf=lambda c: c is None or isinstance(c, int),
+        )
     except ValueError as err:
-        raise ValueError(f"capacity must be an int, None, a callable, or a prefix of the parameters' pytree with "
-                         f"int or None leaves: {err}") from None
+        raise ValueError(
+            f"capacity must be an int, None, a callable, or a prefix of the parameters' pytree with "
+            f"int or None leaves: {err}"
+        ) from None
     out = jax.tree_util.tree_leaves(per_leaf, is_leaf=lambda c: c is None)
     for c in out:
         if c is not None and (not isinstance(c, int) or c < 2):
@@ -135,8 +147,9 @@ def _capacities(capacity, params):
 
 
 def _empty_rows(shape, capacity, dtype):
-    return rows_from_parts(shape, jnp.zeros((capacity,) + tuple(shape[1:]), dtype),
-                                jnp.full((capacity,), shape[0], jnp.int32), True)
+    return rows_from_parts(
+        shape, jnp.zeros((capacity,) + tuple(shape[1:]), dtype), jnp.full((capacity,), shape[0], jnp.int32), True
+    )
 
 
 def _as_rows(g, shape):
@@ -145,8 +158,10 @@ def _as_rows(g, shape):
     if v.kind == "rows":
         return v.indices, data
     if v.kind == "masked":  # rows with a valid entry, the rest zero
-        raise TypeError("lazy(MultiSteps, capacity=...): a leaf with a row capacity takes row-sparse (or dense) "
-                        "gradients; got a masked array. Give it capacity None.")
+        raise TypeError(
+            "lazy(MultiSteps, capacity=...): a leaf with a row capacity takes row-sparse (or dense) "
+            "gradients; got a masked array. Give it capacity None."
+        )
     return jnp.arange(shape[0], dtype=jnp.int32), data
 
 
@@ -173,18 +188,30 @@ def lazy_multi_steps_rows(ms, lift, capacity) -> optax.GradientTransformation:
         params = jax.tree_util.tree_map(data_of, params, is_leaf=is_container)
         leaves, treedef = jax.tree_util.tree_flatten(params)
         caps = _capacities(capacity, params)
-        acc = [jnp.zeros(np.shape(p), acc_dtype or jnp.result_type(p)) if c is None else
-               _empty_rows(np.shape(p), c, acc_dtype or jnp.result_type(p)) for p, c in zip(leaves, caps)]
+        acc = [
+            jnp.zeros(np.shape(p), acc_dtype or jnp.result_type(p))
+            if c is None
+            else _empty_rows(np.shape(p), c, acc_dtype or jnp.result_type(p))
+            for p, c in zip(leaves, caps)
+        ]
         touched = [jnp.zeros(np.shape(p), bool) if c is None else jnp.zeros((0,), bool) for p, c in zip(leaves, caps)]
         base = ms.init(params)
-        return RowMultiStepsState(base.mini_step, base.gradient_step, lazy_inner.init(params),
-                                  treedef.unflatten(acc), treedef.unflatten(touched), base.skip_state,
-                                  jnp.zeros((), jnp.int32))
+        return RowMultiStepsState(
+            base.mini_step,
+            base.gradient_step,
+            lazy_inner.init(params),
+            treedef.unflatten(acc),
+            treedef.unflatten(touched),
+            base.skip_state,
+            jnp.zeros((), jnp.int32),
+        )
 
     def update_fn(updates, state, params=None):
         if not isinstance(state, RowMultiStepsState):
-            raise ValueError(f"lazy(MultiSteps, capacity=...): state must be the RowMultiStepsState its init "
-                             f"returned; got {type(state).__name__}.")
+            raise ValueError(
+                f"lazy(MultiSteps, capacity=...): state must be the RowMultiStepsState its init "
+                f"returned; got {type(state).__name__}."
+            )
         if params is not None:
             params = jax.tree_util.tree_map(data_of, params, is_leaf=is_container)
         leaves, treedef = jax.tree_util.tree_flatten(updates, is_leaf=is_container)
@@ -193,14 +220,16 @@ def lazy_multi_steps_rows(ms, lift, capacity) -> optax.GradientTransformation:
         k = every_k(state.gradient_step)
         last = state.mini_step == k - 1
         merged, fits, restart, plain = [], jnp.asarray(True), [], []
-        for g, a, t in zip(leaves, accs, touched):
+        for g, a, _t in zip(leaves, accs, touched):
             shape = tuple(g.shape) if is_container(g) else np.shape(g)
             if isinstance(a, RowSparseArray):
                 idx, data = _as_rows(g, shape)
                 if idx.shape[0] > a.nse:
-                    raise ValueError(f"lazy(MultiSteps, capacity={a.nse}): a gradient of {idx.shape[0]} rows cannot fit "
-                                     f"an accumulator of {a.nse} rows; raise the capacity to at least the rows of one "
-                                     "micro-step's gradient.")
+                    raise ValueError(
+                        f"lazy(MultiSteps, capacity={a.nse}): a gradient of {idx.shape[0]} rows cannot fit "
+                        f"an accumulator of {a.nse} rows; raise the capacity to at least the rows of one "
+                        "micro-step's gradient."
+                    )
                 m, ok = _merge(a, idx, data, shape[0], a.nse, acc_update, state.mini_step)
                 fits = fits & ok
                 merged.append(m)
@@ -222,8 +251,9 @@ def lazy_multi_steps_rows(ms, lift, capacity) -> optax.GradientTransformation:
                 out = jax.tree_util.tree_map(lambda old, new: jnp.where(early, old, new), a, m)
                 emitted.append(out)
                 zero = _empty_rows(a.shape, a.nse, a.dtype)
-                new_acc.append(jax.tree_util.tree_map(
-                    lambda z, rr, mm: jnp.where(early, rr, jnp.where(last, z, mm)), zero, r, m))
+                new_acc.append(
+                    jax.tree_util.tree_map(lambda z, rr, mm: jnp.where(early, rr, jnp.where(last, z, mm)), zero, r, m)
+                )
                 new_touched.append(t)
             else:
                 values, valid = p
@@ -238,25 +268,32 @@ def lazy_multi_steps_rows(ms, lift, capacity) -> optax.GradientTransformation:
 
         def gate(x):
             if isinstance(x, RowSparseArray):
-                return rows_from_parts(x.shape, jnp.where(emit, x.data, 0), jnp.where(emit, x.indices, x.shape[0]),
-                                            x.unique_indices)
+                return rows_from_parts(
+                    x.shape, jnp.where(emit, x.data, 0), jnp.where(emit, x.indices, x.shape[0]), x.unique_indices
+                )
             return from_pair(jnp.where(emit, x.data, 0), x.mask & emit)
 
         u = jax.tree_util.tree_map(gate, u, is_leaf=is_container)
         stepped = RowMultiStepsState(
             mini_step=jnp.where(early, 1, (state.mini_step + 1) % k).astype(state.mini_step.dtype),
             gradient_step=jnp.where(emit, state.gradient_step + 1, state.gradient_step),
-            inner_opt_state=jax.tree_util.tree_map(lambda new, old: jnp.where(emit, new, old),
-                                                   new_inner, state.inner_opt_state),
-            acc=treedef.unflatten(new_acc), touched=treedef.unflatten(new_touched), skip_state=skip_state,
-            early_flushes=state.early_flushes + early.astype(jnp.int32))
-        new_state = jax.tree_util.tree_map(lambda old, new: jnp.where(skip, old, new),
-                                           state._replace(skip_state=skip_state), stepped)
+            inner_opt_state=jax.tree_util.tree_map(
+                lambda new, old: jnp.where(emit, new, old), new_inner, state.inner_opt_state
+            ),
+            acc=treedef.unflatten(new_acc),
+            touched=treedef.unflatten(new_touched),
+            skip_state=skip_state,
+            early_flushes=state.early_flushes + early.astype(jnp.int32),
+        )
+        new_state = jax.tree_util.tree_map(
+            lambda old, new: jnp.where(skip, old, new), state._replace(skip_state=skip_state), stepped
+        )
 
         def unskip(x):
             if isinstance(x, RowSparseArray):
-                return rows_from_parts(x.shape, jnp.where(skip, 0, x.data), jnp.where(skip, x.shape[0], x.indices),
-                                            x.unique_indices)
+                return rows_from_parts(
+                    x.shape, jnp.where(skip, 0, x.data), jnp.where(skip, x.shape[0], x.indices), x.unique_indices
+                )
             return from_pair(jnp.where(skip, 0, x.data), x.mask & ~skip)
 
         return jax.tree_util.tree_map(unskip, u, is_leaf=is_container), new_state

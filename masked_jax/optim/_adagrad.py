@@ -11,7 +11,6 @@ FMA in one program and not the other).
 
 from __future__ import annotations
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -44,8 +43,9 @@ def _inverse_root(name, initial_accumulator_value, eps, eps_placement):
     return inverse_root
 
 
-def scale_by_rss(initial_accumulator_value: float = 0.1, eps: float = 1e-7,
-                 eps_placement: str = "inside") -> optax.GradientTransformation:
+def scale_by_rss(
+    initial_accumulator_value: float = 0.1, eps: float = 1e-7, eps_placement: str = "inside"
+) -> optax.GradientTransformation:
     """Scale updates by the inverse root of the running sum of squared gradients.
 
     .. math::
@@ -84,37 +84,47 @@ def scale_by_rss(initial_accumulator_value: float = 0.1, eps: float = 1e-7,
     def init_fn(params):
         params = jax.tree_util.tree_map(data_of, params, is_leaf=is_container)
         return optax.ScaleByRssState(
-            sum_of_squares=jax.tree_util.tree_map(
-                lambda p: jnp.full_like(p, initial_accumulator_value), params))
+            sum_of_squares=jax.tree_util.tree_map(lambda p: jnp.full_like(p, initial_accumulator_value), params)
+        )
 
     def update_fn(updates, state, params=None):
         del params
         if not isinstance(state, optax.ScaleByRssState):
-            raise ValueError(f"scale_by_rss: state must be the ScaleByRssState its init returned; got "
-                             f"{type(state).__name__}.")
+            raise ValueError(
+                f"scale_by_rss: state must be the ScaleByRssState its init returned; got {type(state).__name__}."
+            )
         leaves, treedef = jax.tree_util.tree_flatten(updates, is_leaf=is_container)
         sums = jax.tree_util.tree_leaves(state.sum_of_squares)
-        if len(sums) != len(leaves) or any(tuple(np.shape(t)) != tuple(g.shape if is_container(g) else np.shape(g))
-                                           for g, t in zip(leaves, sums)):
+        if len(sums) != len(leaves) or any(
+            tuple(np.shape(t)) != tuple(g.shape if is_container(g) else np.shape(g)) for g, t in zip(leaves, sums)
+        ):
             raise ValueError(
                 "scale_by_rss: the state's sums of squares have shapes "
                 f"{[tuple(np.shape(t)) for t in sums]} but the gradients "
                 f"{[tuple(g.shape if is_container(g) else np.shape(g)) for g in leaves]}; pass the state "
-                "init returned for these parameters.")
+                "init returned for these parameters."
+            )
         new_updates, new_sums = [], []
         for g, t in zip(leaves, treedef.flatten_up_to(state.sum_of_squares)):
             v, data = view(g)  # plain: all of it; masked: valid entries; row-sparse: coalesced rows
             t = v.add(t, (data.conj() * data).real)  # only valid entries grow
             new_sums.append(t)
             new_updates.append(v.wrap(inverse_root(v.gather(t)).astype(data.dtype) * data))
-        return (jax.tree_util.tree_unflatten(treedef, new_updates),
-                optax.ScaleByRssState(sum_of_squares=jax.tree_util.tree_unflatten(treedef, new_sums)))
+        return (
+            jax.tree_util.tree_unflatten(treedef, new_updates),
+            optax.ScaleByRssState(sum_of_squares=jax.tree_util.tree_unflatten(treedef, new_sums)),
+        )
 
     return optax.GradientTransformation(init_fn, update_fn)
 
 
-def masked_adagrad(learning_rate: optax.ScalarOrSchedule, initial_accumulator_value: float = 0.1,
-                   eps: float = 1e-7, *, eps_placement: str = "inside") -> optax.GradientTransformation:
+def masked_adagrad(
+    learning_rate: optax.ScalarOrSchedule,
+    initial_accumulator_value: float = 0.1,
+    eps: float = 1e-7,
+    *,
+    eps_placement: str = "inside",
+) -> optax.GradientTransformation:
     """Adagrad that updates the accumulator and the parameters only where the gradient is valid.
 
     ``lazy(chain(scale_by_rss(...), scale_by_learning_rate(learning_rate)))``: the same
@@ -149,18 +159,21 @@ def masked_adagrad(learning_rate: optax.ScalarOrSchedule, initial_accumulator_va
         Stochastic Optimization, JMLR 2011.
     """
     _validate.learning_rate(learning_rate, "masked_adagrad: learning_rate")
-    return lazy(optax.chain(
-        scale_by_rss(initial_accumulator_value, eps, eps_placement),
-        optax.scale_by_learning_rate(learning_rate),
-    ))
+    return lazy(
+        optax.chain(
+            scale_by_rss(initial_accumulator_value, eps, eps_placement),
+            optax.scale_by_learning_rate(learning_rate),
+        )
+    )
 
 
 def _row_axes(ndim: int) -> tuple:
     return tuple(range(1, ndim)) if ndim >= 2 else ()
 
 
-def scale_by_rowwise_rss(initial_accumulator_value: float = 0.0, eps: float = 1e-8,
-                         eps_placement: str = "outside") -> optax.GradientTransformation:
+def scale_by_rowwise_rss(
+    initial_accumulator_value: float = 0.0, eps: float = 1e-8, eps_placement: str = "outside"
+) -> optax.GradientTransformation:
     """Scale each row of a table by the inverse root of one running sum per row.
 
     .. math::
@@ -199,23 +212,34 @@ def scale_by_rowwise_rss(initial_accumulator_value: float = 0.0, eps: float = 1e
 
     def init_fn(params):
         params = jax.tree_util.tree_map(data_of, params, is_leaf=is_container)
-        return ScaleByRowwiseRssState(sum_of_squares=jax.tree_util.tree_map(
-            lambda p: jnp.full(np.shape(p)[:1] if np.ndim(p) >= 2 else np.shape(p), initial_accumulator_value,
-                               accumulation_dtype(jnp.result_type(p))), params))
+        return ScaleByRowwiseRssState(
+            sum_of_squares=jax.tree_util.tree_map(
+                lambda p: jnp.full(
+                    np.shape(p)[:1] if np.ndim(p) >= 2 else np.shape(p),
+                    initial_accumulator_value,
+                    accumulation_dtype(jnp.result_type(p)),
+                ),
+                params,
+            )
+        )
 
     def update_fn(updates, state, params=None):
         del params
         if not isinstance(state, ScaleByRowwiseRssState):
-            raise ValueError(f"scale_by_rowwise_rss: state must be the ScaleByRowwiseRssState its init returned; "
-                             f"got {type(state).__name__}.")
+            raise ValueError(
+                f"scale_by_rowwise_rss: state must be the ScaleByRowwiseRssState its init returned; "
+                f"got {type(state).__name__}."
+            )
         leaves, treedef = jax.tree_util.tree_flatten(updates, is_leaf=is_container)
         sums = jax.tree_util.tree_leaves(state.sum_of_squares)
         shapes = [tuple(g.shape if is_container(g) else np.shape(g)) for g in leaves]
         expected = [s[:1] if len(s) >= 2 else s for s in shapes]
         if [tuple(np.shape(t)) for t in sums] != expected:
-            raise ValueError(f"scale_by_rowwise_rss: the state's sums have shapes {[tuple(np.shape(t)) for t in sums]} "
-                             f"but gradients of shapes {shapes} need {expected}; pass the state init returned for "
-                             "these parameters.")
+            raise ValueError(
+                f"scale_by_rowwise_rss: the state's sums have shapes {[tuple(np.shape(t)) for t in sums]} "
+                f"but gradients of shapes {shapes} need {expected}; pass the state init returned for "
+                "these parameters."
+            )
         new_updates, new_sums = [], []
         for g, t in zip(leaves, treedef.flatten_up_to(state.sum_of_squares)):
             v, data = view(g)  # zeros where the gradient is not valid
@@ -231,14 +255,21 @@ def scale_by_rowwise_rss(initial_accumulator_value: float = 0.0, eps: float = 1e
             scale = inverse_root(rows).astype(data.dtype)
             new_sums.append(t)
             new_updates.append(v.wrap(scale.reshape(scale.shape + (1,) * len(axes)) * data))
-        return (jax.tree_util.tree_unflatten(treedef, new_updates),
-                ScaleByRowwiseRssState(sum_of_squares=jax.tree_util.tree_unflatten(treedef, new_sums)))
+        return (
+            jax.tree_util.tree_unflatten(treedef, new_updates),
+            ScaleByRowwiseRssState(sum_of_squares=jax.tree_util.tree_unflatten(treedef, new_sums)),
+        )
 
     return optax.GradientTransformation(init_fn, update_fn)
 
 
-def rowwise_adagrad(learning_rate: optax.ScalarOrSchedule, initial_accumulator_value: float = 0.0,
-                    eps: float = 1e-8, *, eps_placement: str = "outside") -> optax.GradientTransformation:
+def rowwise_adagrad(
+    learning_rate: optax.ScalarOrSchedule,
+    initial_accumulator_value: float = 0.0,
+    eps: float = 1e-8,
+    *,
+    eps_placement: str = "outside",
+) -> optax.GradientTransformation:
     """Row-wise Adagrad (FBGEMM's ``EXACT_ROWWISE_ADAGRAD``): one accumulator per table row.
 
     ``chain(scale_by_rowwise_rss(...), lazy(scale_by_learning_rate(learning_rate)))``. For a table

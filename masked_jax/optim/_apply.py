@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from masked_jax._core import is_container, is_masked, from_pair
+from masked_jax._core import from_pair, is_container, is_masked
 from masked_jax.ops._base import accumulation_dtype
 from masked_jax.optim._views import data_of, view
 
@@ -41,18 +41,24 @@ def add_updates(params, updates, *, coalesced: bool):
         if u is None:
             return p
         if not (is_container(u) or isinstance(u, (jax.Array, np.ndarray, np.generic, float, int))):
-            raise TypeError(f"apply_updates: updates must be arrays, MaskedArrays or row-sparse arrays "
-                            f"(or None); got {type(u).__name__}.")
+            raise TypeError(
+                f"apply_updates: updates must be arrays, MaskedArrays or row-sparse arrays "
+                f"(or None); got {type(u).__name__}."
+            )
         indices = getattr(u, "indices", None)  # a sparse update's index leaf
         if indices is not None and not jnp.issubdtype(indices.dtype, jnp.integer):
-            raise TypeError(f"apply_updates: a {type(u).__name__} update holds {indices.dtype} indices: a "
-                            "transformation that updates every leaf it is handed (a plain optax optimizer) "
-                            "also changed the indices of a row-sparse gradient. Wrap the optimizer in "
-                            "optim.lazy(...), which updates only the rows stored.")
+            raise TypeError(
+                f"apply_updates: a {type(u).__name__} update holds {indices.dtype} indices: a "
+                "transformation that updates every leaf it is handed (a plain optax optimizer) "
+                "also changed the indices of a row-sparse gradient. Wrap the optimizer in "
+                "optim.lazy(...), which updates only the rows stored."
+            )
         data = data_of(p)
         if tuple(u.shape) != tuple(data.shape):
-            raise ValueError(f"apply_updates: an update of shape {tuple(u.shape)} for a parameter of "
-                             f"shape {tuple(data.shape)}; they must match.")
+            raise ValueError(
+                f"apply_updates: an update of shape {tuple(u.shape)} for a parameter of "
+                f"shape {tuple(data.shape)}; they must match."
+            )
         # a plain scatter-add, unless float16/bfloat16 duplicates must first add up in float32
         v, values = view(u, coalesce=not coalesced and accumulation_dtype(u.dtype) != u.dtype)
         new = v.add(data, values)

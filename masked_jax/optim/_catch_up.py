@@ -73,8 +73,10 @@ def _uniform(x, what):
     x = np.asarray(x, np.float64)
     value = float(x.reshape(-1)[0]) if x.size else 0.0
     if not np.allclose(x, value, rtol=_RTOL, atol=1e-30):
-        raise ValueError(f"lazy(catch_up=True): the inner transformation's {what} differs between entries of one "
-                         "parameter at a zero gradient, so no per-row closed form exists.")
+        raise ValueError(
+            f"lazy(catch_up=True): the inner transformation's {what} differs between entries of one "
+            "parameter at a zero gradient, so no per-row closed form exists."
+        )
     return value
 
 
@@ -83,8 +85,9 @@ def probe(inner, grads_like) -> Coefficients:
     leaves, treedef = jax.tree_util.tree_flatten(grads_like)
     with jax.ensure_compile_time_eval():
         # float16/bfloat16 probed in float32: their rounding makes two steps look non-linear
-        shapes = [(tuple(np.shape(x)[:1] and (1,)) + tuple(np.shape(x)[1:]), accumulation_dtype(x.dtype))
-                  for x in leaves]
+        shapes = [
+            (tuple(np.shape(x)[:1] and (1,)) + tuple(np.shape(x)[1:]), accumulation_dtype(x.dtype)) for x in leaves
+        ]
         zeros = treedef.unflatten([jnp.zeros(s, d) for s, d in shapes])
         ref = _Reference.of(zeros)
         base = inner.init(zeros)
@@ -94,8 +97,9 @@ def probe(inner, grads_like) -> Coefficients:
 
         def run(state_values, p_value):
             which = iter(range(n_sub))
-            state = _map_param_shaped(ref, lambda ls: (lambda v: [jnp.full_like(x, v) for x in ls])(
-                state_values[next(which)]), base)
+            state = _map_param_shaped(
+                ref, lambda ls: (lambda v: [jnp.full_like(x, v) for x in ls])(state_values[next(which)]), base
+            )
             params = treedef.unflatten([jnp.full(s, p_value, d) for s, d in shapes])
             updates, new = inner.update(zeros, state, params)
             subtrees = []
@@ -112,27 +116,37 @@ def probe(inner, grads_like) -> Coefficients:
             _, two = run([2 * v for v in unit[l]], 0.0)
             for m in range(n_sub):
                 if m != l and not all(np.allclose(x, 0) for x in one[m]):
-                    raise ValueError("lazy(catch_up=True): one part of the inner transformation's state changes "
-                                     "another at a zero gradient; catch-up needs each state leaf to decay on its own.")
+                    raise ValueError(
+                        "lazy(catch_up=True): one part of the inner transformation's state changes "
+                        "another at a zero gradient; catch-up needs each state leaf to decay on its own."
+                    )
             if not close([2 * x for x in one[l]], two[l]):
-                raise ValueError("lazy(catch_up=True): the inner transformation's state does not decay linearly at a "
-                                 "zero gradient (s -> c * s); no closed form for k skipped steps.")
+                raise ValueError(
+                    "lazy(catch_up=True): the inner transformation's state does not decay linearly at a "
+                    "zero gradient (s -> c * s); no closed form for k skipped steps."
+                )
             decay.append([_uniform(x, "state decay") for x in one[l]])
         _, s0 = run([0.0] * n_sub, 0.0)
         if any(not np.allclose(x, 0, atol=1e-12) for sub in s0 for x in sub):
-            raise ValueError("lazy(catch_up=True): the inner transformation's state leaves zero at a zero gradient "
-                             "(it is floored or offset, as adamax's max(b2 * nu, eps) is); catch-up needs each state "
-                             "leaf to decay linearly, s -> c * s.")
+            raise ValueError(
+                "lazy(catch_up=True): the inner transformation's state leaves zero at a zero gradient "
+                "(it is floored or offset, as adamax's max(b2 * nu, eps) is); catch-up needs each state "
+                "leaf to decay linearly, s -> c * s."
+            )
         u1, s1 = run([0.0] * n_sub, 1.0)
         u2, _ = run([0.0] * n_sub, 2.0)
         if any(not np.allclose(x, 0, atol=1e-12) for sub in s1 for x in sub):
-            raise ValueError("lazy(catch_up=True): the inner transformation's state changes with the parameters at a "
-                             "zero gradient (L2 weight decay added to the gradient before a momentum or an Adam "
-                             "moment); use decoupled weight decay (optax.adamw, or add_decayed_weights after the "
-                             "moments) to catch up lazily.")
+            raise ValueError(
+                "lazy(catch_up=True): the inner transformation's state changes with the parameters at a "
+                "zero gradient (L2 weight decay added to the gradient before a momentum or an Adam "
+                "moment); use decoupled weight decay (optax.adamw, or add_decayed_weights after the "
+                "moments) to catch up lazily."
+            )
         if not close([2 * x for x in u1], u2):
-            raise ValueError("lazy(catch_up=True): the inner transformation moves the parameters non-linearly at a "
-                             "zero gradient; no closed form for k skipped steps.")
+            raise ValueError(
+                "lazy(catch_up=True): the inner transformation moves the parameters non-linearly at a "
+                "zero gradient; no closed form for k skipped steps."
+            )
         keep = [1.0 + _uniform(x, "weight decay") for x in u1]
         drift = []
         for l in range(n_sub):
@@ -141,7 +155,8 @@ def probe(inner, grads_like) -> Coefficients:
             drift.append(ua if close([2 * x for x in ua], ub) else None)
         both, _ = run([1.0] * n_sub, 1.0)
         linear = all(d is not None for d in drift) and close(
-            both, [k - 1.0 + sum(drift[l][i] for l in range(n_sub)) for i, k in enumerate(keep)])
+            both, [k - 1.0 + sum(drift[l][i] for l in range(n_sub)) for i, k in enumerate(keep)]
+        )
         drift = [[_uniform(x, "drift") for x in d] for d in drift] if linear else None
     return Coefficients(decay, keep, drift)
 
@@ -173,7 +188,8 @@ def catch_up_rows(coeffs: Coefficients, i: int, k, params, subtrees):
                 a = coeffs.drift[l][i]
                 if a != 0.0:
                     total = total + (a * per_row(_geometric(coeffs.keep[i], coeffs.decay[l][i], rows))).astype(
-                        params.dtype) * s.astype(params.dtype)
+                        params.dtype
+                    ) * s.astype(params.dtype)
         new_params = total
     new_state = [per_row(_power(coeffs.decay[l][i], rows)).astype(s.dtype) * s for l, s in enumerate(subtrees)]
     return new_params, new_state
@@ -181,7 +197,8 @@ def catch_up_rows(coeffs: Coefficients, i: int, k, params, subtrees):
 
 def needs_params(coeffs: Coefficients) -> bool:
     return any(r != 1.0 for r in coeffs.keep) or (
-        coeffs.drift is not None and any(a != 0.0 for d in coeffs.drift for a in d))
+        coeffs.drift is not None and any(a != 0.0 for d in coeffs.drift for a in d)
+    )
 
 
 def rows_since(v, last, step):

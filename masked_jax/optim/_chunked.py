@@ -17,20 +17,22 @@ import jax.numpy as jnp
 import numpy as np
 
 from masked_jax import _jaxpr
-from masked_jax._core import is_container, from_pair
+from masked_jax._core import from_pair, is_container
 from masked_jax.layouts import RowSparseArray, rows_from_parts
 from masked_jax.optim._catch_up import LazyCatchUpState
 from masked_jax.optim._lazy import check_update_arguments
-from masked_jax.optim._state import is_row_local, lazy_inner, _local_from, _map_param_shaped, _Reference
+from masked_jax.optim._state import _local_from, _map_param_shaped, _Reference, is_row_local, lazy_inner
 from masked_jax.optim._views import data_of
 
 # primitives that compute each output entry from the same entry of their operands
-_ENTRYWISE = frozenset("""
+_ENTRYWISE = frozenset(
+    """
     abs acos acosh add and asin asinh atan atan2 atanh cbrt ceil clamp convert_element_type copy
     copy_p cos cosh digamma div eq erf erf_inv erfc exp exp2 expm1 floor ge gt imag integer_pow
     is_finite le lgamma log log1p logistic lt max min mul ne neg nextafter not or pow real
     reduce_precision rem round rsqrt select_n sign sin sinh sqrt square sub tan tanh xor
-""".split())
+""".split()
+)
 _KEEPS_ENTRIES = _ENTRYWISE | {"broadcast_in_dim"}  # broadcast_in_dim: where it keeps the shape
 
 
@@ -64,8 +66,11 @@ def _walk(jaxpr, tags):
             outs = [("u",) if uniform else ("g",)] * len(eqn.outvars)
         else:
             out_shape = tuple(eqn.outvars[0].aval.shape)
-            ok = len(entries) == 1 and eqn.primitive.name in _KEEPS_ENTRIES and all(
-                (t[0] == "e" and s == out_shape) or t[0] == "u" for t, s in zip(ins, shapes))
+            ok = (
+                len(entries) == 1
+                and eqn.primitive.name in _KEEPS_ENTRIES
+                and all((t[0] == "e" and s == out_shape) or t[0] == "u" for t, s in zip(ins, shapes))
+            )
             if not ok:
                 raise _Mixes(eqn.primitive.name)
             outs = [("e", entries.pop())] * len(eqn.outvars)
@@ -79,8 +84,12 @@ def entrywise(inner, updates, state, params) -> bool:
     clipping, trust ratios, finiteness checks: no), with global state that depends on no entry?
     Read off its jaxpr at the parameters' shapes; ``False`` where unsure."""
     ref = _Reference.of(updates)
-    like = lambda x: jax.ShapeDtypeStruct(tuple(x.shape), data_of(x).dtype) if is_container(x) else (  # noqa: E731
-        jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)))
+    like = lambda x: (  # noqa: E731
+        jax.ShapeDtypeStruct(tuple(x.shape), data_of(x).dtype)
+        if is_container(x)
+        # noqa: E731
+        else (jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)))
+    )
     u_like, s_like, p_like = (jax.tree_util.tree_map(like, t, is_leaf=is_container) for t in (updates, state, params))
     try:
         closed = jax.make_jaxpr(lambda u, s, p: inner.update(u, s, p))(u_like, s_like, p_like)
@@ -169,14 +178,19 @@ def chunked_update(optimizer, grads, state, params, apply, chunk: int):
 
         def body(carry, i=i, g=g, data=data, idx=idx):
             c, p, s = carry
-            rows = rows_from_parts(g.shape, jax.lax.dynamic_slice_in_dim(data, c * chunk, chunk),
-                                        jax.lax.dynamic_slice_in_dim(idx, c * chunk, chunk), True)
-            tree = jax.tree_util.tree_unflatten(treedef, empty[:i] + [rows] + empty[i + 1:])
+            rows = rows_from_parts(
+                g.shape,
+                jax.lax.dynamic_slice_in_dim(data, c * chunk, chunk),
+                jax.lax.dynamic_slice_in_dim(idx, c * chunk, chunk),
+                True,
+            )
+            tree = jax.tree_util.tree_unflatten(treedef, empty[:i] + [rows] + empty[i + 1 :])
             u, new = optimizer.update(tree, s, p)
             return c + 1, apply(p, u), old_globals(new, s)
 
         _, params, state = jax.lax.while_loop(  # c * chunk < touched also ends it within the slots
-            lambda carry, touched=touched: carry[0] * chunk < touched, body, (jnp.zeros((), jnp.int32), params, state))
+            lambda carry, touched=touched: carry[0] * chunk < touched, body, (jnp.zeros((), jnp.int32), params, state)
+        )
     rest = [empty[j] if j in tables else g for j, g in enumerate(leaves)]  # the other leaves; global state
     u, state = optimizer.update(jax.tree_util.tree_unflatten(treedef, rest), state, params)
     return apply(params, u), state

@@ -27,7 +27,7 @@ from masked_jax._core import is_container
 from masked_jax.optim._catch_up import LazyCatchUpState
 from masked_jax.optim._chunked import empty_leaf, entrywise, row_sparse_leaves
 from masked_jax.optim._lazy import check_update_arguments
-from masked_jax.optim._state import lazy_inner, _map_param_shaped, _Reference
+from masked_jax.optim._state import _map_param_shaped, _Reference, lazy_inner
 
 MAX_ENTRIES = 2**31  # the kernel addresses a table's entries with 32-bit offsets
 
@@ -60,8 +60,13 @@ def fused_tables(optimizer, grads, state, params) -> list:
     inner = lazy_inner(optimizer)
     leaves, treedef = jax.tree_util.tree_flatten(grads, is_leaf=is_container)
     tables = row_sparse_leaves(leaves, 0)
-    if (inner is None or params is None or isinstance(state, LazyCatchUpState) or not tables
-            or any(not (is_container(g) or isinstance(g, jax.Array)) for g in leaves)):
+    if (
+        inner is None
+        or params is None
+        or isinstance(state, LazyCatchUpState)
+        or not tables
+        or any(not (is_container(g) or isinstance(g, jax.Array)) for g in leaves)
+    ):
         return []
     check_update_arguments(inner, grads, state, params)
     p_leaves = treedef.flatten_up_to(params)
@@ -72,15 +77,21 @@ def fused_tables(optimizer, grads, state, params) -> list:
 
     def plans(i):  # the kernel program can be planned (shapes only)
         try:
-            jax.eval_shape(lambda s: _prepare(inner, i, treedef, state_def, owners, leaves, s, p_leaves)[1],
-                           state_leaves)
+            jax.eval_shape(
+                lambda s: _prepare(inner, i, treedef, state_def, owners, leaves, s, p_leaves)[1], state_leaves
+            )
         except ValueError:
             return False
         return True
 
-    return [i for i in tables if not is_container(p_leaves[i])  # masked tables: the one-call update
-            and 0 < np.prod(p_leaves[i].shape)  # an empty table (no rows, or rows of no entries) has nothing to update
-            and max(np.prod(p_leaves[i].shape), np.prod(leaves[i].data.shape)) < MAX_ENTRIES and plans(i)]
+    return [
+        i
+        for i in tables
+        if not is_container(p_leaves[i])  # masked tables: the one-call update
+        and 0 < np.prod(p_leaves[i].shape)  # an empty table (no rows, or rows of no entries) has nothing to update
+        and max(np.prod(p_leaves[i].shape), np.prod(leaves[i].data.shape)) < MAX_ENTRIES
+        and plans(i)
+    ]
 
 
 def fusable(optimizer, grads, state, params) -> bool:
@@ -118,8 +129,8 @@ class _Plan:
 
         def update(*flat):  # flat: gradient leaves, state leaves, parameter leaves
             g = jax.tree_util.tree_unflatten(treedef, flat[:n_leaves])
-            state = jax.tree_util.tree_unflatten(state_def, flat[n_leaves:n_leaves + len(owners)])
-            p = jax.tree_util.tree_unflatten(treedef, flat[n_leaves + len(owners):])
+            state = jax.tree_util.tree_unflatten(state_def, flat[n_leaves : n_leaves + len(owners)])
+            p = jax.tree_util.tree_unflatten(treedef, flat[n_leaves + len(owners) :])
             u, new_state = inner.update(g, state, p)
             new_leaves = jax.tree_util.tree_leaves(new_state)
             return [treedef.flatten_up_to(u)[i]] + [new_leaves[k] for k in _owned(owners, i)]
@@ -142,17 +153,21 @@ class _Plan:
         env.update((v, x) for v, x in zip(jaxpr.invars, known_values) if x is not None)
         rest = []
         for eqn in jaxpr.eqns:
-            if (all(_jaxpr.is_literal(v) or v in env for v in eqn.invars)
-                    and all(np.ndim(v.aval) == 0 for v in eqn.outvars)):
+            if all(_jaxpr.is_literal(v) or v in env for v in eqn.invars) and all(
+                np.ndim(v.aval) == 0 for v in eqn.outvars
+            ):
                 env.update(zip(eqn.outvars, _jaxpr.bind(eqn, [_jaxpr.read(env, v) for v in eqn.invars])))
             else:
                 rest.append(eqn)
         needed = {v for eqn in rest for v in eqn.invars if not _jaxpr.is_literal(v)} | {
-            v for v in jaxpr.outvars if not _jaxpr.is_literal(v)}
+            v for v in jaxpr.outvars if not _jaxpr.is_literal(v)
+        }
         hoisted = [v for v in env if v in needed]
         if any(np.ndim(env[v]) != 0 for v in hoisted):
-            raise ValueError("lazy: this transformation's update reads a non-scalar constant in every row; "
-                             "it cannot run in the fused kernel.")
+            raise ValueError(
+                "lazy: this transformation's update reads a non-scalar constant in every row; "
+                "it cannot run in the fused kernel."
+            )
         rows_vars = [jaxpr.invars[pos] for pos in self.rows_at]
 
         def in_kernel(hoisted_values, rows):
@@ -170,8 +185,9 @@ def _gradient_rows(perm_ref, g_ref, at, take, cols, in_row):
     from jax.experimental.pallas import triton as plgpu
 
     src = plgpu.load(perm_ref.at[jnp.where(take, at, 0)], mask=take, other=0)
-    return plgpu.load(g_ref.at[src[:, None], cols[None, :]], mask=take[:, None] & in_row[None, :],
-                      other=0).astype(jnp.float32)
+    return plgpu.load(g_ref.at[src[:, None], cols[None, :]], mask=take[:, None] & in_row[None, :], other=0).astype(
+        jnp.float32
+    )
 
 
 def _one(i):
@@ -205,9 +221,13 @@ def _whole_call(kernel, operands, out_shape, grid, interpret, config, aliases=No
 
     whole = lambda x: pl.BlockSpec(x.shape, lambda b: (0,) * len(x.shape))  # noqa: E731
     return pl.pallas_call(
-        kernel, out_shape=out_shape, grid=grid,
-        in_specs=[whole(x) for x in operands], out_specs=[whole(x) for x in out_shape],
-        input_output_aliases=aliases or {}, interpret=interpret,
+        kernel,
+        out_shape=out_shape,
+        grid=grid,
+        in_specs=[whole(x) for x in operands],
+        out_specs=[whole(x) for x in out_shape],
+        input_output_aliases=aliases or {},
+        interpret=interpret,
         compiler_params=None if interpret else plgpu.CompilerParams(num_warps=config.num_warps),
     )(*operands)
 
@@ -220,10 +240,16 @@ def _onward(ids, perm, g, n, d, block, interpret, config):
     in (a running maximum over the blocks not filled by a run), so that no run, however long,
     costs one program serial work."""
     blocks, width = (ids.shape[0] - 1) // block, _pow2(d)
-    last = ids[block - 1:-1:block]  # each block's last id
+    last = ids[block - 1 : -1 : block]  # each block's last id
     prev = jnp.concatenate([jnp.full((1,), n, ids.dtype), last[:-1]])  # the run each block continues
-    carry = _whole_call(_carry_kernel(n, d, block), [ids, perm, g],
-                        [jax.ShapeDtypeStruct((blocks, width), jnp.float32)], (blocks,), interpret, config)[0]
+    carry = _whole_call(
+        _carry_kernel(n, d, block),
+        [ids, perm, g],
+        [jax.ShapeDtypeStruct((blocks, width), jnp.float32)],
+        (blocks,),
+        interpret,
+        config,
+    )[0]
     filled = (last == prev) & (prev < n)  # the block holds nothing else
     # a run starts in the last block before this one that it does not fill
     starts = jax.lax.cummax(jnp.where(filled, 0, jnp.arange(blocks)))
@@ -238,7 +264,7 @@ def _table_kernel(in_kernel, n_hoisted, hoisted_dtypes, n_rows_refs, n, d, block
 
     def kernel(ids_ref, perm_ref, g_ref, *refs):
         onward_ref, refs = (None, refs) if unique else (refs[0], refs[1:])
-        scalar_refs, out_refs = refs[:n_hoisted], refs[n_hoisted + n_rows_refs:]  # inputs aliased to outputs
+        scalar_refs, out_refs = refs[:n_hoisted], refs[n_hoisted + n_rows_refs :]  # inputs aliased to outputs
         b = pl.program_id(0)
         j = b * block + jnp.arange(block)
         cols = jnp.arange(_pow2(d))
@@ -289,10 +315,20 @@ def _prepare(inner, i, treedef, state_def, owners, leaves, state_leaves, p_leave
     mine = [state_leaves[k] for k in _owned(owners, i)]
     block_avals = [jax.ShapeDtypeStruct((block, width), x.dtype) for x in (leaves[i], *mine, p_leaves[i])]
     scalar = lambda x: jnp.zeros((), x.dtype if hasattr(x, "dtype") else jnp.result_type(x))  # noqa: E731
-    known = ([scalar(x) for x in leaves] + [scalar(x) if isinstance(o, int) else x for x, o in zip(state_leaves, owners)]
-             + [scalar(x) for x in p_leaves])  # other leaves: stand-ins
-    plan = _Plan(inner, i, treedef, state_def, owners, block_avals,
-                 [jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)) for x in known])
+    known = (
+        [scalar(x) for x in leaves]
+        + [scalar(x) if isinstance(o, int) else x for x, o in zip(state_leaves, owners)]
+        + [scalar(x) for x in p_leaves]
+    )  # other leaves: stand-ins
+    plan = _Plan(
+        inner,
+        i,
+        treedef,
+        state_def,
+        owners,
+        block_avals,
+        [jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)) for x in known],
+    )
     for pos in plan.rows_at:
         known[pos] = None
     return (block, *plan.split(known))
@@ -323,13 +359,27 @@ def _update_table(inner, i, treedef, state_def, owners, leaves, state_leaves, p_
     first = len(operands) - len(tables)
     out = _whole_call(
         _table_kernel(in_kernel, len(hoisted), hoisted_dtypes, len(tables), n, d, block, g.unique_indices),
-        operands, [jax.ShapeDtypeStruct(t.shape, t.dtype) for t in tables], (size // block,), interpret, config,
-        aliases={first + t: t for t in range(len(tables))})
+        operands,
+        [jax.ShapeDtypeStruct(t.shape, t.dtype) for t in tables],
+        (size // block,),
+        interpret,
+        config,
+        aliases={first + t: t for t in range(len(tables))},
+    )
     return out[0].reshape(shape), [o.reshape(r.shape) for o, r in zip(out[1:], rows)]
 
 
-def fused_update(optimizer, grads, state, params, apply, *, tables=None, interpret: bool = False,
-                 config: KernelConfig = KernelConfig()):
+def fused_update(
+    optimizer,
+    grads,
+    state,
+    params,
+    apply,
+    *,
+    tables=None,
+    interpret: bool = False,
+    config: KernelConfig = KernelConfig(),
+):
     """``(params, state)`` after one step of the lazy lift ``optimizer`` (see :func:`fusable`): each
     table of :func:`fused_tables` updated by one kernel, then the other leaves (the one-call lazy
     update) and the global state.
@@ -343,8 +393,7 @@ def fused_update(optimizer, grads, state, params, apply, *, tables=None, interpr
     p_leaves = treedef.flatten_up_to(params)
     tables = fused_tables(optimizer, grads, state, params) if tables is None else tables
     for i in tables:
-        p, rows = _update_table(inner, i, treedef, state_def, owners, leaves, state_leaves, p_leaves, interpret,
-                                config)
+        p, rows = _update_table(inner, i, treedef, state_def, owners, leaves, state_leaves, p_leaves, interpret, config)
         p_leaves[i] = p
         for k, r in zip(_owned(owners, i), rows):
             state_leaves[k] = r
@@ -353,4 +402,3 @@ def fused_update(optimizer, grads, state, params, apply, *, tables=None, interpr
     rest = [empty_leaf(g) if j in tables else g for j, g in enumerate(leaves)]  # the other leaves; global state
     u, state = optimizer.update(jax.tree_util.tree_unflatten(treedef, rest), state, params)
     return apply(params, u), state
-

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -38,9 +37,13 @@ def _check_liftable(ref: _Reference, state) -> None:
                 f"parameter's shape (per-entry state, updated where the gradient is valid) nor a "
                 f"scalar (global state, e.g. a step count). State that mixes entries (factored "
                 f"moments as in adafactor, per-row norms) cannot be updated lazily."
-                + (" One value per row, as rowwise_adagrad's sums, is updated only at the rows a "
-                   "row-sparse gradient touches by rowwise_adagrad itself: use it without lazy() "
-                   "(and without MultiSteps, which would need a lazy lift around it)." if _rowwise(state) else "")
+                + (
+                    " One value per row, as rowwise_adagrad's sums, is updated only at the rows a "
+                    "row-sparse gradient touches by rowwise_adagrad itself: use it without lazy() "
+                    "(and without MultiSteps, which would need a lazy lift around it)."
+                    if _rowwise(state)
+                    else ""
+                )
             )
 
     jax.tree_util.tree_map_with_path(check, state, is_leaf=ref.matches)
@@ -67,11 +70,19 @@ def check_update_arguments(inner, updates, state, params) -> None:
             raise ValueError(f"lazy: the gradient tree {g_def} does not match the parameter tree {p_def}.")
         for i, (g, p) in enumerate(zip(g_shapes, p_shapes)):
             if g != p:
-                raise ValueError(f"lazy: gradient leaf {i} has shape {g} but its parameter has shape {p}; "
-                                 "a gradient must have its parameter's shape (row-sparse: the full table shape).")
-    like = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(tuple(x.shape), data_of(x).dtype)
-                                  if is_container(x) else jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)),
-                                  updates, is_leaf=is_container)
+                raise ValueError(
+                    f"lazy: gradient leaf {i} has shape {g} but its parameter has shape {p}; "
+                    "a gradient must have its parameter's shape (row-sparse: the full table shape)."
+                )
+    like = jax.tree_util.tree_map(
+        lambda x: (
+            jax.ShapeDtypeStruct(tuple(x.shape), data_of(x).dtype)
+            if is_container(x)
+            else jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x))
+        ),
+        updates,
+        is_leaf=is_container,
+    )
     expected = jax.eval_shape(inner.init, like)
     e_def, e_shapes = jax.tree_util.tree_structure(expected), [np.shape(x) for x in jax.tree_util.tree_leaves(expected)]
     s_def, s_shapes = jax.tree_util.tree_structure(state), [np.shape(x) for x in jax.tree_util.tree_leaves(state)]
@@ -79,13 +90,15 @@ def check_update_arguments(inner, updates, state, params) -> None:
         raise ValueError(
             f"lazy: the optimizer state does not belong to these gradients: inner.init of parameters shaped "
             f"like the gradients gives {e_def} with shapes {e_shapes}; got {s_def} with shapes {s_shapes}. "
-            "Pass the state this optimizer's init returned for these parameters.")
+            "Pass the state this optimizer's init returned for these parameters."
+        )
 
 
 def check_transformation(obj, argname: str) -> None:
     if not (callable(getattr(obj, "init", None)) and callable(getattr(obj, "update", None))):
-        raise TypeError(f"{argname} must be an optax.GradientTransformation (with init and update); "
-                        f"got {type(obj).__name__}.")
+        raise TypeError(
+            f"{argname} must be an optax.GradientTransformation (with init and update); got {type(obj).__name__}."
+        )
 
 
 def lazy(inner: optax.GradientTransformation, *, catch_up: bool = False, capacity=None) -> optax.GradientTransformation:
@@ -185,8 +198,10 @@ def lazy(inner: optax.GradientTransformation, *, catch_up: bool = False, capacit
         raise ValueError("lazy(..., capacity=...) applies to optax.MultiSteps (the rows its accumulator holds).")
     if isinstance(inner, optax.MultiSteps):
         if catch_up:
-            raise ValueError("lazy(optax.MultiSteps(...), catch_up=True) is not supported: lift the inner "
-                             "transformation with catch_up inside MultiSteps' accumulation instead.")
+            raise ValueError(
+                "lazy(optax.MultiSteps(...), catch_up=True) is not supported: lift the inner "
+                "transformation with catch_up inside MultiSteps' accumulation instead."
+            )
         if capacity is not None:
             return lazy_multi_steps_rows(inner, lazy, capacity)
         return lazy_multi_steps(inner, lazy)
@@ -194,8 +209,9 @@ def lazy(inner: optax.GradientTransformation, *, catch_up: bool = False, capacit
     def init_fn(params):
         params = jax.tree_util.tree_map(data_of, params, is_leaf=is_container)
         if catch_up:
-            return _catch_up.LazyCatchUpState(inner.init(params), jnp.zeros((), jnp.int32),
-                                              _catch_up.init_counters(params))
+            return _catch_up.LazyCatchUpState(
+                inner.init(params), jnp.zeros((), jnp.int32), _catch_up.init_counters(params)
+            )
         return inner.init(params)
 
     takes_extra = isinstance(inner, optax.GradientTransformationExtraArgs)
@@ -203,15 +219,19 @@ def lazy(inner: optax.GradientTransformation, *, catch_up: bool = False, capacit
     def inner_update(updates, state, params, extra_args):
         # optax's own rule (``with_extra_args_support``): extra arguments reach an inner
         # transformation that declares it takes them, and no other
-        return inner.update(updates, state, params, **extra_args) if takes_extra else inner.update(updates, state, params)
+        return (
+            inner.update(updates, state, params, **extra_args) if takes_extra else inner.update(updates, state, params)
+        )
 
     def update_fn(updates, state, params=None, **extra_args):
         if params is not None:
             params = jax.tree_util.tree_map(data_of, params, is_leaf=is_container)
         if catch_up:
             if not isinstance(state, _catch_up.LazyCatchUpState):
-                raise ValueError(f"lazy(catch_up=True): state must be the LazyCatchUpState its init returned; got "
-                                 f"{type(state).__name__}.")
+                raise ValueError(
+                    f"lazy(catch_up=True): state must be the LazyCatchUpState its init returned; got "
+                    f"{type(state).__name__}."
+                )
             state, step, last = state
         check_update_arguments(inner, updates, state, params)
         leaves, treedef = jax.tree_util.tree_flatten(updates, is_leaf=is_container)
@@ -232,36 +252,48 @@ def lazy(inner: optax.GradientTransformation, *, catch_up: bool = False, capacit
         inner_state = _map_param_shaped(ref, gather, state)
         caught = p_rows
         if catch_up:
-            like = jax.tree_util.tree_unflatten(treedef, [jax.ShapeDtypeStruct(v.shape, d.dtype)
-                                                          for v, d in zip(views, gathered)])
+            like = jax.tree_util.tree_unflatten(
+                treedef, [jax.ShapeDtypeStruct(v.shape, d.dtype) for v, d in zip(views, gathered)]
+            )
             coeffs = _catch_up.probe(inner, like)
             if params is None and _catch_up.needs_params(coeffs):
-                raise ValueError("lazy(catch_up=True): this optimizer moves untouched parameters (weight decay or "
-                                 "momentum drift), so update needs params=.")
+                raise ValueError(
+                    "lazy(catch_up=True): this optimizer moves untouched parameters (weight decay or "
+                    "momentum drift), so update needs params=."
+                )
             last_leaves = treedef.flatten_up_to(last)
             ks = [_catch_up.rows_since(v, c, step) for v, c in zip(views, last_leaves)]
             rows_ref = _Reference(treedef, tuple(np.shape(d) for d in gathered))  # the state as gathered
             subtrees = []
             _map_param_shaped(rows_ref, lambda ls: subtrees.append(ls) or ls, inner_state)
-            moved = [_catch_up.catch_up_rows(coeffs, i, ks[i], None if p_rows is None else p_rows[i],
-                                             [sub[i] for sub in subtrees]) for i in range(len(views))]
+            moved = [
+                _catch_up.catch_up_rows(
+                    coeffs, i, ks[i], None if p_rows is None else p_rows[i], [sub[i] for sub in subtrees]
+                )
+                for i in range(len(views))
+            ]
             caught = None if p_rows is None else [m[0] for m in moved]
             which = iter(range(len(subtrees)))
-            inner_state = _map_param_shaped(rows_ref, lambda ls: (lambda l: [m[1][l] for m in moved])(next(which)),
-                                            inner_state)
-        u, new_inner_state = inner_update(jax.tree_util.tree_unflatten(treedef, gathered), inner_state,
-                                          None if caught is None else jax.tree_util.tree_unflatten(treedef, caught),
-                                          extra_args)
+            inner_state = _map_param_shaped(
+                rows_ref, lambda ls: (lambda l: [m[1][l] for m in moved])(next(which)), inner_state
+            )
+        u, new_inner_state = inner_update(
+            jax.tree_util.tree_unflatten(treedef, gathered),
+            inner_state,
+            None if caught is None else jax.tree_util.tree_unflatten(treedef, caught),
+            extra_args,
+        )
         new_state = _map_param_shaped(
-            ref, lambda old, new: [v.scatter(o, n) for v, o, n in zip(views, old, new)],
-            state, new_inner_state)
+            ref, lambda old, new: [v.scatter(o, n) for v, o, n in zip(views, old, new)], state, new_inner_state
+        )
         u_leaves = treedef.flatten_up_to(u)
         if catch_up and caught is not None:  # the update also carries each row over its skipped steps
             u_leaves = [x + (c - p).astype(x.dtype) for x, c, p in zip(u_leaves, caught, p_rows)]
         out = jax.tree_util.tree_unflatten(treedef, [v.wrap(x) for v, x in zip(views, u_leaves)])
         if catch_up:
             new_last = jax.tree_util.tree_unflatten(
-                treedef, [_catch_up.touch(v, c, step) for v, c in zip(views, last_leaves)])
+                treedef, [_catch_up.touch(v, c, step) for v, c in zip(views, last_leaves)]
+            )
             new_state = _catch_up.LazyCatchUpState(new_state, step + 1, new_last)
         return out, new_state
 

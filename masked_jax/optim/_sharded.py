@@ -28,11 +28,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from masked_jax._core import is_container, is_masked, from_pair
-from masked_jax._core import SparseMasked
-from masked_jax.layouts import RowSparseArray, take_rows, rows_from_parts
+from masked_jax._core import SparseMasked, from_pair, is_container, is_masked
+from masked_jax.layouts import RowSparseArray, rows_from_parts, take_rows
 from masked_jax.optim._apply import apply_updates
 from masked_jax.optim._lazy import check_transformation
 from masked_jax.optim._state import _local_from, _map_local, _Reference
@@ -107,8 +107,16 @@ def _only_if(g, take):
     return from_pair(g, jnp.broadcast_to(take, g.shape))
 
 
-def sharded_update(optimizer: optax.GradientTransformation, grads, opt_state, params, *, mesh: Mesh,
-                   axis: str, capacity: int | None = None):
+def sharded_update(
+    optimizer: optax.GradientTransformation,
+    grads,
+    opt_state,
+    params,
+    *,
+    mesh: Mesh,
+    axis: str,
+    capacity: int | None = None,
+):
     """One optimizer step on tables sharded by rows: ``(new_params, new_opt_state)``.
 
     Parameters whose gradient is a :class:`RowSparseArray` are tables sharded by rows
@@ -159,21 +167,29 @@ def sharded_update(optimizer: optax.GradientTransformation, grads, opt_state, pa
     rows = [isinstance(g, RowSparseArray) for g in g_leaves]
     for g, p, r in zip(g_leaves, p_leaves, rows):
         if r and (is_container(p) or np.shape(p) != tuple(g.shape)):
-            raise ValueError(f"sharded_update: a row-sparse gradient of shape {tuple(g.shape)} needs a plain "
-                             f"array parameter of the same shape (the table); got {type(p).__name__} of "
-                             f"shape {np.shape(p)}.")
+            raise ValueError(
+                f"sharded_update: a row-sparse gradient of shape {tuple(g.shape)} needs a plain "
+                f"array parameter of the same shape (the table); got {type(p).__name__} of "
+                f"shape {np.shape(p)}."
+            )
         if r and g.shape[0] % n_dev:
-            raise ValueError(f"sharded_update: a table of {g.shape[0]} rows cannot be split evenly over the "
-                             f"{n_dev} devices of mesh axis {axis!r}; pad it to a multiple of {n_dev} rows.")
+            raise ValueError(
+                f"sharded_update: a table of {g.shape[0]} rows cannot be split evenly over the "
+                f"{n_dev} devices of mesh axis {axis!r}; pad it to a multiple of {n_dev} rows."
+            )
     _check_entrywise(optimizer)
 
     p_specs = [P(axis) if r else P() for r in rows]
-    marked = _map_local(_Reference.of(grads), lambda _, per_row: [_Spec(P(*s[:1]) if per_row else s) for s in p_specs],
-                        opt_state)
-    state_specs = jax.tree_util.tree_map(lambda x: x.spec if isinstance(x, _Spec) else P(), marked,
-                                         is_leaf=lambda x: isinstance(x, _Spec))
-    caps = [(default_capacity(g.nse, n_dev) if capacity is None else min(int(capacity), g.nse)) if r else 0
-            for g, r in zip(g_leaves, rows)]
+    marked = _map_local(
+        _Reference.of(grads), lambda _, per_row: [_Spec(P(*s[:1]) if per_row else s) for s in p_specs], opt_state
+    )
+    state_specs = jax.tree_util.tree_map(
+        lambda x: x.spec if isinstance(x, _Spec) else P(), marked, is_leaf=lambda x: isinstance(x, _Spec)
+    )
+    caps = [
+        (default_capacity(g.nse, n_dev) if capacity is None else min(int(capacity), g.nse)) if r else 0
+        for g, r in zip(g_leaves, rows)
+    ]
 
     def local_step(grads, state, params):
         device = jax.lax.axis_index(axis)
@@ -201,13 +217,18 @@ def sharded_update(optimizer: optax.GradientTransformation, grads, opt_state, pa
         # A device owning more ids than its capacity runs the exact all-rows path instead: a
         # while_loop of zero or one trips (a loop, unlike lax.cond, keeps the update in place).
         _, new_params, new_state = jax.lax.while_loop(
-            lambda c: c[0], lambda c: (jnp.bool_(False), *run(c[1], c[2], True, True)),
-            (~fits, new_params, new_state))
+            lambda c: c[0], lambda c: (jnp.bool_(False), *run(c[1], c[2], True, True)), (~fits, new_params, new_state)
+        )
         return new_params, new_state
 
     param_specs = treedef.unflatten(p_specs)
-    return jax.shard_map(local_step, mesh=mesh, in_specs=(P(), state_specs, param_specs),
-                         out_specs=(param_specs, state_specs), check_vma=False)(grads, opt_state, params)
+    return jax.shard_map(
+        local_step,
+        mesh=mesh,
+        in_specs=(P(), state_specs, param_specs),
+        out_specs=(param_specs, state_specs),
+        check_vma=False,
+    )(grads, opt_state, params)
 
 
 def init_sharded(optimizer: optax.GradientTransformation, params):
@@ -242,8 +263,12 @@ def init_sharded(optimizer: optax.GradientTransformation, params):
     replicated = NamedSharding(mesh, P())
     placed = [sh if sh is not None else replicated for sh in named]
     shapes = jax.eval_shape(optimizer.init, params)
-    marked = _map_local(_Reference.of(params), lambda _, per_row: [
-        _Spec(NamedSharding(mesh, P(*sh.spec[:1])) if per_row else sh) for sh in placed], shapes)
-    out = jax.tree_util.tree_map(lambda x: x.spec if isinstance(x, _Spec) else replicated, marked,
-                                 is_leaf=lambda x: isinstance(x, _Spec))
+    marked = _map_local(
+        _Reference.of(params),
+        lambda _, per_row: [_Spec(NamedSharding(mesh, P(*sh.spec[:1])) if per_row else sh) for sh in placed],
+        shapes,
+    )
+    out = jax.tree_util.tree_map(
+        lambda x: x.spec if isinstance(x, _Spec) else replicated, marked, is_leaf=lambda x: isinstance(x, _Spec)
+    )
     return jax.jit(optimizer.init, out_shardings=out)(params)

@@ -23,7 +23,7 @@ class _Reference(NamedTuple):
         leaves, treedef = jax.tree_util.tree_flatten(tree, is_leaf=is_container)
         return cls(treedef, tuple(np.shape(x) if not is_container(x) else x.shape for x in leaves))
 
-    def rows(self) -> "_Reference":
+    def rows(self) -> _Reference:
         """The reference for row-shaped state: one value per row of each leaf (``(N,)`` for an
         ``(N, ...)`` leaf; vectors and scalars keep their shape), as row-wise Adagrad's sums."""
         return _Reference(self.treedef, tuple(s[:1] if len(s) >= 2 else s for s in self.shapes))

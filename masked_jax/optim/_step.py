@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import optax
 
 from masked_jax._ad import value_and_grad
-from masked_jax._core import is_container
-from masked_jax._core import SparseMasked
+from masked_jax._core import SparseMasked, is_container
 from masked_jax.optim._apply import add_updates
 from masked_jax.optim._chunked import chunkable, chunked_update
 from masked_jax.optim._fused import fused_tables, fused_update
@@ -18,10 +17,19 @@ from masked_jax.optim._sharded import sharded_update
 from masked_jax.optim._state import is_row_local, lazy_inner
 
 
-def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation, *,
-                    has_aux: bool = False, row_sparse=None, donate: bool = True, mesh=None,
-                    axis: str | None = None, capacity: int | None = None,
-                    chunk_rows: int | None = 8192, fused_rows: bool = False) -> Callable:
+def make_train_step(
+    loss_fn: Callable,
+    optimizer: optax.GradientTransformation,
+    *,
+    has_aux: bool = False,
+    row_sparse=None,
+    donate: bool = True,
+    mesh=None,
+    axis: str | None = None,
+    capacity: int | None = None,
+    chunk_rows: int | None = 8192,
+    fused_rows: bool = False,
+) -> Callable:
     """``step(params, opt_state, *batch) -> (params, opt_state, loss)``, jitted with donation.
 
     The step differentiates ``loss_fn(params, *batch)`` with :func:`mj.value_and_grad
@@ -77,8 +85,9 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation, 
         raise TypeError(f"loss_fn must be callable as loss_fn(params, *batch); got {type(loss_fn).__name__}.")
     check_transformation(optimizer, "optimizer")
     if (mesh is None) != (axis is None):
-        raise ValueError("make_train_step: give both mesh and axis (the mesh axis the tables' rows are "
-                         "sharded over), or neither.")
+        raise ValueError(
+            "make_train_step: give both mesh and axis (the mesh axis the tables' rows are sharded over), or neither."
+        )
     if chunk_rows is not None and (isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int) or chunk_rows < 1):
         raise ValueError(f"make_train_step: chunk_rows must be a positive int or None; got {chunk_rows!r}.")
     if not isinstance(fused_rows, bool):
@@ -93,8 +102,9 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation, 
     def step(params, opt_state, *batch, **kwargs):
         value, grads = loss_and_grad(params, *batch, **kwargs)
         if mesh is not None:
-            params, opt_state = sharded_update(optimizer, grads, opt_state, params, mesh=mesh, axis=axis,
-                                               capacity=capacity)
+            params, opt_state = sharded_update(
+                optimizer, grads, opt_state, params, mesh=mesh, axis=axis, capacity=capacity
+            )
             return params, opt_state, value
         branches = {}
         if chunk_rows is not None and chunkable(optimizer, grads, opt_state, params, chunk_rows):
@@ -105,7 +115,8 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation, 
             branches["cuda"] = lambda p, s, g: fused_update(optimizer, g, s, p, apply_updates, tables=tables)
         if branches:
             params, opt_state = jax.lax.platform_dependent(
-                params, opt_state, grads, default=lambda p, s, g: one_call(g, s, p), **branches)
+                params, opt_state, grads, default=lambda p, s, g: one_call(g, s, p), **branches
+            )
             return params, opt_state, value
         return *one_call(grads, opt_state, params), value
 
@@ -113,13 +124,18 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation, 
         try:
             updates, opt_state = optimizer.update(grads, opt_state, params)
         except (TypeError, ValueError) as error:
-            sparse = [type(g).__name__ for g in jax.tree_util.tree_leaves(grads, is_leaf=is_container)
-                      if isinstance(g, SparseMasked)]
+            sparse = [
+                type(g).__name__
+                for g in jax.tree_util.tree_leaves(grads, is_leaf=is_container)
+                if isinstance(g, SparseMasked)
+            ]
             if sparse and not coalesced:  # a plain optax optimizer meets a row-sparse gradient
-                raise TypeError(f"make_train_step: the optimizer failed on {sparse[0]} gradients (row_sparse=...): "
-                                "a plain optax optimizer treats every leaf of a gradient as values, the row "
-                                "indices too. Wrap it in optim.lazy(...), which updates only the rows "
-                                f"stored. The optimizer's error: {error}") from error
+                raise TypeError(
+                    f"make_train_step: the optimizer failed on {sparse[0]} gradients (row_sparse=...): "
+                    "a plain optax optimizer treats every leaf of a gradient as values, the row "
+                    "indices too. Wrap it in optim.lazy(...), which updates only the rows "
+                    f"stored. The optimizer's error: {error}"
+                ) from error
             raise
         return apply_updates(params, updates), opt_state
 

@@ -12,9 +12,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from masked_jax._core import is_masked, from_pair
-from masked_jax._core import SparseMasked
-from masked_jax.layouts import RowSparseArray, at_least_two_rows, take_rows, rows_from_parts
+from masked_jax._core import SparseMasked, from_pair, is_masked
+from masked_jax.layouts import RowSparseArray, at_least_two_rows, rows_from_parts, take_rows
 
 
 def data_of(x):

@@ -10,7 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import masked_jax as mj
 import masked_jax.nn as mnn
@@ -46,8 +47,12 @@ def _same(a, b, rtol=1e-6):
 
 # -- masked arrays keep their shardings, and match one device ---------------------------------
 
-ELEMENTWISE = {"exp": mnp.exp, "log1p": lambda x: mnp.log1p(mnp.abs(x)), "mul": lambda x: x * 2.0 + x,
-               "where": lambda x: mnp.where(x > 0, x, -x)}
+ELEMENTWISE = {
+    "exp": mnp.exp,
+    "log1p": lambda x: mnp.log1p(mnp.abs(x)),
+    "mul": lambda x: x * 2.0 + x,
+    "where": lambda x: mnp.where(x > 0, x, -x),
+}
 
 
 @pytest.mark.parametrize("name", list(ELEMENTWISE))
@@ -61,11 +66,16 @@ def test_elementwise_ops_keep_the_row_sharding_of_data_and_mask(mesh, name):
 
 
 ALONG = {
-    "sum": lambda x, a: mnp.sum(x, axis=a), "mean": lambda x, a: mnp.mean(x, axis=a),
-    "var": lambda x, a: mnp.var(x, axis=a), "std": lambda x, a: mnp.std(x, axis=a, ddof=1),
-    "max": lambda x, a: mnp.max(x, axis=a), "argmin": lambda x, a: mnp.argmin(x, axis=a),
-    "logsumexp": lambda x, a: mnp.logsumexp(x, axis=a), "norm": lambda x, a: mnp.linalg.norm(x, axis=a),
-    "softmax": lambda x, a: mnn.softmax(x, axis=a), "log_softmax": lambda x, a: mnn.log_softmax(x, axis=a),
+    "sum": lambda x, a: mnp.sum(x, axis=a),
+    "mean": lambda x, a: mnp.mean(x, axis=a),
+    "var": lambda x, a: mnp.var(x, axis=a),
+    "std": lambda x, a: mnp.std(x, axis=a, ddof=1),
+    "max": lambda x, a: mnp.max(x, axis=a),
+    "argmin": lambda x, a: mnp.argmin(x, axis=a),
+    "logsumexp": lambda x, a: mnp.logsumexp(x, axis=a),
+    "norm": lambda x, a: mnp.linalg.norm(x, axis=a),
+    "softmax": lambda x, a: mnn.softmax(x, axis=a),
+    "log_softmax": lambda x, a: mnn.log_softmax(x, axis=a),
     "normalize": lambda x, a: mnn.normalize(x, axis=a),
 }
 
@@ -80,8 +90,12 @@ def test_reductions_and_softmax_over_a_sharded_axis_match_one_device(mesh, name,
 
 def test_row_sparse_and_bcoo_arrays_keep_their_shardings(mesh):
     rng = np.random.default_rng(2)
-    g = mj.row_sparse(jnp.asarray(rng.normal(size=(16, 4)), jnp.float32), jnp.asarray(rng.permutation(40)[:16]), (40, 4),
-                      unique_indices=True)
+    g = mj.row_sparse(
+        jnp.asarray(rng.normal(size=(16, 4)), jnp.float32),
+        jnp.asarray(rng.permutation(40)[:16]),
+        (40, 4),
+        unique_indices=True,
+    )
     gs = _put(g, mesh, P("rows"))  # the K stored rows spread over the devices
     out = jax.jit(lambda g: mnp.exp(g) * 2.0)(gs)
     assert isinstance(out, mj.RowSparseArray) and out.data.sharding.spec == P("rows")
@@ -114,16 +128,21 @@ N, DIM, K = 4096, 8, 96
 
 def _problem(seed=0, skew=False):
     rng = np.random.default_rng(seed)
-    params = {"emb": jnp.asarray(rng.normal(size=(N, DIM)), jnp.float32),
-              "w": jnp.asarray(rng.normal(size=(DIM,)), jnp.float32)}
+    params = {
+        "emb": jnp.asarray(rng.normal(size=(N, DIM)), jnp.float32),
+        "w": jnp.asarray(rng.normal(size=(DIM,)), jnp.float32),
+    }
     grads = []
     for _ in range(3):
         hi = N // D if skew else N - 64  # skew: every id on device 0; the last 64 rows never touched
         ids = rng.integers(0, hi, size=K)
         ids[:4] = ids[4:8]  # duplicates
-        grads.append({"emb": mj.row_sparse(jnp.asarray(rng.normal(size=(K, DIM)), jnp.float32), jnp.asarray(ids),
-                                           (N, DIM)),
-                      "w": jnp.asarray(rng.normal(size=(DIM,)), jnp.float32)})
+        grads.append(
+            {
+                "emb": mj.row_sparse(jnp.asarray(rng.normal(size=(K, DIM)), jnp.float32), jnp.asarray(ids), (N, DIM)),
+                "w": jnp.asarray(rng.normal(size=(DIM,)), jnp.float32),
+            }
+        )
     return params, grads
 
 
@@ -143,8 +162,10 @@ def _apply(opt, params, state, g):
 def _sharded(opt, mesh, params, grads, capacity=None):
     params = {"emb": _put(params["emb"], mesh, P("rows")), "w": _put(params["w"], mesh, P())}
     state = optim.init_sharded(opt, params)
-    step = jax.jit(lambda p, s, g: optim.sharded_update(opt, g, s, p, mesh=mesh, axis="rows", capacity=capacity),
-                   donate_argnums=(0, 1))
+    step = jax.jit(
+        lambda p, s, g: optim.sharded_update(opt, g, s, p, mesh=mesh, axis="rows", capacity=capacity),
+        donate_argnums=(0, 1),
+    )
     for g in grads:
         params, state = step(params, state, g)
     return params, state
@@ -170,7 +191,7 @@ def test_ids_concentrated_on_one_device_take_the_exact_path(mesh):
     ref_p, _ = _single(opt, params, grads)
     got_p, _ = _sharded(opt, mesh, params, grads)
     np.testing.assert_allclose(np.asarray(got_p["emb"]), np.asarray(ref_p["emb"]), rtol=2e-6, atol=1e-7)
-    np.testing.assert_array_equal(np.asarray(got_p["emb"])[N // D:], np.asarray(params["emb"])[N // D:])
+    np.testing.assert_array_equal(np.asarray(got_p["emb"])[N // D :], np.asarray(params["emb"])[N // D :])
 
 
 def test_sharded_state_is_placed_like_the_parameters(mesh):
@@ -230,8 +251,11 @@ def _loss(params, users, items, ratings):
 
 def _embedding(n, dim, batch, seed=0):
     k = jax.random.split(jax.random.key(seed), 5)
-    params = {"user": 0.1 * jax.random.normal(k[0], (n, dim), jnp.float32),
-              "item": 0.1 * jax.random.normal(k[1], (n, dim), jnp.float32), "bias": jnp.zeros((), jnp.float32)}
+    params = {
+        "user": 0.1 * jax.random.normal(k[0], (n, dim), jnp.float32),
+        "item": 0.1 * jax.random.normal(k[1], (n, dim), jnp.float32),
+        "bias": jnp.zeros((), jnp.float32),
+    }
     users = jax.random.randint(k[2], (batch,), 0, n)
     items = jax.random.randint(k[3], (batch,), 0, n)
     return params, users, items, jax.random.normal(k[4], (batch,), jnp.float32)
@@ -241,8 +265,11 @@ TABLES = {"user": True, "item": True, "bias": False}
 
 
 def _place(params, mesh):
-    return {"user": _put(params["user"], mesh, P("rows")), "item": _put(params["item"], mesh, P("rows")),
-            "bias": _put(params["bias"], mesh, P())}
+    return {
+        "user": _put(params["user"], mesh, P("rows")),
+        "item": _put(params["item"], mesh, P("rows")),
+        "bias": _put(params["bias"], mesh, P()),
+    }
 
 
 def test_sharded_train_step_matches_one_device(mesh):
@@ -253,7 +280,7 @@ def test_sharded_train_step_matches_one_device(mesh):
     p1, s1 = params, opt.init(params)
     p8 = _place(_embedding(2048, 8, 64)[0], mesh)  # fresh buffers: the steps donate theirs
     s8 = optim.init_sharded(opt, p8)
-    for i in range(4):
+    for _i in range(4):
         p1, s1, l1 = step(p1, s1, users, items, r)
         p8, s8, l8 = sharded_step(p8, s8, users, items, r)
         np.testing.assert_allclose(float(l8), float(l1), rtol=1e-6)
@@ -278,8 +305,11 @@ def test_sharded_step_hlo_is_local_and_in_place(mesh):
     assert len(shards) == 6 and set(shards) <= aliased  # two tables and their adam mu and nu
     # no table is gathered (no all-gather at all), and no shard or table is copied or broadcast
     assert "all-gather" not in hlo and "all-to-all" not in hlo
-    big = [line for line in hlo.splitlines()
-           if (shard in line or f"f32[{n},{dim}]" in line) and re.search(r"\b(copy|broadcast)\(", line)]
+    big = [
+        line
+        for line in hlo.splitlines()
+        if (shard in line or f"f32[{n},{dim}]" in line) and re.search(r"\b(copy|broadcast)\(", line)
+    ]
     assert big == []
     # the lookups are local gathers summed over devices: K x dim values (K = 128 ids), never a table
     reduces = [line.split("all-reduce(")[0] for line in hlo.splitlines() if "all-reduce(" in line]

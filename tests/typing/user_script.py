@@ -31,7 +31,7 @@ r = mnp.reshape(x, (4,))
 a = x + 1.0
 b = 2.0 * x - x / 3.0
 d = x @ w
-f = -x ** 2
+f = -(x**2)
 g = (x >= 1.0) & (x < 4.0)
 h = x.sum(axis=0).mean()
 k = x.reshape(4).T
