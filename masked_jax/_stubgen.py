@@ -16,7 +16,12 @@ import sys
 import masked_jax  # noqa: F401  (registers every op and builds the modules)
 from masked_jax import nn, numpy
 from masked_jax._core import ArrayMethods
-from masked_jax.numpy import _array_api, _compositions, _frontend
+from masked_jax.numpy import _contractions, _creation, _dtypes, _frontend, _metadata, _misc, _reductions, _searching
+from masked_jax.numpy import _setops, _stacking
+
+# the topic modules of masked_jax.numpy: their functions are typed in their own source
+TOPICS = (_metadata, _creation, _dtypes, _contractions, _stacking, _reductions, _setops, _searching, _misc)
+HOMES = {name: module.__name__ for module in TOPICS for name in module.__all__}
 
 HERE = pathlib.Path(__file__).parent
 HEADER = """# Generated from the op registry by `python -m masked_jax._stubgen`; do not edit.
@@ -68,9 +73,8 @@ def _module_stub(module, extra: str = "") -> str:
             lines.append(f"def {name}{render_signature(inspect.signature(obj))}: ...")
         elif getattr(obj, "__module__", "").startswith("masked_jax._core"):
             reexports.append(f"from masked_jax._core import {obj.__name__} as {name}")
-        elif name in _array_api.__all__ or name in _compositions.__all__:  # typed in their own source
-            home = "_array_api" if name in _array_api.__all__ else "_compositions"
-            reexports.append(f"from masked_jax.numpy.{home} import {name} as {name}")
+        elif name in HOMES:  # typed in their own source
+            reexports.append(f"from {HOMES[name]} import {name} as {name}")
         elif inspect.ismodule(obj):  # linalg, fft: real submodules, typed in their own source
             reexports.append(f"from {obj.__name__.rsplit('.', 1)[0]} import {name} as {name}")
         elif inspect.isfunction(obj) and obj.__name__ == name:
@@ -112,7 +116,7 @@ def _methods_stub() -> str:
 
 def _namespace_extra() -> str:
     return (
-        "\nfrom masked_jax.numpy._array_api import __array_namespace_info__ as __array_namespace_info__\n"
+        "\nfrom masked_jax.numpy._metadata import __array_namespace_info__ as __array_namespace_info__\n"
         "__array_api_version__: str\n"
     )
 

@@ -12,7 +12,7 @@ import masked_jax as mj
 import masked_jax.nn as mnn
 import masked_jax.numpy as mnp
 from masked_jax import optim
-from masked_jax.numpy import _array_api
+from masked_jax.numpy import _metadata
 
 
 def _public():
@@ -20,7 +20,7 @@ def _public():
     for mod in (mj, mnp, mnn, optim):
         for name in getattr(mod, "__all__", None) or [n for n in dir(mod) if not n.startswith("_")]:
             obj = getattr(mod, name)
-            if callable(obj) and not inspect.ismodule(obj) and name not in _array_api.DTYPES:  # jax's dtypes
+            if callable(obj) and not inspect.ismodule(obj) and name not in _metadata.DTYPES:  # jax's dtypes
                 items.append((f"{mod.__name__}.{name}", obj))
     items.append(("masked_jax.MaskedArray", mj.MaskedArray))
     for meth in ("filled", "count", "to_numpy_ma", "at"):

@@ -35,21 +35,220 @@ _frontend.attach("numpy", globals())
 amax, amin = max, min  # noqa: F821  (installed by attach)
 __all__ += ["amax", "amin"]
 
-# The Array API standard: constants, dtypes, creation and dtype functions, the standard's names for
-# the registry's ops, and the compositions with a masked meaning.
-# Beyond the standard: jax.numpy functions whose masked meaning is a composition.
-from masked_jax.numpy import (
-    _array_api,  # noqa: E402
-    _compositions,  # noqa: E402
-)
-from masked_jax.numpy._array_api import *  # noqa: E402, F403
-from masked_jax.numpy._array_api import __array_namespace_info__  # noqa: E402, F401
-from masked_jax.numpy._compositions import *  # noqa: E402, F403
+# The functions whose masked meaning is a composition of registered ops (the Array API's and
+# jax.numpy's), by topic, and the standard's constants and dtypes.
+from masked_jax.numpy import _metadata  # noqa: E402
+from masked_jax.numpy._contractions import convolve as convolve
+from masked_jax.numpy._contractions import correlate as correlate
+from masked_jax.numpy._contractions import cross as cross
+from masked_jax.numpy._contractions import diagonal as diagonal
+from masked_jax.numpy._contractions import kron as kron
+from masked_jax.numpy._contractions import matrix_transpose as matrix_transpose
+from masked_jax.numpy._contractions import matvec as matvec
+from masked_jax.numpy._contractions import trace as trace
+from masked_jax.numpy._contractions import vecdot as vecdot
+from masked_jax.numpy._contractions import vecmat as vecmat
+from masked_jax.numpy._creation import arange as arange
+from masked_jax.numpy._creation import asarray as asarray
+from masked_jax.numpy._creation import copy as copy
+from masked_jax.numpy._creation import diag as diag
+from masked_jax.numpy._creation import diagflat as diagflat
+from masked_jax.numpy._creation import empty as empty
+from masked_jax.numpy._creation import empty_like as empty_like
+from masked_jax.numpy._creation import eye as eye
+from masked_jax.numpy._creation import from_dlpack as from_dlpack
+from masked_jax.numpy._creation import full as full
+from masked_jax.numpy._creation import full_like as full_like
+from masked_jax.numpy._creation import linspace as linspace
+from masked_jax.numpy._creation import meshgrid as meshgrid
+from masked_jax.numpy._creation import ones as ones
+from masked_jax.numpy._creation import ones_like as ones_like
+from masked_jax.numpy._creation import tril as tril
+from masked_jax.numpy._creation import triu as triu
+from masked_jax.numpy._creation import zeros as zeros
+from masked_jax.numpy._creation import zeros_like as zeros_like
+from masked_jax.numpy._dtypes import can_cast as can_cast
+from masked_jax.numpy._dtypes import finfo as finfo
+from masked_jax.numpy._dtypes import iinfo as iinfo
+from masked_jax.numpy._dtypes import isdtype as isdtype
+from masked_jax.numpy._dtypes import result_type as result_type
+from masked_jax.numpy._metadata import __array_namespace_info__ as __array_namespace_info__
+from masked_jax.numpy._metadata import bool as bool
+from masked_jax.numpy._metadata import complex64 as complex64
+from masked_jax.numpy._metadata import complex128 as complex128
+from masked_jax.numpy._metadata import e as e
+from masked_jax.numpy._metadata import float32 as float32
+from masked_jax.numpy._metadata import float64 as float64
+from masked_jax.numpy._metadata import inf as inf
+from masked_jax.numpy._metadata import int8 as int8
+from masked_jax.numpy._metadata import int16 as int16
+from masked_jax.numpy._metadata import int32 as int32
+from masked_jax.numpy._metadata import int64 as int64
+from masked_jax.numpy._metadata import nan as nan
+from masked_jax.numpy._metadata import newaxis as newaxis
+from masked_jax.numpy._metadata import pi as pi
+from masked_jax.numpy._metadata import uint8 as uint8
+from masked_jax.numpy._metadata import uint16 as uint16
+from masked_jax.numpy._metadata import uint32 as uint32
+from masked_jax.numpy._metadata import uint64 as uint64
+from masked_jax.numpy._misc import ndim as ndim
+from masked_jax.numpy._misc import shape as shape
+from masked_jax.numpy._misc import size as size
+from masked_jax.numpy._reductions import allclose as allclose
+from masked_jax.numpy._reductions import count_nonzero as count_nonzero
+from masked_jax.numpy._reductions import cumulative_prod as cumulative_prod
+from masked_jax.numpy._reductions import cumulative_sum as cumulative_sum
+from masked_jax.numpy._reductions import diff as diff
+from masked_jax.numpy._reductions import ediff1d as ediff1d
+from masked_jax.numpy._reductions import nanargmax as nanargmax
+from masked_jax.numpy._reductions import nanargmin as nanargmin
+from masked_jax.numpy._reductions import nancumprod as nancumprod
+from masked_jax.numpy._reductions import nancumsum as nancumsum
+from masked_jax.numpy._reductions import nanmax as nanmax
+from masked_jax.numpy._reductions import nanmean as nanmean
+from masked_jax.numpy._reductions import nanmedian as nanmedian
+from masked_jax.numpy._reductions import nanmin as nanmin
+from masked_jax.numpy._reductions import nanpercentile as nanpercentile
+from masked_jax.numpy._reductions import nanprod as nanprod
+from masked_jax.numpy._reductions import nanquantile as nanquantile
+from masked_jax.numpy._reductions import nanstd as nanstd
+from masked_jax.numpy._reductions import nansum as nansum
+from masked_jax.numpy._reductions import nanvar as nanvar
+from masked_jax.numpy._searching import argwhere as argwhere
+from masked_jax.numpy._searching import bincount as bincount
+from masked_jax.numpy._searching import digitize as digitize
+from masked_jax.numpy._searching import flatnonzero as flatnonzero
+from masked_jax.numpy._searching import histogram as histogram
+from masked_jax.numpy._searching import interp as interp
+from masked_jax.numpy._searching import nonzero as nonzero
+from masked_jax.numpy._searching import searchsorted as searchsorted
+from masked_jax.numpy._searching import select as select
+from masked_jax.numpy._setops import isin as isin
+from masked_jax.numpy._setops import unique as unique
+from masked_jax.numpy._setops import unique_all as unique_all
+from masked_jax.numpy._setops import unique_counts as unique_counts
+from masked_jax.numpy._setops import unique_inverse as unique_inverse
+from masked_jax.numpy._setops import unique_values as unique_values
+from masked_jax.numpy._stacking import append as append
+from masked_jax.numpy._stacking import array_split as array_split
+from masked_jax.numpy._stacking import broadcast_arrays as broadcast_arrays
+from masked_jax.numpy._stacking import column_stack as column_stack
+from masked_jax.numpy._stacking import dsplit as dsplit
+from masked_jax.numpy._stacking import dstack as dstack
+from masked_jax.numpy._stacking import hsplit as hsplit
+from masked_jax.numpy._stacking import hstack as hstack
+from masked_jax.numpy._stacking import unstack as unstack
+from masked_jax.numpy._stacking import vsplit as vsplit
+from masked_jax.numpy._stacking import vstack as vstack
 
-__array_api_version__ = _array_api.API_VERSION
-for _standard, _ours in {**_array_api.ALIASES, **_compositions.ALIASES}.items():
+__array_api_version__ = _metadata.API_VERSION
+# the standard's and jax.numpy's other names for functions of the registry (the same functions)
+for _standard, _ours in {**_metadata.ALIASES, **_metadata.JNP_ALIASES}.items():
     globals()[_standard] = globals()[_ours]
-__all__ += _array_api.__all__ + list(_array_api.ALIASES) + list(_compositions.ALIASES) + _compositions.__all__
+__all__ += [
+    "e",
+    "pi",
+    "inf",
+    "nan",
+    "newaxis",
+    "bool",
+    "int8",
+    "int16",
+    "int32",
+    "int64",
+    "uint8",
+    "uint16",
+    "uint32",
+    "uint64",
+    "float32",
+    "float64",
+    "complex64",
+    "complex128",
+    "arange",
+    "empty",
+    "eye",
+    "full",
+    "linspace",
+    "ones",
+    "zeros",
+    "asarray",
+    "from_dlpack",
+    "empty_like",
+    "full_like",
+    "ones_like",
+    "zeros_like",
+    "tril",
+    "triu",
+    "meshgrid",
+    "diag",
+    "diagflat",
+    "copy",
+    "can_cast",
+    "finfo",
+    "iinfo",
+    "isdtype",
+    "result_type",
+    "matrix_transpose",
+    "vecdot",
+    "diagonal",
+    "trace",
+    "cross",
+    "convolve",
+    "correlate",
+    "matvec",
+    "vecmat",
+    "kron",
+    "broadcast_arrays",
+    "unstack",
+    "hstack",
+    "vstack",
+    "dstack",
+    "column_stack",
+    "array_split",
+    "hsplit",
+    "vsplit",
+    "dsplit",
+    "append",
+    "nansum",
+    "nanprod",
+    "nanmean",
+    "nanmax",
+    "nanmin",
+    "nanstd",
+    "nanvar",
+    "nanargmax",
+    "nanargmin",
+    "nancumsum",
+    "nancumprod",
+    "nanmedian",
+    "nanquantile",
+    "nanpercentile",
+    "cumulative_sum",
+    "cumulative_prod",
+    "count_nonzero",
+    "diff",
+    "allclose",
+    "ediff1d",
+    "unique_all",
+    "unique_counts",
+    "unique_inverse",
+    "unique_values",
+    "isin",
+    "unique",
+    "nonzero",
+    "searchsorted",
+    "digitize",
+    "bincount",
+    "histogram",
+    "interp",
+    "select",
+    "argwhere",
+    "flatnonzero",
+    "shape",
+    "ndim",
+    "size",
+]
+__all__ += [*_metadata.ALIASES, *_metadata.JNP_ALIASES]
 
 # The extensions, as real submodules (``import masked_jax.numpy.linalg`` works as for jax.numpy).
 from masked_jax.numpy import fft as fft  # noqa: E402

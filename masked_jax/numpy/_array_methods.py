@@ -13,7 +13,7 @@ from typing import Any
 from jax import Array
 
 from masked_jax._core import ArrayMethods, MaskedArray, method_example
-from masked_jax.numpy import _array_api, _compositions, _frontend
+from masked_jax.numpy import _contractions, _frontend, _searching
 
 
 def __round__(self, ndigits: int | None = None) -> MaskedArray:
@@ -33,19 +33,19 @@ def conjugate(self) -> MaskedArray:
 
 
 def diagonal(self, offset: int = 0, axis1: int = 0, axis2: int = 1) -> MaskedArray:
-    return _compositions.diagonal(self, offset, axis1, axis2)
+    return _contractions.diagonal(self, offset, axis1, axis2)
 
 
 def trace(self, offset: int = 0, axis1: int = 0, axis2: int = 1, dtype: Any = None) -> MaskedArray:
-    return _compositions.trace(self, offset, axis1, axis2, dtype)
+    return _contractions.trace(self, offset, axis1, axis2, dtype)
 
 
 def nonzero(self) -> tuple[Array, ...]:
-    return _array_api.nonzero(self)
+    return _searching.nonzero(self)
 
 
 def searchsorted(self, v: Any, side: str = "left", sorter: Any = None) -> MaskedArray:
-    return _array_api.searchsorted(self, v, side=side, sorter=sorter)
+    return _searching.searchsorted(self, v, side=side, sorter=sorter)
 
 
 _real.__doc__ = "The real part; the mask unchanged." + method_example("x.real.mask.sum()", "Array(3, dtype=int32)")

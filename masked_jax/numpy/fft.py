@@ -11,22 +11,22 @@ Examples:
 
 import jax.numpy as jnp
 
-from masked_jax.numpy import _array_api
+from masked_jax.numpy._common import dense_only
 
-fft = _array_api.dense_only(jnp.fft.fft, "fft.fft")
-ifft = _array_api.dense_only(jnp.fft.ifft, "fft.ifft")
-fftn = _array_api.dense_only(jnp.fft.fftn, "fft.fftn")
-ifftn = _array_api.dense_only(jnp.fft.ifftn, "fft.ifftn")
-rfft = _array_api.dense_only(jnp.fft.rfft, "fft.rfft")
-irfft = _array_api.dense_only(jnp.fft.irfft, "fft.irfft")
-rfftn = _array_api.dense_only(jnp.fft.rfftn, "fft.rfftn")
-irfftn = _array_api.dense_only(jnp.fft.irfftn, "fft.irfftn")
-hfft = _array_api.dense_only(jnp.fft.hfft, "fft.hfft")
-ihfft = _array_api.dense_only(jnp.fft.ihfft, "fft.ihfft")
-fftfreq = _array_api.dense_only(jnp.fft.fftfreq, "fft.fftfreq")
-rfftfreq = _array_api.dense_only(jnp.fft.rfftfreq, "fft.rfftfreq")
-fftshift = _array_api.dense_only(jnp.fft.fftshift, "fft.fftshift")
-ifftshift = _array_api.dense_only(jnp.fft.ifftshift, "fft.ifftshift")
+fft = dense_only(jnp.fft.fft, "fft.fft")
+ifft = dense_only(jnp.fft.ifft, "fft.ifft")
+fftn = dense_only(jnp.fft.fftn, "fft.fftn")
+ifftn = dense_only(jnp.fft.ifftn, "fft.ifftn")
+rfft = dense_only(jnp.fft.rfft, "fft.rfft")
+irfft = dense_only(jnp.fft.irfft, "fft.irfft")
+rfftn = dense_only(jnp.fft.rfftn, "fft.rfftn")
+irfftn = dense_only(jnp.fft.irfftn, "fft.irfftn")
+hfft = dense_only(jnp.fft.hfft, "fft.hfft")
+ihfft = dense_only(jnp.fft.ihfft, "fft.ihfft")
+fftfreq = dense_only(jnp.fft.fftfreq, "fft.fftfreq")
+rfftfreq = dense_only(jnp.fft.rfftfreq, "fft.rfftfreq")
+fftshift = dense_only(jnp.fft.fftshift, "fft.fftshift")
+ifftshift = dense_only(jnp.fft.ifftshift, "fft.ifftshift")
 
 __all__ = [
     "fft",

@@ -3,10 +3,9 @@
 ``scale_by_rss`` reads masked and row-sparse gradients itself: its sums of squares only grow,
 so they are updated by adding ``g**2`` where the gradient is valid (a scatter-add into the
 stored rows, in place under donation). ``masked_adagrad`` nevertheless runs it inside
-:func:`lazy` (gather, update, scatter of the touched rows): on XLA:CPU that path measured
-1.1-1.45x faster than the scatter-add followed by a gather, for 10k to 164k touched rows of
-2M-row tables. The values are the same up to one rounding (XLA may fuse ``g * g + s`` into an
-FMA in one program and not the other).
+:func:`lazy` (gather, update, scatter of the touched rows), the faster of the two on XLA:CPU
+(``benchmarks/README.md``). The values are the same up to one rounding (XLA may fuse
+``g * g + s`` into an FMA in one program and not the other).
 """
 
 from __future__ import annotations
