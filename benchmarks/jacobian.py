@@ -63,7 +63,7 @@ from _timing import interleaved_medians, progress, result_path, save_bar_plot, t
 
 import masked_jax as mj  # noqa: E402
 import masked_jax.numpy as mnp  # noqa: E402
-from masked_jax.checking import _check  # noqa: E402
+from masked_jax.checking import _compile as _check  # noqa: E402
 
 
 def functions(n, rng):

@@ -16,8 +16,18 @@ import sys
 import masked_jax  # noqa: F401  (registers every op and builds the modules)
 from masked_jax import nn, numpy
 from masked_jax._core import ArrayMethods
-from masked_jax.numpy import _contractions, _creation, _dtypes, _frontend, _metadata, _misc, _reductions, _searching
-from masked_jax.numpy import _setops, _stacking
+from masked_jax.numpy import (
+    _contractions,
+    _creation,
+    _dtypes,
+    _frontend,
+    _metadata,
+    _misc,
+    _reductions,
+    _searching,
+    _setops,
+    _stacking,
+)
 
 # the topic modules of masked_jax.numpy: their functions are typed in their own source
 TOPICS = (_metadata, _creation, _dtypes, _contractions, _stacking, _reductions, _setops, _searching, _misc)

@@ -14,7 +14,8 @@ from jax.experimental import sparse
 import masked_jax as mj
 import masked_jax.nn as mnn
 import masked_jax.numpy as mnp
-from masked_jax.checking._check import _largest, _unravel
+from masked_jax.checking._probes import _unravel
+from masked_jax.checking._verdict import _largest
 
 MASK = jnp.array([[True, False, True], [True, True, False]])
 X = mj.masked_array(jnp.array([[0.5, jnp.nan, 2.0], [1.5, -0.3, jnp.inf]]), MASK)
@@ -263,7 +264,7 @@ def test_bad_input_errors():
 
 
 def test_constants_static_arguments_and_the_compile_cache():
-    from masked_jax.checking import _check
+    from masked_jax.checking import _compile as _check
 
     def f(v, idx, scale):
         return jnp.take(v, idx) * scale
@@ -484,7 +485,7 @@ def test_the_leak_map_locates_every_leak_in_text_html_and_plot():
     assert fig.axes[0].get_legend().get_texts()[0].get_text() == "leak"
     # a correct function has an empty map, and no program that takes one ran for it: the map (an
     # evaluation and a Jacobian per input element) is a second run, for failed masked checks only
-    from masked_jax.checking import _check
+    from masked_jax.checking import _compile as _check
 
     _check._CACHE.clear()
     ok = mj.check_jacobian(lambda v: mnp.sum(mnp.exp(v)), (_X,), semantics="masked", fast=False)
@@ -573,7 +574,7 @@ def test_forward_only_checks_probe_the_jvp():
 def _entry_of(f, args, **kw):
     """The cached check entry ``check_jacobian(f, args, **kw)`` used first (a failing check's second
     run, with the leak map or the error estimate, has its own: keys end in those two flags)."""
-    from masked_jax.checking import _check
+    from masked_jax.checking import _compile as _check
 
     mj.check_jacobian(f, args, **kw)
     return next(entry for key, (entry, _) in reversed(_check._CACHE.items()) if not any(key[-2:]))
@@ -672,7 +673,7 @@ def test_half_precision_inputs_are_checked_in_float32(dtype):
 
 
 def test_eager_compiled_and_background_checks_agree(monkeypatch):
-    from masked_jax.checking import _check
+    from masked_jax.checking import _compile as _check
 
     x = mj.masked_array(jnp.array([[0.5, 1.0, 2.0], [3.0, -1.0, 0.2]]), jnp.array([[1, 0, 1], [1, 1, 0]], bool))
     make = lambda op: lambda v: mnp.sum(op(v) * 1.5, axis=1)  # noqa: E731  (each op: new code)

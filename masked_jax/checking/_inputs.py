@@ -196,3 +196,15 @@ def output_vectors(out, names_only=False):
         return names, skipped
     cat = lambda xs, dt: jnp.concatenate(xs) if xs else jnp.zeros(0, dt)  # noqa: E731
     return cat(filled, float), cat(raw, float), cat(mask, bool)
+
+
+# the checker's settings
+SEMANTICS = ("dense", "masked")
+
+MODES = ("fwd", "rev")
+
+FULL_MAX_ELEMENTS = 1024  # fast=None: full Jacobian tables up to this many input elements in all
+
+N_DIRECTIONS = 4  # random directions per input in fast mode
+
+NEAR_MISS = 100.0  # a mismatch within this many tolerances is re-checked with the finite differences' error

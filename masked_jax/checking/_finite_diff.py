@@ -1,0 +1,235 @@
+"""Numerical Jacobians: perturbations of every input batched with ``vmap``, Richardson extrapolation,
+random projections of large Jacobians, the round-off scale, and the tables each check compares.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from masked_jax.checking._inputs import ALL, N_DIRECTIONS
+from masked_jax.checking._probes import _leak_map, _probes, analytic_pattern
+
+
+def _random_fills(specs, values, key, lo, hi):
+    """``values`` with the unspecified elements replaced by uniform random values in [lo, hi)."""
+    keys = jax.random.split(key, len(specs))
+    return [jnp.where(s, v, jax.random.uniform(k, v.shape, v.dtype, lo, hi)) for s, v, k in zip(specs, values, keys)]
+
+
+def _run(
+    evaluate,
+    leaves,
+    names,
+    sems,
+    modes,
+    fast,
+    eps,
+    vals,
+    specs,
+    specified,
+    seed,
+    probes=True,
+    richardson=False,
+    leak_map=False,
+):
+    """Everything numerical and analytical, as arrays (traced once under jit).
+
+    ``evaluate(values, extras)``: ``f``'s flat outputs and whether they are plain arrays (see
+    :func:`_evaluator`). ``specs``: the inputs' patterns of specified elements (operands of a lifted
+    check, whose ``leaves`` hold none), or ``None`` for the leaves' own. ``specified``: every
+    element of every input is specified. ``richardson``: the finite differences' error estimate;
+    ``leak_map``: the leak map (full mode, masked semantics with probes), ``"only"``: nothing else;
+    both for a second run.
+    """
+    n = len(leaves)
+    specs = [jnp.asarray(leaf.spec) for leaf in leaves] if specs is None else [jnp.asarray(s) for s in specs]
+    # the dense-semantics point: unspecified elements 0 (a masked input's data, as given, may hold anything)
+    vals = [jnp.where(s, v.astype(leaf.dtype).ravel(), 0) for leaf, v, s in zip(leaves, vals, specs)]
+    k_fill, k_alt, rng = jax.random.split(jax.random.PRNGKey(seed), 3)
+    fills = _random_fills(specs, vals, k_fill, 0.5, 1.5)  # masked semantics: data under masks is random
+    alts = _random_fills(specs, vals, k_alt, -2.0, -1.0)  # ... and different: valid outputs must not move
+    out = {}
+    # Nothing unspecified in the inputs (``specified``): masked semantics perturbs what dense
+    # semantics perturbs at the same point, no fill or probe can move anything, and with plain
+    # array outputs the masked tables are the dense ones.
+    plain = []
+
+    def outputs(vs, extras):
+        vectors, is_plain = evaluate(vs, extras)
+        plain.append(is_plain)
+        return vectors
+
+    if leak_map == "only":  # at the fills, as in the whole check (the same seed)
+        base = [e[0] for e in jax.vmap(lambda vs: outputs(vs, [None] * n))([f[None] for f in fills])]
+        return {"leak_map": [_leak_map(outputs, specs, fills, base, modes, i) for i in range(n)]}
+    points = [fills] if specified else [fills, alts] + ([vals] if "dense" in sems else [])
+    evals = jax.vmap(lambda vs: outputs(vs, [None] * n))([jnp.stack(p) for p in zip(*points)])  # one batch
+    base_m, alt_m = ([e[min(j, len(points) - 1)] for e in evals] for j in (0, 1))
+    out["valid"] = base_m[2]
+    out["scale/masked"] = jnp.abs(base_m[0])  # output magnitudes, for the rounding tolerance
+    out["scale/dense"] = jnp.abs(evals[0][-1]) if "dense" in sems else out["scale/masked"]
+    out["value_leak"] = jnp.where(base_m[2] & alt_m[2], jnp.abs(base_m[0] - alt_m[0]), 0)
+    out["mask_changed"] = jnp.any(base_m[2] != alt_m[2])
+    if "masked" in sems and probes and not specified:
+        out["probes"] = _probes(outputs, leaves, specs, fills, base_m, modes, jax.random.fold_in(rng, n + 1))
+        if leak_map and not fast:
+            out["leak_map"] = [_leak_map(outputs, specs, fills, base_m, modes, i) for i in range(n)]
+    for i, leaf in enumerate(leaves):
+        for sem in sems:
+            base = vals if sem == "dense" else fills
+            which = 0 if sem == "dense" else 1  # analytical: filled outputs (dense) or raw data (masked)
+
+            def F(v, extra, which, base=base):
+                vs = list(base)
+                vs[i] = v
+                extras = [None] * n
+                extras[i] = extra
+                return outputs(vs, extras)[which]
+
+            x0 = base[i]
+            same = specified and plain[0] and not fast and "dense" in sems  # the two semantics: one check
+            shared = not same and _shares_tables(leaf, sems, fast, probes)
+            if sem == "masked" and same:
+                out[f"{i}/masked"] = out[f"{i}/dense"]
+            elif sem == "masked" and shared:
+                out[f"{i}/masked"] = _masked_share(out[f"{i}/dense"], specs[i], modes)
+            elif fast:
+                out[f"{i}/{sem}"] = _projections(
+                    F,
+                    x0,
+                    leaf,
+                    specs[i],
+                    sem,
+                    modes,
+                    eps,
+                    out["valid"],
+                    jax.random.fold_in(rng, i),
+                    richardson,
+                    out[f"scale/{sem}"],
+                )
+            else:
+                out[f"{i}/{sem}"] = _tables(F, x0, leaf, sem, modes, eps, which, richardson, keep_raw=shared)
+    out["specs"] = specs
+    return out
+
+
+def _shares_tables(leaf, sems, fast, probes) -> bool:
+    """Whether the masked-semantics tables of ``leaf`` are taken from the dense-semantics ones:
+    full tables under both semantics, with leak probes, for an array or ``MaskedArray`` input.
+
+    Both are then taken at the dense point (0 under the masks), where perturbing a valid element
+    is the same evaluation under both semantics (specifying an element that is already specified
+    changes nothing), and the Jacobian of the raw outputs gives both analytical tables (the dense
+    one is zero on the masked-out outputs). The masked-out inputs are not perturbed: the random
+    fills and the leak probes (NaN, +-inf and a huge value under every mask, with their VJPs)
+    decide whether masked-out data reaches anything, and the leak map of a failed check locates
+    it. Half the work of two separate sets of tables; sparse inputs keep them separate (their
+    re-specified element is a padding slot, not the same evaluation).
+    """
+    return bool(not fast and probes and "dense" in sems and "masked" in sems and leaf.kind in ("array", "masked"))
+
+
+def _masked_share(dense, spec, modes):
+    """The masked-semantics tables from the dense ones (see :func:`_shares_tables`): the valid
+    inputs' columns of the numerical table (the others 0, not perturbed) and the raw outputs'
+    Jacobians, which :func:`_tables` kept aside (``keep_raw``)."""
+    res = {"num": jnp.where(spec, dense["num"], 0)}
+    if "fd_err" in dense:
+        res["fd_err"] = jnp.where(spec, dense["fd_err"], 0)
+    for mode in modes:
+        res[mode] = dense.pop(f"raw/{mode}")
+    return res
+
+
+def _tables(F, x0, leaf, sem, modes, eps, which, richardson=False, keep_raw=False):
+    """Full numerical and analytical Jacobians (outputs x input elements), and with ``richardson``
+    the finite differences' estimated error. ``keep_raw``: the Jacobians are taken of the raw
+    outputs (kept as ``"raw/<mode>"``), and the analytical tables are those with the outputs'
+    masked-out rows zeroed (the Jacobians of the filled outputs)."""
+    size = leaf.size
+    dense = sem == "dense"
+
+    # All perturbed points (steps eps, and 2 eps with ``richardson``) in one batch: one large
+    # evaluation (e.g. one matmul) beats several.
+    steps = jnp.eye(size, dtype=x0.dtype) * eps
+    points = [x0 + steps, x0 - steps] + ([x0 + 2 * steps, x0 - 2 * steps] if richardson else [])
+    ks = jnp.tile(jnp.arange(size), len(points))
+    evals = jax.vmap(lambda v, k: F(v, k if dense else None, 0))(jnp.concatenate(points), ks)
+    d1 = (evals[:size] - evals[size : 2 * size]) / (2 * eps)
+    res = {"num": d1.T}
+    if richardson:
+        res["fd_err"] = _richardson(d1, (evals[2 * size : 3 * size] - evals[3 * size :]) / (4 * eps)).T
+    pattern = analytic_pattern(leaf, sem)
+    g = lambda v: F(v, pattern, 1 if keep_raw else which)  # noqa: E731
+    for mode, jac in (("fwd", jax.jacfwd), ("rev", jax.jacrev)):
+        if mode in modes:
+            res[mode] = jac(g)(x0)
+            if keep_raw:
+                res[f"raw/{mode}"] = res[mode]
+                res[mode] = jnp.where(F(x0, pattern, 2)[:, None], res[mode], 0)
+    return res
+
+
+def _richardson(d1, d2):
+    """The error of the central difference ``d1`` (step h), estimated from ``d2`` (step 2h):
+    their truncation errors are c h^2 and 4 c h^2, so ``|d1 - d2| / 3`` (Richardson's estimate,
+    as numdifftools and scipy.differentiate use), which also picks up their rounding noise."""
+    return jnp.abs(d1 - d2) / 3
+
+
+def _projections(F, x0, leaf, spec, sem, modes, eps, valid, rng, richardson=False, scale=None):
+    """Random-direction checks ``v^T J u`` (and, under masked semantics, the leaks). ``scale``: the
+    outputs' magnitudes; ``res["scale"]`` is ``|v| . scale`` per direction, what the rounding of the
+    outputs can move a projected central difference by (times :func:`_roundoff`)."""
+    spec = spec.astype(x0.dtype)
+    ku, kv = jax.random.split(rng)
+    size = leaf.size
+    out_size = valid.shape[0]
+    U = jax.random.normal(ku, (N_DIRECTIONS, size), x0.dtype)
+    V = jax.random.normal(kv, (N_DIRECTIONS, out_size), x0.dtype)
+    dense = sem == "dense"
+    extra = ALL if dense else None
+    if not dense:
+        V_out = V * ~valid
+        V = V * valid
+        U_off = U * (1 - spec)
+        U = U * spec
+
+    def num(u, v, h=eps):
+        return jnp.dot(v, (F(x0 + h * u, extra, 0) - F(x0 - h * u, extra, 0))) / (2 * h)
+
+    which = 0 if dense else 1
+    g = lambda w: F(w, analytic_pattern(leaf, sem), which)  # noqa: E731
+    d1 = jax.vmap(num)(U, V)
+    res = {"num": d1}
+    if scale is not None:
+        res["scale"] = jnp.abs(V) @ scale.astype(V.dtype)
+    if richardson:
+        res["fd_err"] = _richardson(d1, jax.vmap(lambda u, v: num(u, v, 2 * eps))(U, V))
+    if "fwd" in modes:
+        jvp = jax.vmap(lambda u: jax.jvp(g, (x0,), (u,))[1])
+        t = jvp(U)
+        res["fwd"] = jnp.sum(t * V, axis=1)
+        if not dense:
+            res["fwd_leak_in"] = jnp.max(jnp.abs(jnp.sum(jvp(U_off) * V, axis=1)), initial=0)
+            res["fwd_leak_out"] = jnp.max(jnp.abs(t * ~valid), initial=0)
+    if "rev" in modes:
+        _, pull = jax.vjp(g, x0)
+        back = jax.vmap(lambda v: pull(v)[0])
+        c = back(V)
+        res["rev"] = jnp.sum(c * U, axis=1)
+        if not dense:
+            res["rev_leak_in"] = jnp.max(jnp.abs(c * (1 - spec)), initial=0)
+            res["rev_leak_out"] = jnp.max(jnp.abs(back(V_out)), initial=0)
+    if not dense:
+        res["num_off"] = jax.vmap(num)(U_off, V)  # per direction; the leak is what rounding cannot explain
+    return res
+
+
+def _roundoff(dtype, eps) -> float:
+    """Per unit of output magnitude, the rounding error a central difference with step ``eps``
+    can carry in ``dtype`` (each evaluation is off by about one ulp of the output; the difference
+    of two divided by ``2 eps``), with a safety factor of 4: an output of magnitude ``F`` gets
+    ``F * roundoff`` more tolerance, so ``var(30 * x)`` in float32 is not failed for rounding."""
+    return 4.0 * float(jnp.finfo(dtype).eps) / float(eps)
