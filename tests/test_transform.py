@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from jax import lax
 
 import masked_jax as mj
-import masked_jax._maskify._interpreter
+import masked_jax._maskify._scan
 import masked_jax.nn as mnn
 import masked_jax.numpy as mnp
 from masked_jax._maskify import _rules as primitives
@@ -266,7 +266,7 @@ def test_mlp_with_layer_norm_and_cross_entropy_over_padded_sequences():
 
 # -- control flow ---------------------------------------------------------------------------------
 def test_scan_operand_counts_in_both_jax_parameter_layouts():
-    from masked_jax._maskify._interpreter import _scan_counts
+    from masked_jax._maskify._scan import _scan_counts
 
     eqn = jax.make_jaxpr(lambda u, c, xs: jax.lax.scan(lambda c, x: ((c[0] * u + x[0], c[1] * u + x), c[0]), c, xs))(
         2.0, (1.0, jnp.ones(2)), jnp.ones((3, 2))
@@ -740,7 +740,7 @@ def test_associative_scan_runs_over_valid_elements_only(jit, reverse):
         np.testing.assert_allclose(np.asarray(g_c.data[r, idx]), np.asarray(want_g[1]), rtol=1e-5, atol=1e-6)
     assert np.isfinite(np.asarray(g_m.filled(0))).all() and np.isfinite(np.asarray(g_c.filled(0))).all()
     # outside maskify, lax.associative_scan is jax's own again
-    assert lax.associative_scan is masked_jax._maskify._interpreter._ASSOCIATIVE_SCAN
+    assert lax.associative_scan is masked_jax._maskify._scan._ASSOCIATIVE_SCAN
 
 
 def test_associative_scan_of_leaves_of_different_shapes_is_refused_by_name():

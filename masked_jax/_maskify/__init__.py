@@ -4,11 +4,15 @@ Layer 4, beside :mod:`masked_jax.embeddings`: it reads the op registry's semanti
 ``_rules`` (each primitive's masked rule, derived from the registry) and names the
 ``masked_jax.numpy`` / ``masked_jax.nn`` function to call in its error messages.
 
-* ``_interpreter``: :func:`maskify` itself, the evaluation of a jaxpr on ``(data, mask)`` pairs;
-* ``_rules``: the masked rule of each primitive, and the whole calls it recognises.
+* ``_api``: :func:`maskify` itself: tracing, and the eager programs of unmasked calls;
+* ``_interpreter``: the evaluation of a jaxpr on ``(data, mask)`` pairs, control flow included;
+* ``_rules``: the masked rule of each primitive, and the whole calls it recognises;
+* ``_constants``: what is known statically (values from literals, element counts of masked sums);
+* ``_scan``: ``lax.associative_scan`` recorded while tracing, run as one masked scan;
+* ``_errors``: :class:`MaskifyError` and its messages.
 """
 
-from masked_jax._maskify._interpreter import MaskifyError as MaskifyError
-from masked_jax._maskify._interpreter import maskify as maskify
+from masked_jax._maskify._api import maskify as maskify
+from masked_jax._maskify._errors import MaskifyError as MaskifyError
 
 __all__ = ["MaskifyError", "maskify"]

@@ -1,0 +1,135 @@
+"""``maskify(fun)``: trace ``fun`` on the data of its arguments, then interpret the jaxpr on
+``(data, mask)`` pairs; programs of calls with no masked operand are run eagerly as compiled once.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from masked_jax._core import MaskedArray, SparseMasked, from_pair
+from masked_jax._maskify._constants import _is_concrete, _kept
+from masked_jax._maskify._interpreter import _Interpreter
+from masked_jax._maskify._scan import _recording_scans
+from masked_jax.ops import _factors
+from masked_jax.ops._base import Pair
+
+
+def maskify(fun):
+    """``fun`` with masked semantics: it accepts masked arrays wherever it accepted arrays.
+
+    ``fun`` is ordinary ``jax.numpy`` / ``jax.nn`` / ``lax`` code. Its arguments may be
+    ``MaskedArray`` objects, sparse layouts (densified to ``MaskedArray``), arrays, and pytrees of them;
+    non-array arguments (Python numbers, strings) and keyword arguments are static. Outputs that
+    depend on a masked input are ``MaskedArray`` objects; the others are plain arrays. Composes with
+    ``jit``, ``vmap`` and ``mj.grad``; for ``static_argnums``-like use, close over the static
+    values (``maskify(lambda x: f(x, axis))``).
+
+    Reductions see only valid elements, so ``jax.nn.softmax``, ``jax.nn.logsumexp`` and
+    ``jnp.mean`` / ``jnp.var`` become their masked versions. A primitive without a masked rule
+    raises :class:`MaskifyError` naming it and ``fun``.
+
+    Called outside ``jit`` (no argument is a tracer), ``fun`` is traced on every call, as
+    eagerly, and its masked program runs as one compiled program, kept for any later call that
+    traces to the same program (the same jaxpr, constants and output structure; a new ``lambda``
+    written the same way included), instead of operation by operation. Under ``jit``, ``vmap``
+    or a gradient the masked program is traced into the caller's.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp, masked_jax as mj
+        >>> x = mj.masked_array(jnp.array([1.0, 2.0, 100.0]), jnp.array([True, True, False]))
+        >>> mj.maskify(jnp.mean)(x)
+        MaskedArray(1.5, dtype=float32)
+        >>> mj.maskify(jax.nn.softmax)(x).mask
+        Array([ True,  True, False], dtype=bool)
+    """
+    if not callable(fun):
+        raise TypeError(f"maskify: fun must be callable; got {type(fun).__name__}.")
+    name = getattr(fun, "__name__", repr(fun))
+
+    @functools.wraps(fun)
+    def wrapped(*args, **kwargs):
+        flat, tree = jax.tree_util.tree_flatten(args, is_leaf=_is_masked_leaf)
+        pairs, statics, dyn_pos = [], {}, []
+        for i, leaf in enumerate(flat):
+            if isinstance(leaf, SparseMasked):
+                leaf = leaf.todense()
+            if isinstance(leaf, MaskedArray):
+                pairs.append(Pair(leaf.data, leaf.compact_mask))
+                dyn_pos.append(i)
+            elif isinstance(leaf, (jax.Array, np.ndarray, np.generic)):
+                pairs.append(Pair(jnp.asarray(leaf), None))
+                dyn_pos.append(i)
+            else:
+                statics[i] = leaf
+
+        def on_data(*datas):
+            leaves = [statics.get(i) for i in range(len(flat))]
+            for i, d in zip(dyn_pos, datas):
+                leaves[i] = d
+            return fun(*jax.tree_util.tree_unflatten(tree, leaves), **kwargs)
+
+        with _recording_scans() as scans, _factors.new_trace():  # (inside an outer maskify: a trace apart)
+            closed, out_shape = jax.make_jaxpr(on_data, return_shape=True)(*(p.data for p in pairs))
+        out_tree = jax.tree_util.tree_structure(out_shape)
+        program = _eager_program(name, closed, scans, out_tree, pairs)
+        if program is not None:
+            outs = program([p.data for p in pairs], [p.mask for p in pairs])
+        else:
+            outs = _interpret(name, closed, scans, pairs)
+        return jax.tree_util.tree_unflatten(out_tree, outs)
+
+    return wrapped
+
+
+def _interpret(name, closed, scans, pairs):
+    """The masked outputs of ``closed`` (``fun``'s jaxpr) on ``pairs``."""
+    with _factors.recording():
+        outs = _Interpreter(name, scans).run(closed.jaxpr, closed.consts, pairs)
+    return [_wrap(o) for o in outs]
+
+
+_EAGER_PROGRAMS: dict = {}
+
+_SMALL_CONSTANT = 4096  # bytes: constants up to this size are part of the key by value
+
+
+def _eager_program(name, closed, scans, out_tree, pairs):
+    """For a call outside any trace (no argument is a tracer): the masked program of ``closed``,
+    jitted, so that the call compiles one program instead of one per operation. Programs are kept
+    by the jaxpr's text, its constants' values, the output structure and the masks' types: a later
+    call that traces to the same program (the same function, or another one written the same way,
+    even a new ``lambda``) reuses it, and one whose Python values changed traces to another. ``None``
+    (the program then runs operation by operation) under a trace, for a jaxpr with a recorded
+    ``associative_scan`` (its combine function is called again) or a constant larger than
+    :data:`_SMALL_CONSTANT` bytes (it would be kept alive by the program)."""
+    if scans or not all(_is_concrete(x) for p in pairs for x in (p.data, p.mask)):
+        return None
+    consts = []
+    for c in closed.consts:
+        if not isinstance(c, (jax.Array, np.ndarray, np.generic)) or not _is_concrete(c):
+            return None
+        keys = jnp.issubdtype(c.dtype, jax.dtypes.extended)  # PRNG keys: their key data
+        a = np.asarray(jax.random.key_data(c) if keys else c)
+        if a.nbytes > _SMALL_CONSTANT or a.dtype == object:
+            return None
+        consts.append((str(c.dtype), a.shape, a.tobytes()))
+    masks = tuple(None if p.mask is None else (tuple(np.shape(p.mask)), str(jnp.result_type(p.mask))) for p in pairs)
+    key = (str(closed.jaxpr), tuple(consts), out_tree, masks)  # (the name only enters error messages)
+
+    def run(datas, masks):
+        return _interpret(name, closed, (), [Pair(d, m) for d, m in zip(datas, masks)])
+
+    return _kept(_EAGER_PROGRAMS, key, lambda: jax.jit(run), 256)
+
+
+def _is_masked_leaf(x):
+    return isinstance(x, (MaskedArray, SparseMasked))
+
+
+def _wrap(p: Pair):
+    # a plain output is a jax array, as jax's own functions return (a literal output is a numpy value)
+    return jnp.asarray(p.data) if p.mask is None else from_pair(p.data, p.mask)
