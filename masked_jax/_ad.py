@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -218,7 +219,9 @@ def _jacobian(jax_jac, fun, argnums, has_aux, holomorphic):
             )
             datas, masks, treedef = _split(out)
             out_info["masks"], out_info["treedef"] = masks, treedef
-            filled = [x if m is None else jnp.where(m, x, jnp.zeros((), x.dtype)) for x, m in zip(datas, masks)]
+            filled = [
+                x if m is None else jnp.where(cast(Any, m), x, jnp.zeros((), x.dtype)) for x, m in zip(datas, masks)
+            ]
             return filled, (aux, [m for m in masks if m is not None])
 
         jac, (aux, present) = jax_jac(h, has_aux=True, holomorphic=holomorphic)(diff)

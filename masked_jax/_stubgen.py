@@ -97,7 +97,16 @@ def _module_stub(module, extra: str = "") -> str:
 
 
 def _methods_stub() -> str:
-    lines = [HEADER, "class ArrayMethods:"]
+    lines = [
+        HEADER,
+        "from typing import TypeVar",
+        "",
+        '_Self = TypeVar("_Self")',
+        "",
+        "def method_example(call: str, result: str) -> str: ...",
+        "",
+        "class ArrayMethods:",
+    ]
     for name in sorted(n for n, m in vars(ArrayMethods).items() if hasattr(m, "op_name")):
         fn = _frontend.function(getattr(ArrayMethods, name).op_name)
         if name in _frontend._UNARY_DUNDERS:
@@ -106,7 +115,7 @@ def _methods_stub() -> str:
             lines.append(f"    def {name}(self, other: object) -> MaskedArray: ...  # type: ignore[override]")
         elif name.startswith("__"):
             lines.append(
-                f"    def {name}(self, other: ArrayLike | MaskedArray) -> {_frontend.RETURNS[fn.spec.returns]}: ..."
+                f"    def {name}(self, other: ArrayLike | MaskedArray) -> {_frontend.RETURNS[vars(fn)['spec'].returns]}: ..."
             )
         elif name in _frontend._VARARG_METHODS:
             lines.append(f"    def {name}(self, *args: Any, **kwargs: Any) -> MaskedArray: ...")
@@ -119,8 +128,9 @@ def _methods_stub() -> str:
             lines += ["    @property", f"    def {name}(self) -> {member.fget.__annotations__['return']}: ..."]
         elif inspect.isfunction(member) and not hasattr(member, "op_name"):
             sig = inspect.signature(member)
-            rest = sig.replace(parameters=list(sig.parameters.values())[1:])
-            lines.append(f"    def {name}{render_signature(rest, first='self')}: ...")
+            this, *others = sig.parameters.values()
+            first = "self" if this.annotation is inspect.Parameter.empty else f"self: {this.annotation}"
+            lines.append(f"    def {name}{render_signature(sig.replace(parameters=others), first=first)}: ...")
     return "\n".join(lines) + "\n"
 
 

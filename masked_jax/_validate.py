@@ -14,6 +14,7 @@ from typing import Any
 import jax
 import jax.numpy  # noqa: F401 (jax.numpy.dtype)
 import numpy as np
+from jax import core as jax_core
 
 
 def dtype_kind(dtype) -> str:
@@ -45,8 +46,9 @@ def _is_int(value) -> bool:
     return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
 
-def _is_tracer(value) -> bool:
-    return isinstance(value, jax.core.Tracer)
+def is_tracer(value) -> bool:
+    """Is ``value`` a tracer (an abstract value under ``jit``, ``grad``, ``vmap``, ...)?"""
+    return isinstance(value, jax_core.Tracer)
 
 
 def shape(value, argname: str = "shape") -> tuple[int, ...]:
@@ -77,7 +79,7 @@ def count(value, argname: str, *, minimum: int = 0) -> int:
 
 def nonnegative(value, argname: str) -> Any:
     """A real number ``>= 0`` (an accumulator's initial value, an epsilon); traced values pass."""
-    if _is_tracer(value):
+    if is_tracer(value):
         return value
     arr = np.asarray(value) if not isinstance(value, (str, bytes)) else None
     if arr is None or dtype_kind(arr.dtype) not in "iuf" or arr.ndim:
@@ -89,7 +91,7 @@ def nonnegative(value, argname: str) -> Any:
 
 def learning_rate(value, argname: str = "learning_rate") -> Any:
     """A learning rate: a real number or a schedule (a callable of the step count), as optax takes."""
-    if callable(value) or _is_tracer(value):
+    if callable(value) or is_tracer(value):
         return value
     arr = np.asarray(value) if not isinstance(value, (str, bytes)) else None
     if arr is None or dtype_kind(arr.dtype) not in "iuf" or arr.ndim:

@@ -10,6 +10,7 @@ It needs the runtime dependencies only (jax, optax, numpy).
 from __future__ import annotations
 
 import time
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -51,7 +52,8 @@ def masked_optax_chain() -> None:
     new = optim.apply_updates(params, updates)
     print("   params after one step:", _show(new))
     print("   entries that changed: ", np.asarray(new != params).tolist(), "<- exactly the valid ones")
-    print("   adam's mu:            ", _show(state[1][0].mu), "<- NaN never entered\n")
+    adam_state = cast(Any, state)[1][0]  # chain(clip, adam)'s state: (clip's, (adam's, ...))
+    print("   adam's mu:            ", _show(adam_state.mu), "<- NaN never entered\n")
 
 
 def embedding_training(steps: int = 30) -> None:
@@ -63,7 +65,7 @@ def embedding_training(steps: int = 30) -> None:
     ids_all = jax.random.randint(jax.random.key(2), (steps, batch), 0, n)
 
     def loss(t, ids):
-        return jnp.mean((mj.lookup(t, ids) - target[ids]) ** 2)
+        return jnp.mean((cast(jax.Array, mj.lookup(t, ids)) - target[ids]) ** 2)  # plain ids: plain rows
 
     opt = optim.lazy(optax.adam(0.05))
     step = optim.make_train_step(loss, opt, row_sparse=True)

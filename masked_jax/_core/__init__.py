@@ -30,6 +30,6 @@ from masked_jax._core._sparse import STATE as STATE
 from masked_jax._core._sparse import SparseMasked as SparseMasked
 from masked_jax._core._sparse import StorageFallbackError as StorageFallbackError
 from masked_jax._core._sparse import StorageFallbackWarning as StorageFallbackWarning
-from masked_jax._core._sparse import is_tracer as is_tracer
 from masked_jax._core._sparse import strict_storage as strict_storage
 from masked_jax._core._sparse import tostype as tostype
+from masked_jax._validate import is_tracer as is_tracer

@@ -11,7 +11,7 @@ from __future__ import annotations
 import html
 import math
 import re
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +21,7 @@ from jax.typing import ArrayLike, DTypeLike
 from masked_jax import ops
 from masked_jax._core import _sparse as _layouts
 from masked_jax._core._methods import ArrayMethods
-from masked_jax._validate import dtype_kind
+from masked_jax._validate import dtype_kind, is_tracer
 from masked_jax.ops._base import Pair, ranked, with_mask_tangent
 from masked_jax.ops.shape import at_update
 
@@ -83,10 +83,6 @@ def fully_valid_data(x, what: str, why: str):
     return x.data
 
 
-def _is_tracer(x) -> bool:
-    return isinstance(x, jax.core.Tracer)
-
-
 def _check_rebuilt_mask(mask):
     """A mask that generic tree code rebuilt (``jax.tree.map`` maps the mask too): bool, or a
     tangent's float0; anything else is refused at once, with the fix."""
@@ -105,7 +101,7 @@ _DATA_KEY = jax.tree_util.GetAttrKey("data")
 _MASK_KEY = jax.tree_util.GetAttrKey("mask")
 
 
-def check_data(data, argname="data"):
+def check_data(data, argname: str = "data") -> jax.Array:
     if isinstance(data, MaskedArray):
         raise TypeError(f"{argname} must be an array, not a MaskedArray; pass it directly instead.")
     if isinstance(data, (str, bytes)) or (isinstance(data, np.ndarray) and dtype_kind(data.dtype) in "SUOV"):
@@ -120,7 +116,7 @@ def check_data(data, argname="data"):
     return arr
 
 
-def _check_mask(mask, shape):
+def _check_mask(mask, shape) -> jax.Array:
     if mask is np.ma.nomask:  # numpy.ma's "nothing masked" is False, which here would mask everything
         raise ValueError(
             "mask is numpy.ma.nomask (numpy.bool_ False), whose meaning is inverted here: masked_jax's "
@@ -175,6 +171,8 @@ class MaskedArray(ArrayMethods):
     # known to be 0 with a zero tangent, so filled(0) needs no select; a Python-level fact of this
     # object, not of the pytree, so it is dropped (conservatively) across jit boundaries and tree maps
     __slots__ = ("_data", "_mask", "_zeroed")
+    _data: jax.Array
+    _mask: jax.Array | None  # None: statically all valid (no mask stored)
     # numpy defers binary operators to us instead of converting us to an ndarray.
     __array_ufunc__ = None
     __array_priority__ = 100
@@ -236,7 +234,7 @@ class MaskedArray(ArrayMethods):
         return jnp.broadcast_to(self._mask, self._data.shape)
 
     @property
-    def compact_mask(self) -> jax.Array:
+    def compact_mask(self) -> jax.Array | None:
         """The mask as stored: any shape of the data's rank that broadcasts to the data's shape,
         such as (B, L, 1) for (B, L, D) data, or ``None`` when the array is statically all valid
         (built without a mask, or computed from such arrays by elementwise, shape and most
@@ -286,7 +284,7 @@ class MaskedArray(ArrayMethods):
             getattr(self, "_zeroed", False)
             and type(fill_value) in (int, float, bool)
             and fill_value == 0
-            and math.copysign(1.0, fill_value) > 0
+            and math.copysign(1.0, float(cast(float, fill_value))) > 0
         ):
             return self._data  # already 0 (and 0 in tangents) under the mask
         return jnp.where(self._mask, self._data, jnp.asarray(fill_value, dtype=self.dtype))  # broadcasts
@@ -300,7 +298,7 @@ class MaskedArray(ArrayMethods):
             >>> m.mask, m.compressed()
             (array([False,  True]), array([1], dtype=int32))
         """
-        if _is_tracer(self._data) or _is_tracer(self._mask):
+        if is_tracer(self._data) or is_tracer(self._mask):
             raise TypeError("to_numpy_ma() needs concrete values; it cannot run inside jit/vmap/grad.")
         return np.ma.masked_array(np.asarray(self._data), mask=~np.asarray(self.mask))
 
@@ -333,7 +331,7 @@ class MaskedArray(ArrayMethods):
     # -- conversions to Python scalars: a valid element gives its value ----------------------------
     def _scalar(self, kind, convert):
         """``convert(data)`` when the (single) element is valid and concrete; else a clear error."""
-        if _is_tracer(self._data) or _is_tracer(self._mask):
+        if is_tracer(self._data) or is_tracer(self._mask):
             raise TypeError(
                 f"{kind}() of a traced MaskedArray: inside jit/vmap/grad its value and validity are not "
                 "known yet. Use jnp.where(x.mask, ...) or lax.cond on x.filled(value) instead."
@@ -365,14 +363,16 @@ class MaskedArray(ArrayMethods):
         ``--`` (aligned and padded to the spec's width); an empty spec gives ``str(x)``."""
         if not format_spec:
             return str(self)
-        if self.ndim != 0 or _is_tracer(self._data) or _is_tracer(self._mask):
+        if self.ndim != 0 or is_tracer(self._data) or is_tracer(self._mask):
             raise TypeError(
                 f"unsupported format string {format_spec!r} for a MaskedArray of shape {self.shape}: "
                 "only a concrete 0-d array takes one, as for jax arrays."
             )
         if self._mask is not None and not bool(np.asarray(self._mask).reshape(())):
             layout = re.match(r"(?:(.)?([<>=^]))?[-+ ]?z?#?0?(\d*)", format_spec)
-            fill, align, width = layout.groups()  # a masked entry is padded with the fill, never zeros
+            fill, align, width = (
+                layout.groups() if layout else (None, None, "")
+            )  # a masked entry is padded with the fill, never zeros
             return format("--", f"{fill or ' '}{align or '>'}{width}")
         return format(self._data, format_spec)
 
@@ -404,7 +404,7 @@ class MaskedArray(ArrayMethods):
             >>> mj.masked_array(jnp.array([[1, 2], [3, 4]]), jnp.array([[True, False], [True, True]])).tolist()
             [[1, None], [3, 4]]
         """
-        if _is_tracer(self._data) or _is_tracer(self._mask):
+        if is_tracer(self._data) or is_tracer(self._mask):
             raise TypeError("tolist() of a traced MaskedArray: its values are not known inside jit/vmap/grad.")
 
         def merge(values, valid):
@@ -424,7 +424,7 @@ class MaskedArray(ArrayMethods):
 
     def __contains__(self, value) -> bool:
         """``value in x``: whether a valid entry equals ``value`` (masked entries hold no value)."""
-        if _is_tracer(self._data) or _is_tracer(self._mask):
+        if is_tracer(self._data) or is_tracer(self._mask):
             raise TypeError(
                 "`in` on a traced MaskedArray: its values are not known inside jit/vmap/grad. Use "
                 "jnp.any(x.mask & (x.data == value))."
@@ -438,7 +438,7 @@ class MaskedArray(ArrayMethods):
 
     # -- repr -------------------------------------------------------------------------------
     def __repr__(self):
-        if _is_tracer(self._data) or _is_tracer(self._mask) or not hasattr(self._data, "shape"):
+        if is_tracer(self._data) or is_tracer(self._mask) or not hasattr(self._data, "shape"):
             dt = getattr(self._data, "dtype", "?")
             shape = ", ".join(str(d) for d in getattr(self._data, "shape", ()))
             return f"MaskedArray({dt}[{shape}])"
@@ -453,7 +453,7 @@ class MaskedArray(ArrayMethods):
     def _repr_html_(self):
         """The notebook view: a table of the values, masked entries shown as ``--`` on grey."""
         odd_mask = self._mask is not None and self._mask.dtype != jnp.bool_  # a tangent's float0, a mapped mask
-        if _is_tracer(self._data) or _is_tracer(self._mask) or odd_mask:
+        if is_tracer(self._data) or is_tracer(self._mask) or odd_mask:
             return f"<pre>{html.escape(repr(self))}</pre>"
         return html_table(
             np.asarray(self._data),
@@ -541,10 +541,11 @@ class MaskedArray(ArrayMethods):
             "a MaskedArray exported through DLPack",
             "DLPack carries no mask. Export x.filled(value) and x.mask separately.",
         )
-        return data.__dlpack__(stream=stream, max_version=max_version, dl_device=dl_device, copy=copy)
+        options = {"stream": stream, "max_version": max_version, "dl_device": dl_device, "copy": copy}
+        return data.__dlpack__(**options)
 
     def __dlpack_device__(self):
-        return self._data.__dlpack_device__()
+        return cast(Any, self._data).__dlpack_device__()  # jax arrays have it; their type stubs do not
 
     def __hash__(self):
         raise TypeError("MaskedArray is unhashable.")
@@ -609,7 +610,7 @@ def _check_index(index, shape=None):
     if shape is None or any(
         isinstance(p, (np.ndarray, jax.Array, list)) and np.ndim(p) and np.asarray(p).dtype == bool
         for p in parts
-        if not _is_tracer(p)
+        if not is_tracer(p)
     ):
         return index  # a bool index consumes several dimensions: leave it to jax
     dim = 0
@@ -657,7 +658,7 @@ def unwrap(x, argname: str = "argument") -> Pair:
     return Pair(arr, None)
 
 
-def wrap(out):
+def wrap(out) -> Any:
     """A rule output (Pair, list of Pairs, or a plain array) as user-facing values."""
     if isinstance(out, Pair):
         return MaskedArray._from_pair(out.data, out.mask)
@@ -666,7 +667,7 @@ def wrap(out):
     return out
 
 
-def apply(name: str, *operands, **params):
+def apply(name: str, *operands, **params) -> Any:
     """Apply registered op ``name``'s rule to MaskedArray / array operands and wrap the result."""
     rule = ops.REGISTRY[name].rule
     return wrap(rule(*(unwrap(o, f"operand {i}") for i, o in enumerate(operands)), **params))

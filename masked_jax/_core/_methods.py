@@ -13,7 +13,7 @@ sparse layouts subclass it, so they all have them. The class body holds the meth
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +33,9 @@ def method_example(call: str, result: str) -> str:
     return f"\n\n        Examples:\n            {_X}\n            >>> {call}\n            {result}\n        "
 
 
+_Self = TypeVar("_Self")
+
+
 class ArrayMethods:
     """Base of the masked array classes: methods and operators derived from the op registry."""
 
@@ -46,7 +49,7 @@ class ArrayMethods:
         + method_example("x.copy().mask.sum()", "Array(3, dtype=int32)")
     )
 
-    def block_until_ready(self) -> MaskedArray:
+    def block_until_ready(self: _Self) -> _Self:
         jax.block_until_ready(jax.tree_util.tree_leaves(self))
         return self
 

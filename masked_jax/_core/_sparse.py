@@ -10,13 +10,16 @@ import contextlib
 import html
 import threading
 import warnings
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
-import jax
 import numpy as np
 
 from masked_jax._core._methods import ArrayMethods
-from masked_jax._validate import dtype_kind
+from masked_jax._validate import dtype_kind, is_tracer
+from masked_jax.ops._base import Pair
+
+if TYPE_CHECKING:
+    from masked_jax._core._masked import MaskedArray
 
 
 class StorageFallbackWarning(UserWarning):
@@ -124,6 +127,9 @@ class SparseMasked(ArrayMethods, abc.ABC):
     __slots__ = ()
     data: Any  # the stored values, padding slots included (a layout's own slot)
     shape: tuple  # the full (dense) shape
+    indices: Any  # where each stored slot sits (a layout's own form)
+    dtype: Any
+    _label: ClassVar[str]  # what a stored slot is called in the text view ("row", "entry")
     storage: ClassVar[str] = "sparse"
     rules: ClassVar[dict] = {}
     LAYOUTS: ClassVar[dict] = {}
@@ -141,24 +147,24 @@ class SparseMasked(ArrayMethods, abc.ABC):
         """The static number of stored slots (entries or rows), padding included."""
 
     @abc.abstractmethod
-    def block(self):
+    def block(self) -> Pair:
         """The stored values as a ``Pair`` whose mask is False at padding slots."""
 
     @abc.abstractmethod
-    def with_data(self, data):
+    def with_data(self, data) -> Any:
         """The same indices holding new stored values."""
 
     @abc.abstractmethod
-    def coalesce(self):
+    def coalesce(self) -> Any:
         """Duplicates summed; the static number of slots unchanged (freed slots become padding)."""
 
     @abc.abstractmethod
-    def todense(self):
+    def todense(self) -> MaskedArray:
         """The dense-storage ``MaskedArray`` with the same valid entries."""
 
     @classmethod
     @abc.abstractmethod
-    def from_masked(cls, x, nse=None):
+    def from_masked(cls, x, nse: int | None = None) -> Any:
         """This layout holding exactly the valid entries of ``x`` (any layout)."""
 
     # -- shared ------------------------------------------------------------------------------------
@@ -196,7 +202,7 @@ class SparseMasked(ArrayMethods, abc.ABC):
 
     __array_ufunc__ = None
     __array_priority__ = 100
-    __hash__ = object.__hash__
+    __hash__ = object.__hash__  # pyright: ignore[reportAssignmentType]  (ArrayMethods' __eq__ is elementwise)
 
     def _repr_shape(self):
         return f"{self.dtype}[{', '.join(str(d) for d in self.shape)}]"
@@ -213,7 +219,9 @@ class SparseMasked(ArrayMethods, abc.ABC):
             return None
         data, indices = displayable(np.asarray(self.data)), np.asarray(self.indices)
         mask = np.asarray(self.block().mask)
-        valid = mask.reshape(len(indices), mask.size // max(len(indices), 1)).any(axis=1)  # no slots, or 0-wide
+        valid = np.asarray(
+            mask.reshape(len(indices), mask.size // max(len(indices), 1)).any(axis=1)
+        )  # no slots, or 0-wide
         out = []
         for i in edge_positions(len(indices), summarise=True):
             if i is None:
@@ -270,7 +278,3 @@ def tostype(x, storage: str, nse: int | None = None):
     if storage == "dense":
         return x.todense()
     return SparseMasked.LAYOUTS[storage].from_masked(x, nse)
-
-
-def is_tracer(x) -> bool:
-    return isinstance(x, jax.core.Tracer)

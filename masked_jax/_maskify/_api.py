@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import functools
+from typing import cast
 
 import jax
 import jax.numpy as jnp
@@ -113,7 +114,7 @@ def _eager_program(name, closed, scans, out_tree, pairs):
         if not isinstance(c, (jax.Array, np.ndarray, np.generic)) or not _is_concrete(c):
             return None
         keys = jnp.issubdtype(c.dtype, jax.dtypes.extended)  # PRNG keys: their key data
-        a = np.asarray(jax.random.key_data(c) if keys else c)
+        a = np.asarray(jax.random.key_data(cast(jax.Array, c)) if keys else c)
         if a.nbytes > _SMALL_CONSTANT or a.dtype == object:
             return None
         consts.append((str(c.dtype), a.shape, a.tobytes()))

@@ -14,7 +14,7 @@ import numpy as np
 
 from masked_jax import _jaxpr
 from masked_jax._maskify import _rules as primitives
-from masked_jax._validate import dtype_kind
+from masked_jax._validate import dtype_kind, is_tracer
 from masked_jax.ops._base import Pair, materialize, ranked
 
 
@@ -146,11 +146,11 @@ def _as_constant(p: Pair) -> Pair:
 
 
 def _is_concrete(x) -> bool:
-    return not isinstance(x, jax.core.Tracer)
+    return not is_tracer(x)
 
 
 def _concrete_scalar(x):
-    if isinstance(x, jax.core.Tracer) or np.ndim(x) != 0:
+    if is_tracer(x) or np.ndim(x) != 0:
         return None
     try:
         return float(x)

@@ -24,6 +24,8 @@ class MaskifyError(NotImplementedError):
         True
     """
 
+    detail: str | None = None  # the primitive's own message, when raised inside a public function
+
 
 def _public_name(name):
     """``"jnp.searchsorted"`` for the jit call of a public ``jax.numpy`` / ``jax.nn`` function, else

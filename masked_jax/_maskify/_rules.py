@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from masked_jax._validate import is_tracer
 from masked_jax.ops import _factors, binary, elementwise, linalg, reductions, shape
 from masked_jax.ops._base import Pair, and_masks, bound, fill, highest, lowest, materialize, ranked
 from masked_jax.ops._registry import REGISTRY, OpSpec, on_register
@@ -77,6 +78,7 @@ def recognise(spec: OpSpec, closed_jaxpr, avals):
 @functools.lru_cache(maxsize=512)
 def _recognise(name, body, structs):
     spec = REGISTRY[name]
+    assert spec.static is not None and spec.fn is not None  # only specs with both are recognised
     for kw in spec.static(body.jaxpr, *(s.shape for s in structs)):
         try:
             traced = jax.make_jaxpr(functools.partial(spec.fn, **kw))(*structs)
@@ -111,7 +113,8 @@ def _binary(spec):
 def _linalg(spec):
     def rule(prim, invals, **params):
         if prim is P.dot_general_p:
-            return linalg.dot_general(bound(prim, params), *invals, params["dimension_numbers"])
+            a, b = invals
+            return linalg.dot_general(bound(prim, params), a, b, params["dimension_numbers"])
         return linalg.contraction(bound(prim, params))(*invals)
 
     return rule
@@ -145,7 +148,7 @@ def _derive(spec: OpSpec, removed: bool = False):
         del NAMED[name]
     if removed:
         return
-    if spec.static is not None:
+    if spec.static is not None and spec.fn is not None:
         NAMED[spec.fn.__name__] = spec
     for entry in spec.primitives:
         prim, adapter = entry if isinstance(entry, tuple) else (entry, ADAPTERS[spec.family])
@@ -157,7 +160,7 @@ def _select_n(prim, invals, **params):
     """``select_n(pred, *cases)``: data and mask selected together (``where``'s rule)."""
     pred, *cases = invals
     shape = next((jnp.shape(c.data) for c in cases if np.ndim(c.data)), jnp.shape(pred.data))
-    if pred.mask is None and np.ndim(pred.data) == 0 and not isinstance(pred.data, jax.core.Tracer):
+    if pred.mask is None and np.ndim(pred.data) == 0 and not is_tracer(pred.data):
         # a predicate known when traced (jnp.var's "n - ddof > 0"): the case it picks, as where
         # picks it (a constant case takes the validity of the masked cases), with no select
         chosen = cases[int(pred.data)]

@@ -166,7 +166,7 @@ def check_jacobian(
     args = tuple(args) if isinstance(args, (tuple, list)) else (args,)
 
     flat, treedef = jax.tree_util.tree_flatten_with_path(args, is_leaf=is_leaf)
-    x64 = bool(jax.config.jax_enable_x64)
+    x64 = bool(jax.config.read("jax_enable_x64"))
     leaves, positions, values, consts, const_pos, static = [], [], [], [], [], []
     for pos, (path, x) in enumerate(flat):
         name = "args" + jax.tree_util.keystr(path)

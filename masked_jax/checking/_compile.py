@@ -44,9 +44,9 @@ def _output_names(call, values, consts, n):
 class _Entry:
     """One check, traced for one function structure and input pattern (``compile=None``).
 
-    Compiling the whole check takes 0.2-0.7 s on a CPU; running it eagerly, op by op, takes
-    10-100 ms once jax has compiled its primitives for these shapes (by an eager check of the
-    same input and output shapes before), and seconds before that. So the first call of a check
+    Compiling the whole check takes much longer than running it eagerly, op by op, once jax has
+    compiled its primitives for these shapes (by an eager check of the same input and output
+    shapes earlier), and running it eagerly with cold shapes takes longer still. So the first call of a check
     runs eagerly when its shapes are warm and compiles the check in a background thread for the
     calls that follow; with cold shapes it compiles in the foreground and runs the check eagerly
     in the background, which warms the shapes for the next new function. Later calls run the
@@ -136,7 +136,7 @@ def _compiled(
     consts,
     probes=True,
     richardson=False,
-    leak_map=False,
+    leak_map: bool | str = False,
 ):
     """The cached :class:`_Entry` of this check and the operands to call it with.
 
@@ -162,6 +162,9 @@ def _compiled(
         return entry, _operands(leaves, values, consts, lifted)
     traced = _lifted(call, leaves, values, consts) if all(lf.kind in ("array", "masked") for lf in leaves) else None
     lifted = None  # the lifted constants' values, for a lifted check
+    jaxpr = plain = found = None
+    names: list = []
+    skipped: list = []
     if traced is not None:
         jaxpr, lifted, skey, (names, skipped, plain) = traced
         pattern = tuple((lf.name, lf.kind, lf.shape, lf.dtype, bool(lf.spec.all())) for lf in leaves)
@@ -186,7 +189,7 @@ def _compiled(
             # the check's leaves keep no pattern: the pattern is an operand (``_run`` reads ``specs``)
             generic = [dataclasses.replace(lf, spec_bytes=None) for lf in leaves]
 
-            def run(ops, seed, jaxpr=jaxpr, plain=plain):
+            def run_lifted(ops, seed, jaxpr=jaxpr, plain=plain):
                 vals, cs, lv, specs = ops
                 return _run(
                     _jaxpr_evaluator(jaxpr, lv, specs, cs, plain),
@@ -204,6 +207,8 @@ def _compiled(
                     richardson,
                     leak_map,
                 )
+
+            run = run_lifted
         else:
 
             def run(ops, seed):
@@ -341,7 +346,7 @@ def _lifted(call, leaves, values, consts):
 
 
 _TRUSTED = tuple(
-    " at " + os.path.dirname(os.path.abspath(m.__file__)) + os.sep for m in (sys.modules["masked_jax"], jax)
+    " at " + os.path.dirname(os.path.abspath(str(m.__file__))) + os.sep for m in (sys.modules["masked_jax"], jax)
 )  # rules the primal jaxpr determines
 
 
@@ -390,7 +395,7 @@ def _lift_constants(closed):
             return v
         var = jcore.Var(v.aval)
         lifted_vars.append(var)
-        values.append(np.asarray(v.val, v.aval.dtype))
+        values.append(np.asarray(v.val, getattr(v.aval, "dtype", None)))
         return var
 
     eqns = [eqn.replace(invars=[lift(v) for v in eqn.invars]) for eqn in jaxpr.eqns]
@@ -429,7 +434,7 @@ def _structure_key(call, values, consts, n):
             return output_vectors(out)[1]
 
         out, pull = jax.vjp(g, vals)  # holds the linearised JVP rules too, transposed
-        return out, pull(jnp.ones_like(out))
+        return out, pull(jnp.ones_like(jnp.asarray(out)))
 
     try:
         closed = jax.make_jaxpr(traced)([jnp.asarray(v).ravel() for v in values], consts)

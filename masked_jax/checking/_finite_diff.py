@@ -31,7 +31,7 @@ def _run(
     seed,
     probes=True,
     richardson=False,
-    leak_map=False,
+    leak_map: bool | str = False,
 ):
     """Everything numerical and analytical, as arrays (traced once under jit).
 
@@ -190,6 +190,7 @@ def _projections(F, x0, leaf, spec, sem, modes, eps, valid, rng, richardson=Fals
     V = jax.random.normal(kv, (N_DIRECTIONS, out_size), x0.dtype)
     dense = sem == "dense"
     extra = ALL if dense else None
+    V_out = U_off = V  # masked semantics: set below
     if not dense:
         V_out = V * ~valid
         V = V * valid

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -160,7 +161,7 @@ def describe(name: str, x, dtype):
     return leaf, values  # cast and flattened inside the compiled check
 
 
-def output_vectors(out, names_only=False):
+def output_vectors(out, names_only: bool = False) -> Any:
     """Flatten ``f``'s output: ``(names, filled, raw, mask)``; the vectors are concatenated over the
     differentiable output leaves (float dtypes), others are listed in ``skipped``."""
     flat, _ = jax.tree_util.tree_flatten_with_path(out, is_leaf=is_leaf)

@@ -157,7 +157,8 @@ def check_invariance(
         transforms: any of ``"eager"``, ``"jit"``, ``"vmap"`` (``vmap`` over the contents of one
             layout, stacked, compiled). Eagerly, the outputs are compared at every re-padding and
             the gradients at the given pad length with the first non-finite content (an eager
-            ``jax.grad`` of masked code costs 0.2-0.7 s a call); under ``jit`` and ``vmap``, all.
+            ``jax.grad`` of masked code is slow: each op compiles its derivative); under ``jit`` and
+            ``vmap``, all.
         rtol: relative tolerance of the comparison (scaled by each output's largest magnitude);
             by default 1e-10 for float64, 1e-5 for float32, 1e-2 for 16-bit floats.
         seed: seed of the scattered positions and of the gradient's output weights.
@@ -259,7 +260,7 @@ def check_invariance(
                 layout = (new_len, pos)
                 if transform == "vmap":
                     results = run.vmapped(variants, padded, layout, new_len, new_keeps)
-                else:  # eager gradients (0.2-0.7 s a call): one content, at the given length
+                else:  # eager gradients (slow): one content, at the given length
                     jit = transform == "jit"
                     results = [
                         run.evaluate(
@@ -358,7 +359,7 @@ def _repad(flat, padded, ax, slots, new_len, fill):
         if x.shape[a] == 0:  # nothing to take: every new position is a pad (one slot to index)
             d, m = np.zeros(d.shape[:-1] + (1,), d.dtype), np.zeros(m.shape[:-1] + (1,), bool)
         take = np.clip(src, 0, None)  # (rows, new_len)
-        rows = np.arange(d.shape[0])[:, None]
+        rows = np.arange(np.shape(d)[0])[:, None]
         nd = np.moveaxis(np.moveaxis(d, -1, 1)[rows, take], 1, -1)  # (rows, trail..., new_len)
         nm = np.moveaxis(np.moveaxis(m, -1, 1)[rows, take], 1, -1)
         pad = np.broadcast_to((src < 0).reshape((src.shape[0],) + (1,) * len(trail) + (new_len,)), nm.shape)
@@ -495,7 +496,8 @@ class _Run:
 
     def vmapped(self, variants, padded, layout, length, kept):
         """Every content of one layout at once: ``vmap`` over the stacked padded leaves (others shared)."""
-        stacked, axes = list(variants[0]), [None] * len(variants[0])
+        stacked = list(variants[0])
+        axes: list[int | None] = [None] * len(variants[0])
         for i in padded:
             stacked[i] = jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *[v[i] for v in variants])
             axes[i] = 0

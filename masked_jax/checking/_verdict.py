@@ -113,7 +113,7 @@ def _judge(out, tol, names, sems, modes, xp=jnp):
 def _judged(out, tol, rest, names, sems, modes):
     """:func:`_judge` where the tables are, and the check's other (small) results ``rest`` as one
     float64 vector, so that one copy brings everything the host needs."""
-    flat = [jnp.ravel(x).astype(jnp.float64 if jax.config.jax_enable_x64 else jnp.float32) for x in rest]
+    flat = [jnp.ravel(x).astype(jnp.float64 if jax.config.read("jax_enable_x64") else jnp.float32) for x in rest]
     return _judge(out, tol, names, sems, modes), jnp.concatenate(flat) if flat else jnp.zeros(0)
 
 
@@ -156,8 +156,8 @@ def _compare(raw, leaves, names, sems, modes, fast, atol, rtol, roundoff=0.0, pr
                     leaks["valid outputs vs masked-out data"] = float(np.max(value_leak[rows], initial=0))
                     if raw["mask_changed"]:
                         leaks["output mask depends on masked-out data"] = float("inf")
-                    probes = raw.get("probes")
-                    for p, pname in enumerate(PROBE_NAMES if probes is not None else ()):
+                    probes = raw.get("probes") or {}
+                    for p, pname in enumerate(PROBE_NAMES if probes else ()):
                         under = f"{pname} under the masks"
                         if padded_inputs:  # a leak here may come from a padding slot as well
                             under += f" and in the padding slots of {padded_inputs}"
@@ -200,6 +200,7 @@ def _compare(raw, leaves, names, sems, modes, fast, atol, rtol, roundoff=0.0, pr
                             leaf.shape,
                             (atol, rtol, roundoff),
                         )
+                        assert judged is not None  # full tables are judged where they ran
                         c = _full_check(next(judged), table, leaks, atol, _shares_tables(leaf, sems, fast, probes))
                     checks.append(Check(input=leaf.name, output=oname, mode=mode, semantics=sem, **c))
     return checks
@@ -251,8 +252,8 @@ class _Table:
         num = np.asarray(self.res["num"])[self.rows]
         an = np.asarray(self.res[self.mode])[self.rows]
         masked = self.sem == "masked"
-        ok = np.ones(num.shape[0], bool) if self.ok is None else self.ok
-        cols = self.spec if masked else np.ones(num.shape[1], bool)
+        ok = np.ones(num.shape[0], bool) if self.ok is None else np.asarray(self.ok)
+        cols = np.asarray(self.spec) if masked else np.ones(num.shape[1], bool)
         r_idx, c_idx = np.flatnonzero(ok), np.flatnonzero(cols)
         block = (lambda a: a) if ok.all() and cols.all() else (lambda a: a[np.ix_(r_idx, c_idx)])  # noqa: E731
         fd = block(np.asarray(self.res["fd_err"])[self.rows]) if "fd_err" in self.res else 0
@@ -289,8 +290,8 @@ def _largest(a, k):
     """Flat positions of the ``k`` largest entries of 1-d ``a``, largest first, ties by position, NaN
     before all (``np.argmax`` returns the first NaN).
 
-    ``k`` argmax passes: linear, and unlike a sort or ``argpartition`` (6-9 ms on a 400 x 400
-    table whose off-diagonal entries all tie) not slowed by ties. Picked entries are set to -inf
+    ``k`` argmax passes: linear, and unlike a sort or ``argpartition`` not slowed by ties (a
+    table whose off-diagonal entries all tie). Picked entries are set to -inf
     during the search and restored after it, so ``a`` (writable) is left as it was.
     """
     picks, saved = [], []

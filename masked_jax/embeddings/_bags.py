@@ -58,7 +58,7 @@ def _ragged_segments(n_ids: int, offsets, lengths):
             raise ValueError(
                 f"offsets must start at 0, never decrease and stay <= len(ids) = {n_ids}; got {host.tolist()}."
             )
-        starts = given
+        starts = ends = given
         ok = (jnp.all(given[1:] >= given[:-1]) & (given[0] == 0) & (given[-1] <= n_ids)) if given.size else True
     else:
         if host is not None and (np.any(host < 0) or host.sum() > n_ids):
@@ -209,8 +209,10 @@ class Bag:
             bag, n_bags = _ragged_segments(id_data.shape[0], offsets, lengths)
             counts = counts & (bag < n_bags)  # an id in no bag is padding: not read, no gradient
 
-            def pool(x, op=segment_total):  # sums accumulate half precision in float32
+            def pool_ragged(x, op=segment_total):  # sums accumulate half precision in float32
                 return op(x, bag, num_segments=n_bags)
+
+            pool = pool_ragged
         else:
             if id_data.ndim == 0:
                 raise ValueError("padded bags take ids of shape (..., L) (the last axis holds a bag); got a scalar.")

@@ -4,9 +4,11 @@
 
 from __future__ import annotations
 
+from typing import cast
+
 import jax.numpy as jnp
 
-from masked_jax._core import SparseMasked, from_pair, is_container, is_masked
+from masked_jax._core import MaskedArray, SparseMasked, from_pair, is_container, is_masked
 from masked_jax.layouts import check_integer_indices, take_rows
 
 
@@ -69,6 +71,7 @@ def lookup(table, ids):
             return rows
         # a masked id read row n: zeros, with no gradient
         return from_pair(rows, id_mask.reshape(ids.shape + trailing), zeroed=True)
+    table = cast(MaskedArray, table)
     mask = _read(table.mask, ids) & (ids < n).reshape(ids.shape + trailing)
     return from_pair(_read(table.data, ids), mask)
 

@@ -24,6 +24,7 @@ names the operation.
 from __future__ import annotations
 
 import math
+from typing import Any, cast
 
 import jax
 import jax.extend.core.primitives as P
@@ -139,13 +140,13 @@ class _Run:
     def __init__(self, tables, collect: bool, queue=None):
         self.tables, self.collect = tables, collect
         self.items, self.ks = [], []
-        self.queue = list(queue) if queue is not None else None
+        self.queue: list = list(queue) if queue is not None else []  # what a replaying run hands out
 
     def child(self, queue=None):
         return _Run(self.tables, self.collect, queue)
 
     def eval(self, jaxpr, consts, args):
-        env = dict(zip(jaxpr.constvars, consts))
+        env: dict[Any, Any] = dict(zip(jaxpr.constvars, consts))
         env.update(zip(jaxpr.invars, args))
         for eqn in jaxpr.eqns:
             invals = [_jaxpr.read(env, v) for v in eqn.invars]
@@ -155,7 +156,7 @@ class _Run:
             else:
                 with eqn.ctx.manager:
                     outs = _jaxpr.bind(eqn, invals)
-            env.update(zip(eqn.outvars, outs))
+            env.update(zip(eqn.outvars, cast(list, outs)))
         return [_jaxpr.read(env, v) for v in jaxpr.outvars]
 
     # -- an equation that uses a table -------------------------------------------------------------
@@ -209,6 +210,7 @@ class _Run:
             if eqn.params["mode"] == lax.GatherScatterMode.FILL_OR_DROP:
                 fill = _fill_value(ref.dtype, eqn.params["fill_value"])
             else:
+                assert clamped is not None  # a clamping gather says which row it read
                 fill = lax.stop_gradient(_read(table, clamped()).astype(ref.dtype))
             rows = jnp.where(valid.reshape(valid.shape + (1,) * (rows.ndim - valid.ndim)), rows, fill)
         return arrange(rows)
@@ -297,8 +299,8 @@ class _LookupRows(RowSparseArray):
     def tree_unflatten(cls, aux, children):
         return super().tree_unflatten((aux, False), children)
 
-    def with_data(self, data):
-        return _LookupRows.tree_unflatten(self.shape, (data, self.indices))
+    def with_data(self, data) -> _LookupRows:
+        return cast(_LookupRows, _LookupRows.tree_unflatten(self.shape, (data, self.indices)))
 
     def as_row_sparse(self) -> RowSparseArray:
         return rows_from_parts(self.shape, self.data, self.indices, False)
@@ -431,7 +433,7 @@ def substitute_rows(fun, args, kwargs, nums, spec):
                 "row_sparse: the function was called with arguments of another structure "
                 "than the ones its lookups were recorded with."
             )
-        rows = [None] * len(tables)
+        rows: list[Any] = [None] * len(tables)
         for i in dyn:
             if isinstance(leaves[i], _Slot):
                 rows[leaves[i].k] = [flat[i].data, 0]

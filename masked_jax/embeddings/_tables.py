@@ -10,6 +10,7 @@ row-sparse gradient, a lazy optimizer, donation and sharding by rows apply to it
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -169,7 +170,7 @@ class TableStack:
             groups.setdefault(("group", key) if key is not None else ("alone", i), []).append(i)
         order = list(groups.values())
         parts = self._read(table, [jnp.concatenate([bags[i][1].reshape(-1) for i in members]) for members in order])
-        outs = [None] * len(bags)
+        outs: list[Any] = [None] * len(bags)
         for members, part in zip(order, parts):
             shape = bags[members[0]][1].shape + self.row_shape
             if len(members) == 1:

@@ -18,6 +18,8 @@ The kernels themselves are attached to the ops' specs (``OpSpec.segment``, besid
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -36,11 +38,10 @@ def segment_total(values, segments, num_segments: int, **kwargs):
 def sorted_search(sorted_values, queries):
     """``jnp.searchsorted(sorted_values, queries)`` (left side), by the fastest method per backend.
 
-    On XLA:CPU the default method, a ``while`` loop of log2(n) trips, is the fastest: 0.04-0.07 ms
-    for 1k queries in 1k values, against 0.19-0.27 ms unrolled (a K = 1k row-sparse Adagrad step
-    on a 2M x 64 table: 0.31-0.37 against 0.43-0.74 ms). On XLA:GPU each trip of that loop is a
-    kernel plus a read of the loop predicate by the host, so there the search is unrolled into
-    one straight-line program (the same step on an H100: 0.11 against 0.34 ms). The choice is made
+    On XLA:CPU the default method, a ``while`` loop of log2(n) trips, is the fastest. On XLA:GPU
+    each trip of that loop is a kernel plus a read of the loop predicate by the host, so there the
+    search is unrolled into one straight-line program (``benchmarks/optim.py`` times both on a
+    row-sparse step). The choice is made
     when the program is lowered (``lax.platform_dependent``), not traced. One or no value: a
     single comparison (an unrolled search of zero trips would still be a loop).
     """
@@ -78,9 +79,8 @@ def distinct_ids(ids, sentinel: int):
 
     Without a sort when ``sentinel`` (the number of rows) is at most 64x ``len(ids)``: each id
     scatter-mins its position into a row-sized array, so the first occurrence of each id is
-    found, and a cumulative sum numbers those. On CPU at 164k ids of 1.9M rows that takes
-    1.4 ms against 8.6 ms for sort and search; past 64x, clearing the row-sized array costs more
-    than the sort (10M rows, 1k ids: 9.8 against 0.07 ms).
+    found, and a cumulative sum numbers those: faster than sort and search at the recommender
+    benchmark's sizes. Past 64x, clearing the row-sized array costs more than the sort.
     """
     k = ids.shape[0]
     if k == 0:
@@ -118,7 +118,7 @@ class Segments:
         self.count = self.sum(self.valid.astype(jnp.int32))
         self.out_valid = (self.uniq < n_out) & (self.count > 0)
 
-    def clean(self, values, fill_value=0):
+    def clean(self, values, fill_value: Any = 0):
         """Values with padding entries replaced by ``fill_value``."""
         return jnp.where(self.valid, values, jnp.asarray(fill_value, values.dtype))
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import builtins
 import inspect
+from collections.abc import Callable
+from typing import Any
 
 import jax
 
@@ -19,7 +21,7 @@ def as_masked(x) -> MaskedArray:
     return x.todense() if isinstance(x, SparseMasked) else _as_masked(x)
 
 
-def op(name):
+def op(name: str) -> Callable[..., Any]:
     """The public function of a registered op (signature binding included)."""
     return _frontend.function(name)
 

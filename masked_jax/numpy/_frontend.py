@@ -15,6 +15,8 @@ operands to their layout's rule table, and wraps the rule's result.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
+from typing import Any
 
 import jax.numpy as jnp
 
@@ -265,34 +267,37 @@ def public_function(spec: OpSpec, module: str):
     fn.__module__ = _MODULE_NAMES.get(module, module)
     fn.__doc__ = docstring(spec, _MODULE_NAMES.get(module, module))
     fn.__signature__ = public_signature(spec)
-    fn.spec = spec
+    fn.__dict__["spec"] = spec  # the registry entry behind a public function
     return fn
 
 
 def _method(spec: OpSpec, name: str, fn):
     base = "__" + name[3:] if name.startswith("__r") else None
+    vararg = name in _VARARG_METHODS
+
+    def unary(self):
+        return fn(self)
+
+    def reflected(self, other):
+        return fn(other, self) if is_operand(other) else NotImplemented
+
+    def binary(self, other):
+        return fn(self, other) if is_operand(other) else NotImplemented
+
+    def method(self, *args, **kwargs):
+        if vararg and len(args) > 1:
+            args = (args,)
+        return fn(self, *args, **kwargs)
+
     if name in _UNARY_DUNDERS:
-
-        def method(self):
-            return fn(self)
+        method = unary
     elif base is not None and base in spec.methods:
-
-        def method(self, other):
-            return fn(other, self) if is_operand(other) else NotImplemented
+        method = reflected
     elif name.startswith("__") and name != "__getitem__":
-
-        def method(self, other):
-            return fn(self, other) if is_operand(other) else NotImplemented
+        method = binary
     else:
-        vararg = name in _VARARG_METHODS
-
-        def method(self, *args, **kwargs):
-            if vararg and len(args) > 1:
-                args = (args,)
-            return fn(self, *args, **kwargs)
-
         method.__doc__ = fn.__doc__
-        method.__signature__ = _method_signature(fn.__signature__)
+        method.__dict__["__signature__"] = _method_signature(inspect.signature(fn))
     method.__name__ = method.__qualname__ = name
     return method
 
@@ -322,7 +327,7 @@ def _install(spec: OpSpec, removed: bool = False):
                 namespace["__all__"].append(spec.name)
     for name in spec.methods:
         method = _method(spec, name, fn)
-        method.op_name = spec.name
+        method.__dict__["op_name"] = spec.name
         setattr(ArrayMethods, name, method)
 
 
@@ -336,7 +341,7 @@ def attach(module: str, namespace: dict) -> None:
             _install(spec)
 
 
-def function(name: str):
+def function(name: str) -> Callable[..., Any]:
     """The public function of registered op ``name`` (also for ops with no public module)."""
     spec = ops.REGISTRY[name]
     for module in spec.modules:

@@ -122,9 +122,22 @@ NAN_REDUCTIONS = [
     "percentile",
 ]
 
-NAN = {f"nan{n}": _nan_reduction(n) for n in NAN_REDUCTIONS}
+nansum = _nan_reduction("sum")
+nanprod = _nan_reduction("prod")
+nanmean = _nan_reduction("mean")
+nanmax = _nan_reduction("max")
+nanmin = _nan_reduction("min")
+nanstd = _nan_reduction("std")
+nanvar = _nan_reduction("var")
+nanargmax = _nan_reduction("argmax")
+nanargmin = _nan_reduction("argmin")
+nancumsum = _nan_reduction("cumsum")
+nancumprod = _nan_reduction("cumprod")
+nanmedian = _nan_reduction("median")
+nanquantile = _nan_reduction("quantile")
+nanpercentile = _nan_reduction("percentile")
 
-globals().update(NAN)
+NAN = {f"nan{n}": globals()[f"nan{n}"] for n in NAN_REDUCTIONS}
 
 
 def diff(a, n: int = 1, axis: int = -1, prepend=None, append=None) -> MaskedArray:
@@ -184,4 +197,25 @@ def ediff1d(ary, to_end=None, to_begin=None) -> MaskedArray:
     return op("concatenate")(parts) if len(parts) > 1 else x
 
 
-__all__ = [*NAN, "cumulative_sum", "cumulative_prod", "count_nonzero", "diff", "allclose", "ediff1d"]
+__all__ = [
+    "nansum",
+    "nanprod",
+    "nanmean",
+    "nanmax",
+    "nanmin",
+    "nanstd",
+    "nanvar",
+    "nanargmax",
+    "nanargmin",
+    "nancumsum",
+    "nancumprod",
+    "nanmedian",
+    "nanquantile",
+    "nanpercentile",
+    "cumulative_sum",
+    "cumulative_prod",
+    "count_nonzero",
+    "diff",
+    "allclose",
+    "ediff1d",
+]

@@ -5,7 +5,7 @@ size depends on the data, so they need concrete inputs, as in ``jax.numpy``.
 from __future__ import annotations
 
 import builtins
-from typing import NamedTuple
+from typing import Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
@@ -79,7 +79,7 @@ def unique_of_valid(x, *, equal_nan: builtins.bool, index=True, inverse=True, co
         inv = from_pair(jnp.asarray(full_inverse.reshape(x.shape)), x.compact_mask)
     if first is not None:
         first = jnp.asarray(flat[np.asarray(first)], first.dtype)
-    return UniqueAllResult(as_masked(values), first, inv, count)
+    return UniqueAllResult(as_masked(values), cast(Any, first), cast(Any, inv), cast(Any, count))  # None: not asked for
 
 
 def unique_counts(x, /) -> UniqueCountsResult:

@@ -27,7 +27,9 @@ import numpy as np
 from masked_jax._validate import dtype_kind
 from masked_jax.ops import _factors
 
-Mask = jnp.ndarray | None
+# a bool array that broadcasts to the data, or None: statically all valid (typed Any: jax's
+# arrays and tracers, numpy's bools and Python's all stand for one)
+Mask = Any
 
 
 class Pair(NamedTuple):
@@ -92,7 +94,7 @@ def bound(prim, params):
     caches of :func:`masked_jax.ops._factors.evaluate`."""
     fn = lambda *datas: prim.bind(*datas, **params)  # noqa: E731
     try:
-        fn.key = (prim, tuple(sorted((k, repr(v)) for k, v in params.items())))
+        fn.__dict__["key"] = (prim, tuple(sorted((k, repr(v)) for k, v in params.items())))
     except TypeError:
         pass
     return fn
@@ -260,7 +262,7 @@ def result_dtype(jax_fn, in_dtype, **params):
     (abstract evaluation, no computation): the oracle for ``mean``'s, ``var``'s and the cumulative
     ops' result dtypes, including the ``dtype=`` argument."""
     params = tuple(sorted(params.items(), key=lambda kv: kv[0]))
-    return _result_dtype(jax_fn, np.dtype(in_dtype), params, bool(jax.config.jax_enable_x64))
+    return _result_dtype(jax_fn, np.dtype(in_dtype), params, bool(jax.config.read("jax_enable_x64")))
 
 
 @functools.cache

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -33,7 +33,7 @@ class Factor(NamedTuple):
     """A root mask seen at another layout: ``axes[i]`` is the root axis shown by axis ``i``, or
     ``None`` where the factor has size 1."""
 
-    root: int  # id of the root array, which the records keep alive
+    root: Any  # id of the root array (which the records keep alive), or a derived key
     axes: tuple[int | None, ...]
 
 

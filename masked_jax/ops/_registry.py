@@ -143,7 +143,7 @@ class OpSpec:
 
 
 REGISTRY: dict[str, OpSpec] = {}
-_LISTENERS: list[Callable[[OpSpec], None]] = []
+_LISTENERS: list[Callable[..., None]] = []  # listener(spec, removed=False)
 
 
 def register(spec: OpSpec) -> OpSpec:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+from typing import Any
 
 import jax
 import jax.extend.core.primitives as P
@@ -10,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from masked_jax._validate import is_tracer
 from masked_jax.ops import _factors
 from masked_jax.ops._base import Pair, and_masks, fill
 from masked_jax.ops._registry import MASKIFY_ONLY, OpSpec, register, signature_of
@@ -37,7 +39,7 @@ def nary(fn, safe=1, preserves=()):
     to the result.
     """
 
-    def rule(*operands: Pair, **kwargs) -> Pair:
+    def rule(*operands: Pair, **kwargs) -> Any:  # a Pair (a tuple of them for divmod)
         check_broadcast(getattr(fn, "__name__", "operation"), operands)
         mask = and_masks(*(o.mask for o in operands))
         if mask is None:
@@ -76,7 +78,7 @@ def nary(fn, safe=1, preserves=()):
         return Pair(out, mask)
 
     rule.__name__ = getattr(fn, "__name__", "nary")
-    rule.fn = fn
+    rule.__dict__["fn"] = fn  # the function the rule applies, for maskify's recognisers
     return rule
 
 
@@ -114,7 +116,7 @@ def _conditional(operands, held, mask, preserves):
 def _finite_constant(p: Pair) -> bool:
     """A plain operand whose value is known when the program is traced and finite everywhere (a
     Python scalar, a numpy constant)."""
-    if p.mask is not None or isinstance(p.data, jax.core.Tracer):
+    if p.mask is not None or is_tracer(p.data):
         return False
     try:
         values = np.asarray(p.data)
@@ -395,5 +397,3 @@ register(
         ),
     )
 )
-
-del _name, _fn, _safe, _prims, _methods, _prim

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+from typing import Any, cast
 
 import jax
 import jax.extend.core.primitives as P
@@ -25,7 +26,7 @@ def unary(fn, safe=1):
     ``safe=None`` marks a linear ``fn`` that needs no sanitising.
     """
 
-    def rule(x: Pair, *args, **kwargs) -> Pair:
+    def rule(x: Pair, *args, **kwargs) -> Any:  # a Pair (a tuple of them for modf, frexp)
         if x.mask is None or not _factors.active():
             data = x.data if safe is None else fill(x.data, x.mask, safe)
             out = fn(data, *args, **kwargs)
@@ -52,7 +53,7 @@ def unary(fn, safe=1):
         return Pair(out, x.mask)
 
     rule.__name__ = getattr(fn, "__name__", "unary")
-    rule.fn = fn
+    rule.__dict__["fn"] = fn  # the function the rule applies, for maskify's recognisers
     return rule
 
 
@@ -238,7 +239,7 @@ LAX_ONLY = [
     ("integer_pow", lambda x, y=2: lax.integer_pow(x, y), 1, (P.integer_pow_p,)),
     (
         "convert_element_type",
-        lambda x, new_dtype=None: lax.convert_element_type(x, new_dtype),
+        lambda x, new_dtype=None: lax.convert_element_type(x, cast(Any, new_dtype)),
         None,
         (P.convert_element_type_p,),
     ),
@@ -253,7 +254,7 @@ LAX_ONLY = [
     ("population_count", lax.population_count, 0, (P.population_count_p,)),
     (
         "bitcast_convert_type",
-        lambda x, new_dtype=None: lax.bitcast_convert_type(x, new_dtype),
+        lambda x, new_dtype=None: lax.bitcast_convert_type(x, cast(Any, new_dtype)),
         None,
         (P.bitcast_convert_type_p,),
     ),
@@ -330,5 +331,3 @@ register(
         ),
     )
 )
-
-del _name, _fn, _safe, _prims, _methods

@@ -12,8 +12,7 @@ entry would form ``inf * 0 = NaN``. The zero-filled contraction is exact whereve
 so when an entry of it is not (checked at run time: ``lax.cond`` under a transform, a Python
 branch eagerly; under ``vmap`` one test for the whole batch, so the conditional stays one), the
 finite terms are contracted as above and the non-finite ones are counted by sign (a loop of
-contractions of indicator arrays; it costs about 0.2 s more compile time per program on CPU, paid
-under ``jit``): an output with a NaN term (a valid NaN, or a valid ``inf`` times a valid 0) or
+contractions of indicator arrays, which lengthens the compile of a program that has it): an output with a NaN term (a valid NaN, or a valid ``inf`` times a valid 0) or
 with both ``+inf`` and ``-inf`` terms is NaN, else one with an infinite term is that infinity, as
 IEEE sums are. Complex operands take this rule by their real and imaginary parts.
 """
@@ -28,6 +27,7 @@ import jax.extend.core.primitives as P
 import jax.numpy as jnp
 import numpy as np
 
+from masked_jax._validate import is_tracer
 from masked_jax.ops import _factors
 from masked_jax.ops._base import Pair, and_masks, any_valid, fill, ranked, uniform_along
 from masked_jax.ops._registry import OpSpec, register, signature_of
@@ -44,7 +44,7 @@ def contraction(fn):
         return Pair(_contract_data(fn, operands, **kwargs), mask)
 
     rule.__name__ = getattr(fn, "__name__", "contraction")
-    rule.fn = fn
+    rule.__dict__["fn"] = fn  # the function the rule applies, for maskify's recognisers
     return rule
 
 
@@ -62,7 +62,7 @@ def _contract_data(fn, operands, **kwargs):
     # the exact rule; the test reads the output, not the two operands.
     fast = fn(*filled, **kwargs)
     nonfinite = ~jnp.all(jnp.isfinite(fast))
-    if not any(isinstance(v, jax.core.Tracer) for v in (a, b, va, vb)):
+    if not any(is_tracer(v) for v in (a, b, va, vb)):
         # eagerly the branch is known: only the program that runs is built (no compile of the other)
         return _with_nonfinite(fn, kwargs, a, b, va, vb) if bool(nonfinite) else fast
     # The zero-filled contraction outside the conditional: XLA fuses the fills into it, and the
@@ -184,13 +184,12 @@ def _materialized(filled, data):
     It is what the backward pass reads (the contraction's residual). Without the barrier, XLA's
     GPU fusion recomputed the fill inside a backward kernel from the unfilled data, and kept that
     producer alive across the rest of the forward pass. For attention's values that producer is
-    the fused query/key/value projection, three times the values' size; the barrier took an
-    equinox encoder step's temporary memory from 1.11x to 1.05x the hand-masked one's (compiled
-    for an H200). Only attention-like contractions (masked terms meeting valid outputs) take it:
-    on dense layers' inputs, whose fills XLA fuses into the layer, barriers took the same step to
-    1.10x.
+    the fused query/key/value projection, three times the values' size (``benchmarks/gpu_compile.py``
+    reads the difference in an equinox encoder step's temporary memory). Only attention-like
+    contractions (masked terms meeting valid outputs) take it: on dense layers' inputs XLA fuses
+    the fills into the layer, and a barrier there costs memory instead.
     """
-    if filled is data or not isinstance(filled, jax.core.Tracer):
+    if filled is data or not is_tracer(filled):
         return filled
     return _factors.memo(("materialized", id(filled)), lambda: jax.lax.optimization_barrier(filled), filled)
 
@@ -364,4 +363,3 @@ register(
         example=(_A, "{mod}.einsum('ij,jk->ik', a, jnp.ones((2, 2))).mask", _ROWS),
     )
 )
-del _name, _fn, _methods, _prims, _example

@@ -30,7 +30,7 @@ def passthrough(fn):
         return Pair(fn(x.data, *args, **kwargs), None if m is None else fn(m, *args, **kwargs))
 
     rule.__name__ = getattr(fn, "__name__", "passthrough")
-    rule.fn = fn
+    rule.__dict__["fn"] = fn  # the function the rule applies, for maskify's recognisers
     return rule
 
 
@@ -400,5 +400,3 @@ _shape_op(
         ]
     ),
 )
-
-del _name, _fn, _args, _count, _methods

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from masked_jax._validate import dtype_kind
+from masked_jax._validate import dtype_kind, is_tracer
 from masked_jax.ops._base import Pair, candidate_axes, fill, materialize, normalize_axis, result_dtype
 from masked_jax.ops._registry import OpSpec, register, signature_of
 from masked_jax.ops.reductions import _float, _float_dtype, _mask, _safe_div, max, mean, min, safe_sqrt, sum
@@ -69,7 +69,7 @@ QUANTILE_METHODS = ("linear", "lower", "higher", "nearest", "midpoint")
 
 def _check_q(q, lo=0.0, hi=1.0, name="q"):
     """``q`` must lie in [lo, hi]; checked when concrete (under ``jit`` it cannot be)."""
-    if isinstance(q, jax.core.Tracer):
+    if is_tracer(q):
         return
     arr = np.asarray(q)
     if dtype_kind(arr.dtype) not in "iuf" or arr.size and not (np.all(arr >= lo) and np.all(arr <= hi)):

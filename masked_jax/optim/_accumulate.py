@@ -155,14 +155,7 @@ def _empty_rows(shape, capacity, dtype):
 def _as_rows(g, shape):
     """A gradient leaf as coalesced rows ``(indices (K,), data (K, ...))``, padding ``N``."""
     v, data = view(g)
-    if v.kind == "rows":
-        return v.indices, data
-    if v.kind == "masked":  # rows with a valid entry, the rest zero
-        raise TypeError(
-            "lazy(MultiSteps, capacity=...): a leaf with a row capacity takes row-sparse (or dense) "
-            "gradients; got a masked array. Give it capacity None."
-        )
-    return jnp.arange(shape[0], dtype=jnp.int32), data
+    return v.rows(data, shape)
 
 
 def _merge(acc, idx, data, n, capacity, acc_update, n_acc):

@@ -17,7 +17,6 @@ import optax
 
 from masked_jax import _validate
 from masked_jax._core import is_container
-from masked_jax.layouts import take_rows
 from masked_jax.ops._base import accumulation_dtype
 from masked_jax.optim._lazy import lazy
 from masked_jax.optim._state import ScaleByRowwiseRssState, declare_row_local
@@ -245,12 +244,7 @@ def scale_by_rowwise_rss(
             axes = _row_axes(data.ndim)
             square = (data.conj() * data).real
             grow = jnp.mean(square, axis=axes) if axes else square
-            if v.kind == "rows":
-                t = jnp.asarray(t).at[v.indices].add(grow.astype(t.dtype), mode="drop")
-                rows = take_rows(t, v.indices)
-            else:
-                t = t + grow.astype(t.dtype) if axes or v.kind == "dense" else v.add(t, grow)
-                rows = t
+            t, rows = v.grow_rows(t, grow, per_row=bool(axes))
             scale = inverse_root(rows).astype(data.dtype)
             new_sums.append(t)
             new_updates.append(v.wrap(scale.reshape(scale.shape + (1,) * len(axes)) * data))

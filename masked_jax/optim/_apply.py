@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any, cast
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -54,6 +56,7 @@ def add_updates(params, updates, *, coalesced: bool):
                 "optim.lazy(...), which updates only the rows stored."
             )
         data = data_of(p)
+        u = cast(Any, u)  # an update leaf: an array, a MaskedArray or a sparse layout
         if tuple(u.shape) != tuple(data.shape):
             raise ValueError(
                 f"apply_updates: an update of shape {tuple(u.shape)} for a parameter of "

@@ -31,14 +31,12 @@ learning-rate or weight-decay schedule, the catch-up uses their initial values.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from masked_jax.layouts import take_rows
 from masked_jax.ops._base import accumulation_dtype
 from masked_jax.optim._state import _map_param_shaped, _Reference
 
@@ -204,20 +202,9 @@ def needs_params(coeffs: Coefficients) -> bool:
 def rows_since(v, last, step):
     """Per row the gradient leaf's view touches: steps since the row was last current (0 for
     padding rows)."""
-    if v.kind == "rows":
-        seen = take_rows(last, v.indices)
-        return jnp.where(v.indices < last.shape[0], step - seen, 0)
-    return step - last
+    return v.steps_since(last, step)
 
 
 def touch(v, last, step):
     """The counters after this update: rows the view touches are current as of ``step + 1``."""
-    now = step + 1
-    if v.kind == "rows":
-        return jnp.asarray(last).at[v.indices].set(now, mode="drop")
-    if v.kind == "masked" and last.ndim:
-        touched = jnp.any(v.mask.reshape(v.mask.shape[:1] + (math.prod(v.mask.shape[1:]),)), axis=1)
-        return jnp.where(touched, now, last)
-    if v.kind == "masked":
-        return jnp.where(jnp.any(v.mask), now, last)
-    return jnp.full_like(last, now)
+    return v.touch(last, step)

@@ -12,6 +12,8 @@ any other transformation keeps the one-call update.
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -45,10 +47,10 @@ def _walk(jaxpr, tags):
     parameter leaf ``j`` (same shape), ``("u",)`` for values equal at every entry (scalars and
     their broadcasts), ``("g",)`` for other values that depend on no entry. Raises
     :class:`_Mixes` where entries meet in any other way."""
-    env = {v: ("u",) if np.ndim(v.aval) == 0 else ("g",) for v in jaxpr.constvars}  # captured arrays
+    env: dict[Any, tuple[Any, ...]] = {v: ("u",) if np.ndim(v.aval) == 0 else ("g",) for v in jaxpr.constvars}
     env.update(zip(jaxpr.invars, tags))
 
-    def tag(v):
+    def tag(v) -> tuple[Any, ...]:
         if _jaxpr.is_literal(v):
             return ("u",) if np.ndim(v.val) == 0 else ("g",)
         return env[v]
@@ -97,13 +99,16 @@ def entrywise(inner, updates, state, params) -> bool:
         return False
     n = len(ref.shapes)
     owner = jax.tree_util.tree_leaves(_map_param_shaped(ref, lambda leaves: list(range(len(leaves))), state))
-    state_tags = [("e", j) if isinstance(j, int) else (("u",) if np.ndim(j) == 0 else ("g",)) for j in owner]
+    state_tags: list[tuple[Any, ...]] = [
+        ("e", j) if isinstance(j, int) else (("u",) if np.ndim(j) == 0 else ("g",)) for j in owner
+    ]
     tags = [("e", j) for j in range(n)] + state_tags + [("e", j) for j in range(n)]
     try:
         outs = _walk(closed.jaxpr, tags)
     except (_Mixes, KeyError, AttributeError, TypeError):  # a form this reading does not know: unsure
         return False
-    u_tags, s_tags = outs[:n], outs[n:]
+    u_tags: list[tuple[Any, ...]] = outs[:n]
+    s_tags: list[tuple[Any, ...]] = outs[n:]
     if any(t[0] == "g" or (t[0] == "e" and t[1] != j) for j, t in enumerate(u_tags)):
         return False
     for t, j in zip(s_tags, owner):

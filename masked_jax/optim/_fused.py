@@ -16,7 +16,7 @@ update.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -294,6 +294,7 @@ def _table_kernel(in_kernel, n_hoisted, hoisted_dtypes, n_rows_refs, n, d, block
             _, acc, _ = jax.lax.while_loop(more, add, (1, acc, lead))
             # the block's last run, if it goes on: its rows in the next blocks
             onward = lead & (ids == plgpu.load(ids_ref.at[_one(end)]))
+            assert onward_ref is not None  # (a run goes on only when ids repeat)
             rest = plgpu.load(onward_ref.at[_one(b + 1)[:, None], cols[None, :]])
             acc = jnp.where(onward[:, None], acc + rest, acc)
         scalars = [r[0].astype(dt) for r, dt in zip(scalar_refs, hoisted_dtypes)]
@@ -315,7 +316,7 @@ def _prepare(inner, i, treedef, state_def, owners, leaves, state_leaves, p_leave
     mine = [state_leaves[k] for k in _owned(owners, i)]
     block_avals = [jax.ShapeDtypeStruct((block, width), x.dtype) for x in (leaves[i], *mine, p_leaves[i])]
     scalar = lambda x: jnp.zeros((), x.dtype if hasattr(x, "dtype") else jnp.result_type(x))  # noqa: E731
-    known = (
+    known: list[Any] = (
         [scalar(x) for x in leaves]
         + [scalar(x) if isinstance(o, int) else x for x, o in zip(state_leaves, owners)]
         + [scalar(x) for x in p_leaves]

@@ -233,6 +233,8 @@ def lazy(inner: optax.GradientTransformation, *, catch_up: bool = False, capacit
                     f"{type(state).__name__}."
                 )
             state, step, last = state
+        else:
+            step = last = None  # no catch-up: no counters
         check_update_arguments(inner, updates, state, params)
         leaves, treedef = jax.tree_util.tree_flatten(updates, is_leaf=is_container)
         if not catch_up and not any(is_container(g) for g in leaves):
@@ -251,6 +253,7 @@ def lazy(inner: optax.GradientTransformation, *, catch_up: bool = False, capacit
         p_rows = gather(treedef.flatten_up_to(params)) if params is not None else None
         inner_state = _map_param_shaped(ref, gather, state)
         caught = p_rows
+        last_leaves: list = []
         if catch_up:
             like = jax.tree_util.tree_unflatten(
                 treedef, [jax.ShapeDtypeStruct(v.shape, d.dtype) for v, d in zip(views, gathered)]
@@ -287,14 +290,14 @@ def lazy(inner: optax.GradientTransformation, *, catch_up: bool = False, capacit
             ref, lambda old, new: [v.scatter(o, n) for v, o, n in zip(views, old, new)], state, new_inner_state
         )
         u_leaves = treedef.flatten_up_to(u)
-        if catch_up and caught is not None:  # the update also carries each row over its skipped steps
+        if catch_up and caught is not None and p_rows is not None:  # each row carried over its skipped steps
             u_leaves = [x + (c - p).astype(x.dtype) for x, c, p in zip(u_leaves, caught, p_rows)]
         out = jax.tree_util.tree_unflatten(treedef, [v.wrap(x) for v, x in zip(views, u_leaves)])
         if catch_up:
             new_last = jax.tree_util.tree_unflatten(
                 treedef, [_catch_up.touch(v, c, step) for v, c in zip(views, last_leaves)]
             )
-            new_state = _catch_up.LazyCatchUpState(new_state, step + 1, new_last)
+            new_state = _catch_up.LazyCatchUpState(new_state, jnp.asarray(step) + 1, new_last)
         return out, new_state
 
     return declare_lazy(optax.GradientTransformationExtraArgs(init_fn, update_fn), inner)

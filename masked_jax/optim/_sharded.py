@@ -23,6 +23,7 @@ detected by a probe and rejected.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -194,7 +195,7 @@ def sharded_update(
     def local_step(grads, state, params):
         device = jax.lax.axis_index(axis)
         leaves = treedef.flatten_up_to(grads)
-        owned = [_own(g, device, g.shape[0] // n_dev) if r else None for g, r in zip(leaves, rows)]
+        owned: list[Any] = [_own(g, device, g.shape[0] // n_dev) if r else None for g, r in zip(leaves, rows)]
         capped = [jnp.sum(o[0]) <= c for o, r, c, g in zip(owned, rows, caps, leaves) if r and c < g.nse]
         ref = _Reference.of(params)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import cast
 
 import jax
 import optax
@@ -47,8 +48,8 @@ def make_train_step(
     in chunks of ``chunk_rows`` of its distinct touched rows, on the CPU: a loop gathers a chunk of
     the table and its state, updates it and scatters it back, and stops after the last touched
     row. Every temporary is then a ``chunk_rows x dim`` block that stays in cache, and the padding
-    slots of the gradient are never visited (2.3-3x faster than one update of all slots from 65k
-    stored rows up, see the benchmarks), with ``catch_up`` as well, and with
+    slots of the gradient are never visited (faster than one update of all slots for large
+    gradients: ``benchmarks/README.md``), with ``catch_up`` as well, and with
     :func:`rowwise_adagrad` (which updates each row from that row alone). The result is the
     one-call update's up to rounding. Transformations that combine entries (global-norm clipping, trust
     ratios, finiteness checks), ``MultiSteps`` and other optimizers get the one-call update;
@@ -103,13 +104,14 @@ def make_train_step(
         value, grads = loss_and_grad(params, *batch, **kwargs)
         if mesh is not None:
             params, opt_state = sharded_update(
-                optimizer, grads, opt_state, params, mesh=mesh, axis=axis, capacity=capacity
+                optimizer, grads, opt_state, params, mesh=mesh, axis=cast(str, axis), capacity=capacity
             )
             return params, opt_state, value
         branches = {}
         if chunk_rows is not None and chunkable(optimizer, grads, opt_state, params, chunk_rows):
             # on the CPU only: on a GPU each trip of the loop waits for the host to read its predicate
-            branches["cpu"] = lambda p, s, g: chunked_update(optimizer, g, s, p, apply_updates, chunk_rows)
+            rows = chunk_rows
+            branches["cpu"] = lambda p, s, g: chunked_update(optimizer, g, s, p, apply_updates, rows)
         tables = fused_tables(optimizer, grads, opt_state, params) if fused_rows else []
         if tables:
             branches["cuda"] = lambda p, s, g: fused_update(optimizer, g, s, p, apply_updates, tables=tables)

@@ -1,15 +1,19 @@
 """How a gradient leaf sees a parameter-shaped array: all of it, its valid entries, or its rows.
 
-One ``_View`` per gradient leaf, shared by :func:`lazy` (which gathers parameters
-and optimizer state through it and scatters the results back) and
-:func:`apply_updates` (which adds an update through it).
+One view per gradient leaf, of the class of its storage: :class:`DenseView` for a plain array,
+:class:`MaskedView` for a ``MaskedArray`` (and a BCOO-backed array, densified), :class:`RowsView`
+for a ``RowSparseArray``. Each class holds everything the optimizers do differently by storage:
+gathering what the gradient touches and scattering results back (:func:`lazy`), adding an update
+(:func:`apply_updates`), growing per-row sums (row-wise Adagrad), and the counters of lazy
+catch-up. :func:`view` is the one place that looks at a gradient's type.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+from typing import Any
 
-import jax
 import jax.numpy as jnp
 
 from masked_jax._core import SparseMasked, from_pair, is_masked
@@ -22,55 +26,125 @@ def data_of(x):
 
 
 @dataclasses.dataclass(frozen=True)
-class _View:
-    kind: str  # "dense" | "masked" | "rows"
-    shape: tuple
-    mask: jax.Array | None = None  # "masked": same shape as the parameter
-    indices: jax.Array | None = None  # "rows": (K,) unique row indices, padding = shape[0]
-    stored: tuple = (0, False)  # "rows": the gradient's own (K, unique_indices), kept by ``wrap``
+class DenseView:
+    """A plain gradient: it touches every entry of its parameter."""
 
-    def _row_mask(self, ndim):
+    shape: tuple
+
+    def gather(self, x):
+        """The part of a parameter-shaped array this gradient touches (zeros where it does not)."""
+        return x
+
+    def scatter(self, old, new):
+        """``old`` with the touched part replaced by ``new`` (as gathered); the rest bit-identical."""
+        return new.astype(old.dtype)
+
+    def add(self, param, update):
+        """``param + update`` on the touched part only; dtype of ``param`` kept."""
+        return param + update.astype(param.dtype)
+
+    def wrap(self, u):
+        """An update (as gathered) in the storage of the gradient it came from."""
+        return u
+
+    def grow_rows(self, sums, grow, per_row: bool):
+        """Per-row (or per-entry) running sums plus ``grow`` where touched: ``(new sums, the sums
+        of the touched rows, as gathered)``. ``per_row``: ``grow`` holds one value per row."""
+        del per_row
+        sums = sums + grow.astype(sums.dtype)
+        return sums, sums
+
+    def steps_since(self, last, step):
+        """Per touched row (or entry): steps since it was last current (0 for padding rows)."""
+        return step - last
+
+    def touch(self, last, step):
+        """The catch-up counters after this update: what this gradient touches is current as of
+        ``step + 1``."""
+        return jnp.full_like(last, step + 1)
+
+    def rows(self, data, shape):
+        """The gradient as coalesced rows ``(indices (K,), data (K, ...))``, padding ``N``."""
+        return jnp.arange(shape[0], dtype=jnp.int32), data
+
+
+@dataclasses.dataclass(frozen=True)
+class MaskedView(DenseView):
+    """A masked gradient: it touches its valid entries."""
+
+    mask: Any = None  # same shape as the parameter
+
+    def gather(self, x):
+        return jnp.where(self.mask, x, jnp.zeros((), x.dtype))
+
+    def scatter(self, old, new):
+        return jnp.where(self.mask, new.astype(old.dtype), old)
+
+    def add(self, param, update):
+        return jnp.where(self.mask, param + update.astype(param.dtype), param)
+
+    def wrap(self, u):
+        return from_pair(jnp.where(self.mask, u, jnp.zeros((), u.dtype)), self.mask)
+
+    def grow_rows(self, sums, grow, per_row: bool):
+        sums = sums + grow.astype(sums.dtype) if per_row else self.add(sums, grow)
+        return sums, sums
+
+    def touch(self, last, step):
+        now = step + 1
+        if last.ndim:  # one counter per row: touched where the row has a valid entry
+            touched = jnp.any(self.mask.reshape(self.mask.shape[:1] + (math.prod(self.mask.shape[1:]),)), axis=1)
+            return jnp.where(touched, now, last)
+        return jnp.where(jnp.any(self.mask), now, last)
+
+    def rows(self, data, shape):
+        raise TypeError(
+            "lazy(MultiSteps, capacity=...): a leaf with a row capacity takes row-sparse (or dense) "
+            "gradients; got a masked array. Give it capacity None."
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class RowsView(DenseView):
+    """A row-sparse gradient: it touches its stored rows."""
+
+    indices: Any = None  # (K,) unique row indices, padding = shape[0]
+    stored: tuple = (0, False)  # the gradient's own (K, unique_indices), kept by ``wrap``
+
+    def row_mask(self, ndim):
         valid = self.indices < self.shape[0]
         return valid.reshape((-1,) + (1,) * (ndim - 1))
 
     def gather(self, x):
-        """The part of a parameter-shaped array this gradient touches (zeros where it does not)."""
-        if self.kind == "dense":
-            return x
-        if self.kind == "masked":
-            return jnp.where(self.mask, x, jnp.zeros((), x.dtype))
         return take_rows(x, self.indices)
 
     def scatter(self, old, new):
-        """``old`` with the touched part replaced by ``new`` (as gathered); the rest bit-identical."""
-        new = new.astype(old.dtype)
-        if self.kind == "dense":
-            return new
-        if self.kind == "masked":
-            return jnp.where(self.mask, new, old)
-        return jnp.asarray(old).at[self.indices].set(new, mode="drop")  # numpy too (a restored checkpoint)
+        # numpy too (a restored checkpoint)
+        return jnp.asarray(old).at[self.indices].set(new.astype(old.dtype), mode="drop")
 
     def add(self, param, update):
-        """``param + update`` on the touched part only; dtype of ``param`` kept."""
-        update = update.astype(param.dtype)
-        if self.kind == "dense":
-            return param + update
-        if self.kind == "masked":
-            return jnp.where(self.mask, param + update, param)
-        return jnp.asarray(param).at[self.indices].add(update, mode="drop")
+        return jnp.asarray(param).at[self.indices].add(update.astype(param.dtype), mode="drop")
 
     def wrap(self, u):
-        """An update (as gathered) in the storage of the gradient it came from."""
-        zero = jnp.zeros((), u.dtype)
-        if self.kind == "dense":
-            return u
-        if self.kind == "masked":
-            return from_pair(jnp.where(self.mask, u, zero), self.mask)
-        u = jnp.where(self._row_mask(u.ndim), u, zero)
+        u = jnp.where(self.row_mask(u.ndim), u, jnp.zeros((), u.dtype))
         # the gradient's own K and flags, so that an update has the gradient's pytree structure
         # (optax wrappers select between the two under lax.cond); slots past K are padding
         k, unique = self.stored
         return rows_from_parts(self.shape, u[:k], self.indices[:k], unique)
+
+    def grow_rows(self, sums, grow, per_row: bool):
+        sums = jnp.asarray(sums).at[self.indices].add(grow.astype(sums.dtype), mode="drop")
+        return sums, take_rows(sums, self.indices)
+
+    def steps_since(self, last, step):
+        seen = take_rows(last, self.indices)
+        return jnp.where(self.indices < last.shape[0], step - seen, 0)
+
+    def touch(self, last, step):
+        return jnp.asarray(last).at[self.indices].set(step + 1, mode="drop")
+
+    def rows(self, data, shape):
+        return self.indices, data
 
 
 def view(g, *, coalesce: bool = True):
@@ -86,9 +160,9 @@ def view(g, *, coalesce: bool = True):
         if coalesce:
             g = g.sum_duplicates()
         g = at_least_two_rows(g)
-        v = _View("rows", g.shape, indices=jnp.where(g.row_valid(), g.indices, g.shape[0]), stored=stored)
-        return v, jnp.where(v._row_mask(g.ndim), g.data, jnp.zeros((), g.dtype))
+        v = RowsView(g.shape, indices=jnp.where(g.row_valid(), g.indices, g.shape[0]), stored=stored)
+        return v, jnp.where(v.row_mask(g.ndim), g.data, jnp.zeros((), g.dtype))
     if is_masked(g):
-        return _View("masked", g.shape, mask=g.mask), g.filled(0)
+        return MaskedView(g.shape, mask=g.mask), g.filled(0)
     g = jnp.asarray(g)
-    return _View("dense", g.shape), g
+    return DenseView(g.shape), g
