@@ -20,8 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from masked_jax import embeddings
-from masked_jax._core import MaskedArray, SparseMasked, is_masked
-from masked_jax._core import is_container as _is_container
+from masked_jax._core import MaskedArray, SparseMasked, is_masked, is_masked_leaf
 
 
 class _NoMask:
@@ -38,13 +37,13 @@ def _split(tree, static: bool = False):
     so that its gradient keeps its pytree structure; Jacobians take the all-True mask); for a
     sparse layout, the layout itself (its indices and shape); ``None`` for a plain array.
     """
-    leaves, treedef = jax.tree_util.tree_flatten(tree, is_leaf=_is_container)
-    datas = [leaf.data if _is_container(leaf) else leaf for leaf in leaves]
+    leaves, treedef = jax.tree_util.tree_flatten(tree, is_leaf=is_masked_leaf)
+    datas = [leaf.data if is_masked_leaf(leaf) else leaf for leaf in leaves]
 
     def meta(leaf):
         if is_masked(leaf):
             return _NO_MASK if static and leaf.compact_mask is None else leaf.mask
-        return leaf if _is_container(leaf) else None
+        return leaf if is_masked_leaf(leaf) else None
 
     return datas, [meta(leaf) for leaf in leaves], treedef
 
@@ -100,7 +99,7 @@ def _reader(fun, args, kwargs, argnums, static: bool = False):
 
 
 def _scalar_output(out):
-    if _is_container(out):
+    if is_masked_leaf(out):
         return out.filled(0)
     return out
 
@@ -215,7 +214,7 @@ def _jacobian(jax_jac, fun, argnums, has_aux, holomorphic):
         def h(d):
             out, aux = _with_aux(g(d), has_aux)
             out = jax.tree_util.tree_map(  # Jacobians are laid out densely
-                lambda o: o.todense() if isinstance(o, SparseMasked) else o, out, is_leaf=_is_container
+                lambda o: o.todense() if isinstance(o, SparseMasked) else o, out, is_leaf=is_masked_leaf
             )
             datas, masks, treedef = _split(out)
             out_info["masks"], out_info["treedef"] = masks, treedef

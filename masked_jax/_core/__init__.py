@@ -16,7 +16,6 @@ from masked_jax._core._masked import check_data as check_data
 from masked_jax._core._masked import from_numpy_ma as from_numpy_ma
 from masked_jax._core._masked import from_pair as from_pair
 from masked_jax._core._masked import fully_valid_data as fully_valid_data
-from masked_jax._core._masked import is_container as is_container
 from masked_jax._core._masked import is_masked as is_masked
 from masked_jax._core._masked import is_masked_leaf as is_masked_leaf
 from masked_jax._core._masked import is_operand as is_operand

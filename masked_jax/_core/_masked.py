@@ -740,11 +740,6 @@ def from_numpy_ma(a: np.ndarray) -> MaskedArray:
     return MaskedArray(check_data(data, "a"), jnp.asarray(~np.ma.getmaskarray(a)))
 
 
-def is_container(x: Any) -> bool:
-    """Whether ``x`` is a masked array in any storage: a leaf for masked-aware tree maps."""
-    return isinstance(x, (MaskedArray, _layouts.SparseMasked))
-
-
 def is_masked_leaf(x: Any) -> bool:
     """``is_leaf`` for generic tree code: a masked array in any storage is one leaf, so a
     ``jax.tree.map(f, tree, is_leaf=mj.is_masked_leaf)`` sees whole masked arrays, never their masks.
@@ -755,7 +750,7 @@ def is_masked_leaf(x: Any) -> bool:
         >>> len(jax.tree.leaves(tree, is_leaf=mj.is_masked_leaf))
         1
     """
-    return is_container(x)
+    return isinstance(x, (MaskedArray, _layouts.SparseMasked))
 
 
 def tree_map_data(f, tree: Any, *rest: Any) -> Any:
@@ -773,14 +768,14 @@ def tree_map_data(f, tree: Any, *rest: Any) -> Any:
     """
 
     def one(x, *others):
-        datas = [o.data if is_container(o) else o for o in others]
+        datas = [o.data if is_masked_leaf(o) else o for o in others]
         if isinstance(x, MaskedArray):
             return MaskedArray._from_pair(f(x.data, *datas), x.compact_mask)
-        if is_container(x):
+        if is_masked_leaf(x):
             return x.with_data(f(x.data, *datas))
         return f(x, *datas)
 
-    return jax.tree_util.tree_map(one, tree, *rest, is_leaf=is_container)
+    return jax.tree_util.tree_map(one, tree, *rest, is_leaf=is_masked_leaf)
 
 
 def is_masked(x: Any) -> bool:

@@ -185,50 +185,33 @@ def _compiled(
                 )
         specified = all(lf.spec.all() for lf in leaves)
         shapes = (tuple((lf.kind, lf.shape, lf.dtype) for lf in leaves), tuple(names)) + config[2:]
-        if traced is not None:
-            # the check's leaves keep no pattern: the pattern is an operand (``_run`` reads ``specs``)
-            generic = [dataclasses.replace(lf, spec_bytes=None) for lf in leaves]
+        # the check's leaves keep no pattern when it is lifted: the pattern is an operand (``_run``
+        # reads ``specs``)
+        generic = [dataclasses.replace(lf, spec_bytes=None) for lf in leaves] if traced is not None else leaves
 
-            def run_lifted(ops, seed, jaxpr=jaxpr, plain=plain):
+        def run(ops, seed):
+            if traced is not None:  # (the values, the constants, the lifted values, the patterns)
                 vals, cs, lv, specs = ops
-                return _run(
-                    _jaxpr_evaluator(jaxpr, lv, specs, cs, plain),
-                    generic,
-                    names,
-                    sems,
-                    modes,
-                    fast,
-                    eps,
-                    vals,
-                    specs,
-                    specified,
-                    seed,
-                    probes,
-                    richardson,
-                    leak_map,
-                )
-
-            run = run_lifted
-        else:
-
-            def run(ops, seed):
-                vals, cs = ops
-                return _run(
-                    _evaluator(call, names, cs),
-                    leaves,
-                    names,
-                    sems,
-                    modes,
-                    fast,
-                    eps,
-                    vals,
-                    None,
-                    specified,
-                    seed,
-                    probes,
-                    richardson,
-                    leak_map,
-                )
+                evaluate = _jaxpr_evaluator(jaxpr, lv, specs, cs, plain)
+            else:  # (the values, the constants)
+                (vals, cs), specs = ops, None
+                evaluate = _evaluator(call, names, cs)
+            return _run(
+                evaluate,
+                generic,
+                names,
+                sems,
+                modes,
+                fast,
+                eps,
+                vals,
+                specs,
+                specified,
+                seed,
+                probes,
+                richardson,
+                leak_map,
+            )
 
         entry = _Entry(run, names, skipped, shapes)
     for k in (key, skey):

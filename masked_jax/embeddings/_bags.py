@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from masked_jax._core import SparseMasked, from_pair, is_container
+from masked_jax._core import SparseMasked, from_pair, is_masked_leaf
 from masked_jax.embeddings._lookup import _read
 from masked_jax.layouts import check_integer_indices, segment_total
 from masked_jax.ops._base import lowest
@@ -26,7 +26,7 @@ def _split_masked(x):
     """``(data, mask or None)`` of a plain or masked array."""
     if isinstance(x, SparseMasked):
         x = x.todense()
-    if is_container(x):
+    if is_masked_leaf(x):
         return x.data, x.mask
     if x is None:
         return None, None
@@ -123,7 +123,7 @@ def embedding_bag(table, ids, *, offsets=None, lengths=None, weights=None, combi
         MaskedArray([[2.0 3.0]
                      [6.0 7.0]], dtype=float32)
     """
-    if is_container(table):
+    if is_masked_leaf(table):
         raise TypeError("embedding_bag reads a plain table (an array of shape (N, ...)); got a masked array.")
     table = jnp.asarray(table)
     if table.ndim == 0:

@@ -8,7 +8,7 @@ from typing import cast
 
 import jax.numpy as jnp
 
-from masked_jax._core import MaskedArray, SparseMasked, from_pair, is_container, is_masked
+from masked_jax._core import MaskedArray, SparseMasked, from_pair, is_masked, is_masked_leaf
 from masked_jax.layouts import check_integer_indices, take_rows
 
 
@@ -58,7 +58,7 @@ def lookup(table, ids):
         raise ValueError("lookup needs a table with at least one dimension (the rows).")
     n, trailing = table.shape[0], (1,) * (table.ndim - 1)
     id_mask = None
-    if is_container(ids):
+    if is_masked_leaf(ids):
         ids = ids.todense() if isinstance(ids, SparseMasked) else ids
         id_mask = ids.mask
         ids = ids.data

@@ -33,7 +33,7 @@ import numpy as np
 from jax import lax
 
 from masked_jax import _jaxpr
-from masked_jax._core import is_container
+from masked_jax._core import is_masked_leaf
 from masked_jax.embeddings._lookup import _read
 from masked_jax.layouts import RowSparseArray, pad_indices, rows_from_parts
 
@@ -311,13 +311,13 @@ def _flags(spec, arg):
     if callable(spec):
         spec = spec(arg)
     if isinstance(spec, bool):
-        return jax.tree_util.tree_map(lambda _: spec, arg, is_leaf=is_container)
+        return jax.tree_util.tree_map(lambda _: spec, arg, is_leaf=is_masked_leaf)
     try:
         return jax.tree_util.tree_map(
-            lambda flag, sub: jax.tree_util.tree_map(lambda _: bool(flag), sub, is_leaf=is_container),
+            lambda flag, sub: jax.tree_util.tree_map(lambda _: bool(flag), sub, is_leaf=is_masked_leaf),
             spec,
             arg,
-            is_leaf=is_container,
+            is_leaf=is_masked_leaf,
         )
     except ValueError as err:
         raise ValueError(
@@ -332,7 +332,7 @@ def _mark(args, nums, spec):
     out, tables = list(args), []
     for i, s in zip(nums, specs):
         flags = jax.tree_util.tree_leaves(_flags(s, args[i]))  # bools: one per container leaf
-        leaves, treedef = jax.tree_util.tree_flatten(args[i], is_leaf=is_container)
+        leaves, treedef = jax.tree_util.tree_flatten(args[i], is_leaf=is_masked_leaf)
         for j, (flag, leaf) in enumerate(zip(flags, leaves)):
             if flag:
                 if not isinstance(leaf, (jax.Array, np.ndarray)) or np.ndim(leaf) == 0:

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from masked_jax._core import from_pair, is_container
+from masked_jax._core import from_pair, is_masked_leaf
 from masked_jax.embeddings._bags import Bag
 from masked_jax.embeddings._lookup import _normalize_ids, _read
 
@@ -77,7 +77,7 @@ class TableStack:
         return (self.num_rows,) + self.row_shape
 
     def _check(self, table, name=None):
-        if is_container(table):
+        if is_masked_leaf(table):
             raise TypeError("a stacked table is a plain array; got a masked array.")
         table = jnp.asarray(table) if not isinstance(table, jax.Array) else table
         if tuple(table.shape) != self.shape:
@@ -107,7 +107,7 @@ class TableStack:
         if name not in self.rows:
             raise KeyError(f"no table named {name!r} in this stack; it has {list(self.rows)}.")
         mask = None
-        if is_container(ids):
+        if is_masked_leaf(ids):
             ids, mask = ids.data, ids.mask
         local = _normalize_ids(ids, self.rows[name])
         valid = local < self.rows[name]

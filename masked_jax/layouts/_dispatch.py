@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from masked_jax._core import STATE, MaskedArray, SparseMasked, from_pair, is_container, unwrap, wrap
+from masked_jax._core import STATE, MaskedArray, SparseMasked, from_pair, is_masked_leaf, unwrap, wrap
 from masked_jax.layouts import _segments as segments
 from masked_jax.layouts._bcoo import BCOOMaskedArray
 from masked_jax.layouts._rows import RowSparseArray, rows_from_parts, take_rows
@@ -42,7 +42,7 @@ def is_sparse(x) -> bool:
 
 
 def _is_scalar(x) -> bool:
-    return not is_container(x) and np.ndim(x) == 0
+    return not is_masked_leaf(x) and np.ndim(x) == 0
 
 
 def apply(spec, operands, params, dense):

@@ -16,7 +16,7 @@ from masked_jax._core import as_masked as _as_masked
 from masked_jax.numpy import _frontend
 
 
-def as_masked(x) -> MaskedArray:
+def as_dense_masked(x) -> MaskedArray:
     """``x`` as a ``MaskedArray``; a sparse layout is densified (these functions have no sparse rule)."""
     return x.todense() if isinstance(x, SparseMasked) else _as_masked(x)
 
@@ -69,7 +69,7 @@ def dense_only(fn, name):
             *(fully_valid(a, name) for a in args),
             **{k: fully_valid(v, f"{name}'s {k}") for k, v in kwargs.items()},
         )
-        return jax.tree_util.tree_map(as_masked, out)
+        return jax.tree_util.tree_map(as_dense_masked, out)
 
     return document(
         dense,

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from masked_jax._core import MaskedArray, from_pair
-from masked_jax.numpy._common import as_masked, document, op
+from masked_jax.numpy._common import as_dense_masked, document, op
 
 
 def matrix_transpose(x, /) -> MaskedArray:
@@ -21,7 +21,7 @@ def matrix_transpose(x, /) -> MaskedArray:
         >>> mnp.matrix_transpose(mnp.zeros((2, 3))).shape
         (3, 2)
     """
-    return as_masked(x).mT
+    return as_dense_masked(x).mT
 
 
 def vecdot(x1, x2, /, *, axis: int = -1) -> MaskedArray:
@@ -33,7 +33,7 @@ def vecdot(x1, x2, /, *, axis: int = -1) -> MaskedArray:
         >>> mnp.vecdot(a, mnp.asarray([1.0, 1.0, 1.0]))
         MaskedArray(4.0, dtype=float32)
     """
-    a, b = as_masked(x1), as_masked(x2)
+    a, b = as_dense_masked(x1), as_dense_masked(x2)
     if a.shape[axis] != b.shape[axis]:
         raise ValueError(
             f"vecdot: the contracted axis {axis} has size {a.shape[axis]} in x1 and "
@@ -49,7 +49,7 @@ def vecdot(x1, x2, /, *, axis: int = -1) -> MaskedArray:
 
 
 def diagonal_of(x, offset, axis1, axis2):
-    x = as_masked(x)
+    x = as_dense_masked(x)
     return from_pair(jnp.diagonal(x.data, offset, axis1, axis2), jnp.diagonal(x.mask, offset, axis1, axis2))
 
 
@@ -59,7 +59,7 @@ def trace_of(x, offset, axis1, axis2, dtype):
 
 def cross_last(x1, x2, /, *, axis: int = -1) -> MaskedArray:
     """The cross product of 3-vectors along ``axis`` (``masked_jax.numpy.linalg.cross``)."""
-    a, b = as_masked(x1), as_masked(x2)
+    a, b = as_dense_masked(x1), as_dense_masked(x2)
     if a.shape[axis] != 3 or b.shape[axis] != 3:
         raise ValueError(
             f"cross: the vectors along axis {axis} must have 3 components; got shapes {a.shape} and {b.shape}."
@@ -101,14 +101,14 @@ def cross(a, b, axisa: int = -1, axisb: int = -1, axisc: int = -1, axis: int | N
     """
     if axis is not None:
         axisa = axisb = axisc = axis
-    a = op("moveaxis")(as_masked(a), axisa, -1)
-    b = op("moveaxis")(as_masked(b), axisb, -1)
+    a = op("moveaxis")(as_dense_masked(a), axisa, -1)
+    b = op("moveaxis")(as_dense_masked(b), axisb, -1)
     return op("moveaxis")(cross_last(a, b), -1, axisc)
 
 
 def _convolution(fn, name):
     def conv(a, v, mode: str = "full", propagate_mask: bool = True) -> MaskedArray:
-        x, k = as_masked(a), as_masked(v)
+        x, k = as_dense_masked(a), as_dense_masked(v)
         if x.ndim != 1 or k.ndim != 1:
             raise ValueError(f"{name}: a and v must be 1-d; got shapes {x.shape} and {k.shape}.")
         zero = lambda m: jnp.where(m.mask, m.data, jnp.zeros((), m.dtype))  # noqa: E731 (keeps the dtype)
@@ -148,7 +148,7 @@ def matvec(x1, x2) -> MaskedArray:
         >>> mnp.matvec(m, jnp.array([10.0, 20.0]))
         MaskedArray([10.0 --], dtype=float32)
     """
-    return op("matmul")(x1, op("expand_dims")(as_masked(x2), -1))[..., 0]
+    return op("matmul")(x1, op("expand_dims")(as_dense_masked(x2), -1))[..., 0]
 
 
 def vecmat(x1, x2) -> MaskedArray:
@@ -171,7 +171,7 @@ def kron(a, b) -> MaskedArray:
         >>> mnp.kron(mj.masked_array(jnp.array([1.0, 2.0]), jnp.array([True, False])), jnp.array([1.0, 10.0]))
         MaskedArray([1.0 10.0 -- --], dtype=float32)
     """
-    x, y = as_masked(a), as_masked(b)
+    x, y = as_dense_masked(a), as_dense_masked(b)
     n = builtins.max(x.ndim, y.ndim)
     x, y = (op("reshape")(v, (1,) * (n - v.ndim) + v.shape) for v in (x, y))
     spread_x = op("reshape")(x, tuple(d for s in x.shape for d in (s, 1)))  # (a0, 1, a1, 1, ...)

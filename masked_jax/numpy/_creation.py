@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from masked_jax._core import MaskedArray, SparseMasked, from_pair
-from masked_jax.numpy._common import as_masked, document, dtype_of, is_masked_value, op
+from masked_jax.numpy._common import as_dense_masked, document, dtype_of, is_masked_value, op
 from masked_jax.numpy._contractions import diagonal_of
 
 
@@ -19,7 +19,7 @@ def _valid(make):
     """A creation function of ``jax.numpy`` whose result is fully valid."""
 
     def created(*args, **kwargs):
-        return as_masked(make(*args, **kwargs))
+        return as_dense_masked(make(*args, **kwargs))
 
     return document(
         created,
@@ -74,7 +74,7 @@ def asarray(obj, /, *, dtype=None, device=None, copy=None) -> MaskedArray:
                 is_leaf=is_masked_value,
             )
             return from_pair(jnp.asarray(data, dtype=dtype, device=device, copy=copy), jnp.asarray(mask, device=device))
-    return as_masked(jnp.asarray(obj, dtype=dtype, device=device, copy=copy))
+    return as_dense_masked(jnp.asarray(obj, dtype=dtype, device=device, copy=copy))
 
 
 def from_dlpack(x, /, *, device=None, copy=None) -> MaskedArray:
@@ -85,12 +85,12 @@ def from_dlpack(x, /, *, device=None, copy=None) -> MaskedArray:
         >>> mnp.from_dlpack(np.arange(3, dtype=np.float32))
         MaskedArray([0.0 1.0 2.0], dtype=float32)
     """
-    return as_masked(jnp.from_dlpack(x, device=device, copy=copy))
+    return as_dense_masked(jnp.from_dlpack(x, device=device, copy=copy))
 
 
 def _like(make):
     def created(x, /, *args, **kwargs):
-        return as_masked(make(jnp.empty(x.shape, dtype_of(x)), *args, **kwargs))
+        return as_dense_masked(make(jnp.empty(x.shape, dtype_of(x)), *args, **kwargs))
 
     fill = ", 5.0" if make is jnp.full_like else ""
     return document(
@@ -112,7 +112,7 @@ empty_like, full_like, ones_like, zeros_like = (
 
 def _triangle(keep, example_mask):
     def tri(x, /, k: int = 0) -> MaskedArray:
-        x = as_masked(x)
+        x = as_dense_masked(x)
         if x.ndim < 2:
             raise ValueError(f"{keep.__name__} needs at least 2 dimensions; got shape {x.shape}.")
         return from_pair(keep(x.data, k=k), x.compact_mask)
@@ -145,7 +145,7 @@ def meshgrid(*arrays, indexing: str = "xy") -> list[MaskedArray]:
         >>> xs.shape, xs.mask[:, 1].tolist()
         ((3, 2), [False, False, False])
     """
-    arrays = [as_masked(a) for a in arrays]
+    arrays = [as_dense_masked(a) for a in arrays]
     data = jnp.meshgrid(*(a.data for a in arrays), indexing=indexing)
     masks = jnp.meshgrid(*(a.mask for a in arrays), indexing=indexing)
     return [from_pair(d, m) for d, m in zip(data, masks)]
@@ -162,7 +162,7 @@ def diag(v, k: int = 0) -> MaskedArray:
         MaskedArray([[1.0 0.0]
                      [0.0 --]], dtype=float32)
     """
-    x = as_masked(v)
+    x = as_dense_masked(v)
     if x.ndim == 2:
         return diagonal_of(x, k, 0, 1)
     if x.ndim != 1:
@@ -179,7 +179,7 @@ def diagflat(v, k: int = 0) -> MaskedArray:
         Array([[ True,  True],
                [ True, False]], dtype=bool)
     """
-    return diag(op("ravel")(as_masked(v)), k)
+    return diag(op("ravel")(as_dense_masked(v)), k)
 
 
 def copy(a, order=None) -> MaskedArray:
@@ -192,7 +192,7 @@ def copy(a, order=None) -> MaskedArray:
     """
     if order not in (None, "K", "C"):
         raise ValueError(f"copy: only order='K' (or 'C', None) is supported, as in jax.numpy; got {order!r}.")
-    return as_masked(a).copy()
+    return as_dense_masked(a).copy()
 
 
 __all__ = [

@@ -11,12 +11,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from masked_jax._core import MaskedArray, from_pair
-from masked_jax.numpy._common import as_masked, document, op
+from masked_jax.numpy._common import as_dense_masked, document, op
 from masked_jax.ops._base import normalize_axis, result_dtype
 
 
 def _cumulative(name, x, axis, dtype, include_initial):
-    x = as_masked(x)
+    x = as_dense_masked(x)
     if axis is None:
         if x.ndim != 1:
             raise ValueError(
@@ -32,7 +32,7 @@ def _cumulative(name, x, axis, dtype, include_initial):
     axis = axis % x.ndim
     shape = out.shape[:axis] + (1,) + out.shape[axis + 1 :]
     initial = jnp.zeros(shape, out.dtype) if name == "sum" else jnp.ones(shape, out.dtype)
-    return op("concatenate")([as_masked(initial), out], axis=axis)
+    return op("concatenate")([as_dense_masked(initial), out], axis=axis)
 
 
 def cumulative_sum(x, /, *, axis: int | None = None, dtype=None, include_initial: builtins.bool = False) -> MaskedArray:
@@ -72,12 +72,12 @@ def count_nonzero(x, /, *, axis=None, keepdims: builtins.bool = False) -> jax.Ar
         >>> mnp.count_nonzero(mj.masked_array(jnp.array([0.0, 2.0, 3.0]), jnp.array([True, True, False])))
         Array(1, dtype=int32)
     """
-    x = as_masked(x)
+    x = as_dense_masked(x)
     return jnp.count_nonzero(x.mask & (x.data != 0), axis=axis, keepdims=keepdims)
 
 
 def _nan_masked(x):
-    x = as_masked(x)
+    x = as_dense_masked(x)
     if not jnp.issubdtype(x.dtype, jnp.inexact):
         return x
     return from_pair(x.data, x.mask & ~jnp.isnan(x.data))
@@ -86,7 +86,7 @@ def _nan_masked(x):
 def _nan_reduction(name):
     def reduce(a, *args, **kwargs):
         if name in ("cumsum", "cumprod"):  # as jnp: a NaN adds (multiplies) nothing, its position stays
-            x = as_masked(a)
+            x = as_dense_masked(a)
             if jnp.issubdtype(x.dtype, jnp.inexact):
                 x = from_pair(jnp.where(jnp.isnan(x.data), 0 if name == "cumsum" else 1, x.data), x.compact_mask)
             return op(name)(x, *args, **kwargs)
@@ -149,7 +149,7 @@ def diff(a, n: int = 1, axis: int = -1, prepend=None, append=None) -> MaskedArra
         >>> mnp.diff(mj.masked_array(jnp.array([1.0, 4.0, 9.0, 16.0]), jnp.array([True, True, False, True])))
         MaskedArray([3.0 -- --], dtype=float32)
     """
-    x = as_masked(a)
+    x = as_dense_masked(a)
     if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
         raise ValueError(f"diff: n must be an int >= 0; got {n!r}.")
     if x.ndim == 0:
@@ -159,8 +159,10 @@ def diff(a, n: int = 1, axis: int = -1, prepend=None, append=None) -> MaskedArra
     if len(parts) > 1:
         shape = list(x.shape)
         shape[axis] = 1
-        parts = [p if p is x or np.ndim(p) == x.ndim else op("broadcast_to")(as_masked(p), tuple(shape)) for p in parts]
-        x = op("concatenate")([as_masked(p) for p in parts], axis=axis)
+        parts = [
+            p if p is x or np.ndim(p) == x.ndim else op("broadcast_to")(as_dense_masked(p), tuple(shape)) for p in parts
+        ]
+        x = op("concatenate")([as_dense_masked(p) for p in parts], axis=axis)
     for _ in range(n):
         hi = tuple(slice(1, None) if d == axis else slice(None) for d in range(x.ndim))
         lo = tuple(slice(None, -1) if d == axis else slice(None) for d in range(x.ndim))
@@ -191,9 +193,9 @@ def ediff1d(ary, to_end=None, to_begin=None) -> MaskedArray:
         >>> mnp.ediff1d(mj.masked_array(jnp.array([1.0, 4.0, 9.0, 16.0]), jnp.array([True, True, False, True])))
         MaskedArray([3.0 -- --], dtype=float32)
     """
-    x = diff(op("ravel")(as_masked(ary)))
-    parts = [op("ravel")(as_masked(p)).astype(x.dtype) for p in (to_begin,) if p is not None]
-    parts += [x] + [op("ravel")(as_masked(p)).astype(x.dtype) for p in (to_end,) if p is not None]
+    x = diff(op("ravel")(as_dense_masked(ary)))
+    parts = [op("ravel")(as_dense_masked(p)).astype(x.dtype) for p in (to_begin,) if p is not None]
+    parts += [x] + [op("ravel")(as_dense_masked(p)).astype(x.dtype) for p in (to_end,) if p is not None]
     return op("concatenate")(parts) if len(parts) > 1 else x
 
 

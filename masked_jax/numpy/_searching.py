@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from masked_jax._core import MaskedArray, from_pair
-from masked_jax.numpy._common import as_masked, fully_valid, op
+from masked_jax.numpy._common import as_dense_masked, fully_valid, op
 from masked_jax.ops._base import highest, lowest
 
 
@@ -23,7 +23,7 @@ def nonzero(x, /) -> tuple[jax.Array, ...]:
         >>> mnp.nonzero(mj.masked_array(jnp.array([0.0, 2.0, 3.0]), jnp.array([True, True, False])))
         (Array([1], dtype=int32),)
     """
-    x = as_masked(x)
+    x = as_dense_masked(x)
     if x.ndim == 0:
         raise ValueError("nonzero of a 0-d array is not defined by the standard; use x[None].")
     return jnp.nonzero(x.mask & (x.data != 0))
@@ -42,7 +42,7 @@ def searchsorted(x1, x2, /, *, side: str = "left", sorter=None) -> MaskedArray:
         >>> mnp.searchsorted(x1, q)
         MaskedArray([0 2 --], dtype=int32)
     """
-    a, q = as_masked(x1), as_masked(x2)
+    a, q = as_dense_masked(x1), as_dense_masked(x2)
     if a.ndim != 1:
         raise ValueError(f"searchsorted: x1 must be 1-d; got shape {a.shape}.")
     if side not in ("left", "right"):
@@ -68,7 +68,7 @@ def digitize(x, bins, right: bool = False) -> MaskedArray:
         ...              jnp.array([1.0, 2.0, 3.0]))
         MaskedArray([0 2 --], dtype=int32)
     """
-    x = as_masked(x)
+    x = as_dense_masked(x)
     out = jnp.digitize(x.data, fully_valid(bins, "digitize's bins"), right=right)
     return from_pair(out, x.compact_mask)
 
@@ -82,12 +82,12 @@ def bincount(x, weights=None, minlength: int = 0, *, length: int | None = None) 
         >>> mnp.bincount(mj.masked_array(jnp.array([0, 1, 1, 3]), jnp.array([True, True, True, False])))
         Array([1, 2], dtype=int32)
     """
-    x = as_masked(x)
+    x = as_dense_masked(x)
     valid = x.mask
     if weights is None:  # counts in the dtype jnp.bincount counts in
         w = valid.astype(jax.eval_shape(lambda d: jnp.bincount(d, length=1), x.data).dtype)
     else:
-        wm = as_masked(weights)
+        wm = as_dense_masked(weights)
         valid = valid & wm.mask
         w = jnp.where(valid, wm.data, 0)
     if length is None:
@@ -111,11 +111,11 @@ def histogram(a, bins=10, range=None, weights=None, density=None):  # noqa: A002
         >>> counts.tolist(), edges.tolist()
         ([1.0, 2.0], [0.0, 0.5, 1.0])
     """
-    x = as_masked(a)
+    x = as_dense_masked(a)
     valid = x.mask
     w = valid.astype(x.dtype if jnp.issubdtype(x.dtype, jnp.inexact) else jnp.float32)
     if weights is not None:
-        wm = as_masked(weights)
+        wm = as_dense_masked(weights)
         valid = valid & wm.mask
         w = jnp.where(valid, wm.data, 0)
     if range is None and np.ndim(bins) == 0:
@@ -142,7 +142,7 @@ def interp(x, xp, fp, left=None, right=None, period=None) -> MaskedArray:
         >>> mnp.interp(jnp.array([0.5, 1.0]), xp, jnp.array([0.0, 100.0, 2.0]))
         MaskedArray([0.5 1.0], dtype=float32)
     """
-    q, sx, sf = as_masked(x), as_masked(xp), as_masked(fp)
+    q, sx, sf = as_dense_masked(x), as_dense_masked(xp), as_dense_masked(fp)
     if sx.ndim != 1 or sf.shape != sx.shape:
         raise ValueError(f"interp: xp and fp must be 1-d of one length; got shapes {sx.shape} and {sf.shape}.")
     ok = sx.mask & sf.mask
@@ -177,16 +177,16 @@ def select(condlist, choicelist, default=0) -> MaskedArray:
     where = op("where")
     out = default
     for cond, choice in zip(reversed(condlist), reversed(choicelist)):
-        c = as_masked(cond)
+        c = as_dense_masked(cond)
         if c.dtype != jnp.bool_:
             raise TypeError(f"select: each condition must be a bool array; got dtype {c.dtype}.")
         # known true: the choice; known false: what comes after; masked condition: masked
         out = where(c, choice, out)
-    return as_masked(out)
+    return as_dense_masked(out)
 
 
 def _valid_nonzero(a):
-    x = as_masked(a)
+    x = as_dense_masked(a)
     return x.mask & (x.data != 0)
 
 

@@ -12,11 +12,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from masked_jax._core import MaskedArray, from_pair
-from masked_jax.numpy._common import as_masked
+from masked_jax.numpy._common import as_dense_masked
 
 
 def valid_values(x):
-    x = as_masked(x)
+    x = as_dense_masked(x)
     try:
         return np.asarray(x.data)[np.asarray(x.mask)], x
     except jax.errors.TracerArrayConversionError as err:
@@ -79,7 +79,9 @@ def unique_of_valid(x, *, equal_nan: builtins.bool, index=True, inverse=True, co
         inv = from_pair(jnp.asarray(full_inverse.reshape(x.shape)), x.compact_mask)
     if first is not None:
         first = jnp.asarray(flat[np.asarray(first)], first.dtype)
-    return UniqueAllResult(as_masked(values), cast(Any, first), cast(Any, inv), cast(Any, count))  # None: not asked for
+    return UniqueAllResult(
+        as_dense_masked(values), cast(Any, first), cast(Any, inv), cast(Any, count)
+    )  # None: not asked for
 
 
 def unique_counts(x, /) -> UniqueCountsResult:
@@ -129,7 +131,7 @@ def isin(element, test_elements, invert: bool = False) -> MaskedArray:
         >>> mnp.isin(mj.masked_array(jnp.array([2, 5, 9]), jnp.array([True, True, False])), tests)
         MaskedArray([True False --], dtype=bool)
     """
-    e, t = as_masked(element), as_masked(test_elements)
+    e, t = as_dense_masked(element), as_dense_masked(test_elements)
     hit = jnp.any((e.data[..., None] == t.data.ravel()) & t.mask.ravel(), axis=-1)
     return from_pair(~hit if invert else hit, e.compact_mask)
 

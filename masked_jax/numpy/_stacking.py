@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from masked_jax._core import MaskedArray
-from masked_jax.numpy._common import as_masked, document, op
+from masked_jax.numpy._common import as_dense_masked, document, op
 
 
 def broadcast_arrays(*arrays) -> list[MaskedArray]:
@@ -20,7 +20,7 @@ def broadcast_arrays(*arrays) -> list[MaskedArray]:
         [(2, 3), (2, 3)]
     """
     shape = jnp.broadcast_shapes(*(np.shape(a) for a in arrays))
-    return [op("broadcast_to")(as_masked(a), shape) for a in arrays]
+    return [op("broadcast_to")(as_dense_masked(a), shape) for a in arrays]
 
 
 def unstack(x, /, *, axis: int = 0) -> tuple[MaskedArray, ...]:
@@ -31,12 +31,12 @@ def unstack(x, /, *, axis: int = 0) -> tuple[MaskedArray, ...]:
         >>> len(mnp.unstack(mnp.zeros((3, 2))))
         3
     """
-    x = op("moveaxis")(as_masked(x), axis, 0)
+    x = op("moveaxis")(as_dense_masked(x), axis, 0)
     return tuple(x[i] for i in range(x.shape[0]))
 
 
 def _at_least(x, ndim):
-    x = as_masked(x)
+    x = as_dense_masked(x)
     if x.ndim >= ndim:
         return x
     shape = {
@@ -89,7 +89,7 @@ def column_stack(tup) -> MaskedArray:
         >>> mnp.column_stack([mnp.zeros(3), mnp.ones(3)]).shape
         (3, 2)
     """
-    cols = [op("reshape")(as_masked(t), (-1, 1)) if np.ndim(t) < 2 else as_masked(t) for t in tup]
+    cols = [op("reshape")(as_dense_masked(t), (-1, 1)) if np.ndim(t) < 2 else as_dense_masked(t) for t in tup]
     return op("concatenate")(cols, axis=1)
 
 
@@ -101,7 +101,7 @@ def array_split(ary, indices_or_sections, axis: int = 0) -> list[MaskedArray]:
         >>> [p.shape for p in mnp.array_split(mnp.zeros(5), 2)]
         [(3,), (2,)]
     """
-    x = as_masked(ary)
+    x = as_dense_masked(ary)
     if isinstance(indices_or_sections, int):
         sections = indices_or_sections
         if sections <= 0:
@@ -114,7 +114,7 @@ def array_split(ary, indices_or_sections, axis: int = 0) -> list[MaskedArray]:
 
 def _split_along(axis_of, name):
     def split_fn(ary, indices_or_sections) -> list[MaskedArray]:
-        x = as_masked(ary)
+        x = as_dense_masked(ary)
         return list(op("split")(x, indices_or_sections, axis=axis_of(x)))
 
     return document(
@@ -142,7 +142,7 @@ def append(arr, values, axis: int | None = None) -> MaskedArray:
         >>> mnp.append(mj.masked_array(jnp.array([1.0, 2.0]), jnp.array([True, False])), 3.0)
         MaskedArray([1.0 -- 3.0], dtype=float32)
     """
-    a, b = as_masked(arr), as_masked(values)
+    a, b = as_dense_masked(arr), as_dense_masked(values)
     if axis is None:
         a, b = op("ravel")(a), op("ravel")(b)
         axis = 0

@@ -19,7 +19,7 @@ import numpy as np
 
 from masked_jax._core import MaskedArray
 from masked_jax.numpy import _contractions, _frontend
-from masked_jax.numpy._common import as_masked, dense_only, op
+from masked_jax.numpy._common import as_dense_masked, dense_only, op
 from masked_jax.numpy._contractions import diagonal_of, trace_of
 from masked_jax.ops._base import normalize_axis
 
@@ -119,7 +119,7 @@ def vector_norm(x, /, *, axis=None, keepdims: builtins.bool = False, ord=2) -> M
         >>> mnp.linalg.vector_norm(x, ord=1)
         MaskedArray(6.0, dtype=float32)
     """
-    x = as_masked(x)
+    x = as_dense_masked(x)
     if isinstance(ord, str) or not (ord is None or np.ndim(ord) == 0):
         raise ValueError(f"vector_norm: ord must be a number (or inf, -inf); got {ord!r}.")
     axes = tuple(range(x.ndim)) if axis is None else (axis,) if isinstance(axis, (int, np.integer)) else tuple(axis)

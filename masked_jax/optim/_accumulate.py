@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from masked_jax._core import from_pair, is_container
+from masked_jax._core import from_pair, is_masked_leaf
 from masked_jax.layouts import RowSparseArray, distinct_ids, rows_from_parts
 from masked_jax.optim._views import data_of, view
 
@@ -57,15 +57,15 @@ def lazy_multi_steps(ms, lift) -> optax.GradientTransformation:
     lazy_inner = lift(inner)
 
     def init_fn(params):
-        params = jax.tree_util.tree_map(data_of, params, is_leaf=is_container)
+        params = jax.tree_util.tree_map(data_of, params, is_leaf=is_masked_leaf)
         touched = jax.tree_util.tree_map(lambda p: jnp.zeros(jnp.shape(p), bool), params)
         return LazyMultiStepsState(ms.init(params), touched)
 
     def update_fn(updates, state, params=None):
         if params is not None:
-            params = jax.tree_util.tree_map(data_of, params, is_leaf=is_container)
+            params = jax.tree_util.tree_map(data_of, params, is_leaf=is_masked_leaf)
         st = state.multi_steps
-        leaves, treedef = jax.tree_util.tree_flatten(updates, is_leaf=is_container)
+        leaves, treedef = jax.tree_util.tree_flatten(updates, is_leaf=is_masked_leaf)
         dense = [_dense(g) for g in leaves]
         grads = treedef.unflatten([d for d, _ in dense])
         valid = treedef.unflatten([m for _, m in dense])
@@ -80,7 +80,7 @@ def lazy_multi_steps(ms, lift) -> optax.GradientTransformation:
         masked_acc = jax.tree_util.tree_map(lambda a, t, g: from_pair(a.astype(g.dtype), t), acc, touched, grads)
         u, new_inner = lazy_inner.update(masked_acc, st.inner_opt_state, params)
         u = jax.tree_util.tree_map(
-            lambda x: from_pair(jnp.where(emit, x.data, 0), x.mask & emit), u, is_leaf=is_container
+            lambda x: from_pair(jnp.where(emit, x.data, 0), x.mask & emit), u, is_leaf=is_masked_leaf
         )
         stepped = optax.MultiStepsState(
             mini_step=(st.mini_step + 1) % k,
@@ -99,7 +99,7 @@ def lazy_multi_steps(ms, lift) -> optax.GradientTransformation:
             LazyMultiStepsState(stepped, touched),
         )
         u = jax.tree_util.tree_map(
-            lambda x: from_pair(jnp.where(skip, 0, x.data), x.mask & ~skip), u, is_leaf=is_container
+            lambda x: from_pair(jnp.where(skip, 0, x.data), x.mask & ~skip), u, is_leaf=is_masked_leaf
         )
         return u, new_state
 
@@ -178,7 +178,7 @@ def lazy_multi_steps_rows(ms, lift, capacity) -> optax.GradientTransformation:
     lazy_inner = lift(inner)
 
     def init_fn(params):
-        params = jax.tree_util.tree_map(data_of, params, is_leaf=is_container)
+        params = jax.tree_util.tree_map(data_of, params, is_leaf=is_masked_leaf)
         leaves, treedef = jax.tree_util.tree_flatten(params)
         caps = _capacities(capacity, params)
         acc = [
@@ -206,15 +206,15 @@ def lazy_multi_steps_rows(ms, lift, capacity) -> optax.GradientTransformation:
                 f"returned; got {type(state).__name__}."
             )
         if params is not None:
-            params = jax.tree_util.tree_map(data_of, params, is_leaf=is_container)
-        leaves, treedef = jax.tree_util.tree_flatten(updates, is_leaf=is_container)
+            params = jax.tree_util.tree_map(data_of, params, is_leaf=is_masked_leaf)
+        leaves, treedef = jax.tree_util.tree_flatten(updates, is_leaf=is_masked_leaf)
         accs = treedef.flatten_up_to(state.acc)
         touched = treedef.flatten_up_to(state.touched)
         k = every_k(state.gradient_step)
         last = state.mini_step == k - 1
         merged, fits, restart, plain = [], jnp.asarray(True), [], []
         for g, a, _t in zip(leaves, accs, touched):
-            shape = tuple(g.shape) if is_container(g) else np.shape(g)
+            shape = tuple(g.shape) if is_masked_leaf(g) else np.shape(g)
             if isinstance(a, RowSparseArray):
                 idx, data = _as_rows(g, shape)
                 if idx.shape[0] > a.nse:
@@ -266,7 +266,7 @@ def lazy_multi_steps_rows(ms, lift, capacity) -> optax.GradientTransformation:
                 )
             return from_pair(jnp.where(emit, x.data, 0), x.mask & emit)
 
-        u = jax.tree_util.tree_map(gate, u, is_leaf=is_container)
+        u = jax.tree_util.tree_map(gate, u, is_leaf=is_masked_leaf)
         stepped = RowMultiStepsState(
             mini_step=jnp.where(early, 1, (state.mini_step + 1) % k).astype(state.mini_step.dtype),
             gradient_step=jnp.where(emit, state.gradient_step + 1, state.gradient_step),
@@ -289,6 +289,6 @@ def lazy_multi_steps_rows(ms, lift, capacity) -> optax.GradientTransformation:
                 )
             return from_pair(jnp.where(skip, 0, x.data), x.mask & ~skip)
 
-        return jax.tree_util.tree_map(unskip, u, is_leaf=is_container), new_state
+        return jax.tree_util.tree_map(unskip, u, is_leaf=is_masked_leaf), new_state
 
     return optax.GradientTransformation(init_fn, update_fn)

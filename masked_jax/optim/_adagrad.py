@@ -16,7 +16,7 @@ import numpy as np
 import optax
 
 from masked_jax import _validate
-from masked_jax._core import is_container
+from masked_jax._core import is_masked_leaf
 from masked_jax.ops._base import accumulation_dtype
 from masked_jax.optim._lazy import lazy
 from masked_jax.optim._state import ScaleByRowwiseRssState, declare_row_local
@@ -80,7 +80,7 @@ def scale_by_rss(
     inverse_root = _inverse_root("scale_by_rss", initial_accumulator_value, eps, eps_placement)
 
     def init_fn(params):
-        params = jax.tree_util.tree_map(data_of, params, is_leaf=is_container)
+        params = jax.tree_util.tree_map(data_of, params, is_leaf=is_masked_leaf)
         return optax.ScaleByRssState(
             sum_of_squares=jax.tree_util.tree_map(lambda p: jnp.full_like(p, initial_accumulator_value), params)
         )
@@ -91,15 +91,15 @@ def scale_by_rss(
             raise ValueError(
                 f"scale_by_rss: state must be the ScaleByRssState its init returned; got {type(state).__name__}."
             )
-        leaves, treedef = jax.tree_util.tree_flatten(updates, is_leaf=is_container)
+        leaves, treedef = jax.tree_util.tree_flatten(updates, is_leaf=is_masked_leaf)
         sums = jax.tree_util.tree_leaves(state.sum_of_squares)
         if len(sums) != len(leaves) or any(
-            tuple(np.shape(t)) != tuple(g.shape if is_container(g) else np.shape(g)) for g, t in zip(leaves, sums)
+            tuple(np.shape(t)) != tuple(g.shape if is_masked_leaf(g) else np.shape(g)) for g, t in zip(leaves, sums)
         ):
             raise ValueError(
                 "scale_by_rss: the state's sums of squares have shapes "
                 f"{[tuple(np.shape(t)) for t in sums]} but the gradients "
-                f"{[tuple(g.shape if is_container(g) else np.shape(g)) for g in leaves]}; pass the state "
+                f"{[tuple(g.shape if is_masked_leaf(g) else np.shape(g)) for g in leaves]}; pass the state "
                 "init returned for these parameters."
             )
         new_updates, new_sums = [], []
@@ -209,7 +209,7 @@ def scale_by_rowwise_rss(
     inverse_root = _inverse_root("scale_by_rowwise_rss", initial_accumulator_value, eps, eps_placement)
 
     def init_fn(params):
-        params = jax.tree_util.tree_map(data_of, params, is_leaf=is_container)
+        params = jax.tree_util.tree_map(data_of, params, is_leaf=is_masked_leaf)
         return ScaleByRowwiseRssState(
             sum_of_squares=jax.tree_util.tree_map(
                 lambda p: jnp.full(
@@ -228,9 +228,9 @@ def scale_by_rowwise_rss(
                 f"scale_by_rowwise_rss: state must be the ScaleByRowwiseRssState its init returned; "
                 f"got {type(state).__name__}."
             )
-        leaves, treedef = jax.tree_util.tree_flatten(updates, is_leaf=is_container)
+        leaves, treedef = jax.tree_util.tree_flatten(updates, is_leaf=is_masked_leaf)
         sums = jax.tree_util.tree_leaves(state.sum_of_squares)
-        shapes = [tuple(g.shape if is_container(g) else np.shape(g)) for g in leaves]
+        shapes = [tuple(g.shape if is_masked_leaf(g) else np.shape(g)) for g in leaves]
         expected = [s[:1] if len(s) >= 2 else s for s in shapes]
         if [tuple(np.shape(t)) for t in sums] != expected:
             raise ValueError(

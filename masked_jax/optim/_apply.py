@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from masked_jax._core import from_pair, is_container, is_masked
+from masked_jax._core import from_pair, is_masked, is_masked_leaf
 from masked_jax.ops._base import accumulation_dtype
 from masked_jax.optim._views import data_of, view
 
@@ -42,7 +42,7 @@ def add_updates(params, updates, *, coalesced: bool):
     def one(p, u):
         if u is None:
             return p
-        if not (is_container(u) or isinstance(u, (jax.Array, np.ndarray, np.generic, float, int))):
+        if not (is_masked_leaf(u) or isinstance(u, (jax.Array, np.ndarray, np.generic, float, int))):
             raise TypeError(
                 f"apply_updates: updates must be arrays, MaskedArrays or row-sparse arrays "
                 f"(or None); got {type(u).__name__}."
@@ -67,4 +67,4 @@ def add_updates(params, updates, *, coalesced: bool):
         new = v.add(data, values)
         return from_pair(new, p.compact_mask) if is_masked(p) else new
 
-    return jax.tree_util.tree_map(one, params, updates, is_leaf=lambda x: x is None or is_container(x))
+    return jax.tree_util.tree_map(one, params, updates, is_leaf=lambda x: x is None or is_masked_leaf(x))

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from masked_jax import _jaxpr
-from masked_jax._core import from_pair, is_container
+from masked_jax._core import from_pair, is_masked_leaf
 from masked_jax.layouts import RowSparseArray, rows_from_parts
 from masked_jax.optim._catch_up import LazyCatchUpState
 from masked_jax.optim._lazy import check_update_arguments
@@ -88,11 +88,11 @@ def entrywise(inner, updates, state, params) -> bool:
     ref = _Reference.of(updates)
     like = lambda x: (  # noqa: E731
         jax.ShapeDtypeStruct(tuple(x.shape), data_of(x).dtype)
-        if is_container(x)
+        if is_masked_leaf(x)
         # noqa: E731
         else (jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)))
     )
-    u_like, s_like, p_like = (jax.tree_util.tree_map(like, t, is_leaf=is_container) for t in (updates, state, params))
+    u_like, s_like, p_like = (jax.tree_util.tree_map(like, t, is_leaf=is_masked_leaf) for t in (updates, state, params))
     try:
         closed = jax.make_jaxpr(lambda u, s, p: inner.update(u, s, p))(u_like, s_like, p_like)
     except Exception:  # noqa: BLE001 - whatever fails here runs the one-call update, which reports it
@@ -122,8 +122,8 @@ def entrywise(inner, updates, state, params) -> bool:
 def empty_leaf(g):
     """A gradient leaf that touches nothing, at O(1) cost: a row-sparse leaf with no stored rows
     (a scalar: masked out)."""
-    shape = tuple(g.shape) if is_container(g) else np.shape(g)
-    dtype = data_of(g).dtype if is_container(g) else jnp.result_type(g)
+    shape = tuple(g.shape) if is_masked_leaf(g) else np.shape(g)
+    dtype = data_of(g).dtype if is_masked_leaf(g) else jnp.result_type(g)
     if not shape:
         return from_pair(jnp.zeros((), dtype), jnp.zeros((), bool))
     return rows_from_parts(shape, jnp.zeros((0,) + shape[1:], dtype), jnp.zeros((0,), jnp.int32), True)
@@ -137,7 +137,7 @@ def row_sparse_leaves(leaves, more_than: int):
 def _tables(grads, chunk):
     """Flat gradient leaves, their tree, and the positions of the row-sparse leaves that store more
     than ``chunk`` rows (smaller ones gain nothing from a loop: one update of theirs is one chunk)."""
-    leaves, treedef = jax.tree_util.tree_flatten(grads, is_leaf=is_container)
+    leaves, treedef = jax.tree_util.tree_flatten(grads, is_leaf=is_masked_leaf)
     return leaves, treedef, row_sparse_leaves(leaves, chunk)
 
 
@@ -147,7 +147,7 @@ def chunkable(optimizer, grads, state, params, chunk: int) -> bool:
     entry by entry (decided at trace time), or updates each row from that row alone by
     construction (``rowwise_adagrad``)?"""
     leaves, _, tables = _tables(grads, chunk)
-    if not tables or any(not (is_container(g) or isinstance(g, jax.Array)) for g in leaves):
+    if not tables or any(not (is_masked_leaf(g) or isinstance(g, jax.Array)) for g in leaves):
         return False
     if is_row_local(optimizer):  # row by row by construction (rowwise_adagrad)
         return True

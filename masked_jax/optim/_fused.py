@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from masked_jax import _jaxpr
-from masked_jax._core import is_container
+from masked_jax._core import is_masked_leaf
 from masked_jax.optim._catch_up import LazyCatchUpState
 from masked_jax.optim._chunked import empty_leaf, entrywise, row_sparse_leaves
 from masked_jax.optim._lazy import check_update_arguments
@@ -58,14 +58,14 @@ def fused_tables(optimizer, grads, state, params) -> list:
     transformation works entry by entry with scalar global state; then the row-sparse leaves whose
     table is a plain array of fewer than 2**31 entries (the kernel's offsets are 32-bit)."""
     inner = lazy_inner(optimizer)
-    leaves, treedef = jax.tree_util.tree_flatten(grads, is_leaf=is_container)
+    leaves, treedef = jax.tree_util.tree_flatten(grads, is_leaf=is_masked_leaf)
     tables = row_sparse_leaves(leaves, 0)
     if (
         inner is None
         or params is None
         or isinstance(state, LazyCatchUpState)
         or not tables
-        or any(not (is_container(g) or isinstance(g, jax.Array)) for g in leaves)
+        or any(not (is_masked_leaf(g) or isinstance(g, jax.Array)) for g in leaves)
     ):
         return []
     check_update_arguments(inner, grads, state, params)
@@ -87,7 +87,7 @@ def fused_tables(optimizer, grads, state, params) -> list:
     return [
         i
         for i in tables
-        if not is_container(p_leaves[i])  # masked tables: the one-call update
+        if not is_masked_leaf(p_leaves[i])  # masked tables: the one-call update
         and 0 < np.prod(p_leaves[i].shape)  # an empty table (no rows, or rows of no entries) has nothing to update
         and max(np.prod(p_leaves[i].shape), np.prod(leaves[i].data.shape)) < MAX_ENTRIES
         and plans(i)
@@ -387,7 +387,7 @@ def fused_update(
     ``tables``: those leaves, when the caller has them already. ``interpret`` runs the kernels in
     Pallas' interpreter (any backend, slowly); ``config`` cuts them (:class:`KernelConfig`)."""
     inner = lazy_inner(optimizer)
-    leaves, treedef = jax.tree_util.tree_flatten(grads, is_leaf=is_container)
+    leaves, treedef = jax.tree_util.tree_flatten(grads, is_leaf=is_masked_leaf)
     ref = _Reference.of(grads)
     state_leaves, state_def = jax.tree_util.tree_flatten(state)
     owners = _owners(ref, state)

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from masked_jax._core import is_container
+from masked_jax._core import is_masked_leaf
 from masked_jax.optim import _catch_up
 from masked_jax.optim._accumulate import lazy_multi_steps, lazy_multi_steps_rows
 from masked_jax.optim._state import ScaleByRowwiseRssState, _map_param_shaped, _Reference, declare_lazy
@@ -56,8 +56,8 @@ def _rowwise(state) -> bool:
 
 
 def _shapes(tree):
-    leaves, treedef = jax.tree_util.tree_flatten(tree, is_leaf=is_container)
-    return treedef, [tuple(np.shape(x)) if not is_container(x) else tuple(x.shape) for x in leaves]
+    leaves, treedef = jax.tree_util.tree_flatten(tree, is_leaf=is_masked_leaf)
+    return treedef, [tuple(np.shape(x)) if not is_masked_leaf(x) else tuple(x.shape) for x in leaves]
 
 
 def check_update_arguments(inner, updates, state, params) -> None:
@@ -77,11 +77,11 @@ def check_update_arguments(inner, updates, state, params) -> None:
     like = jax.tree_util.tree_map(
         lambda x: (
             jax.ShapeDtypeStruct(tuple(x.shape), data_of(x).dtype)
-            if is_container(x)
+            if is_masked_leaf(x)
             else jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x))
         ),
         updates,
-        is_leaf=is_container,
+        is_leaf=is_masked_leaf,
     )
     expected = jax.eval_shape(inner.init, like)
     e_def, e_shapes = jax.tree_util.tree_structure(expected), [np.shape(x) for x in jax.tree_util.tree_leaves(expected)]
@@ -207,7 +207,7 @@ def lazy(inner: optax.GradientTransformation, *, catch_up: bool = False, capacit
         return lazy_multi_steps(inner, lazy)
 
     def init_fn(params):
-        params = jax.tree_util.tree_map(data_of, params, is_leaf=is_container)
+        params = jax.tree_util.tree_map(data_of, params, is_leaf=is_masked_leaf)
         if catch_up:
             return _catch_up.LazyCatchUpState(
                 inner.init(params), jnp.zeros((), jnp.int32), _catch_up.init_counters(params)
@@ -225,7 +225,7 @@ def lazy(inner: optax.GradientTransformation, *, catch_up: bool = False, capacit
 
     def update_fn(updates, state, params=None, **extra_args):
         if params is not None:
-            params = jax.tree_util.tree_map(data_of, params, is_leaf=is_container)
+            params = jax.tree_util.tree_map(data_of, params, is_leaf=is_masked_leaf)
         if catch_up:
             if not isinstance(state, _catch_up.LazyCatchUpState):
                 raise ValueError(
@@ -236,8 +236,8 @@ def lazy(inner: optax.GradientTransformation, *, catch_up: bool = False, capacit
         else:
             step = last = None  # no catch-up: no counters
         check_update_arguments(inner, updates, state, params)
-        leaves, treedef = jax.tree_util.tree_flatten(updates, is_leaf=is_container)
-        if not catch_up and not any(is_container(g) for g in leaves):
+        leaves, treedef = jax.tree_util.tree_flatten(updates, is_leaf=is_masked_leaf)
+        if not catch_up and not any(is_masked_leaf(g) for g in leaves):
             return inner_update(updates, state, params, extra_args)
         ref = _Reference.of(updates)
         _check_liftable(ref, state)

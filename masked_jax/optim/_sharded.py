@@ -32,7 +32,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from masked_jax._core import SparseMasked, from_pair, is_container, is_masked
+from masked_jax._core import SparseMasked, from_pair, is_masked, is_masked_leaf
 from masked_jax.layouts import RowSparseArray, rows_from_parts, take_rows
 from masked_jax.optim._apply import apply_updates
 from masked_jax.optim._lazy import check_transformation
@@ -163,11 +163,11 @@ def sharded_update(
     if axis not in mesh.shape:
         raise ValueError(f"axis {axis!r} is not an axis of the mesh (axes: {tuple(mesh.shape)}).")
     n_dev = mesh.shape[axis]
-    g_leaves, treedef = jax.tree_util.tree_flatten(grads, is_leaf=is_container)
+    g_leaves, treedef = jax.tree_util.tree_flatten(grads, is_leaf=is_masked_leaf)
     p_leaves = treedef.flatten_up_to(params)
     rows = [isinstance(g, RowSparseArray) for g in g_leaves]
     for g, p, r in zip(g_leaves, p_leaves, rows):
-        if r and (is_container(p) or np.shape(p) != tuple(g.shape)):
+        if r and (is_masked_leaf(p) or np.shape(p) != tuple(g.shape)):
             raise ValueError(
                 f"sharded_update: a row-sparse gradient of shape {tuple(g.shape)} needs a plain "
                 f"array parameter of the same shape (the table); got {type(p).__name__} of "
@@ -254,7 +254,7 @@ def init_sharded(optimizer: optax.GradientTransformation, params):
         P('rows',)
     """
     check_transformation(optimizer, "optimizer")
-    leaves = jax.tree_util.tree_leaves(params, is_leaf=is_container)
+    leaves = jax.tree_util.tree_leaves(params, is_leaf=is_masked_leaf)
     data = [x.data if is_masked(x) else x for x in leaves]
     named = [getattr(x, "sharding", None) for x in data]
     named = [sh if isinstance(sh, NamedSharding) else None for sh in named]

@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import optax
 
-from masked_jax._core import is_container
+from masked_jax._core import is_masked_leaf
 
 
 class _Reference(NamedTuple):
@@ -20,8 +20,8 @@ class _Reference(NamedTuple):
 
     @classmethod
     def of(cls, tree):
-        leaves, treedef = jax.tree_util.tree_flatten(tree, is_leaf=is_container)
-        return cls(treedef, tuple(np.shape(x) if not is_container(x) else x.shape for x in leaves))
+        leaves, treedef = jax.tree_util.tree_flatten(tree, is_leaf=is_masked_leaf)
+        return cls(treedef, tuple(np.shape(x) if not is_masked_leaf(x) else x.shape for x in leaves))
 
     def rows(self) -> _Reference:
         """The reference for row-shaped state: one value per row of each leaf (``(N,)`` for an

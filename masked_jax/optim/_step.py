@@ -9,7 +9,7 @@ import jax
 import optax
 
 from masked_jax._ad import value_and_grad
-from masked_jax._core import SparseMasked, is_container
+from masked_jax._core import SparseMasked, is_masked_leaf
 from masked_jax.optim._apply import add_updates
 from masked_jax.optim._chunked import chunkable, chunked_update
 from masked_jax.optim._fused import fused_tables, fused_update
@@ -128,7 +128,7 @@ def make_train_step(
         except (TypeError, ValueError) as error:
             sparse = [
                 type(g).__name__
-                for g in jax.tree_util.tree_leaves(grads, is_leaf=is_container)
+                for g in jax.tree_util.tree_leaves(grads, is_leaf=is_masked_leaf)
                 if isinstance(g, SparseMasked)
             ]
             if sparse and not coalesced:  # a plain optax optimizer meets a row-sparse gradient
