@@ -107,11 +107,14 @@ def rng():
     return np.random.default_rng(0)
 
 
-# Two tiers. `make test` runs every test but the heavy ones below, which `make test-slow` runs (CI
-# runs both): the docs site build (it executes the notebooks), the demo, pyright on a user script,
-# the public Array API suite, the 8-device suite, headless Chromium renderings and the real models.
-# Every module and every registered op is still touched by `make test`, the conformance harness
-# at its documented sample (MJ_ORACLE=full: every case, `make test-full`).
+# Two tiers. `make test` runs every test but those marked slow, which `make test-slow` runs (CI
+# runs both): the docs site build (it executes the notebooks) and the docs pages' code blocks, the
+# demo, pyright on a user script, the public Array API suite, the 8-device suite, headless Chromium
+# renderings, the real models, a registration through every layer, and the second half of three
+# sampled sweeps (the conformance harness's layouts and compact checks, the maskify coverage of
+# jax functions, the layouts' differential test: parametrised with the slow mark). Every module
+# and every registered op is still touched by `make test`; MJ_ORACLE=full runs every case
+# (`make test-full`).
 _SLOW_FILES = {
     "test_docs_site.py",
     "test_demo.py",
@@ -123,6 +126,8 @@ _SLOW_TESTS = {
     "test_pyright_reports_no_error_on_a_user_script",
     "test_every_array_class_has_an_html_view_that_renders",
     "test_html_report_renders_labelled_heatmap_in_headless_chromium",
+    "test_docs_page_blocks_run",  # the docs pages' code blocks: the docs tier
+    "test_a_new_op_is_one_registration_away_from_everywhere",  # one registration through every layer
 }
 
 

@@ -84,6 +84,19 @@ def in_sample(name, check):
     return check == "compact" or name in LAYOUT_CORE or index % 4 == 1
 
 
+def in_quick_sample(name, check):
+    """Whether ``make test`` (the test loop) runs a case of :func:`in_sample`: all of them but half
+    of the sampled ``layouts`` and ``compact`` checks (every eighth op instead of every fourth, the
+    named samples kept); ``make test-slow`` runs the other half, so that CI runs all of
+    :func:`in_sample`."""
+    if oracle.FULL or check not in ("layouts", "compact") or name in VMAP_SAMPLE or name in LAYOUT_CORE:
+        return True
+    index = sorted(REGISTRY).index(name)
+    if REGISTRY[name].family in ("elementwise", "binary"):
+        return index % 8 == 0
+    return check == "compact" and index % 2 == 0 or index % 8 == 1
+
+
 def vmaps_layouts(name):
     spec = REGISTRY[name]
     return oracle.FULL or spec.family in VMAP_FAMILIES or name in VMAP_SAMPLE

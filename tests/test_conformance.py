@@ -24,6 +24,13 @@ CASES = [
     for check in CHECKS
     if check not in REGISTRY[name].excluded and harness.in_sample(name, check)
 ]
+# the test loop runs the quick sample; the rest of the sample is in the slow tier (`make test-slow`)
+PARAMS = [
+    pytest.param(
+        name, check, id=f"{name}-{check}", marks=() if harness.in_quick_sample(name, check) else pytest.mark.slow
+    )
+    for name, check in CASES
+]
 
 
 def test_every_registered_op_has_a_table_row_and_every_check_a_function():
@@ -39,7 +46,7 @@ def test_exclusions_have_reasons():
             assert check in CHECKS and isinstance(why, str) and len(why) > 10, (spec.name, check)
 
 
-@pytest.mark.parametrize("name,check", CASES, ids=[f"{n}-{c}" for n, c in CASES])
+@pytest.mark.parametrize("name,check", PARAMS)
 def test_conformance(name, check, record_property):
     n = harness.CHECKS[check](name)
     if check == "oracle":

@@ -451,7 +451,11 @@ def _check_window(fn, reducer, x):
         _close(d, np.ma.getdata(want), m, f"{label}: values")
 
 
-@pytest.mark.parametrize("kind,name,fn,extra", CASES, ids=[f"{k}:{n}" for k, n, *_ in CASES])
+# the test loop runs every other case; the rest run in the slow tier (`make test-slow`)
+@pytest.mark.parametrize(
+    "kind,name,fn,extra",
+    [pytest.param(*c, id=f"{c[0]}:{c[1]}", marks=pytest.mark.slow if i % 2 else ()) for i, c in enumerate(CASES)],
+)
 def test_masked_reference_or_maskify_error(kind, name, fn, extra, record_property):
     """The outcome is recorded for the run's summary (conftest prints the counts)."""
     rng = np.random.default_rng(abs(hash(name)) % 2**32)
