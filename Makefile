@@ -52,10 +52,15 @@ lint: $(STAMP)
 test: $(STAMP)
 	JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(PY) -m pytest tests -m "not slow" -n $${MJ_TEST_WORKERS:-auto} --dist worksteal
 
-# The heavy tier: the docs site build (it runs the notebooks), the demo, pyright on a user script,
-# the public Array API suite, the 8-device suite, headless Chromium renderings, the real models.
+# The heavy tier: the tests marked slow (the docs site build, which runs the notebooks, the demo,
+# pyright on a user script, the public Array API suite, the 8-device suite, headless Chromium
+# renderings, the real models, the second half of the sampled sweeps), then the full jnp oracle:
+# every registered op and public function against jax.numpy in every dtype, value set, mask,
+# poison and eager/jit case (MJ_ORACLE=full).
 test-slow: $(STAMP) browser
 	JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(PY) -m pytest tests -m slow -n $${MJ_TEST_WORKERS:-auto} --dist worksteal
+	MJ_ORACLE=full JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(PY) -m pytest tests/test_conformance.py \
+		-k "oracle or equals_jnp" -n $${MJ_TEST_WORKERS:-auto} --dist worksteal
 
 # The heavier sweeps: every (op, dtype, value set, mask, eager/jit) case of the jnp oracle, and
 # more hypothesis examples, over both tiers. `make test` runs a documented sample of the oracle
