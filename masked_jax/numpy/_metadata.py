@@ -71,23 +71,4 @@ def __array_namespace_info__():
 JNP_ALIASES = {"around": "round", "conjugate": "conj", "degrees": "rad2deg", "radians": "deg2rad"}
 
 
-__all__ = [
-    "e",
-    "pi",
-    "inf",
-    "nan",
-    "newaxis",
-    "bool",
-    "int8",
-    "int16",
-    "int32",
-    "int64",
-    "uint8",
-    "uint16",
-    "uint32",
-    "uint64",
-    "float32",
-    "float64",
-    "complex64",
-    "complex128",
-]
+__all__ = CONSTANTS + DTYPES
