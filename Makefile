@@ -56,11 +56,14 @@ test: $(STAMP)
 # pyright on a user script, the public Array API suite, the 8-device suite, headless Chromium
 # renderings, the real models, the second half of the sampled sweeps), then the full jnp oracle:
 # every registered op and public function against jax.numpy in every dtype, value set, mask,
-# poison and eager/jit case (MJ_ORACLE=full).
+# poison and eager/jit case (MJ_ORACLE=full), then the maskify program fuzzer with 120 examples
+# (10 in `make test`).
 test-slow: $(STAMP) browser
 	JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(PY) -m pytest tests -m slow -n $${MJ_TEST_WORKERS:-auto} --dist worksteal
 	MJ_ORACLE=full JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(PY) -m pytest tests/test_conformance.py \
 		-k "oracle or equals_jnp" -n $${MJ_TEST_WORKERS:-auto} --dist worksteal
+	MJ_FUZZ_EXAMPLES=$${MJ_FUZZ_EXAMPLES:-120} JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(PY) -m pytest -q \
+		tests/test_program_fuzz.py -k random_program
 
 # The heavier sweeps: every (op, dtype, value set, mask, eager/jit) case of the jnp oracle, and
 # more hypothesis examples, over both tiers. `make test` runs a documented sample of the oracle

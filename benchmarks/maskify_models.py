@@ -1,6 +1,6 @@
 """maskify on real models against the same models masked by hand, side by side in one run.
 
-Two models, each written once for dense arrays and once with the masks a user would place by hand:
+Each model is written once for dense arrays and once with the masks a user would place by hand:
 
 * **flax linen encoder classifier**: a linear embedding, ``LAYERS`` pre-norm transformer blocks
   (``nn.MultiHeadDotProductAttention``, a GELU MLP), mean pooling over the tokens and a linear head.
@@ -9,6 +9,13 @@ Two models, each written once for dense arrays and once with the masks a user wo
   is the (B, L, 1) token mask.
 * **equinox encoder**: per-sequence ``eqx.nn.MultiheadAttention``, layer norm and an MLP, vmapped
   over the batch, mean pooled. Hand-masked: zeroed input, a key mask, a masked mean.
+* **GRU classifier** (flax ``nn.RNN(GRUCell)``), mean-pooled, and its final carry: the plain model
+  passes no ``seq_lengths``; by hand, ``seq_lengths`` and a masked mean.
+* **message passing** on padded graphs (``segment_sum`` of messages into receivers, two rounds),
+  with the updates ``concat([h, agg]) @ W``, ``h @ W1 + agg @ W2`` and ``h + agg``. maskify'd: node
+  and edge masks on the features and the edge lists; by hand: zeroed features and messages.
+* **1-D CNN text classifier**: SAME convolutions, a max-pool over the tokens.
+* ``jax.nn.dot_product_attention`` at 2048 tokens (batch 2); by hand with ``mask=``.
 
 The batch has random lengths with NaN in the padding. For each model and version it prints the
 jitted train-step time (loss, parameter gradients and an ``optax.adam`` update), the XLA temporary
@@ -16,7 +23,7 @@ memory of the step (``compiled.memory_analysis().temp_size_in_bytes``), the trac
 compile times (medians of three, the versions interleaved) and the eager first forward call; then
 each measure's ratio maskify / hand-masked. Saves ``results/maskify_models.png``.
 
-    python benchmarks/maskify_models.py [--quick]
+    python benchmarks/maskify_models.py [--quick] [--only GRU ...]
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from _timing import interleaved_medians, result_path
+from _timing import interleaved_medians, progress, result_path
 
 import masked_jax as mj
 
@@ -94,6 +101,113 @@ class EqxEncoder(eqx.Module):
         return self.head(pooled)
 
 
+class GRUClassifier(nn.Module):
+    """``nn.RNN(GRUCell)`` over the tokens, mean-pooled or its final carry, then a linear head.
+    ``tokens`` (B, L) switches on the hand masks: zeroed input, ``seq_lengths`` for the final carry
+    (what flax asks of padded batches), a masked mean."""
+
+    final: bool = False
+    seq_lengths: bool = True  # the hand version's final carry: seq_lengths (else a gather by length)
+
+    @nn.compact
+    def __call__(self, x, tokens=None):
+        if tokens is not None:
+            x = jnp.where(tokens[..., None], x, 0.0)
+        rnn = nn.RNN(nn.GRUCell(D_MODEL), return_carry=True)
+        if self.final:  # the natural code: the carry after the last step
+            lengths = None if tokens is None else jnp.sum(tokens, axis=1)
+            pooled, _ = rnn(x, seq_lengths=lengths)
+        else:
+            _, hs = rnn(x)
+            pooled = jnp.mean(hs, axis=1) if tokens is None else _masked_mean(hs, tokens)
+        return nn.Dense(CLASSES)(pooled)
+
+
+class CNNClassifier(nn.Module):
+    """A 1-D CNN text classifier: two SAME convolutions (width 5) with ReLU, a max-pool over the
+    tokens, a linear head. By hand: zeroed input, the padding zeroed again after the first
+    convolution (the second reads it as the unpadded run's zeros), a max over the valid tokens."""
+
+    @nn.compact
+    def __call__(self, x, tokens=None):
+        keep = None if tokens is None else tokens[..., None]
+        if keep is not None:
+            x = jnp.where(keep, x, 0.0)
+        h = nn.relu(nn.Conv(D_MODEL, kernel_size=(5,), padding="SAME")(x))
+        if keep is not None:
+            h = jnp.where(keep, h, 0.0)
+        h = nn.relu(nn.Conv(D_MODEL, kernel_size=(5,), padding="SAME")(h))
+        pooled = jnp.max(h, axis=1) if keep is None else jnp.max(jnp.where(keep, h, -jnp.inf), axis=1)
+        return nn.Dense(CLASSES)(pooled)
+
+
+class Attention(nn.Module):
+    """Projections to ``HEADS`` heads, ``jax.nn.dot_product_attention``, a mean pool and a head.
+    By hand: zeroed input, the key mask as ``mask=``, a masked mean."""
+
+    @nn.compact
+    def __call__(self, x, tokens=None):
+        if tokens is not None:
+            x = jnp.where(tokens[..., None], x, 0.0)
+        b, length, _ = x.shape
+        q, k, v = (nn.Dense(D_MODEL, use_bias=False)(x).reshape(b, length, HEADS, -1) for _ in range(3))
+        mask = None if tokens is None else tokens[:, None, None, :]
+        o = jax.nn.dot_product_attention(q, k, v, mask=mask).reshape(b, length, D_MODEL)
+        pooled = jnp.mean(o, axis=1) if tokens is None else _masked_mean(o, tokens)
+        return nn.Dense(CLASSES)(pooled)
+
+
+def _masked_mean(h, tokens):
+    w = tokens[..., None].astype(h.dtype)
+    return jnp.sum(h * w, axis=1) / jnp.maximum(jnp.sum(w, axis=1), 1.0)
+
+
+MP_ROUNDS = 2
+
+
+def message_passing(p, h, senders, receivers, update, node_mask=None, edge_mask=None):
+    """Message passing on one padded graph: ``MP_ROUNDS`` rounds of messages ``tanh(h[s] @ Wm)``
+    summed into their receivers (``segment_sum``), the update ``update`` (``concat``: ``concat([h,
+    agg]) @ W``; ``two``: ``h @ W1 + agg @ W2``; ``sum``: ``h + agg``), then a mean over the nodes
+    and a linear head. The masks switch on the hand version: zeroed features, messages of padded
+    edges zeroed, a masked mean."""
+    n = h.shape[0]
+    if node_mask is not None:
+        h = jnp.where(node_mask[:, None], h, 0.0)
+    h = jnp.tanh(h @ p["embed"])
+    for r in range(MP_ROUNDS):
+        msg = jnp.tanh(h[senders] @ p["msg"][r])
+        if edge_mask is not None:
+            msg = jnp.where(edge_mask[:, None], msg, 0.0)
+        agg = jax.ops.segment_sum(msg, receivers, n)
+        w = p["update"][r]
+        if update == "concat":
+            h = jnp.tanh(jnp.concatenate([h, agg], -1) @ w)
+        elif update == "two":
+            h = jnp.tanh(h @ w[:D_MODEL] + agg @ w[D_MODEL:])
+        else:
+            h = jnp.tanh(h + agg)
+    if node_mask is None:
+        pooled = jnp.mean(h, axis=0)
+    else:
+        pooled = jnp.sum(jnp.where(node_mask[:, None], h, 0.0), 0) / jnp.maximum(jnp.sum(node_mask), 1)
+    return pooled @ p["head"]
+
+
+def graphs(b, nodes, edges, features, seed=0):
+    """``b`` padded graphs of up to ``nodes`` nodes and ``edges`` edges: features (NaN padding),
+    senders, receivers, node and edge masks; padded edges point at node 0."""
+    rng = np.random.default_rng(seed)
+    n = rng.integers(nodes // 2, nodes + 1, size=b)
+    e = rng.integers(edges // 2, edges + 1, size=b)
+    node_mask = np.arange(nodes)[None, :] < n[:, None]
+    edge_mask = np.arange(edges)[None, :] < e[:, None]
+    senders = np.where(edge_mask, rng.integers(0, nodes, (b, edges)) % n[:, None], 0).astype(np.int32)
+    receivers = np.where(edge_mask, rng.integers(0, nodes, (b, edges)) % n[:, None], 0).astype(np.int32)
+    h = np.where(node_mask[..., None], rng.normal(size=(b, nodes, features)), np.nan).astype(np.float32)
+    return tuple(jnp.asarray(a) for a in (h, senders, receivers, node_mask, edge_mask))
+
+
 def batch(b, length, features, seed=0):
     rng = np.random.default_rng(seed)
     lengths = rng.integers(1, length + 1, size=b)
@@ -104,16 +218,19 @@ def batch(b, length, features, seed=0):
     return jnp.asarray(x), jnp.asarray(tokens), jnp.asarray(labels)
 
 
-def versions(apply_plain, apply_hand, params, x, tokens, labels):
-    """``{name: (train_step, args, forward, forward_args)}`` for the hand-masked and maskify'd model."""
+def versions(apply_plain, apply_hand, params, x, tokens, labels, masked=None, hand=None):
+    """``{name: (train_step, args, forward, forward_args)}`` for the hand-masked and maskify'd model:
+    ``apply_plain(params, *masked)`` (the plain model; by default on the (B, L, F) batch ``x``
+    with its (B, L, 1) token mask) and ``apply_hand(params, *hand)`` (by default ``x, tokens``)."""
     opt = optax.adam(1e-3)
-    xm = mj.masked_array(x, tokens[..., None])
+    masked = masked if masked is not None else (mj.masked_array(x, tokens[..., None]),)
+    hand = hand if hand is not None else (x, tokens)
 
-    def hand_loss(p, x, tokens, labels):
-        return optax.softmax_cross_entropy_with_integer_labels(apply_hand(p, x, tokens), labels).mean()
+    def hand_loss(p, labels, *inputs):
+        return optax.softmax_cross_entropy_with_integer_labels(apply_hand(p, *inputs), labels).mean()
 
-    def mask_loss(p, xm, labels):
-        logits = mj.maskify(apply_plain)(p, xm)
+    def mask_loss(p, labels, *inputs):
+        logits = mj.maskify(apply_plain)(p, *inputs)
         logits = logits.data if isinstance(logits, mj.MaskedArray) else logits
         return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
 
@@ -127,31 +244,84 @@ def versions(apply_plain, apply_hand, params, x, tokens, labels):
 
     state = opt.init(params)
     return {
-        "hand-masked": (stepper(hand_loss), (params, state, x, tokens, labels), apply_hand, (params, x, tokens)),
-        "maskify": (stepper(mask_loss), (params, state, xm, labels), mj.maskify(apply_plain), (params, xm)),
+        "hand-masked": (stepper(hand_loss), (params, state, labels, *hand), apply_hand, (params, *hand)),
+        "maskify": (stepper(mask_loss), (params, state, labels, *masked), mj.maskify(apply_plain), (params, *masked)),
     }
 
 
-def tables(b=32, length=128, features=64):
-    """``{model: versions(...)}`` for the flax and the equinox encoder on one padded batch."""
-    x, tokens, labels = batch(b, length, features)
-    model = Encoder()
+def _linen(model, x, tokens, labels, features):
     params = model.init(jax.random.key(0), jnp.zeros((1, 4, features)))
-    eqx_model = EqxEncoder(features, jax.random.key(1))
-    eparams, static = eqx.partition(eqx_model, eqx.is_array)
-    return {
-        "flax linen encoder": versions(
-            lambda p, v: model.apply(p, v), lambda p, v, t: model.apply(p, v, t), params, x, tokens, labels
-        ),
-        "equinox encoder": versions(
-            lambda p, v: jax.vmap(eqx.combine(p, static))(v),
-            lambda p, v, t: jax.vmap(eqx.combine(p, static))(v, t),
-            eparams,
-            x,
-            tokens,
-            labels,
-        ),
+    return versions(lambda p, v: model.apply(p, v), lambda p, v, t: model.apply(p, v, t), params, x, tokens, labels)
+
+
+def _graph_model(update, b, nodes, edges, features, labels):
+    h, s, r, node_mask, edge_mask = graphs(b, nodes, edges, features)
+    k = jax.random.split(jax.random.key(4), 4)
+    width = 2 * D_MODEL if update in ("concat", "two") else D_MODEL
+    params = {
+        "embed": jax.random.normal(k[0], (features, D_MODEL)) / np.sqrt(features),
+        "msg": jax.random.normal(k[1], (MP_ROUNDS, D_MODEL, D_MODEL)) / np.sqrt(D_MODEL),
+        "update": jax.random.normal(k[2], (MP_ROUNDS, width, D_MODEL)) / np.sqrt(width),
+        "head": jax.random.normal(k[3], (D_MODEL, CLASSES)) / np.sqrt(D_MODEL),
     }
+
+    def plain(p, h, s, r):
+        return jax.vmap(lambda a, b_, c: message_passing(p, a, b_, c, update))(h, s, r)
+
+    def hand(p, h, s, r, nm, em):
+        return jax.vmap(lambda a, b_, c, d, e: message_passing(p, a, b_, c, update, d, e))(h, s, r, nm, em)
+
+    masked = (
+        mj.masked_array(h, node_mask[..., None]),
+        mj.masked_array(s, edge_mask),
+        mj.masked_array(r, edge_mask),
+    )
+    return versions(plain, hand, params, None, None, labels, masked=masked, hand=(h, s, r, node_mask, edge_mask))
+
+
+MODELS = (
+    "flax linen encoder",
+    "equinox encoder",
+    "GRU, mean-pooled",
+    "GRU, final carry",
+    "message passing, concat",
+    "message passing, two matmuls",
+    "message passing, h + agg",
+    "1-D CNN, max-pool",
+    "dot_product_attention",
+)
+
+
+def tables(b=32, length=128, features=64, models=MODELS, attention_length=2048):
+    """``{model: versions(...)}`` for each of ``models`` on one padded batch (B, L, F); the graphs
+    have ``length`` nodes and ``2 * length`` edges; attention runs at ``attention_length`` tokens
+    (batch 2)."""
+    x, tokens, labels = batch(b, length, features)
+    out = {}
+    for name in models:
+        if name == "flax linen encoder":
+            out[name] = _linen(Encoder(), x, tokens, labels, features)
+        elif name == "equinox encoder":
+            eparams, static = eqx.partition(EqxEncoder(features, jax.random.key(1)), eqx.is_array)
+            out[name] = versions(
+                lambda p, v, static=static: jax.vmap(eqx.combine(p, static))(v),
+                lambda p, v, t, static=static: jax.vmap(eqx.combine(p, static))(v, t),
+                eparams,
+                x,
+                tokens,
+                labels,
+            )
+        elif name.startswith("GRU"):
+            out[name] = _linen(GRUClassifier(final="final" in name), x, tokens, labels, features)
+        elif name.startswith("message passing"):
+            update = {"concat": "concat", "two matmuls": "two", "h + agg": "sum"}[name.split(", ")[1]]
+            out[name] = _graph_model(update, b, length, 2 * length, features, labels)
+        elif name.startswith("1-D CNN"):
+            out[name] = _linen(CNNClassifier(), x, tokens, labels, features)
+        else:
+            xa, ta, la = batch(2, attention_length, features, seed=1)
+            out[name] = _linen(Attention(), xa, ta, la, features)
+    return out
 
 
 def _lower_and_compile(table, repeats):
@@ -223,7 +393,7 @@ def plot(results):
     import matplotlib.pyplot as plt
 
     cols = ["step ms", "temp MiB", "compile s", "lower s", "eager first call s"]
-    fig, ax = plt.subplots(figsize=(8, 3.5))
+    fig, ax = plt.subplots(figsize=(11, 4))
     width = 0.8 / len(results)
     for i, (name, res) in enumerate(results.items()):
         ratios = [res["maskify"][c] / res["hand-masked"][c] for c in cols]
@@ -232,7 +402,7 @@ def plot(results):
     ax.axhline(1.1, color="r", lw=0.8, ls="--", label="1.10x target (step, memory)")
     ax.set_xticks(np.arange(len(cols)) + width * (len(results) - 1) / 2, cols)
     ax.set_ylabel("maskify / hand-masked")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     fig.savefig(result_path("maskify_models"), dpi=120)
 
@@ -240,17 +410,33 @@ def plot(results):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="batch 8 x 32 tokens (a smoke run)")
+    parser.add_argument("--only", nargs="*", help="run the models whose names contain one of these")
     args = parser.parse_args()
     b, length, features = (8, 32, 16) if args.quick else (32, 128, 64)
+    attention_length = 256 if args.quick else 2048
+    models = [m for m in MODELS if args.only is None or any(o in m for o in args.only)]
     print(
-        f"batch {b} x {length} tokens x {features} features, d_model {D_MODEL}, {HEADS} heads, "
-        f"{LAYERS} layers; backend {jax.default_backend()}"
+        f"batch {b} x {length} tokens x {features} features (graphs: {length} nodes, {2 * length} edges; "
+        f"attention: 2 x {attention_length} tokens), d_model {D_MODEL}, {HEADS} heads, {LAYERS} encoder "
+        f"layers; backend {jax.default_backend()}"
     )
     repeats = 1 if args.quick else 3
-    results = {model: measure(model, table, repeats) for model, table in tables(b, length, features).items()}
-    for name, res in results.items():
-        print_rows(name, res)
+    results = {}
+    for model in progress(models, "model"):
+        table = tables(b, length, features, (model,), attention_length)[model]
+        results[model] = measure(model, table, repeats)
+        print_rows(model, results[model])
+    summary(results)
     plot(results)
+
+
+def summary(results):
+    """One line per model: the ratios maskify / hand-masked of each measure."""
+    cols = ["step ms", "temp MiB", "compile s", "lower s"]
+    print("\nmaskify / hand-masked")
+    print(f"{'model':32}" + "".join(f"{c:>12}" for c in cols))
+    for name, res in results.items():
+        print(f"{name:32}" + "".join(f"{res['maskify'][c] / res['hand-masked'][c]:>11.2f}x" for c in cols))
 
 
 if __name__ == "__main__":

@@ -142,7 +142,7 @@ collect_ignore = [] if os.environ.get("MASKED_JAX_SHARDED_TESTS") else ["sharded
 
 
 # Sub-cases one (op, check) case of the conformance harness runs, per case of its table row.
-_SUBCASES = {"transforms": 4, "jacobians": 2, "poison": 3 * 2, "maskify": 2}
+_SUBCASES = {"transforms": 4, "jacobians": 2, "poison": 3 * 2, "maskify": 2 + 2}  # (+ the scans)
 _LAYOUT_SUBCASES = 6 * 3  # six layouts x (eager, jit, gradient per stored slot)
 
 

@@ -24,7 +24,10 @@ Built the way ``jax.experimental.sparse``'s ``test_util`` is: one args-maker per
 * ``compact``: masks stored compact ((n, 1) for whole rows, (1, m) for whole columns) give the
   full-mask results and gradients, eager and under ``jit``; operands without a mask (statically
   valid) give the results of all-True masks;
-* ``maskify``: ``mj.maskify`` of the plain jax function equals the op, eager and under ``jit``.
+* ``maskify``: ``mj.maskify`` of the plain jax function equals the op, eager and under ``jit``,
+  and so does the function as the body of a ``lax.scan`` with missing steps (every input of the
+  step masked), forward and reversed, under ``jit``: the carry skips them and their outputs are
+  masked.
 
 An op is left out of a check only by its registry entry (``OpSpec.excluded``, with the reason).
 """
@@ -605,6 +608,46 @@ def check_maskify(name):
         plain = mj.maskify(lambda *o: call(name, fn, o, case))
         assert_same(plain(*ops), want, row.rtol, f"maskify({name}) ({case})")
         assert_same(jax.jit(plain)(*ops), want, row.rtol, f"jit(maskify({name})) ({case})")
+        _check_maskify_scan(name, fn, ops, operands(name, dtype, masks=(MASK_B, MASK_A)), case, row.rtol)
+
+
+def _all_masked(ops):
+    return [mj.masked_array(o.data, jnp.zeros(o.shape, bool)) if isinstance(o, mj.MaskedArray) else o for o in ops]
+
+
+def _check_maskify_scan(name, fn, ops, ops2, case, rtol):
+    """The op as the body of a ``lax.scan`` under ``maskify``, over steps ``ops``, a missing step
+    (every masked operand fully masked), ``ops2``, a missing step. The steps hold one row each (a
+    leading axis of 1), so a step is missing exactly when all its masked inputs are. A missing step
+    leaves the carry as it was and masks its outputs: the outputs of the other steps are the op's,
+    the final carry is the op of the last step that is not missing (forward: ``ops2``; with
+    ``reverse=True``: ``ops``). Under ``jit`` (the check above runs the op eagerly too)."""
+    if not any(isinstance(o, mj.MaskedArray) for o in ops):
+        return
+    steps = [ops, _all_masked(ops), ops2, _all_masked(ops2)]
+    xs = _stack([[o[None] if hasattr(o, "shape") else o for o in step] for step in steps])
+    on_data = lambda *o: call(name, fn, o, case)  # noqa: E731
+    shapes = jax.eval_shape(on_data, *(o.data if isinstance(o, mj.MaskedArray) else o for o in ops))
+    init = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+    wants = [call(name, public(name), o, case) for o in (ops, ops2)]
+    for reverse in (False, True):
+
+        def scanned(*xs):
+            def body(carry, x):
+                y = call(name, fn, [v[0] for v in x], case)
+                return y, y
+
+            return jax.lax.scan(body, init, list(xs), reverse=reverse)
+
+        for label, f in (("jit", jax.jit(mj.maskify(scanned))),):
+            carry, ys = f(*xs)
+            what = f"maskify({name}) in a scan with missing steps ({case}, {label}, reverse={reverse})"
+            assert_same(carry, wants[0] if reverse else wants[1], rtol, f"{what}: final carry")
+            for (yd, yv), (d0, v0), (d2, v2) in zip(as_pairs(ys), as_pairs(wants[0]), as_pairs(wants[1])):
+                assert not np.any(yv[1]) and not np.any(yv[3]), f"{what}: a missing step's outputs are valid"
+                assert_same(
+                    Pairs([(yd[0], yv[0]), (yd[2], yv[2])]), Pairs([(d0, v0), (d2, v2)]), rtol, f"{what}: outputs"
+                )
 
 
 def check_oracle(name):

@@ -27,6 +27,7 @@ from jax import lax
 from jax.extend import core as jcore
 
 from masked_jax import _jaxpr
+from masked_jax._maskify import _free, _rows
 from masked_jax._maskify import _rules as primitives
 from masked_jax._maskify._constants import (
     _as_constant,
@@ -42,7 +43,7 @@ from masked_jax._maskify._constants import (
 from masked_jax._maskify._errors import MaskifyError, _inside_public_call, _public_name
 from masked_jax._maskify._scan import _ASSOCIATIVE_SCAN, _SCAN_NAME, _scan_counts
 from masked_jax.ops import _factors, normalization
-from masked_jax.ops._base import Pair, and_masks, compact_or_ones, count_valid, fill, materialize, uniform_along
+from masked_jax.ops._base import Pair, and_masks, compact_or_ones, count_valid, fill, materialize, ranked, uniform_along
 
 # Call-like primitives whose body is interpreted with the masks riding along.
 # checkpoint's primitive: exported as remat_p by newer jax; otherwise read off a staged checkpoint
@@ -55,19 +56,35 @@ class _Interpreter:
     def __init__(self, fun_name, scans=()):
         self.fun_name = fun_name
         self.scans = scans  # lax.associative_scan calls recorded while tracing (see _recorded_associative_scan)
-        # the jaxpr being run: its values, the equation that produced each variable, read counts
-        self.env, self.producer, self.uses = {}, {}, {}
+        # the jaxpr being run: its values, the equation that produced each variable, read counts,
+        # the free positions of its values (see _free)
+        self.env, self.producer, self.uses, self.free = {}, {}, {}, {}
+        self.blocks = {}  # a concatenation of whole-row pieces: its axis, pieces and their masks (see _free)
+        self.out_free = None  # the free positions of the outputs of the last call run with keep_free
 
-    def run(self, jaxpr, consts, args, literal_args=None):
-        outer = (self.env, self.producer, self.uses)  # inner calls (jit, scan bodies) nest
+    def run(self, jaxpr, consts, args, literal_args=None, free_args=None, keep_free=False):
+        """The outputs of ``jaxpr`` on ``args``. ``free_args``: the arguments' free positions; with
+        ``keep_free`` the outputs keep theirs (in :attr:`out_free`), else they are masked there."""
+        outer = (self.env, self.producer, self.uses, self.free, self.blocks)  # inner calls (jit, scan bodies) nest
         try:
-            return self._run(jaxpr, consts, args, literal_args)
+            outs = self._run(jaxpr, consts, args, literal_args, free_args)
+            frees = [self._free_of(v) for v in jaxpr.outvars]
+            if keep_free:
+                self.out_free = frees
+                return outs
+            return [_free.resolved(o, f) for o, f in zip(outs, frees)]
         finally:
-            self.env, self.producer, self.uses = outer
+            self.env, self.producer, self.uses, self.free, self.blocks = outer
 
-    def _run(self, jaxpr, consts, args, literal_args):
+    def _free_of(self, v):
+        return None if _jaxpr.is_literal(v) else self.free.get(v)
+
+    def _run(self, jaxpr, consts, args, literal_args, free_args=None):
         env, sized, minus = {}, {}, {}
-        self.env, self.producer, self.uses = env, {}, _uses(jaxpr)
+        self.env, self.producer, self.uses, self.free, self.blocks = env, {}, _uses(jaxpr), {}, {}
+        for v, f in zip(jaxpr.invars, free_args or ()):
+            if f is not None:
+                self.free[v] = f
         # variables computed from literals alone: constants of the function (also an argument of an
         # inner call that the caller computed from literals, as jnp.where's 0.0 inside its jit)
         literal = {v for v, lit in zip(jaxpr.invars, literal_args or ()) if lit}
@@ -102,17 +119,64 @@ class _Interpreter:
             is_literal = [_jaxpr.is_literal(v) or v in literal for v in eqn.invars]
             if all(is_literal) and not eqn.effects:
                 literal.update(eqn.outvars)
-            if eqn.primitive is P.select_n_p and any(p.mask is not None for p in invals):
+            frees = [self._free_of(v) for v in eqn.invars]
+            prim = eqn.primitive
+            masked = any(p.mask is not None for p in invals)
+            blocked = prim is P.dot_general_p and any(not _jaxpr.is_literal(v) and v in self.blocks for v in eqn.invars)
+            if masked and (
+                _free.makes_free(prim) or (prim is P.dot_general_p and any(f is not None for f in frees)) or blocked
+            ):
+                special = self._with_free(eqn, invals, frees, is_literal)
+                if special is not None:  # a concatenation, a scatter, a dense layer of free rows
+                    out, self.free[eqn.outvars[0]] = special
+                    env[eqn.outvars[0]] = out
+                    self.producer[eqn.outvars[0]] = eqn
+                    continue
+            calls = prim in _CALLS and masked
+            if any(f is not None for f in frees) and not (_free.keeps_free(prim) or calls):
+                invals = [_free.resolved(p, f) for p, f in zip(invals, frees)]  # read as masked
+                frees = [None] * len(frees)
+            if prim is P.select_n_p and masked:
                 invals = [_as_constant(p) if lit else p for p, lit in zip(invals, is_literal)]
-            outs = self.equation(eqn, invals, sized, minus, is_literal)
-            outs = outs if eqn.primitive.multiple_results else [outs]
-            for v, o in zip(eqn.outvars, outs):
+            self.out_free = None
+            outs = self.equation(eqn, invals, sized, minus, is_literal, frees if calls else None)
+            outs = outs if prim.multiple_results else [outs]
+            if calls and self.out_free is not None:
+                out_free = self.out_free
+            elif any(f is not None for f in frees) and len(outs) == 1 and isinstance(first := outs[0], Pair):
+                out_free = [_free.after(prim, eqn.params, invals, frees, first)]
+            else:
+                out_free = [None] * len(outs)
+            for v, o, f in zip(eqn.outvars, outs, out_free):
                 env[v] = o
                 self.producer[v] = eqn
+                if f is not None:
+                    self.free[v] = f
         return [read(v) for v in jaxpr.outvars]
 
+    def _with_free(self, eqn, invals, frees, is_literal):
+        """``(result, its free positions)`` of an equation that puts constants beside masked data
+        (see :mod:`masked_jax._maskify._free`), or ``None`` (then the usual rule)."""
+        prim, params = eqn.primitive, eqn.params
+        if prim is P.concatenate_p:
+            if all(p.mask is not None for p in invals) and all(f is None for f in frees):
+                return None
+            out, free, blocks = _free.concatenate(invals, frees, params["dimension"])
+            if blocks is not None:  # whole-row pieces: a contraction along the axis reads them by block
+                self.blocks[eqn.outvars[0]] = (params["dimension"], invals, blocks, free.axes if free else set())
+            return out, free
+        if prim is P.dot_general_p:
+            for side, v in enumerate(eqn.invars):
+                if not _jaxpr.is_literal(v) and v in self.blocks:
+                    dimension, pieces, blocks, axes = self.blocks[v]
+                    out = _free.block_contraction(prim, params, invals, side, pieces, blocks, dimension, axes)
+                    if out is not None:
+                        return out
+            return _free.contraction(prim, params, invals, frees)
+        return _free.scatter(prim, params, invals, frees, bool(is_literal[0]))
+
     # -- one equation ------------------------------------------------------------------------------
-    def equation(self, eqn, invals, sized, minus, is_literal=None):
+    def equation(self, eqn, invals, sized, minus, is_literal=None, frees=None):
         prim, params = eqn.primitive, dict(eqn.params)
         name = prim.name
         unmasked = all(p.mask is None for p in invals)
@@ -125,7 +189,7 @@ class _Interpreter:
         ):
             return self.named_call(eqn, params, invals)
         if (prim in _CALLS or prim in _LOOPS) and not unmasked:
-            return self.control(prim, params, invals, is_literal)
+            return self.control(prim, params, invals, is_literal, frees)
         if unmasked:
             if all(_is_concrete(p.data) for p in invals) and not prim.multiple_results:
                 # Values computed from literals and constants alone stay constants, also when the
@@ -266,17 +330,52 @@ class _Interpreter:
             value = self.env.get(v)
             return value is not None and value.mask is None and _concrete_scalar(value.data) == -np.inf
 
-        def keepdims(e):
-            return e.primitive in (P.broadcast_in_dim_p, P.reshape_p) and e.outvars[0].aval.shape == keep
-
         k = follow(eqn.outvars[0], lambda e: e.primitive is P.max_p)
         if k is not None and any(minus_inf(v, k) for v in eqns[k].invars if v is not eqn.outvars[0]):
             chain.append(k)
-        if not step(keepdims):
+        # the maximum back at x's rank: a broadcast (or reshape) with 1 along the axes, possibly after a
+        # transpose, and subtracted from x or from x transposed the same way (jax's grouped-query
+        # attention layout): the softmax then runs on the transposed x
+        rest = [d for d in range(len(keep)) if d not in axes]  # the maximum's dims, as dims of x
+        perm_max = list(range(len(rest)))
+        if step(lambda e: e.primitive is P.transpose_p):
+            perm_max = list(eqns[chain[-1]].params["permutation"])
+        if not step(lambda e: e.primitive in (P.broadcast_in_dim_p, P.reshape_p)):
             return None
+        widen = eqns[chain[-1]]
         step(lambda e: e.primitive is P.stop_gradient_p)
-        if not step(lambda e: e.primitive is P.sub_p and e.invars[0] is x and e.invars[1] is not x):
+        moved = {}  # x transposed before the subtraction: its equation and permutation
+
+        def shifted_x(e):
+            if e.primitive is not P.sub_p or e.invars[1] is x or e.invars[1] is not eqns[chain[-1]].outvars[0]:
+                return False
+            if e.invars[0] is x:
+                return True
+            src = next((j for j in range(i + 1, len(eqns)) if e.invars[0] in eqns[j].outvars), None)
+            if src is None or eqns[src].primitive is not P.transpose_p or eqns[src].invars[0] is not x:
+                return False
+            if self.uses.get(e.invars[0]) != 1:
+                return False
+            moved.update(index=src, perm=list(eqns[src].params["permutation"]))
+            return True
+
+        if not step(shifted_x):
             return None
+        perm = moved.get("perm", list(range(len(keep))))
+        shape = tuple(keep[d] for d in perm)  # the maximum's shape in the subtraction's layout
+        if widen.outvars[0].aval.shape != shape:
+            return None
+        if widen.primitive is P.broadcast_in_dim_p:  # each dim of the maximum lands where x's dim went
+            dims = widen.params["broadcast_dimensions"]
+            if any(perm[dims[j]] != rest[perm_max[j]] for j in range(len(rest))):
+                return None
+        elif perm_max != sorted(perm_max) or perm != sorted(perm):
+            return None
+        axes = tuple(sorted(perm.index(a) for a in axes))  # from here on, in the subtraction's layout
+
+        def keepdims(e):
+            return e.primitive in (P.broadcast_in_dim_p, P.reshape_p) and e.outvars[0].aval.shape == shape
+
         shifted = eqns[chain[-1]].outvars[0]
         log = self.uses.get(shifted) == 2  # log_softmax: x - max also minus the log of the sum
         if not step(lambda e: e.primitive is P.exp_p, uses=2 if log else 1):
@@ -305,7 +404,11 @@ class _Interpreter:
         if k is None or self.uses.get(total) != 1:
             return None
         op = normalization.compact_log_softmax if log else normalization.compact_softmax
-        return chain + [k], op(invals[0], axes)
+        operand = invals[0]
+        if moved:  # the softmax of x transposed, along the axes where x's axes went
+            operand = primitives.compact_shape_op(P.transpose_p, [operand], permutation=tuple(perm))
+            chain.insert(0, moved["index"])
+        return chain + [k], op(operand, axes)
 
     def _root(self, var):
         """``(v, chain)``: ``var`` is ``v`` reshaped or broadcast by the equations of ``chain``."""
@@ -402,13 +505,13 @@ class _Interpreter:
         return [Pair(fill(o, valid, 0), valid) for o in out]
 
     # -- control flow ------------------------------------------------------------------------------
-    def control(self, prim, params, invals, is_literal=None):
+    def control(self, prim, params, invals, is_literal=None, frees=None):
         if prim in _CALLS:
             closed = params.get("jaxpr") or params.get("call_jaxpr") or params.get("fun_jaxpr")
             try:
                 if isinstance(closed, jcore.ClosedJaxpr):
-                    return self.run(closed.jaxpr, closed.consts, invals, is_literal)
-                return self.run(closed, (), invals, is_literal)
+                    return self.run(closed.jaxpr, closed.consts, invals, is_literal, frees, keep_free=True)
+                return self.run(closed, (), invals, is_literal, frees, keep_free=True)
             except MaskifyError as err:
                 user = _public_name(params.get("name")) if prim is P.jit_p else None
                 if user is None:
@@ -434,6 +537,44 @@ class _Interpreter:
         with _factors.new_trace():
             return _materialized(self.run(closed.jaxpr, closed.consts, ops))
 
+    def _scan_whole_rows(self, params, consts, carry, xs, rows, ncarry):
+        """A scan whose steps are valid or missing by whole rows (see :func:`_whole_rows`), run as
+        the hand-written code runs it: the body on plain data (the padding filled with 0), the
+        carry of a missing row left as it was by one select, the outputs masked by the rows."""
+        body = params["jaxpr"]
+        xs_data = [p.data if p.mask is None else fill(p.data, p.mask, 0) for p in xs]
+
+        def step(c, inp):
+            x, valid = inp
+            with _factors.new_trace():
+                outs = self.run(
+                    body.jaxpr, body.consts, list(consts) + [Pair(d, None) for d in c] + [Pair(d, None) for d in x]
+                )
+            if any(o.mask is not None for o in outs):  # (plain operands give plain results)
+                raise AssertionError("a scan body on plain operands gave a masked result")
+            new, ys = [o.data for o in outs[:ncarry]], [o.data for o in outs[ncarry:]]
+            missing = ~valid
+            return [jnp.where(_rows_like(missing, n), o, n) for o, n in zip(c, new)], ys
+
+        carry, ys = lax.scan(
+            step,
+            [p.data for p in carry],
+            (xs_data, rows),
+            length=params["length"],
+            reverse=params["reverse"],
+            unroll=params["unroll"],
+        )
+        # the carry depends on the masked inputs: a masked value, valid everywhere (a compact mask)
+        outs = [Pair(c, jnp.ones((1,) * np.ndim(c), bool)) for c in carry]
+        for y in ys:  # valid where the step's row is: (length, rows, 1, ...), or (length, 1, ...)
+            if np.ndim(rows) == 2 and np.ndim(y) >= 2 and np.shape(y)[1] == np.shape(rows)[1]:
+                m = jnp.reshape(rows, np.shape(rows) + (1,) * (np.ndim(y) - 2))
+            else:
+                valid = jnp.any(rows, axis=1) if np.ndim(rows) == 2 else rows
+                m = jnp.reshape(valid, (np.shape(y)[0],) + (1,) * (np.ndim(y) - 1))
+            outs.append(Pair(y, m))
+        return outs
+
     def _while(self, params, invals):
         nc, nb = params["cond_nconsts"], params["body_nconsts"]
         cconsts, bconsts, carry = invals[:nc], invals[nc : nc + nb], _materialized(invals[nc + nb :])
@@ -452,20 +593,79 @@ class _Interpreter:
 
     def _scan(self, params, invals):
         nconsts, ncarry = _scan_counts(params, len(invals))
-        consts, carry, xs = (
-            invals[:nconsts],
-            _materialized(invals[nconsts : nconsts + ncarry]),
-            invals[nconsts + ncarry :],
-        )
+        consts, carry_in, xs = invals[:nconsts], invals[nconsts : nconsts + ncarry], invals[nconsts + ncarry :]
+        masked_xs = [p.mask is not None for p in xs]  # (plain inputs say nothing about padding)
+        rows = _whole_rows(consts, carry_in, xs, params["jaxpr"].jaxpr)
+        if rows is not None:
+            return self._scan_whole_rows(params, consts, carry_in, xs, rows, ncarry)
+        carry = _materialized(carry_in)
         xs = _materialized(xs)
         body = params["jaxpr"]
 
         def step(c, x):
             with _factors.new_trace():
                 outs = _materialized(self.run(body.jaxpr, body.consts, list(consts) + list(c) + list(x)))
-            return outs[:ncarry], outs[ncarry:]
+            carry, ys = outs[:ncarry], outs[ncarry:]
+            missing = _missing_rows([p.mask for p, m in zip(x, masked_xs) if m])
+            if missing is not None:  # a padded step: the carry is left as it was, the outputs masked
+                carry = [_where_rows(missing, old, new) for old, new in zip(c, carry)]
+                ys = [Pair(y.data, y.mask & ~_rows_like(missing, y.mask)) for y in ys]
+            return carry, ys
 
         carry, ys = lax.scan(
             step, carry, xs, length=params["length"], reverse=params["reverse"], unroll=params["unroll"]
         )
         return list(carry) + list(ys)
+
+
+def _whole_rows(consts, carry, xs, body):
+    """For a scan whose constants and initial carry are plain, whose masked inputs are masked by
+    whole rows (each step's row all valid or all masked: a token mask) and whose ``body`` never
+    mixes the rows of those inputs (:func:`masked_jax._maskify._rows.row_axes`), the valid rows of
+    each step, (length, rows) (or (length,) when the steps have no row axis); else ``None``."""
+    if any(p.mask is not None for p in [*consts, *carry]):
+        return None
+    masks = [ranked(p.mask, np.ndim(p.data)) for p in xs if p.mask is not None]
+    if not masks or any(np.ndim(m) < 1 or any(n != 1 for n in np.shape(m)[2:]) for m in masks):
+        return None
+    lead = {np.shape(p.data)[1] for p in xs if p.mask is not None and np.ndim(p.data) >= 2}
+    length = np.shape(xs[0].data)[0]
+    if len(lead) > 1 or (lead and any(np.ndim(p.data) < 2 for p in xs if p.mask is not None)):
+        return None
+    if lead:  # a valid row's step must read no padded row
+        axes_in = [None] * (len(consts) + len(carry)) + [0 if p.mask is not None else None for p in xs]
+        outs = _rows.row_axes(body, axes_in, next(iter(lead)))
+        if outs is None or any(a not in (None, 0) for a in outs):
+            return None
+    shape = (length, *lead)
+    valid = [jnp.broadcast_to(jnp.reshape(m, np.shape(m)[: len(shape)]), shape) for m in masks]
+    return functools.reduce(jnp.logical_or, valid)
+
+
+def _missing_rows(masks):
+    """Which rows of one scan step are *missing*: every masked input of that row at that step is
+    masked. The rows are the leading axis of the step's inputs when they all have one of the same
+    size (a batch under ``vmap`` or ``nn.RNN``), else the step is one row. ``None`` when no input
+    of the step carries a mask."""
+    if not masks:
+        return None
+    lead = {np.shape(m)[0] if np.ndim(m) else None for m in masks}
+    if len(lead) == 1 and None not in lead:
+        valid = [jnp.any(m, axis=tuple(range(1, np.ndim(m)))) for m in masks]
+    else:
+        valid = [jnp.any(m) for m in masks]
+    return ~functools.reduce(jnp.logical_or, valid)
+
+
+def _rows_like(missing, x):
+    """``missing`` (rows, or one flag) laid along the leading axis of ``x`` when ``x`` has those
+    rows; otherwise the step is missing for ``x`` only where it is missing for every row."""
+    if np.ndim(missing) and np.ndim(x) and np.shape(x)[0] == np.shape(missing)[0]:
+        return jnp.reshape(missing, np.shape(missing) + (1,) * (np.ndim(x) - 1))
+    return jnp.all(missing)
+
+
+def _where_rows(missing, old: Pair, new: Pair) -> Pair:
+    """The carry after a step: ``old`` in the missing rows, ``new`` elsewhere (data and mask)."""
+    m = _rows_like(missing, new.data)
+    return Pair(jnp.where(m, old.data, new.data), jnp.where(m, old.mask, new.mask))

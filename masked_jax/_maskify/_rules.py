@@ -213,7 +213,7 @@ def _passthrough(prim, invals, **params):
     return shape.passthrough(lambda d: prim.bind(d, *extra, **params))(x)
 
 
-def _compact_shape_op(prim, invals, **params):
+def compact_shape_op(prim, invals, **params):
     """Shape primitives that keep a compact mask compact (see :func:`compact_shape`); the others,
     and a reshape that cannot keep it compact, materialise the mask."""
     x = invals[0]
@@ -310,28 +310,39 @@ def _pad(prim, invals, padding_config):
 def _gather(prim, invals, **params):
     """Rows (slices) move with their mask; a masked index gives a masked slice that reads nothing
     (the gather turns into fill mode with an out-of-range start there, so no slice is read and no
-    gradient goes anywhere, also for row-sparse gradients); out of range in fill mode: masked."""
+    gradient goes anywhere, also for row-sparse gradients); out of range in fill mode: masked.
+    The mask stays compact: a (N, 1) row mask gathers to (E, 1), and the indices' validity and
+    range are laid along the output's batch dims."""
     x, idx = invals
     idx_data = idx.data
+    dn, shape = params["dimension_numbers"], jnp.shape(x.data)
+    fill_mode = params["mode"] == lax.GatherScatterMode.FILL_OR_DROP
     if idx.mask is not None:
-        dn, mode = params["dimension_numbers"], params["mode"]
-        if mode != lax.GatherScatterMode.FILL_OR_DROP:  # clamp in-range as the original mode does
-            shape = jnp.shape(x.data)
+        if not fill_mode:  # clamp in-range as the original mode does
             hi = jnp.array([shape[d] - params["slice_sizes"][d] for d in dn.start_index_map], idx_data.dtype)
             idx_data = jnp.clip(idx_data, 0, hi)
         params = {**params, "mode": lax.GatherScatterMode.FILL_OR_DROP, "fill_value": 0}  # masked: any data
         whole = jnp.all(materialize(idx.mask, jnp.shape(idx_data)), axis=-1, keepdims=True)
         idx_data = jnp.where(whole, idx_data, -1)
     data = prim.bind(x.data, idx_data, **params)
-    mask = None
-    if x.mask is not None or params.get("mode") == lax.GatherScatterMode.FILL_OR_DROP:
-        m = materialize(x.mask, jnp.shape(x.data))
-        mask = prim.bind(m, idx_data, **{**params, "fill_value": False})
+
+    def along_batch(v):  # a (batch...) validity of the indices, at the output's rank
+        return jnp.expand_dims(v, dn.offset_dims)
+
+    masks = []
+    if x.mask is not None:
+        m = ranked(x.mask, len(shape))
+        # dims the mask does not vary along keep size 1, unless the gather indexes them
+        indexed = set(dn.start_index_map) | set(dn.operand_batching_dims)
+        m = jnp.broadcast_to(m, tuple(n if d in indexed else np.shape(m)[d] for d, n in enumerate(shape)))
+        sizes = tuple(1 if np.shape(m)[d] == 1 else k for d, k in enumerate(params["slice_sizes"]))
+        masks.append(prim.bind(m, idx_data, **{**params, "slice_sizes": sizes, "fill_value": False}))
+    if fill_mode:  # out of range: masked
+        hi = jnp.array([shape[d] - params["slice_sizes"][d] for d in dn.start_index_map], idx.data.dtype)
+        masks.append(along_batch(jnp.all((idx.data >= 0) & (idx.data <= hi), axis=-1)))
     if idx.mask is not None:  # output dims: the indices' batch dims, with the slice (offset) dims inserted
-        valid = jnp.all(materialize(idx.mask, jnp.shape(idx.data)), axis=-1)
-        valid = jnp.broadcast_to(jnp.expand_dims(valid, params["dimension_numbers"].offset_dims), jnp.shape(data))
-        mask = valid if mask is None else mask & valid
-    return Pair(data, mask)
+        masks.append(along_batch(jnp.all(materialize(idx.mask, jnp.shape(idx.data)), axis=-1)))
+    return Pair(data, and_masks(*masks))
 
 
 def _conv(prim, invals, **params):
@@ -430,43 +441,86 @@ def _dynamic_update_slice(prim, invals):
     return Pair(data, m)  # as .at[].set: the update's validity is copied
 
 
+SCATTERS = {  # scatter primitive -> the identity of its combination (None: a plain scatter, .at[].set)
+    P.scatter_p: None,
+    P.scatter_add_p: lambda dtype: 0,
+    P.scatter_mul_p: lambda dtype: 1,
+    P.scatter_min_p: highest,
+    P.scatter_max_p: lowest,
+}
+
+
 def _scatter(prim, invals, **params):
-    """``scatter`` copies the updates' validity (``.at[].set``); scatter-add/mul/min/max AND it with
-    the operand's, as ``.at[].add`` does. Masked-out data enters as the op's identity."""
+    return scatter(prim, params, invals)[0]
+
+
+def scatter(prim, params, invals, frees=(None, None, None), buffer_is_constant=False):
+    """A scatter as a masked reduction: ``(Pair, free positions)`` (see :mod:`masked_jax._maskify._free`;
+    ``frees``: the operands' free positions, ``buffer_is_constant``: the operand is computed from
+    literals alone).
+
+    ``scatter-add`` / ``-mul`` / ``-min`` / ``-max`` combine, at each position, the operand's
+    element with the *valid* updates that reach it; an update with a masked index (any component)
+    or masked data is dropped. A position keeps the validity of the operand's element; a position
+    of a constant operand (a ``segment_sum``'s zeros) that no valid update reached is free. A plain ``scatter`` (``.at[].set``) copies the written updates'
+    validity (and freedom), and drops the updates with a masked index."""
     x, idx, upd = invals
-    _require_valid(prim, [idx])
-    kind = prim.name
-    identity = {"scatter-add": 0, "scatter_add": 0, "scatter-mul": 1, "scatter_mul": 1}.get(kind)
-    if kind in ("scatter-min", "scatter_min"):
-        identity = highest(jnp.result_type(upd.data))
-    if kind in ("scatter-max", "scatter_max"):
-        identity = lowest(jnp.result_type(upd.data))
-    upd_data = upd.data if identity is None else fill(upd.data, upd.mask, identity)
-    x_data = x.data if identity is None else fill(x.data, x.mask, identity)  # masked elements: the identity
-    data = prim.bind(x_data, idx.data, upd_data, **params)
-    if x.mask is None and upd.mask is None:
-        return Pair(data, None)
-    xm = materialize(x.mask, jnp.shape(x.data))
-    um = materialize(upd.mask, jnp.shape(upd.data))
-    set_params = {k: v for k, v in params.items() if k != "update_jaxpr"}
-    if identity is None:  # plain scatter: validity of the written value
-        return Pair(data, lax.scatter_p.bind(xm, idx.data, um, update_jaxpr=None, **_scatter_params(set_params)))
-    bad = lax.scatter_add_p.bind(
-        jnp.zeros(xm.shape, jnp.int32),
-        idx.data,
-        (~um).astype(jnp.int32),
-        update_jaxpr=None,
-        **_scatter_params(set_params),
+    fx, _, fu = frees
+    dn, mode = params["dimension_numbers"], params["mode"]
+    x_shape, idx_data, upd_shape = jnp.shape(x.data), idx.data, jnp.shape(upd.data)
+    window = tuple(dn.update_window_dims)  # the updates' dims that are slices of the operand
+    operand_window = [
+        d for d in range(len(x_shape)) if d not in dn.inserted_window_dims and d not in dn.operand_batching_dims
+    ]
+    um = ranked(upd.mask, len(upd_shape))  # compact: (E, 1) for whole update rows
+    if idx.mask is not None:
+        # an update whose index has a masked component is dropped: its start moves out of range
+        dropped = ~jnp.all(materialize(idx.mask, jnp.shape(idx_data)), axis=-1)
+        if mode == lax.GatherScatterMode.CLIP:  # clamp the kept ones in range as the original mode does
+            hi = jnp.array([x_shape[d] - 1 for d in dn.scatter_dims_to_operand_dims], jnp.result_type(idx_data))
+            idx_data = jnp.clip(idx_data, 0, hi)
+        out_of_range = jnp.array([x_shape[d] for d in dn.scatter_dims_to_operand_dims], jnp.result_type(idx_data))
+        idx_data = jnp.where(dropped[..., None], out_of_range, idx_data)
+        params = {**params, "mode": lax.GatherScatterMode.FILL_OR_DROP}
+        keep = jnp.expand_dims(~dropped, window)  # the updates of a dropped index: masked
+        um = keep if um is None else um & keep
+    identity = SCATTERS[prim]
+    set_params = _scatter_params(params)
+    if um is None:
+        um = jnp.ones((1,) * len(upd_shape), bool)
+    xm = ranked(x.mask, len(x_shape))
+    # the masks at a compact shape: size 1 along the slices' dims when no mask varies along them
+    compact = (
+        fx is None
+        and fu is None
+        and all(np.shape(um)[d] == 1 for d in window)
+        and (xm is None or all(np.shape(xm)[d] == 1 for d in operand_window))
     )
-    return Pair(data, xm & (bad == 0))
+    cs = tuple(1 if compact and d in operand_window else n for d, n in enumerate(x_shape))
+    us = tuple(1 if compact and d in window else n for d, n in enumerate(upd_shape))
+    um_c = jnp.broadcast_to(um, us)
+    xm_c = jnp.ones(cs, bool) if xm is None else jnp.broadcast_to(xm, cs)
+    fx_c = (jnp.full(cs, buffer_is_constant) if x.mask is None else jnp.zeros(cs, bool)) if fx is None else fx
+    fx_c = jnp.broadcast_to(fx_c, cs)
+    if identity is None:  # .at[].set: the written positions take the update's validity
+        data = prim.bind(x.data, idx_data, upd.data, **params)
+        written = lax.scatter(jnp.zeros(cs, bool), idx_data, jnp.ones(us, bool), **set_params)
+        mask = lax.scatter(xm_c, idx_data, um_c, **set_params)
+        fu_c = jnp.zeros(us, bool) if fu is None else jnp.broadcast_to(fu, us)
+        free = jnp.where(written, lax.scatter(jnp.zeros(cs, bool), idx_data, fu_c, **set_params), fx_c)
+        return Pair(data, mask), free
+    ident = identity(jnp.result_type(upd.data))
+    data = prim.bind(fill(x.data, x.mask, ident), idx_data, fill(upd.data, um, ident), **params)
+    # a free update (a constant no valid term reached) adds its value but makes nothing valid
+    counted = um_c if fu is None else um_c & ~jnp.broadcast_to(fu, us)
+    reached = lax.scatter_add(jnp.zeros(cs, jnp.int32), idx_data, counted.astype(jnp.int32), **set_params) > 0
+    # an element keeps its own validity (a masked one stays masked); a constant buffer's element is
+    # valid where a valid update reached it, and free where none did
+    return Pair(data, xm_c), fx_c & ~reached
 
 
 def _scatter_params(params):
-    return {
-        k: v
-        for k, v in params.items()
-        if k in ("dimension_numbers", "indices_are_sorted", "unique_indices", "mode", "update_consts")
-    }
+    return {k: params[k] for k in ("dimension_numbers", "indices_are_sorted", "unique_indices", "mode")}
 
 
 def _sort(prim, invals, dimension, is_stable, num_keys):
@@ -528,7 +582,7 @@ def _pure_callback(prim, invals, result_avals, **params):
 
 _ONES = jnp.ones(4)
 _STACK_P = staged_primitive("stack", lambda a, b: jnp.stack([a, b]), _ONES, _ONES)
-_SPLIT_P = staged_primitive("split", lambda a: jnp.split(a, 2), _ONES)
+SPLIT_P = _SPLIT_P = staged_primitive("split", lambda a: jnp.split(a, 2), _ONES)
 _TILE_P = staged_primitive("tile", lambda a: jnp.tile(a, 2), _ONES)
 _DEBUG_PRINT_P = staged_primitive("debug_print", lambda a: jax.debug.print("{}", a), _ONES)
 _DEBUG_CALLBACK_P = staged_primitive("debug_callback", lambda a: jax.debug.callback(lambda _: None, a), _ONES)
@@ -538,7 +592,7 @@ _PURE_CALLBACK_P = staged_primitive(
 
 _PASSTHROUGH = [P.rev_p, P.slice_p, P.dynamic_slice_p, _TILE_P]
 STRUCTURAL.update({prim: _passthrough for prim in _PASSTHROUGH if prim is not None})
-STRUCTURAL.update({prim: _compact_shape_op for prim in (P.reshape_p, P.transpose_p, P.broadcast_in_dim_p, P.squeeze_p)})
+STRUCTURAL.update({prim: compact_shape_op for prim in (P.reshape_p, P.transpose_p, P.broadcast_in_dim_p, P.squeeze_p)})
 STRUCTURAL.update(
     {
         P.conv_general_dilated_p: _conv,
