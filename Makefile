@@ -57,7 +57,7 @@ test: $(STAMP)
 # renderings, the real models, the second half of the sampled sweeps), then the full jnp oracle:
 # every registered op and public function against jax.numpy in every dtype, value set, mask,
 # poison and eager/jit case (MJ_ORACLE=full), then the maskify program fuzzer with 120 examples
-# (10 in `make test`).
+# (8 in `make test`).
 test-slow: $(STAMP) browser
 	JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(PY) -m pytest tests -m slow -n $${MJ_TEST_WORKERS:-auto} --dist worksteal
 	MJ_ORACLE=full JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(PY) -m pytest tests/test_conformance.py \

@@ -136,9 +136,9 @@ def _check_rnn(apply, params, valid, seed=0):
         jax.tree.map(lambda a, b: _close(a, b, f"{label}: parameter gradient"), got, want)
 
 
-# the test loop runs the forward models over holes (padding anywhere); right and left padding, the
-# reversed and the bidirectional models are in the slow tier (make test-slow)
-QUICK_RNNS = ("linen-gru", "nnx-gru", "scan-by-hand")  # (the reversed and bidirectional ones: slow tier)
+# the test loop runs a linen GRU and a hand-written scan over holes (padding anywhere); right and
+# left padding, nnx, the reversed and the bidirectional models are in the slow tier (make test-slow)
+QUICK_RNNS = ("linen-gru", "scan-by-hand")  # (the reversed and bidirectional ones: slow tier)
 RNN_CASES = [
     pytest.param(
         name,
@@ -327,7 +327,7 @@ FORMS = {
 }
 
 
-@pytest.mark.parametrize("padding", ["right", "holes"])
+@pytest.mark.parametrize("padding", ["right", pytest.param("holes", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("form", sorted(FORMS))
 def test_constants_beside_padding_stay_padding(form, padding):
     valid = PADDINGS[padding]

@@ -27,7 +27,7 @@ from jax import lax
 from jax.extend import core as jcore
 
 from masked_jax import _jaxpr
-from masked_jax._maskify import _free, _rows
+from masked_jax._maskify import _free, _recognise, _rows
 from masked_jax._maskify import _rules as primitives
 from masked_jax._maskify._constants import (
     _as_constant,
@@ -41,9 +41,9 @@ from masked_jax._maskify._constants import (
     _uses,
 )
 from masked_jax._maskify._errors import MaskifyError, _inside_public_call, _public_name
-from masked_jax._maskify._scan import _ASSOCIATIVE_SCAN, _SCAN_NAME, _scan_counts
-from masked_jax.ops import _factors, normalization
-from masked_jax.ops._base import Pair, and_masks, compact_or_ones, count_valid, fill, materialize, ranked, uniform_along
+from masked_jax._maskify._scan import _SCAN_NAME, _scan_counts
+from masked_jax.ops import _factors
+from masked_jax.ops._base import Pair, compact_or_ones, count_valid, fill, materialize, ranked, uniform_along
 
 # Call-like primitives whose body is interpreted with the masks riding along.
 # checkpoint's primitive: exported as remat_p by newer jax; otherwise read off a staged checkpoint
@@ -110,7 +110,7 @@ class _Interpreter:
                 self.producer[eqn.outvars[0]] = eqn
                 self._track_literals(eqn, invals, constants[eqn.outvars[0]], minus)
                 continue
-            whole = self._softmax(jaxpr.eqns, i, invals)
+            whole = _recognise.softmax(self, jaxpr.eqns, i, invals)
             if whole is not None:  # jax.nn.softmax, as one masked op
                 chain, out = whole
                 skip.update(chain)
@@ -181,13 +181,13 @@ class _Interpreter:
         name = prim.name
         unmasked = all(p.mask is None for p in invals)
         if prim is P.jit_p and not unmasked and str(params.get("name")).startswith(_SCAN_NAME):
-            return self._associative_scan(params, invals)
+            return _recognise.associative_scan(self, params, invals)
         if (
             prim is P.jit_p
             and not unmasked
             and (params.get("name") in primitives.NAMED or params.get("name") in primitives.UNSUPPORTED_CALLS)
         ):
-            return self.named_call(eqn, params, invals)
+            return _recognise.named_call(self, eqn, params, invals)
         if (prim in _CALLS or prim in _LOOPS) and not unmasked:
             return self.control(prim, params, invals, is_literal, frees)
         if unmasked:
@@ -201,9 +201,9 @@ class _Interpreter:
                 out = prim.bind(*(p.data for p in invals), **params)
             self._track_literals(eqn, invals, out, minus)
             return [Pair(o, None) for o in out] if prim.multiple_results else Pair(out, None)
-        special = self._weighted_mean(eqn, invals)
+        special = _recognise.weighted_mean(self, eqn, invals)
         if special is None:
-            special = self._mean_like(eqn, invals, sized, minus)
+            special = _recognise.mean_like(self, eqn, invals, sized, minus)
         if special is not None:
             return special
         rule = primitives.rule_for(prim)
@@ -248,263 +248,6 @@ class _Interpreter:
         if eqn.primitive is P.sub_p and all(_concrete_scalar(p.data) is not None for p in invals):
             minus[eqn.outvars[0]] = (_concrete_scalar(invals[0].data), _concrete_scalar(invals[1].data))
 
-    def _weighted_mean(self, eqn, invals):
-        """``sum(x * w) / sum(w)`` (``jnp.average(x, weights=w)``) -> the weight total over the
-        positions where ``x * w`` is valid: the masked weighted mean of ``masked_jax.numpy.average``,
-        masked where those weights sum to 0."""
-        if eqn.primitive is not P.div_p or any(_jaxpr.is_literal(v) for v in eqn.invars):
-            return None
-        (num_var, num_chain), (den_var, den_chain) = (self._root(v) for v in eqn.invars)
-        num_eq, den_eq = self.producer.get(num_var), self.producer.get(den_var)
-        if (
-            num_eq is None
-            or den_eq is None
-            or num_eq.primitive is not P.reduce_sum_p
-            or den_eq.primitive is not P.reduce_sum_p
-            or num_eq.params["axes"] != den_eq.params["axes"]
-            or len(num_chain) != len(den_chain)
-        ):
-            return None
-        prod_eq = self.producer.get(num_eq.invars[0])
-        weights = den_eq.invars[0]
-        if prod_eq is None or prod_eq.primitive is not P.mul_p or weights not in prod_eq.invars:
-            return None
-        product, w = self.env[num_eq.invars[0]], self.env[weights]
-        if product.mask is None:
-            return None
-        if any(self.uses[v] > 1 for v in [den_var, *(e.outvars[0] for e in den_chain)]):
-            raise MaskifyError(
-                f"maskify({self.fun_name}): the sum of the weights of a masked weighted average is "
-                "used again (jnp.average(..., returned=True)); only the weights of valid entries "
-                "count, so compute it as jnp.sum(jnp.where(valid, w, 0)) or use "
-                "masked_jax.numpy.average."
-            )
-        mask = materialize(product.mask, jnp.shape(product.data))
-        total = jnp.sum(jnp.where(mask, w.data, 0), axis=num_eq.params["axes"]).astype(invals[1].data.dtype)
-        for e in reversed(num_chain):  # keepdims: the numerator's broadcasts, applied to the total
-            total = e.primitive.bind(total, **e.params)
-        num = invals[0]
-        valid = and_masks(num.mask, total != 0)
-        return Pair(jnp.where(valid, num.data / jnp.where(valid, total, 1), 0), valid)
-
-    def _softmax(self, eqns, i, invals):
-        """``(indices of the equations, result)`` when equation ``i`` begins ``jax.nn.softmax`` of a
-        masked float operand (its own form or its custom-jvp body): ``exp(x - max(x))`` over its sum
-        along the same axes, each intermediate read by the next step alone; or
-        ``jax.nn.log_softmax``: ``x - max(x)`` minus the log of that sum. The masked softmax then
-        runs as one op (:func:`masked_jax.ops.normalization.compact_softmax`, ``compact_log_softmax``:
-        one select, no fills of the exponentials), where the equations one at a time would each
-        sanitise their operands. Other equations between the steps run as usual."""
-        eqn = eqns[i]
-        if (
-            eqn.primitive is not P.reduce_max_p
-            or invals[0].mask is None
-            or not jnp.issubdtype(eqn.invars[0].aval.dtype, jnp.floating)
-        ):
-            return None
-        x, axes = eqn.invars[0], tuple(eqn.params["axes"])
-        keep = tuple(1 if d in axes else n for d, n in enumerate(x.aval.shape))
-        chain = [i]
-
-        def follow(var, accept, uses=1):
-            """The index of the one equation after the chain that reads ``var``, if ``accept`` takes it."""
-            if self.uses.get(var) != uses:
-                return None
-            k = next((k for k in range(chain[-1] + 1, len(eqns)) if var in eqns[k].invars), None)
-            return k if k is not None and accept(eqns[k]) else None
-
-        def step(accept, uses=1):
-            k = follow(eqns[chain[-1]].outvars[0], accept, uses)
-            if k is not None:
-                chain.append(k)
-            return k is not None
-
-        def minus_inf(v, before):  # jnp.max's initial: a literal, or a constant converted in the body
-            if _jaxpr.is_literal(v):
-                return np.ndim(v.val) == 0 and float(v.val) == -np.inf
-            src = next((e for e in eqns[:before] if v in e.outvars), None)
-            if src is not None and src.primitive is P.convert_element_type_p:
-                v = src.invars[0]
-                if _jaxpr.is_literal(v):
-                    return np.ndim(v.val) == 0 and float(v.val) == -np.inf
-            value = self.env.get(v)
-            return value is not None and value.mask is None and _concrete_scalar(value.data) == -np.inf
-
-        k = follow(eqn.outvars[0], lambda e: e.primitive is P.max_p)
-        if k is not None and any(minus_inf(v, k) for v in eqns[k].invars if v is not eqn.outvars[0]):
-            chain.append(k)
-        # the maximum back at x's rank: a broadcast (or reshape) with 1 along the axes, possibly after a
-        # transpose, and subtracted from x or from x transposed the same way (jax's grouped-query
-        # attention layout): the softmax then runs on the transposed x
-        rest = [d for d in range(len(keep)) if d not in axes]  # the maximum's dims, as dims of x
-        perm_max = list(range(len(rest)))
-        if step(lambda e: e.primitive is P.transpose_p):
-            perm_max = list(eqns[chain[-1]].params["permutation"])
-        if not step(lambda e: e.primitive in (P.broadcast_in_dim_p, P.reshape_p)):
-            return None
-        widen = eqns[chain[-1]]
-        step(lambda e: e.primitive is P.stop_gradient_p)
-        moved = {}  # x transposed before the subtraction: its equation and permutation
-
-        def shifted_x(e):
-            if e.primitive is not P.sub_p or e.invars[1] is x or e.invars[1] is not eqns[chain[-1]].outvars[0]:
-                return False
-            if e.invars[0] is x:
-                return True
-            src = next((j for j in range(i + 1, len(eqns)) if e.invars[0] in eqns[j].outvars), None)
-            if src is None or eqns[src].primitive is not P.transpose_p or eqns[src].invars[0] is not x:
-                return False
-            if self.uses.get(e.invars[0]) != 1:
-                return False
-            moved.update(index=src, perm=list(eqns[src].params["permutation"]))
-            return True
-
-        if not step(shifted_x):
-            return None
-        perm = moved.get("perm", list(range(len(keep))))
-        shape = tuple(keep[d] for d in perm)  # the maximum's shape in the subtraction's layout
-        if widen.outvars[0].aval.shape != shape:
-            return None
-        if widen.primitive is P.broadcast_in_dim_p:  # each dim of the maximum lands where x's dim went
-            dims = widen.params["broadcast_dimensions"]
-            if any(perm[dims[j]] != rest[perm_max[j]] for j in range(len(rest))):
-                return None
-        elif perm_max != sorted(perm_max) or perm != sorted(perm):
-            return None
-        axes = tuple(sorted(perm.index(a) for a in axes))  # from here on, in the subtraction's layout
-
-        def keepdims(e):
-            return e.primitive in (P.broadcast_in_dim_p, P.reshape_p) and e.outvars[0].aval.shape == shape
-
-        shifted = eqns[chain[-1]].outvars[0]
-        log = self.uses.get(shifted) == 2  # log_softmax: x - max also minus the log of the sum
-        if not step(lambda e: e.primitive is P.exp_p, uses=2 if log else 1):
-            return None
-        exps = eqns[chain[-1]].outvars[0]
-        summed = lambda e: e.primitive is P.reduce_sum_p and tuple(e.params["axes"]) == axes  # noqa: E731
-        # bfloat16 and float16 are summed in float32: a convert before the sum and after it
-        reads = 1 if log else 2
-        if not (
-            step(summed, uses=reads)
-            or (step(lambda e: e.primitive is P.convert_element_type_p, uses=reads) and step(summed))
-        ):
-            return None
-        total = eqns[chain[-1]].outvars[0]
-        if not step(keepdims):
-            return None
-        step(lambda e: e.primitive is P.convert_element_type_p and e.outvars[0].aval.dtype == x.aval.dtype)
-        if log:
-            if not step(lambda e: e.primitive is P.log_p):
-                return None
-            lse = eqns[chain[-1]].outvars[0]
-            k = follow(lse, lambda e: e.primitive is P.sub_p and e.invars[0] is shifted and e.invars[1] is lse)
-        else:
-            norm = eqns[chain[-1]].outvars[0]
-            k = follow(norm, lambda e: e.primitive is P.div_p and e.invars[0] is exps and e.invars[1] is norm)
-        if k is None or self.uses.get(total) != 1:
-            return None
-        op = normalization.compact_log_softmax if log else normalization.compact_softmax
-        operand = invals[0]
-        if moved:  # the softmax of x transposed, along the axes where x's axes went
-            operand = primitives.compact_shape_op(P.transpose_p, [operand], permutation=tuple(perm))
-            chain.insert(0, moved["index"])
-        return chain + [k], op(operand, axes)
-
-    def _root(self, var):
-        """``(v, chain)``: ``var`` is ``v`` reshaped or broadcast by the equations of ``chain``."""
-        chain = []
-        while _known(var, self.producer) and self.producer[var].primitive in (P.broadcast_in_dim_p, P.reshape_p):
-            chain.append(self.producer[var])
-            var = chain[-1].invars[0]
-        return var, chain
-
-    def _mean_like(self, eqn, invals, sized, minus):
-        """``sum / n`` -> ``sum / count``; ``sum / (n - ddof)`` -> ``sum / (count - ddof)``."""
-        if eqn.primitive is not P.div_p or not _known(eqn.invars[0], sized):
-            return None
-        s, den = sized[eqn.invars[0]], invals[1]
-        if den.mask is not None:
-            return None
-        value = _concrete_scalar(den.data)
-        if value is not None and value == s.n:
-            ddof = 0
-        elif _known(eqn.invars[1], minus) and minus[eqn.invars[1]][0] == s.n:
-            ddof = minus[eqn.invars[1]][1]
-        else:
-            return None
-        num = invals[0]
-        if s.uniform and s.n - ddof > 0:
-            # each slice is all valid (count n) or all masked, and the sum's mask says which: the
-            # quotient is the plain one, ``sum / (n - ddof)``, a finite sum of zero-filled terms
-            # where it is masked (no count, no select, no new mask)
-            data, mask = num.data / jnp.asarray(s.n - ddof, jnp.result_type(num.data)), num.mask
-        else:
-            dof = s.count() - ddof  # compact: the quotient's mask stays as compact as the count
-            valid = dof > 0
-            # Where it is masked the quotient is the sum itself (a finite sum of zero-filled terms,
-            # or a valid sum left without a divisor): no select at the sum's shape, only at the
-            # count's. With no ddof a positive count is the sum's own validity: its mask, no and.
-            data = num.data / jnp.where(valid, dof, 1).astype(jnp.result_type(num.data))
-            mask = num.mask if ddof == 0 and s.any else and_masks(num.mask, valid)
-        if mask is num.mask and _factors.holds_zero(num.data, num.mask):  # zero sums stay zero
-            _factors.record_value(data, mask, 0, True)
-        return Pair(data, mask)
-
-    def named_call(self, eqn, params, invals):
-        """A jax function's own jit call (``jnp.median``) replaced by its op's rule, its static
-        arguments recognised from the call's body (see ``OpSpec.static``)."""
-        name = params["name"]
-        if name in primitives.UNSUPPORTED_CALLS:
-            raise MaskifyError(
-                f"maskify({self.fun_name}): jnp.{name} of a masked operand is not supported "
-                f"({primitives.UNSUPPORTED_CALLS[name]})."
-            )
-        spec = primitives.NAMED[name]
-        kw = primitives.recognise(spec, params["jaxpr"], [v.aval for v in eqn.invars])
-        if kw is None:
-            raise MaskifyError(
-                f"maskify({self.fun_name}): jnp.{name} is called on a masked operand with arguments "
-                f"maskify does not recognise (it matches the forms masked_jax.numpy.{spec.name} "
-                f"takes); call masked_jax.numpy.{spec.name} directly."
-            )
-        n = len(spec.operands)
-        operands, rest = invals[:n], invals[n:]
-        if any(p.mask is not None for p in rest):
-            raise MaskifyError(
-                f"maskify({self.fun_name}): an argument of jnp.{name} other than the array "
-                "(such as q) is masked; it must be a plain array."
-            )
-        out = spec.rule(*operands, *(p.data for p in rest), **kw)
-        return [out if isinstance(out, Pair) else Pair(out, None)]
-
-    def _associative_scan(self, params, invals):
-        """``lax.associative_scan(fn, elems)`` over the valid elements only: an element is valid
-        where every leaf of ``elems`` is, masked-out elements are skipped (the combination of
-        ``a`` and a masked ``b`` is ``a``), and the result keeps that mask. Masked-out data are
-        replaced by zeros before ``fn`` sees them, which only ever combines valid values."""
-        fn, tree, reverse, axis = self.scans[int(params["name"][len(_SCAN_NAME) :])]
-        shapes = {jnp.shape(p.data) for p in invals}
-        if len(shapes) != 1:
-            raise MaskifyError(
-                f"maskify({self.fun_name}): lax.associative_scan of masked elements needs every "
-                f"leaf of elems to have one shape (got {sorted(shapes)}): an element is valid where "
-                "all its leaves are."
-            )
-        shape = shapes.pop()
-        valid = materialize(and_masks(*(p.mask for p in invals)), shape)
-        data = [fill(p.data, valid, 0) for p in invals]
-
-        def combine(a, b):
-            (xa, va), (xb, vb) = a, b
-            both = tree.flatten_up_to(
-                fn(jax.tree_util.tree_unflatten(tree, xa), jax.tree_util.tree_unflatten(tree, xb))
-            )
-            return [jnp.where(va & vb, ab, jnp.where(vb, b_, a_)) for ab, a_, b_ in zip(both, xa, xb)], va | vb
-
-        out, _ = _ASSOCIATIVE_SCAN(combine, (data, valid), reverse=reverse, axis=axis)
-        return [Pair(fill(o, valid, 0), valid) for o in out]
-
-    # -- control flow ------------------------------------------------------------------------------
     def control(self, prim, params, invals, is_literal=None, frees=None):
         if prim in _CALLS:
             closed = params.get("jaxpr") or params.get("call_jaxpr") or params.get("fun_jaxpr")
