@@ -54,7 +54,8 @@ test: $(STAMP)
 
 # The heavy tier: the tests marked slow (the docs site build, which runs the notebooks, the demo,
 # pyright on a user script, the public Array API suite, the 8-device suite, headless Chromium
-# renderings, the real models, the second half of the sampled sweeps), then the full jnp oracle:
+# renderings, the real models, the second half of the sampled sweeps, the sparse-storage sweep of
+# every op on every layout), then the full jnp oracle:
 # every registered op and public function against jax.numpy in every dtype, value set, mask,
 # poison and eager/jit case (MJ_ORACLE=full), then the maskify program fuzzer with 120 examples
 # (8 in `make test`).

@@ -128,6 +128,7 @@ _SLOW_TESTS = {
     "test_html_report_renders_labelled_heatmap_in_headless_chromium",
     "test_docs_page_blocks_run",  # the docs pages' code blocks: the docs tier
     "test_a_new_op_is_one_registration_away_from_everywhere",  # one registration through every layer
+    "test_layout_keeps_sparse_storage_where_the_op_allows",  # every op on every sparse layout: ~1 min
 }
 
 
