@@ -129,6 +129,8 @@ _SLOW_TESTS = {
     "test_docs_page_blocks_run",  # the docs pages' code blocks: the docs tier
     "test_a_new_op_is_one_registration_away_from_everywhere",  # one registration through every layer
     "test_layout_keeps_sparse_storage_where_the_op_allows",  # every op on every sparse layout: ~1 min
+    "test_every_op_passes_check_jacobian_in_masked_semantics",  # the checker on every op: ~16 s
+    "test_eager_compiled_and_background_checks_agree",  # three checker modes: ~8 s
 }
 
 

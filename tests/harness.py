@@ -49,6 +49,8 @@ from masked_jax._validate import dtype_kind
 from masked_jax.layouts import BCOOMaskedArray, RowSparseArray, SparseMasked, rows_from_parts
 from masked_jax.numpy import _frontend
 from masked_jax.ops import REGISTRY
+from masked_jax.ops._base import normalize_axis
+from masked_jax.ops.reductions import empty_slices, identity_over_empty
 
 MASK_A = np.array([[1, 0, 1], [1, 1, 1], [0, 0, 0], [0, 1, 1]], bool)  # partial, full and empty rows
 MASK_B = np.array([[1, 1, 0], [0, 1, 1], [1, 0, 1], [1, 1, 1]], bool)
@@ -520,6 +522,8 @@ def _check_zero_size_layouts(name, spec, row, dtype):
             ops = operands(name, dtype, masks=(np.zeros(shape, bool),) * 2)
         except ValueError:  # the op's maker builds operands of fixed shapes (the contractions)
             continue
+        if spec.family == "reductions":
+            _check_reduction_of_nothing(name, spec, row, ops, shape)
         case = row.cases[0]
         try:
             want = call(name, public(name), ops, case)
@@ -531,6 +535,34 @@ def _check_zero_size_layouts(name, spec, row, dtype):
         for kind in eager_layouts(name):
             lays = [layout(kind, o) if i in sparse_pos else o for i, o in enumerate(ops)]
             assert_same(call(name, public(name), lays, case), want, row.rtol, f"{name} on {kind}, shape {shape}")
+
+
+def _check_reduction_of_nothing(name, spec, row, ops, shape):
+    """The rule for a reduction over a slice with no element (every case of the op's row): where
+    the reduction has an identity, jnp's value, valid (a sum 0, ``all`` True, ``logsumexp``
+    ``-inf``, a norm 0); where it has none (a mean, a maximum, a median), masked, with no NaN."""
+    x = ops[0]
+    for case in row.cases:
+        axes = normalize_axis(case.get("axis"), x.ndim)
+        if not empty_slices(x.shape, axes) or row.call is not None:
+            continue
+        try:
+            got = call(name, public(name), ops, case)
+        except (ValueError, TypeError, IndexError):  # refused densely (jnp refuses it too)
+            continue
+        valid = np.asarray(got.mask) if isinstance(got, mj.MaskedArray) else np.ones(np.shape(got), bool)
+        data = np.asarray(got.data if isinstance(got, mj.MaskedArray) else got)
+        if identity_over_empty(name, case, x.ndim):
+            assert valid.all(), f"{name}{case} over {shape}: the reduction of nothing is its identity, valid"
+            ref = (  # jnp's function; a count (no jnp function) of nothing is 0
+                spec.fn(x.data, **case)
+                if spec.fn is not None
+                else np.sum(np.ones(x.shape, np.int64), axis=axes, keepdims=case.get("keepdims", False))
+            )
+            np.testing.assert_array_equal(data, np.asarray(ref), err_msg=f"{name}{case}")
+        else:
+            assert not valid.any(), f"{name}{case} over {shape}: no identity, so masked"
+            assert not np.isnan(data.astype(np.float64) if data.dtype.kind != "c" else data).any()
 
 
 def compact_form(mask):

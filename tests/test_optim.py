@@ -779,6 +779,28 @@ def test_lazy_multisteps_equals_dense_multisteps_when_every_row_is_touched():
         )
 
 
+@pytest.mark.parametrize("capacity", [None, 6], ids=["dense accumulator", "row accumulator"])
+def test_lazy_multisteps_passes_extra_arguments_to_the_inner_update(capacity):
+    """``update(..., value=loss)`` reaches the inner transformation, as in ``optax.MultiSteps``:
+    Polyak's step size reads the loss; every row touched, the trajectory is optax's."""
+    inner = lambda: optax.chain(optax.scale_by_polyak(max_learning_rate=0.5), optax.scale(-1.0))  # noqa: E731
+    opt_l = optim.lazy(optax.MultiSteps(inner(), 2), capacity=capacity)
+    opt_d = optax.MultiSteps(inner(), 2)
+    p_l = p_d = _CPARAMS
+    s_l, s_d = opt_l.init(p_l), opt_d.init(p_d)
+    for i in range(4):
+        g = {"emb": jnp.full((6, 3), 0.1 * i) + jnp.arange(6.0)[:, None], "w": jnp.full(3, 0.2)}
+        rows = {"emb": mj.row_sparse(g["emb"], jnp.arange(6), (6, 3)), "w": g["w"]}
+        loss = jnp.asarray(3.0 - 0.5 * i)
+        u_l, s_l = jax.jit(opt_l.update)(rows, s_l, p_l, value=loss)
+        u_d, s_d = opt_d.update(g, s_d, p_d, value=loss)
+        p_l, p_d = optim.apply_updates(p_l, u_l), optax.apply_updates(p_d, u_d)
+        jax.tree_util.tree_map(
+            lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6), p_l, p_d
+        )
+    assert not np.allclose(np.asarray(p_l["emb"]), np.asarray(_CPARAMS["emb"]))  # the loss moved them
+
+
 def test_lazy_apply_if_finite_checks_valid_entries_only():
     """NaN under a gradient's mask is not a NaN gradient; NaN in a valid entry skips the step."""
     opt = optim.lazy(optax.apply_if_finite(optax.adam(0.1), 2))

@@ -43,14 +43,33 @@ def _same(a, b):
 
 
 # -- printing -------------------------------------------------------------------------------------
+def _cells_summarised_by_numpy(x):
+    """The reference print: every value's text (``--`` where masked) in an object array of the
+    full shape, summarised by numpy itself under the current print options."""
+    data, mask = np.asarray(x.data), np.asarray(x.mask)
+    cells = np.array([str(v) if ok else "--" for v, ok in zip(data.flat, mask.flat)], dtype=object)
+    return np.array2string(cells.reshape(data.shape), separator=" ", formatter={"all": str})
+
+
+TALL = mj.masked_array((jnp.arange(1200, dtype=F32) / 10).reshape(300, 4), (jnp.arange(1200) % 7 != 0).reshape(300, 4))
+
+
+@pytest.mark.parametrize("x", [BIG, TALL, TALL.T, TALL.reshape(3, 100, 4)], ids=["50x40", "300x4", "4x300", "3x100x4"])
 @pytest.mark.parametrize("threshold,edgeitems", [(1000, 3), (100, 2), (5000, 3)])
-def test_large_arrays_print_as_numpy_ma(threshold, edgeitems):
+def test_large_arrays_print_the_edge_items_around_ellipses(x, threshold, edgeitems):
+    """A large array prints as numpy summarises: ``edgeitems`` at each end of every long axis around
+    ``...``, nothing dropped silently (numpy.ma's own print of a 300 x 4 array jumps from row 49 to
+    row 250 with no ``...``), float32 values with float32 digits."""
     with np.printoptions(threshold=threshold, edgeitems=edgeitems):
-        text = repr(BIG)
-        want = str(np.ma.masked_array(np.asarray(BIG.data), mask=~np.asarray(BIG.mask)))
+        text = repr(x)
+        want = _cells_summarised_by_numpy(x)
     body = text[len("MaskedArray(") : text.rindex(", dtype=")]
     assert body.replace("\n" + " " * len("MaskedArray("), "\n") == want
-    assert ("..." in text) == (BIG.size > threshold)
+    assert ("..." in text) == (x.size > threshold)
+    if x is TALL and x.size > threshold:
+        rows = [line for line in body.splitlines() if "[" in line]
+        assert len(rows) == 2 * edgeitems and rows[-1].strip().startswith("[119.6 -- 119.8")
+        assert "0.1 0.2 0.3" in rows[0]  # float32 digits, not 0.10000000149011612
 
 
 def test_small_arrays_print_every_value_and_traced_arrays_stay_short():

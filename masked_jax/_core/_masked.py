@@ -34,10 +34,18 @@ def format_values(data: np.ndarray, mask: np.ndarray) -> str:
     has at most ``np.get_printoptions()["threshold"]`` elements, else the edge items
     (``edgeitems``) around ``...``, as ``jax.Array`` and ``numpy.ma`` summarise."""
     data = _layouts.displayable(data)
-    if data.size > np.get_printoptions()["threshold"]:
-        return str(np.ma.masked_array(data, mask=~mask))
+    options = np.get_printoptions()
+    big = data.size > options["threshold"]
+    if big:  # only the edge items are formatted: along a long axis, edgeitems, one stand-in, edgeitems
+        edge = options["edgeitems"]
+        picks = np.ix_(*(np.r_[0:edge, edge, n - edge : n] if n > 2 * edge else np.arange(n) for n in data.shape))
+        data, mask = data[picks], np.broadcast_to(mask, data.shape)[picks]
     cells = np.array([str(v) if ok else "--" for v, ok in zip(data.flat, mask.flat)], dtype=object)
-    return np.array2string(cells.reshape(data.shape), separator=" ", formatter={"all": str})
+    # numpy puts "..." in place of the stand-ins (numpy.ma's own summary drops rows of a long 2-d
+    # array with no "..." and prints float32 with float64 digits)
+    return np.array2string(
+        cells.reshape(data.shape), separator=" ", formatter={"all": str}, threshold=0 if big else options["threshold"]
+    )
 
 
 def html_table(data: np.ndarray, mask: np.ndarray, caption: str) -> str:

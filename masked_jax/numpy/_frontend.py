@@ -22,10 +22,19 @@ import jax.numpy as jnp
 
 from masked_jax import _validate, ops
 from masked_jax import layouts as dispatch
-from masked_jax._core import ArrayMethods, SparseMasked, from_pair, fully_valid_data, is_operand, unwrap, wrap
+from masked_jax._core import (
+    ArrayMethods,
+    MaskedArray,
+    SparseMasked,
+    from_pair,
+    fully_valid_data,
+    is_operand,
+    unwrap,
+    wrap,
+)
 from masked_jax.ops._base import Pair, and_masks, normalize_axis
 from masked_jax.ops._registry import ANNOTATIONS, OPERAND, OpSpec, on_register
-from masked_jax.ops.reductions import IDENTITY_REDUCTIONS, NAN_OVER_EMPTY, empty_slices
+from masked_jax.ops.reductions import empty_slices, identity_over_empty
 
 _SEMANTICS = {
     "elementwise": "applied to the data; the mask is unchanged.",
@@ -197,17 +206,17 @@ class _Call:
         where = params.pop("where", None) if self.spec.family in _WHERE_FAMILIES else None
         self._check_supported(params)
         if (
-            self.spec.name in IDENTITY_REDUCTIONS + NAN_OVER_EMPTY
-            and operands
+            operands
             and _empty_reduction(operands[0], params)
+            and identity_over_empty(self.spec.name, params, len(operands[0].shape))
         ):
-            # a reduction over a zero-size slice: nothing is masked, so jnp's result, valid: the
-            # identity of a sum (prod, any, all), NaN for a mean (var, std: 0 / 0); a sparse layout
-            # stores nothing to read then, so it is made dense without a storage fallback
+            # a reduction over a zero-size slice, where it has an identity: jnp's result, valid (a
+            # sum 0, prod 1, any False, all True, logsumexp -inf, a norm 0); one with none (a mean:
+            # 0 / 0) is masked by its rule. A sparse layout stores nothing to read then, so it is
+            # made dense without a storage fallback
             operands = [o.todense() if isinstance(o, SparseMasked) and o.size == 0 else o for o in operands]
             out = self.dense(operands, params, where, labels)
-            data = jnp.full_like(out.data, jnp.nan) if self.spec.name in NAN_OVER_EMPTY else out.data
-            return from_pair(data, None)
+            return from_pair(out.data, None) if isinstance(out, MaskedArray) else out  # (a count is plain)
         if (
             where is None
             and not any(params.get(n) is not None for n in self.spec.optional_operands)

@@ -163,9 +163,7 @@ def any_valid(mask, shape, axes, keepdims=False):
     else:
         out = _factors.memo(
             ("any", id(mask), axes),
-            lambda: _factors.record(
-                jnp.any(mask, axis=axes, keepdims=True), _factors.any_along(_factors.factors(mask), axes)
-            ),
+            lambda: _factors.record(_any_of_factors(mask, axes), _factors.any_along(_factors.factors(mask), axes)),
             mask,
         )
     if keepdims:
@@ -174,6 +172,26 @@ def any_valid(mask, shape, axes, keepdims=False):
     if _factors.active():
         _factors.record(squeezed, _factors.dropped(_factors.factors(out), axes))
     return squeezed
+
+
+def _any_of_factors(mask, axes):
+    """``jnp.any(mask, axes, keepdims=True)``; under ``maskify``, for a mask recorded as the ``and``
+    of factors, the factors constant along ``axes`` are kept and only the ``and`` of those that
+    vary is reduced (see :func:`masked_jax.ops._factors.parts`): no array at the mask's full
+    shape is built for the reduction."""
+    parts = _factors.parts(mask, np.ndim(mask))
+    if parts is None:
+        return jnp.any(mask, axis=axes, keepdims=True)
+    varying = [p for f, p in parts if any(f.axes[a] is not None for a in axes)]
+    kept = [p for f, p in parts if all(f.axes[a] is None for a in axes)]
+    after = _factors.any_along(tuple(f for f, _ in parts), axes)
+    implied = after is not None and _factors.without_implied(after) != after  # a kept factor implies the any
+    if implied and kept:  # (a token mask and "the sequence has a valid token")
+        out = functools.reduce(jnp.logical_and, kept)
+    else:
+        reduced = jnp.any(functools.reduce(jnp.logical_and, varying), axis=axes, keepdims=True)
+        out = functools.reduce(jnp.logical_and, kept, reduced)
+    return jnp.broadcast_to(out, tuple(1 if i in axes else n for i, n in enumerate(np.shape(mask))))
 
 
 def count_valid(mask, shape, axes, keepdims=False):

@@ -141,6 +141,34 @@ def any_along(fs, axes):
     return tuple(f for f in fs if f is not v) + (g,)
 
 
+def parts(m, ndim):
+    """The arrays of ``m``'s factors at rank ``ndim`` (each broadcastable to ``m``, their ``and``
+    is ``m``), or ``None`` when ``m`` has one factor or a factor has no array (a derived root).
+    A reduction of ``m`` then reduces only the factors that vary along its axes: ``any`` of a
+    (B, Lq, Lk) mask built from a (B, Lq, 1) and a (B, 1, Lk) factor, along Lk, is the first
+    times ``any`` of the second, with no (B, Lq, Lk) array."""
+    records = _records()
+    if records is None:
+        return None
+    fs = aligned(factors(m), ndim)
+    if len(fs) < 2:
+        return None
+    out = []
+    for f in fs:
+        entry = records.get(f.root) if not isinstance(f.root, tuple) else None
+        if entry is None:
+            return None
+        root = entry[0]
+        shown = [a for a in f.axes if a is not None]
+        varying = [i for i, n in enumerate(np.shape(root)) if n != 1]
+        if sorted(shown) != varying:  # not a root seen through moves of its axes: nothing to rebuild
+            return None
+        squeezed = jnp.reshape(root, [np.shape(root)[i] for i in varying])
+        moved = jnp.transpose(squeezed, [varying.index(a) for a in shown])
+        out.append(jnp.reshape(moved, [1 if a is None else np.shape(root)[a] for a in f.axes]))
+    return tuple(zip(fs, out))
+
+
 def implies(f, g) -> bool:
     """Whether factor ``f`` being True implies ``g`` being True at every position (the same rank):
     ``g`` is ``any`` of ``f``'s root over some root axes, shown at the axes where ``f`` shows them."""

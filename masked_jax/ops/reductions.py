@@ -119,8 +119,30 @@ def _sum_and_count_jvp(axes, primals, tangents):
     return (total, n), (t_total, np.zeros(n.shape, jax.dtypes.float0))
 
 
-IDENTITY_REDUCTIONS = ("sum", "prod", "any", "all")  # valid over a zero-size slice (see empty_slices)
-NAN_OVER_EMPTY = ("mean", "var", "std", "average")  # valid NaN over a zero-size slice, as jnp's 0 / 0
+# valid over a zero-size slice, with jnp's value: the identity (see empty_slices, identity_over_empty)
+IDENTITY_REDUCTIONS = ("sum", "prod", "any", "all", "count", "logsumexp", "norm")
+
+
+def identity_over_empty(name, params, ndim) -> bool:
+    """Whether the reduction ``name`` with ``params`` (of an array of ``ndim`` dims) has a value over
+    a slice with no element: its identity, ``jax.numpy``'s result (a sum 0, a product 1, ``any``
+    False, ``all`` True, a count 0, ``logsumexp`` ``-inf``, a norm 0). A reduction with no identity (a mean,
+    var or std: 0 / 0; a maximum, a median, an ``inf``-norm) is masked there instead.
+
+    >>> identity_over_empty("sum", {}, 2), identity_over_empty("mean", {}, 2)
+    (True, False)
+    """
+    if name != "norm":
+        return name in IDENTITY_REDUCTIONS
+    ord, axis = params.get("ord"), params.get("axis")
+    vector = (
+        (axis is None and (ord is None or ndim == 1))
+        or isinstance(axis, (int, np.integer))
+        or (isinstance(axis, (tuple, list)) and len(axis) == 1)
+    )
+    if vector:  # (sum of |x| ** p) ** (1 / p), and ord=0 (a count of nonzeros): 0
+        return ord is None or (isinstance(ord, (int, float)) and not isinstance(ord, bool) and 0 <= ord < np.inf)
+    return ord == "fro"  # a matrix's Frobenius norm; the others are extrema of sums
 
 
 def empty_slices(shape, axes) -> bool:

@@ -61,7 +61,8 @@ def lazy_multi_steps(ms, lift) -> optax.GradientTransformation:
         touched = jax.tree_util.tree_map(lambda p: jnp.zeros(jnp.shape(p), bool), params)
         return LazyMultiStepsState(ms.init(params), touched)
 
-    def update_fn(updates, state, params=None):
+    def update_fn(updates, state, params=None, **extra_args):
+        # extra arguments (value=, ...) go to the inner transformation's update, as in optax.MultiSteps
         if params is not None:
             params = jax.tree_util.tree_map(data_of, params, is_leaf=is_masked_leaf)
         st = state.multi_steps
@@ -78,7 +79,7 @@ def lazy_multi_steps(ms, lift) -> optax.GradientTransformation:
         touched = jax.tree_util.tree_map(jnp.logical_or, state.touched, valid)
         emit = st.mini_step == k - 1
         masked_acc = jax.tree_util.tree_map(lambda a, t, g: from_pair(a.astype(g.dtype), t), acc, touched, grads)
-        u, new_inner = lazy_inner.update(masked_acc, st.inner_opt_state, params)
+        u, new_inner = lazy_inner.update(masked_acc, st.inner_opt_state, params, **extra_args)
         u = jax.tree_util.tree_map(
             lambda x: from_pair(jnp.where(emit, x.data, 0), x.mask & emit), u, is_leaf=is_masked_leaf
         )
@@ -199,7 +200,8 @@ def lazy_multi_steps_rows(ms, lift, capacity) -> optax.GradientTransformation:
             jnp.zeros((), jnp.int32),
         )
 
-    def update_fn(updates, state, params=None):
+    def update_fn(updates, state, params=None, **extra_args):
+        # extra arguments (value=, ...) go to the inner transformation's update, as in optax.MultiSteps
         if not isinstance(state, RowMultiStepsState):
             raise ValueError(
                 f"lazy(MultiSteps, capacity=...): state must be the RowMultiStepsState its init "
@@ -257,7 +259,7 @@ def lazy_multi_steps_rows(ms, lift, capacity) -> optax.GradientTransformation:
                 new_touched.append(jnp.where(early, valid, jnp.where(last, jnp.zeros_like(now), now)))
         # optax's skip rules (skip_not_finite, skip_large_updates) see this micro-step's values
         skip, skip_state = should_skip(treedef.unflatten([view(g)[1] for g in leaves]), state.gradient_step, params)
-        u, new_inner = lazy_inner.update(treedef.unflatten(emitted), state.inner_opt_state, params)
+        u, new_inner = lazy_inner.update(treedef.unflatten(emitted), state.inner_opt_state, params, **extra_args)
 
         def gate(x):
             if isinstance(x, RowSparseArray):
