@@ -906,14 +906,14 @@ def test_and_of_a_mask_with_its_own_factors_is_that_mask():
     xm, _ = _padded(4)
     text = str(jax.make_jaxpr(mj.maskify(lambda v: v + jnp.tanh(v) * v))(xm))
     assert " and " not in text
-    from masked_jax.ops import _factors
     from masked_jax.ops._base import and_masks
+    from masked_jax.ops._factors import Facts
 
     m = jnp.ones((2, 1), bool)
-    assert not _factors.active() and and_masks(m, m) is not m
-    with _factors.recording():
-        assert and_masks(m, m) is m
-        assert and_masks(m, jnp.ones((1, 3), bool)).shape == (2, 3)
+    assert and_masks(m, m) is not m  # no facts handed in: nothing known
+    facts = Facts()
+    assert and_masks(m, m, facts=facts) is m
+    assert and_masks(m, jnp.ones((1, 3), bool), facts=facts).shape == (2, 3)
 
 
 def test_a_mask_and_its_any_over_an_axis_is_that_mask():

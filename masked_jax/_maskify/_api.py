@@ -15,7 +15,6 @@ from masked_jax._core import MaskedArray, SparseMasked, from_pair
 from masked_jax._maskify._constants import _is_concrete, _kept
 from masked_jax._maskify._interpreter import _Interpreter
 from masked_jax._maskify._scan import _recording_scans
-from masked_jax.ops import _factors
 from masked_jax.ops._base import Pair
 
 
@@ -73,7 +72,7 @@ def maskify(fun):
                 leaves[i] = d
             return fun(*jax.tree_util.tree_unflatten(tree, leaves), **kwargs)
 
-        with _recording_scans() as scans, _factors.new_trace():  # (inside an outer maskify: a trace apart)
+        with _recording_scans() as scans:
             closed, out_shape = jax.make_jaxpr(on_data, return_shape=True)(*(p.data for p in pairs))
         out_tree = jax.tree_util.tree_structure(out_shape)
         program = _eager_program(name, closed, scans, out_tree, pairs)
@@ -88,8 +87,7 @@ def maskify(fun):
 
 def _interpret(name, closed, scans, pairs):
     """The masked outputs of ``closed`` (``fun``'s jaxpr) on ``pairs``."""
-    with _factors.recording():
-        outs = _Interpreter(name, scans).run(closed.jaxpr, closed.consts, pairs)
+    outs = _Interpreter(name, scans).run(closed.jaxpr, closed.consts, pairs)
     return [_wrap(o) for o in outs]
 
 

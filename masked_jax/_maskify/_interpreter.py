@@ -55,6 +55,9 @@ _LOOPS = frozenset((P.cond_p, P.while_p, P.scan_p))
 class _Interpreter:
     def __init__(self, fun_name, scans=()):
         self.fun_name = fun_name
+        # the static facts of this call (masks' factors, values under masks, a memo of fills),
+        # handed to every rule as an argument
+        self.facts = _factors.Facts()
         self.scans = scans  # lax.associative_scan calls recorded while tracing (see _recorded_associative_scan)
         # the jaxpr being run: its values, the equation that produced each variable, read counts,
         # the free positions of its values (see _free)
@@ -215,7 +218,7 @@ class _Interpreter:
                 "masked_jax.numpy."
             )
         try:
-            out = rule(prim, invals, **params)
+            out = rule(prim, invals, self.facts, **params)
         except primitives.NoMaskedRule as err:
             raise MaskifyError(
                 f"maskify({self.fun_name}): primitive '{name}' has a masked operand and {err}. "
@@ -225,7 +228,7 @@ class _Interpreter:
             x = invals[0]
             shape, axes = jnp.shape(x.data), tuple(params["axes"])
             n = int(np.prod([shape[a] for a in axes], dtype=np.int64))
-            compact = compact_or_ones(x.mask, shape)
+            compact = compact_or_ones(x.mask, shape, self.facts)
             sized[eqn.outvars[0]] = _Sized(
                 n, lambda: count_valid(compact, shape, axes), uniform=n > 0 and uniform_along(compact, axes), any=True
             )
@@ -277,7 +280,7 @@ class _Interpreter:
         return self._scan(params, invals)
 
     def _branch(self, closed, ops):
-        with _factors.new_trace():
+        with self.facts.new_trace():
             return _materialized(self.run(closed.jaxpr, closed.consts, ops))
 
     def _scan_whole_rows(self, params, consts, carry, xs, rows, ncarry):
@@ -285,11 +288,11 @@ class _Interpreter:
         the hand-written code runs it: the body on plain data (the padding filled with 0), the
         carry of a missing row left as it was by one select, the outputs masked by the rows."""
         body = params["jaxpr"]
-        xs_data = [p.data if p.mask is None else fill(p.data, p.mask, 0) for p in xs]
+        xs_data = [p.data if p.mask is None else fill(p.data, p.mask, 0, facts=self.facts) for p in xs]
 
         def step(c, inp):
             x, valid = inp
-            with _factors.new_trace():
+            with self.facts.new_trace():
                 outs = self.run(
                     body.jaxpr, body.consts, list(consts) + [Pair(d, None) for d in c] + [Pair(d, None) for d in x]
                 )
@@ -324,12 +327,12 @@ class _Interpreter:
         cj, bj = params["cond_jaxpr"], params["body_jaxpr"]
 
         def cond_fn(c):
-            with _factors.new_trace():
+            with self.facts.new_trace():
                 (p,) = self.run(cj.jaxpr, cj.consts, list(cconsts) + list(c))
             return p.data if p.mask is None else p.data & p.mask  # a masked predicate stops the loop
 
         def body_fn(c):
-            with _factors.new_trace():
+            with self.facts.new_trace():
                 return _materialized(self.run(bj.jaxpr, bj.consts, list(bconsts) + list(c)))
 
         return lax.while_loop(cond_fn, body_fn, carry)
@@ -346,7 +349,7 @@ class _Interpreter:
         body = params["jaxpr"]
 
         def step(c, x):
-            with _factors.new_trace():
+            with self.facts.new_trace():
                 outs = _materialized(self.run(body.jaxpr, body.consts, list(consts) + list(c) + list(x)))
             carry, ys = outs[:ncarry], outs[ncarry:]
             missing = _missing_rows([p.mask for p, m in zip(x, masked_xs) if m])

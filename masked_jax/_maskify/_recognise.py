@@ -24,7 +24,7 @@ from masked_jax._maskify import _rules as primitives
 from masked_jax._maskify._constants import _concrete_scalar, _known
 from masked_jax._maskify._errors import MaskifyError
 from masked_jax._maskify._scan import _ASSOCIATIVE_SCAN, _SCAN_NAME
-from masked_jax.ops import _factors, normalization
+from masked_jax.ops import normalization
 from masked_jax.ops._base import Pair, and_masks, fill, materialize
 
 
@@ -64,7 +64,7 @@ def weighted_mean(interp, eqn, invals):
     for e in reversed(num_chain):  # keepdims: the numerator's broadcasts, applied to the total
         total = e.primitive.bind(total, **e.params)
     num = invals[0]
-    valid = and_masks(num.mask, total != 0)
+    valid = and_masks(num.mask, total != 0, facts=interp.facts)
     return Pair(jnp.where(valid, num.data / jnp.where(valid, total, 1), 0), valid)
 
 
@@ -187,9 +187,9 @@ def softmax(interp, eqns, i, invals):
     op = normalization.compact_log_softmax if log else normalization.compact_softmax
     operand = invals[0]
     if moved:  # the softmax of x transposed, along the axes where x's axes went
-        operand = primitives.compact_shape_op(P.transpose_p, [operand], permutation=tuple(perm))
+        operand = primitives.compact_shape_op(P.transpose_p, [operand], interp.facts, permutation=tuple(perm))
         chain.insert(0, moved["index"])
-    return chain + [k], op(operand, axes)
+    return chain + [k], op(operand, axes, interp.facts)
 
 
 def root(interp, var):
@@ -228,9 +228,9 @@ def mean_like(interp, eqn, invals, sized, minus):
         # or a valid sum left without a divisor): no select at the sum's shape, only at the
         # count's. With no ddof a positive count is the sum's own validity: its mask, no and.
         data = num.data / jnp.where(valid, dof, 1).astype(jnp.result_type(num.data))
-        mask = num.mask if ddof == 0 and s.any else and_masks(num.mask, valid)
-    if mask is num.mask and _factors.holds_zero(num.data, num.mask):  # zero sums stay zero
-        _factors.record_value(data, mask, 0, True)
+        mask = num.mask if ddof == 0 and s.any else and_masks(num.mask, valid, facts=interp.facts)
+    if mask is num.mask and interp.facts.holds_zero(num.data, num.mask):  # zero sums stay zero
+        interp.facts.record_value(data, mask, 0, True)
     return Pair(data, mask)
 
 
@@ -276,8 +276,8 @@ def associative_scan(interp, params, invals):
             "all its leaves are."
         )
     shape = shapes.pop()
-    valid = materialize(and_masks(*(p.mask for p in invals)), shape)
-    data = [fill(p.data, valid, 0) for p in invals]
+    valid = materialize(and_masks(*(p.mask for p in invals), facts=interp.facts), shape)
+    data = [fill(p.data, valid, 0, facts=interp.facts) for p in invals]
 
     def combine(a, b):
         (xa, va), (xb, vb) = a, b
@@ -285,7 +285,7 @@ def associative_scan(interp, params, invals):
         return [jnp.where(va & vb, ab, jnp.where(vb, b_, a_)) for ab, a_, b_ in zip(both, xa, xb)], va | vb
 
     out, _ = _ASSOCIATIVE_SCAN(combine, (data, valid), reverse=reverse, axis=axis)
-    return [Pair(fill(o, valid, 0), valid) for o in out]
+    return [Pair(fill(o, valid, 0, facts=interp.facts), valid) for o in out]
 
 
 # -- control flow ------------------------------------------------------------------------------

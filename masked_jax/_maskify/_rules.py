@@ -11,7 +11,8 @@ Two kinds of entries, looked up by :func:`rule_for`:
   (``select_n``, ``gather``, ``scatter``, ``pad``, ``sort`` with several operands, ...). They
   call the same helpers (``where``, ``clip``, ``passthrough``, ``concatenate``) as the ops do.
 
-A rule takes ``(prim, invals: list[Pair], **params)`` and returns a ``Pair`` (or a list for
+A rule takes ``(prim, invals: list[Pair], facts, **params)`` (``facts``: the call's
+:class:`~masked_jax.ops._factors.Facts`, which it reads and extends) and returns a ``Pair`` (or a list for
 primitives with several results). Rules run only when some operand is masked; otherwise the
 interpreter binds the primitive directly.
 """
@@ -29,9 +30,10 @@ from jax import lax
 from masked_jax._validate import is_tracer
 from masked_jax.ops import _factors, binary, elementwise, linalg, reductions, shape
 from masked_jax.ops._base import Pair, and_masks, bound, fill, highest, lowest, materialize, ranked
+from masked_jax.ops._factors import NO_FACTS, Facts
 from masked_jax.ops._registry import REGISTRY, OpSpec, on_register
 
-STRUCTURAL: dict = {}  # primitive -> rule(prim, invals, **params)
+STRUCTURAL: dict = {}  # primitive -> rule(prim, invals, facts, **params)
 DERIVED: dict = {}  # primitive -> rule, from the registry's specs
 OWNER: dict = {}  # primitive -> the name of the op whose spec claims it
 NAMED: dict = {}  # name of a jax function's own jit call -> the spec whose rule replaces the call
@@ -97,31 +99,31 @@ def rule_for(prim):
 
 # -- adapters: a registered op answering to a primitive, by family ---------------------------------
 def _elementwise(spec):
-    def rule(prim, invals, **params):
-        return elementwise.unary(bound(prim, params), spec.safe)(invals[0])
+    def rule(prim, invals, facts, **params):
+        return elementwise.unary(bound(prim, params), spec.safe)(invals[0], _facts=facts)
 
     return rule
 
 
 def _binary(spec):
-    def rule(prim, invals, **params):
-        return binary.nary(bound(prim, params), spec.safe, binary.PRESERVES.get(spec.name, ()))(*invals)
+    def rule(prim, invals, facts, **params):
+        return binary.nary(bound(prim, params), spec.safe, binary.PRESERVES.get(spec.name, ()))(*invals, _facts=facts)
 
     return rule
 
 
 def _linalg(spec):
-    def rule(prim, invals, **params):
+    def rule(prim, invals, facts, **params):
         if prim is P.dot_general_p:
             a, b = invals
-            return linalg.dot_general(bound(prim, params), a, b, params["dimension_numbers"])
+            return linalg.dot_general(bound(prim, params), a, b, params["dimension_numbers"], facts)
         return linalg.contraction(bound(prim, params))(*invals)
 
     return rule
 
 
 def _reductions(spec):
-    def rule(prim, invals, **params):
+    def rule(prim, invals, facts, **params):
         (x,) = invals
         if "reverse" in params:  # cumsum_p, cumprod_p: the op's running rule, the primitive's data
             fn = lambda d, axis=None: prim.bind(d, axis=axis, reverse=params["reverse"])  # noqa: E731
@@ -130,7 +132,7 @@ def _reductions(spec):
         if "index_dtype" in params:  # argmax_p, argmin_p
             out = spec.rule(x, axis=int(params["axes"][0]))
             return Pair(out.data.astype(params["index_dtype"]), out.mask)
-        out = spec.rule(x, axis=tuple(params["axes"]))
+        out = spec.rule(x, axis=tuple(params["axes"]), _facts=facts)
         dtype = params.get("out_dtype") or jnp.result_type(x.data)
         return Pair(out.data if spec.name in ("any", "all") else out.data.astype(dtype), out.mask)
 
@@ -156,7 +158,7 @@ def _derive(spec: OpSpec, removed: bool = False):
         OWNER[prim] = spec.name
 
 
-def _select_n(prim, invals, **params):
+def _select_n(prim, invals, facts, **params):
     """``select_n(pred, *cases)``: data and mask selected together (``where``'s rule)."""
     pred, *cases = invals
     shape = next((jnp.shape(c.data) for c in cases if np.ndim(c.data)), jnp.shape(pred.data))
@@ -165,22 +167,22 @@ def _select_n(prim, invals, **params):
         # picks it (a constant case takes the validity of the masked cases), with no select
         chosen = cases[int(pred.data)]
         mask = (
-            and_masks(*(c.mask for c in cases if not binary.is_constant(c)))
+            and_masks(*(c.mask for c in cases if not binary.is_constant(c)), facts=facts)
             if binary.is_constant(chosen)
             else chosen.mask
         )
         data = chosen.data if np.shape(chosen.data) == tuple(shape) else jnp.broadcast_to(chosen.data, shape)
         return Pair(data, mask)
     if len(cases) == 2:  # select_n(p, false_case, true_case) is where(p, true_case, false_case)
-        return binary.where(pred, cases[1], cases[0])
+        return binary.where(pred, cases[1], cases[0], _facts=facts)
     data = prim.bind(pred.data, *(jnp.broadcast_to(c.data, shape) for c in cases))
     # as in where: a constant case takes the validity of the masked cases it is combined with
-    masked_cases = and_masks(*(c.mask for c in cases if not binary.is_constant(c)))
+    masked_cases = and_masks(*(c.mask for c in cases if not binary.is_constant(c)), facts=facts)
     masks = [materialize(masked_cases if binary.is_constant(c) else c.mask, shape) for c in cases]
-    return Pair(data, and_masks(pred.mask, prim.bind(pred.data, *masks)))
+    return Pair(data, and_masks(pred.mask, prim.bind(pred.data, *masks), facts=facts))
 
 
-def _clamp(prim, invals, **params):
+def _clamp(prim, invals, facts, **params):
     lo, x, hi = invals
     return binary.clip(x, lo, hi)
 
@@ -190,7 +192,7 @@ STRUCTURAL.update({P.select_n_p: _select_n, P.clamp_p: _clamp})
 
 # -- running reductions without a masked_jax.numpy twin ------------------------------------------
 def _cumulative(identity):
-    def rule(prim, invals, axis, reverse):
+    def rule(prim, invals, facts, axis, reverse):
         (x,) = invals
         fn = lambda d, axis=None: prim.bind(d, axis=axis, reverse=reverse)  # noqa: E731
         return reductions.cumulative(fn, identity, prim.name)(x, axis=axis)
@@ -204,7 +206,7 @@ STRUCTURAL.update(
 
 
 # -- shape and indexing: the mask moves with the data ---------------------------------------------
-def _passthrough(prim, invals, **params):
+def _passthrough(prim, invals, facts, **params):
     """A shape op of one array operand (reshape, transpose, broadcast_in_dim, slice, rev, ...);
     further operands (dynamic sizes, start indices) must be unmasked and are passed to both."""
     x, *rest = invals
@@ -213,45 +215,45 @@ def _passthrough(prim, invals, **params):
     return shape.passthrough(lambda d: prim.bind(d, *extra, **params))(x)
 
 
-def compact_shape_op(prim, invals, **params):
+def compact_shape_op(prim, invals, facts, **params):
     """Shape primitives that keep a compact mask compact (see :func:`compact_shape`); the others,
     and a reshape that cannot keep it compact, materialise the mask."""
     x = invals[0]
     shape = jnp.shape(x.data)
-    m = ranked(x.mask, len(shape))
+    m = ranked(x.mask, len(shape), facts)
     if m is None or len(invals) > 1:
-        return _passthrough(prim, invals, **params)
-    new = compact_shape(prim, params, m, shape)
+        return _passthrough(prim, invals, facts, **params)
+    new = compact_shape(prim, params, m, shape, facts)
     if new is None:
-        return _passthrough(prim, invals, **params)
+        return _passthrough(prim, invals, facts, **params)
     data = prim.bind(x.data, **params)
-    k = _factors.known(x.data, x.mask, conditional=True)
+    k = facts.known(x.data, x.mask, conditional=True)
     if k is not None:  # the masked entries move with the mask: they hold what they held
-        _factors.record_value(data, new, k.value, k.exact, k.conditional)
+        facts.record_value(data, new, k.value, k.exact, k.conditional)
     return Pair(data, new)
 
 
-def compact_shape(prim, params, m, shape):
+def compact_shape(prim, params, m, shape, facts: Facts = NO_FACTS):
     """``m`` (compact, at the rank of data of ``shape``) as the compact array for the data after
     the shape primitive ``prim``, or ``None`` where it must be materialised: ``transpose`` and
     ``squeeze`` act on it as on the data, ``broadcast_in_dim`` broadcasts it only along the dims it
     already has, ``reshape`` keeps it compact where each group of merged or split dims is all 1 or
-    all full in it. Under ``maskify`` the result's factors are recorded (see
+    all full in it. With ``facts`` the result's factors are recorded (see
     :mod:`masked_jax.ops._factors`)."""
-    fs = _factors.factors(m) if _factors.active() else None
+    fs = facts.factors(m) if facts.active else None
     if prim is P.transpose_p:
-        return _factors.record(prim.bind(m, **params), fs and _factors.transposed(fs, params["permutation"]))
+        return facts.record(prim.bind(m, **params), fs and _factors.transposed(fs, params["permutation"]))
     if prim is P.squeeze_p:
-        return _factors.record(prim.bind(m, **params), fs and _factors.dropped(fs, params["dimensions"]))
+        return facts.record(prim.bind(m, **params), fs and _factors.dropped(fs, params["dimensions"]))
     if prim is P.broadcast_in_dim_p:
         out = [1] * len(params["shape"])
         for i, d in enumerate(params["broadcast_dimensions"]):
             out[d] = m.shape[i]
         new = jax.lax.broadcast_in_dim(m, tuple(out), params["broadcast_dimensions"])
-        return _factors.record(new, fs and _factors.broadcast(fs, len(out), params["broadcast_dimensions"]))
+        return facts.record(new, fs and _factors.broadcast(fs, len(out), params["broadcast_dimensions"]))
     if prim is P.reshape_p and params.get("dimensions") is None:
         new = _reshaped_compact(m, shape, tuple(params["new_sizes"]))
-        return new if new is None else _factors.record(new, fs and _factors.reshaped(fs, m.shape, new.shape))
+        return new if new is None else facts.record(new, fs and _factors.reshaped(fs, m.shape, new.shape))
     return None
 
 
@@ -293,11 +295,11 @@ def _require_valid(prim, operands, what="index"):
         raise NoMaskedRule(f"its {what} operands are masked (a masked {what} selects no defined element)")
 
 
-def _concatenate(prim, invals, dimension):
+def _concatenate(prim, invals, facts, dimension):
     return shape.concatenate(invals, axis=dimension)
 
 
-def _pad(prim, invals, padding_config):
+def _pad(prim, invals, facts, padding_config):
     x, value = invals
     data = prim.bind(x.data, value.data, padding_config=padding_config)
     if x.mask is None and value.mask is None:
@@ -307,7 +309,7 @@ def _pad(prim, invals, padding_config):
     return Pair(data, prim.bind(m, fill_valid, padding_config=padding_config))  # constant padding: valid
 
 
-def _gather(prim, invals, **params):
+def _gather(prim, invals, facts, **params):
     """Rows (slices) move with their mask; a masked index gives a masked slice that reads nothing
     (the gather turns into fill mode with an out-of-range start there, so no slice is read and no
     gradient goes anywhere, also for row-sparse gradients); out of range in fill mode: masked.
@@ -345,7 +347,7 @@ def _gather(prim, invals, **params):
     return Pair(data, and_masks(*masks))
 
 
-def _conv(prim, invals, **params):
+def _conv(prim, invals, facts, **params):
     """A convolution of a masked input with a plain kernel follows the unpadded reference: masked
     taps read as zeros, as the convolution's own padding, and an output is valid iff every tap it
     reads is valid, outside the array, or a masked tap the convolution's padding would cover in a
@@ -401,7 +403,7 @@ def _reduce_window(identity):
     """Pooling over the valid elements of each window (masked ones enter as the reduction's identity);
     a window with no valid element is masked."""
 
-    def rule(prim, invals, **params):
+    def rule(prim, invals, facts, **params):
         (x,) = invals
         m = materialize(x.mask, jnp.shape(x.data))
         data = prim.bind(fill(x.data, m, identity(jnp.result_type(x.data))), **params)
@@ -415,7 +417,7 @@ def window_count(mask, params):
     return P.reduce_window_sum_p.bind(mask.astype(jnp.int32), **params)
 
 
-def _same_value(prim, invals, **params):
+def _same_value(prim, invals, facts, **params):
     """Primitives that return their operands' values (barriers, placement): masks unchanged."""
     outs = prim.bind(*(p.data for p in invals), **params)
     if not prim.multiple_results:
@@ -423,13 +425,13 @@ def _same_value(prim, invals, **params):
     return [Pair(o, p.mask) for o, p in zip(outs, invals)]
 
 
-def _reduce_xor(prim, invals, axes, **params):
+def _reduce_xor(prim, invals, facts, axes, **params):
     (x,) = invals
     m = materialize(x.mask, jnp.shape(x.data))
     return Pair(prim.bind(fill(x.data, m, 0), axes=axes, **params), jnp.any(m, axis=tuple(axes)))
 
 
-def _dynamic_update_slice(prim, invals):
+def _dynamic_update_slice(prim, invals, facts):
     x, upd, *idx = invals
     _require_valid(prim, idx)
     data = prim.bind(x.data, upd.data, *(i.data for i in idx))
@@ -450,7 +452,7 @@ SCATTERS = {  # scatter primitive -> the identity of its combination (None: a pl
 }
 
 
-def _scatter(prim, invals, **params):
+def _scatter(prim, invals, facts, **params):
     return scatter(prim, params, invals)[0]
 
 
@@ -523,7 +525,7 @@ def _scatter_params(params):
     return {k: params[k] for k in ("dimension_numbers", "indices_are_sorted", "unique_indices", "mode")}
 
 
-def _sort(prim, invals, dimension, is_stable, num_keys):
+def _sort(prim, invals, facts, dimension, is_stable, num_keys):
     """Masked elements of the first key go last (as ``mnp.sort``); the other operands (argsort's
     iota) follow their keys, masks too."""
     if num_keys != 1:
@@ -536,7 +538,7 @@ def _sort(prim, invals, dimension, is_stable, num_keys):
     return [Pair(d, mk) for d, mk in zip(outs[1 : 1 + n], outs[1 + n :])]
 
 
-def _top_k(prim, invals, k, **params):
+def _top_k(prim, invals, facts, k, **params):
     (x,) = invals
     m = materialize(x.mask, jnp.shape(x.data))
     vals, idx = prim.bind(fill(x.data, m, lowest(jnp.result_type(x.data))), k=k, **params)
@@ -544,7 +546,7 @@ def _top_k(prim, invals, k, **params):
     return [Pair(vals, valid), Pair(idx, valid)]
 
 
-def _split(prim, invals, sizes, axis):
+def _split(prim, invals, facts, sizes, axis):
     (x,) = invals
     datas = prim.bind(x.data, sizes=sizes, axis=axis)
     if x.mask is None:
@@ -553,7 +555,7 @@ def _split(prim, invals, sizes, axis):
     return [Pair(d, mk) for d, mk in zip(datas, masks)]
 
 
-def _stack(prim, invals, axis):
+def _stack(prim, invals, facts, axis):
     return shape.stack(invals, axis=axis)
 
 
@@ -565,13 +567,13 @@ def staged_primitive(name, fn, *args):
     return eqns[0].primitive if len(eqns) == 1 and name in (None, eqns[0].primitive.name) else None
 
 
-def _debug(prim, invals, **params):
+def _debug(prim, invals, facts, **params):
     """Debug output (``jax.debug.print``, ``jax.debug.callback``) sees the stored data of masked
     operands, masked-out entries included: it only observes, and returns nothing."""
     return prim.bind(*(p.data for p in invals), **params)
 
 
-def _pure_callback(prim, invals, result_avals, **params):
+def _pure_callback(prim, invals, facts, result_avals, **params):
     """A host function is opaque: any of its outputs may depend on any input element. It is called
     on the stored data; its outputs are valid only where every element of every input is valid
     (all or nothing per call). Fill the inputs first to get valid outputs from partly masked ones."""

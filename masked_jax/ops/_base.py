@@ -26,6 +26,7 @@ import numpy as np
 
 from masked_jax._validate import dtype_kind
 from masked_jax.ops import _factors
+from masked_jax.ops._factors import NO_FACTS, Facts
 
 # a bool array that broadcasts to the data, or None: statically all valid (typed Any: jax's
 # arrays and tracers, numpy's bools and Python's all stand for one)
@@ -39,33 +40,42 @@ class Pair(NamedTuple):
     mask: Mask
 
 
-def and_masks(*masks: Mask) -> Mask:
-    """Logical and of masks, where ``None`` is the identity (all valid). Under ``maskify`` the
-    result is recorded as the and of the operands' factors (see :mod:`masked_jax.ops._factors`),
-    and an operand already at the result's shape whose factors are all of them is the result
-    (``x + f(x)`` keeps ``x``'s mask, with no ``and``)."""
+def and_masks(*masks: Mask, facts: Facts = NO_FACTS) -> Mask:
+    """Logical and of masks, where ``None`` is the identity (all valid). With ``facts`` (under
+    ``maskify``) the result is recorded as the and of the operands' factors (see
+    :mod:`masked_jax.ops._factors`), and an operand already at the result's shape whose factors are
+    all of them is the result (``x + f(x)`` keeps ``x``'s mask, with no ``and``)."""
     present = [m for m in masks if m is not None]
     if not present:
         return None
     if len(present) == 1:
         return present[0]
-    if not _factors.active():
+    if not facts.active:
         return functools.reduce(jnp.logical_and, present)
     shape = np.broadcast_shapes(*(np.shape(m) for m in present))
     fs = _factors.without_implied(
-        tuple(dict.fromkeys(f for m in present for f in _factors.aligned(_factors.factors(m), len(shape))))
+        tuple(dict.fromkeys(f for m in present for f in _factors.aligned(facts.factors(m), len(shape))))
     )
     for m in present:
-        own = _factors.without_implied(_factors.aligned(_factors.factors(m), len(shape)))
+        own = _factors.without_implied(_factors.aligned(facts.factors(m), len(shape)))
         if np.shape(m) == shape and set(own) == set(fs):
             return m
-    return _factors.record(functools.reduce(jnp.logical_and, present), fs)
+    return facts.record(functools.reduce(jnp.logical_and, present), fs)
 
 
-def fill(data, mask: Mask, value, *, finite: bool = False, conditional: bool | None = None, along=None):
+def fill(
+    data,
+    mask: Mask,
+    value,
+    *,
+    finite: bool = False,
+    conditional: bool | None = None,
+    along=None,
+    facts: Facts = NO_FACTS,
+):
     """``data`` with masked-out positions replaced by ``value`` (no-op if ``mask`` is None).
 
-    Under ``maskify`` the output is recorded as holding ``value`` there (see
+    With ``facts`` (under ``maskify``) the output is recorded as holding ``value`` there (see
     :mod:`masked_jax.ops._factors`), and data already recorded as holding exactly ``value`` there
     are returned as they are; with ``finite=True`` (a fill that only keeps derivatives finite, such
     as a dense layer's input: a masked row reaches masked outputs only) any recorded value is
@@ -76,14 +86,14 @@ def fill(data, mask: Mask, value, *, finite: bool = False, conditional: bool | N
     if mask is None:
         return data
     data = jnp.asarray(data)
-    if not _factors.active() or not isinstance(value, (bool, int, float, complex)):
+    if not facts.active or not isinstance(value, (bool, int, float, complex)):
         return jnp.where(mask, data, scalar_like(value, data.dtype))
-    k = _factors.known(data, mask, conditional=finite if conditional is None else conditional, along=along)
+    k = facts.known(data, mask, conditional=finite if conditional is None else conditional, along=along)
     if k is not None and ((k.exact and k.value == value) or finite):
         return data
-    return _factors.memo(
+    return facts.memo(
         ("fill", id(data), id(mask), value),
-        lambda: _factors.record_value(jnp.where(mask, data, scalar_like(value, data.dtype)), mask, value, True),
+        lambda: facts.record_value(jnp.where(mask, data, scalar_like(value, data.dtype)), mask, value, True),
         data,
         mask,
     )
@@ -131,17 +141,17 @@ def materialize(mask: Mask, shape) -> jnp.ndarray:
     return jnp.broadcast_to(mask, shape)
 
 
-def ranked(mask: Mask, ndim: int) -> Mask:
+def ranked(mask: Mask, ndim: int, facts: Facts = NO_FACTS) -> Mask:
     """``mask`` with leading 1s up to ``ndim`` dims (a compact mask keeps its sizes)."""
     if mask is None or jnp.ndim(mask) == ndim:
         return mask
     out = jnp.reshape(mask, (1,) * (ndim - jnp.ndim(mask)) + tuple(jnp.shape(mask)))
-    return _factors.record(out, _factors.aligned(_factors.factors(mask), ndim)) if _factors.active() else out
+    return facts.record(out, _factors.aligned(facts.factors(mask), ndim)) if facts.active else out
 
 
-def compact_or_ones(mask: Mask, shape) -> jnp.ndarray:
+def compact_or_ones(mask: Mask, shape, facts: Facts = NO_FACTS) -> jnp.ndarray:
     """``mask`` at the data's rank, kept compact; ``None`` (all valid) as a (1, ..., 1) True."""
-    return jnp.ones((1,) * len(shape), bool) if mask is None else ranked(mask, len(shape))
+    return jnp.ones((1,) * len(shape), bool) if mask is None else ranked(mask, len(shape), facts)
 
 
 def uniform_along(mask, axes) -> bool:
@@ -150,7 +160,7 @@ def uniform_along(mask, axes) -> bool:
     return all(mask.shape[a] == 1 for a in axes)
 
 
-def any_valid(mask, shape, axes, keepdims=False):
+def any_valid(mask, shape, axes, keepdims=False, facts: Facts = NO_FACTS):
     """Validity of a reduction over ``axes`` of data of ``shape``: whether each slice has a valid
     element, at the compact shape of the kept axes (``mask`` is compact, of the data's rank). A
     zero-size slice has none."""
@@ -161,25 +171,25 @@ def any_valid(mask, shape, axes, keepdims=False):
     if uniform_along(mask, axes):  # nothing to reduce
         out = mask
     else:
-        out = _factors.memo(
+        out = facts.memo(
             ("any", id(mask), axes),
-            lambda: _factors.record(_any_of_factors(mask, axes), _factors.any_along(_factors.factors(mask), axes)),
+            lambda: facts.record(_any_of_factors(mask, axes, facts), _factors.any_along(facts.factors(mask), axes)),
             mask,
         )
     if keepdims:
         return out
     squeezed = jnp.squeeze(out, axis=axes)
-    if _factors.active():
-        _factors.record(squeezed, _factors.dropped(_factors.factors(out), axes))
+    if facts.active:
+        facts.record(squeezed, _factors.dropped(facts.factors(out), axes))
     return squeezed
 
 
-def _any_of_factors(mask, axes):
+def _any_of_factors(mask, axes, facts: Facts):
     """``jnp.any(mask, axes, keepdims=True)``; under ``maskify``, for a mask recorded as the ``and``
     of factors, the factors constant along ``axes`` are kept and only the ``and`` of those that
-    vary is reduced (see :func:`masked_jax.ops._factors.parts`): no array at the mask's full
+    vary is reduced (see :meth:`masked_jax.ops._factors.Facts.parts`): no array at the mask's full
     shape is built for the reduction."""
-    parts = _factors.parts(mask, np.ndim(mask))
+    parts = facts.parts(mask, np.ndim(mask))
     if parts is None:
         return jnp.any(mask, axis=axes, keepdims=True)
     varying = [p for f, p in parts if any(f.axes[a] is not None for a in axes)]

@@ -11,7 +11,10 @@ the same root and the same axis map hold the same values, whatever arrays carry 
 
 The factor records are static (Python objects beside the traced masks, nothing is computed), sound by
 construction (a mask nobody recorded is its own one factor; an operation the helpers cannot follow
-records nothing) and kept for one ``maskify`` call only. The contraction rule reads them: when the
+records nothing) and kept for one ``maskify`` call only, in a :class:`Facts` object that the
+interpreter creates and hands to every rule and helper that reads or writes them, as an argument
+(``facts=``, ``_facts=`` on the registered rules). :data:`NO_FACTS` (the default, and what
+``masked_jax.numpy`` passes) records and knows nothing. The contraction rule reads them: when the
 factors of both operands' masks that vary along the contracted axes are the same, a valid ``inf``
 can never meet a masked entry, so the zero-filled contraction is exact with no run-time test.
 """
@@ -19,14 +22,11 @@ can never meet a masked entry, so the zero-filled contraction is exact with no r
 from __future__ import annotations
 
 import contextlib
-import threading
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-_state = threading.local()
 
 
 class Factor(NamedTuple):
@@ -35,49 +35,6 @@ class Factor(NamedTuple):
 
     root: Any  # id of the root array (which the records keep alive), or a derived key
     axes: tuple[int | None, ...]
-
-
-@contextlib.contextmanager
-def recording():
-    """Record factorisations for the duration of the block (nested blocks share one record)."""
-    depth = getattr(_state, "depth", 0)
-    if depth == 0:
-        _state.records = {}
-    _state.depth = depth + 1
-    try:
-        yield
-    finally:
-        _state.depth = depth
-        if depth == 0:
-            _state.records = None
-
-
-def _records():
-    return getattr(_state, "records", None)
-
-
-def factors(m) -> tuple[Factor, ...]:
-    """The factors of mask ``m``: its record, or ``m`` itself as its one root."""
-    records = _records()
-    key = id(m)
-    if records is not None and key in records:
-        return records[key][1]
-    own = (Factor(key, tuple(i if s != 1 else None for i, s in enumerate(np.shape(m)))),)
-    if records is not None:
-        records[key] = (m, own)  # keeps ``m`` alive: its id names it for the whole call
-    return own
-
-
-def record(m, fs):
-    """``m``, recorded as the ``and`` of the factors ``fs`` (``None``: record nothing)."""
-    records = _records()
-    if records is not None and m is not None and fs is not None:
-        records[id(m)] = (m, tuple(dict.fromkeys(fs)))
-    return m
-
-
-def active() -> bool:
-    return _records() is not None
 
 
 def aligned(fs, ndim):
@@ -139,34 +96,6 @@ def any_along(fs, axes):
     reduced = tuple(sorted(v.axes[a] for a in axes if v.axes[a] is not None))
     g = Factor(("any", v.root, reduced), tuple(None if i in axes else a for i, a in enumerate(v.axes)))
     return tuple(f for f in fs if f is not v) + (g,)
-
-
-def parts(m, ndim):
-    """The arrays of ``m``'s factors at rank ``ndim`` (each broadcastable to ``m``, their ``and``
-    is ``m``), or ``None`` when ``m`` has one factor or a factor has no array (a derived root).
-    A reduction of ``m`` then reduces only the factors that vary along its axes: ``any`` of a
-    (B, Lq, Lk) mask built from a (B, Lq, 1) and a (B, 1, Lk) factor, along Lk, is the first
-    times ``any`` of the second, with no (B, Lq, Lk) array."""
-    records = _records()
-    if records is None:
-        return None
-    fs = aligned(factors(m), ndim)
-    if len(fs) < 2:
-        return None
-    out = []
-    for f in fs:
-        entry = records.get(f.root) if not isinstance(f.root, tuple) else None
-        if entry is None:
-            return None
-        root = entry[0]
-        shown = [a for a in f.axes if a is not None]
-        varying = [i for i, n in enumerate(np.shape(root)) if n != 1]
-        if sorted(shown) != varying:  # not a root seen through moves of its axes: nothing to rebuild
-            return None
-        squeezed = jnp.reshape(root, [np.shape(root)[i] for i in varying])
-        moved = jnp.transpose(squeezed, [varying.index(a) for a in shown])
-        out.append(jnp.reshape(moved, [1 if a is None else np.shape(root)[a] for a in f.axes]))
-    return tuple(zip(fs, out))
 
 
 def implies(f, g) -> bool:
@@ -235,80 +164,146 @@ class Known(NamedTuple):
     along: tuple | None = None
 
 
-def _value_records():
-    records = _records()
-    if records is None:
-        return None
-    return records.setdefault("values", {})
-
-
-def _mask_key(mask, ndim):
-    return frozenset(aligned(factors(mask), ndim))
-
-
-def known(data, mask, conditional=False, along=None) -> Known | None:
-    """The recorded value of ``data`` wherever ``mask`` is False, if one is known: a record made
-    under a mask with the same or more factors (more factors: more positions) covers it. A
-    conditional record (see :class:`Known`) only where ``conditional`` asks for it, a record
-    ``along`` some axes only for a contraction ``along`` the same axes."""
-    values = _value_records()
-    if values is None or mask is None or id(data) not in values:
-        return None
-    k = values[id(data)][1]
-    if (k.conditional and not conditional) or (k.along is not None and k.along != _axes(along)):
-        return None
-    return k if _mask_key(mask, np.ndim(data)) <= k.factors else None
-
-
-def holds_zero(data, mask, conditional=False, along=None) -> bool:
-    """Whether ``data`` are recorded as holding exactly 0 wherever ``mask`` is False."""
-    k = known(data, mask, conditional, along)
-    return k is not None and k.exact and k.value == 0
-
-
 def _axes(along):
     return None if along is None else tuple(sorted(along))
 
 
-def record_value(data, mask, value, exact, conditional=False, along=None):
-    """Record that ``data`` hold ``value`` wherever ``mask`` is False (``conditional``: when the
-    plain operands they were computed with are finite). Only finite values are recorded (``None``,
-    inf or NaN: nothing), so a record always means finite data there."""
-    values = _value_records()
-    if values is not None and mask is not None and value is not None and bool(np.isfinite(value)):
-        values[id(data)] = (data, Known(_mask_key(mask, np.ndim(data)), value, exact, conditional, _axes(along)))
-    return data
+class Facts:
+    """The static facts of one ``maskify`` call: the recorded factorisation of each mask met, the
+    values recorded under masks (:class:`Known`), and a memo of fills and reductions already
+    computed in the trace being built. Keyed by the ids of the traced arrays, which it keeps
+    alive. The interpreter makes one per call and passes it to the rules; nothing is global."""
+
+    active = True
+
+    def __init__(self):
+        self._masks: dict = {}  # id(mask) -> (mask, factors)
+        self._values: dict = {}  # id(data) -> (data, Known)
+        self._memo: dict = {}  # key -> (result, kept objects)
+
+    # -- masks ---------------------------------------------------------------------------------
+    def factors(self, m) -> tuple[Factor, ...]:
+        """The factors of mask ``m``: its record, or ``m`` itself as its one root."""
+        key = id(m)
+        if key in self._masks:
+            return self._masks[key][1]
+        own = (Factor(key, tuple(i if s != 1 else None for i, s in enumerate(np.shape(m)))),)
+        self._masks[key] = (m, own)  # keeps ``m`` alive: its id names it for the whole call
+        return own
+
+    def record(self, m, fs):
+        """``m``, recorded as the ``and`` of the factors ``fs`` (``None``: record nothing)."""
+        if m is not None and fs is not None:
+            self._masks[id(m)] = (m, tuple(dict.fromkeys(fs)))
+        return m
+
+    def parts(self, m, ndim):
+        """The arrays of ``m``'s factors at rank ``ndim`` (each broadcastable to ``m``, their ``and``
+        is ``m``), or ``None`` when ``m`` has one factor or a factor has no array (a derived root).
+        A reduction of ``m`` then reduces only the factors that vary along its axes: ``any`` of a
+        (B, Lq, Lk) mask built from a (B, Lq, 1) and a (B, 1, Lk) factor, along Lk, is the first
+        times ``any`` of the second, with no (B, Lq, Lk) array."""
+        fs = aligned(self.factors(m), ndim)
+        if len(fs) < 2:
+            return None
+        out = []
+        for f in fs:
+            entry = self._masks.get(f.root) if not isinstance(f.root, tuple) else None
+            if entry is None:
+                return None
+            root = entry[0]
+            shown = [a for a in f.axes if a is not None]
+            varying = [i for i, n in enumerate(np.shape(root)) if n != 1]
+            if sorted(shown) != varying:  # not a root seen through moves of its axes: nothing to rebuild
+                return None
+            squeezed = jnp.reshape(root, [np.shape(root)[i] for i in varying])
+            moved = jnp.transpose(squeezed, [varying.index(a) for a in shown])
+            out.append(jnp.reshape(moved, [1 if a is None else np.shape(root)[a] for a in f.axes]))
+        return tuple(zip(fs, out))
+
+    # -- values under masks ------------------------------------------------------------------------
+    def _mask_key(self, mask, ndim):
+        return frozenset(aligned(self.factors(mask), ndim))
+
+    def known(self, data, mask, conditional=False, along=None) -> Known | None:
+        """The recorded value of ``data`` wherever ``mask`` is False, if one is known: a record made
+        under a mask with the same or more factors (more factors: more positions) covers it. A
+        conditional record (see :class:`Known`) only where ``conditional`` asks for it, a record
+        ``along`` some axes only for a contraction ``along`` the same axes."""
+        if mask is None or id(data) not in self._values:
+            return None
+        k = self._values[id(data)][1]
+        if (k.conditional and not conditional) or (k.along is not None and k.along != _axes(along)):
+            return None
+        return k if self._mask_key(mask, np.ndim(data)) <= k.factors else None
+
+    def holds_zero(self, data, mask, conditional=False, along=None) -> bool:
+        """Whether ``data`` are recorded as holding exactly 0 wherever ``mask`` is False."""
+        k = self.known(data, mask, conditional, along)
+        return k is not None and k.exact and k.value == 0
+
+    def record_value(self, data, mask, value, exact, conditional=False, along=None):
+        """Record that ``data`` hold ``value`` wherever ``mask`` is False (``conditional``: when the
+        plain operands they were computed with are finite). Only finite values are recorded
+        (``None``, inf or NaN: nothing), so a record always means finite data there."""
+        if mask is not None and value is not None and bool(np.isfinite(value)):
+            self._values[id(data)] = (
+                data,
+                Known(self._mask_key(mask, np.ndim(data)), value, exact, conditional, _axes(along)),
+            )
+        return data
+
+    # -- traces --------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def new_trace(self):
+        """A block traced apart (a ``scan`` or ``while`` body, a ``cond`` branch): results computed
+        inside belong to its trace, so the memo of :meth:`memo` starts empty there and the outer
+        one is restored after (records of masks and values stay: they only read arrays)."""
+        outer, self._memo = self._memo, {}
+        try:
+            yield
+        finally:
+            self._memo = outer
+
+    def memo(self, key, make, *keep):
+        """``make()``, computed once per ``key`` (the same fill of the same data under the same mask,
+        asked for by two rules, is one fill); ``keep`` are the objects whose ids the key holds,
+        kept alive with the result."""
+        if key not in self._memo:
+            self._memo[key] = (make(), keep)
+        return self._memo[key][0]
 
 
-@contextlib.contextmanager
-def new_trace():
-    """A block traced apart (a ``scan`` or ``while`` body, a ``cond`` branch): results computed
-    inside belong to its trace, so the memo of :func:`memo` starts empty there and the outer one
-    is restored after (records of masks and values stay: they only read arrays)."""
-    records = _records()
-    if records is None:
+class _NoFacts(Facts):
+    """No records: every mask is its own one factor, nothing is known under a mask, nothing is
+    memoised (``masked_jax.numpy``, and any rule called without facts)."""
+
+    active = False
+
+    def factors(self, m):
+        return (Factor(id(m), tuple(i if s != 1 else None for i, s in enumerate(np.shape(m)))),)
+
+    def record(self, m, fs):
+        return m
+
+    def parts(self, m, ndim):
+        return None
+
+    def known(self, data, mask, conditional=False, along=None):
+        return None
+
+    def record_value(self, data, mask, value, exact, conditional=False, along=None):
+        return data
+
+    @contextlib.contextmanager
+    def new_trace(self):
         yield
-        return
-    outer = records.pop("memo", None)
-    try:
-        yield
-    finally:
-        records.pop("memo", None)
-        if outer is not None:
-            records["memo"] = outer
 
-
-def memo(key, make, *keep):
-    """``make()``, computed once per ``key`` while recording (the same fill of the same data under
-    the same mask, asked for by two rules, is one fill); ``keep`` are the objects whose ids the
-    key holds, kept alive with the result."""
-    records = _records()
-    if records is None:
+    def memo(self, key, make, *keep):
         return make()
-    table = records.setdefault("memo", {})
-    if key not in table:
-        table[key] = (make(), keep)
-    return table[key][0]
+
+
+NO_FACTS: Facts = _NoFacts()
 
 
 _SAFE_CACHE: dict = {}

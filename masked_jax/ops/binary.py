@@ -14,6 +14,7 @@ from jax import lax
 from masked_jax._validate import is_tracer
 from masked_jax.ops import _factors
 from masked_jax.ops._base import Pair, and_masks, fill
+from masked_jax.ops._factors import NO_FACTS, Facts
 from masked_jax.ops._registry import MASKIFY_ONLY, OpSpec, register, signature_of
 
 _POS = inspect.Parameter.POSITIONAL_ONLY
@@ -39,20 +40,21 @@ def nary(fn, safe=1, preserves=()):
     to the result.
     """
 
-    def rule(*operands: Pair, **kwargs) -> Any:  # a Pair (a tuple of them for divmod)
+    def rule(*operands: Pair, _facts: Facts = NO_FACTS, **kwargs) -> Any:  # a Pair (a tuple of them for divmod)
         check_broadcast(getattr(fn, "__name__", "operation"), operands)
-        mask = and_masks(*(o.mask for o in operands))
+        facts = _facts
+        mask = and_masks(*(o.mask for o in operands), facts=facts)
         if mask is None:
             return _result(fn(*(o.data for o in operands), **kwargs), None)
-        if not _factors.active():
+        if not facts.active:
             datas = [o.data for o in operands] if safe is None else [fill(o.data, mask, safe) for o in operands]
             return _result(fn(*datas, **kwargs), mask)
         # under maskify: what each operand holds where the result is masked (a recorded value, or
         # a 0-d constant's); those at which fn and its derivatives are finite are not filled
         f = fn if not kwargs else (lambda *d: fn(*d, **kwargs))
         dtypes = tuple(jnp.result_type(o.data) for o in operands)
-        held = [_held(o, mask) for o in operands]
-        conditional = _conditional(operands, held, mask, preserves)
+        held = [_held(o, mask, facts) for o in operands]
+        conditional = _conditional(operands, held, mask, preserves, facts)
         if conditional is not None:
             held[conditional[0]] = conditional[1]
         if safe is None:
@@ -60,15 +62,17 @@ def nary(fn, safe=1, preserves=()):
         else:
             values = [safe if v is None else v for v in held]
             if all(v is None for v in held) or _factors.evaluate(f, tuple(values), dtypes)[1]:
-                datas = [o.data if v is not None else fill(o.data, mask, safe) for o, v in zip(operands, held)]
+                datas = [
+                    o.data if v is not None else fill(o.data, mask, safe, facts=facts) for o, v in zip(operands, held)
+                ]
             else:
-                datas, values = [fill(o.data, mask, safe) for o in operands], [safe] * len(operands)
+                datas, values = [fill(o.data, mask, safe, facts=facts) for o in operands], [safe] * len(operands)
         out = fn(*datas, **kwargs)
         if isinstance(out, tuple):
             return _result(out, mask)
         if all(v is not None for v in values):
             at_safe = safe is not None and all(v == safe for v in values)
-            _factors.record_value(
+            facts.record_value(
                 out,
                 mask,
                 _factors.evaluate(f, tuple(values), dtypes, not at_safe)[0],
@@ -87,18 +91,18 @@ def _result(out, mask):
     return tuple(Pair(o, mask) for o in out) if isinstance(out, tuple) else Pair(out, mask)
 
 
-def _held(p: Pair, mask):
+def _held(p: Pair, mask, facts: Facts):
     """What ``p`` holds wherever ``mask`` (the result's) is False, if known: a 0-d constant's value,
     or a value recorded for a masked operand under the same or a larger masked set."""
     if p.mask is None:
         if np.ndim(p.data) == 0 and _finite_constant(p):
             return np.asarray(p.data).item()
         return None
-    k = _factors.known(p.data, mask)
+    k = facts.known(p.data, mask)
     return None if k is None else k.value
 
 
-def _conditional(operands, held, mask, preserves):
+def _conditional(operands, held, mask, preserves, facts: Facts):
     """``(i, value)`` when operand ``i`` is the one masked operand, in a position ``fn`` preserves,
     holding ``value`` by a conditional record, and every other operand is a finite 0-d constant."""
     masked = [i for i, o in enumerate(operands) if o.mask is not None]
@@ -109,7 +113,7 @@ def _conditional(operands, held, mask, preserves):
         or any(v is None for i, v in enumerate(held) if i != masked[0])
     ):
         return None
-    k = _factors.known(operands[masked[0]].data, mask, conditional=True)
+    k = facts.known(operands[masked[0]].data, mask, conditional=True)
     return None if k is None else (masked[0], k.value)
 
 
@@ -141,7 +145,7 @@ def is_constant(p: Pair) -> bool:
     return p.mask is None and np.ndim(p.data) == 0
 
 
-def where(condition: Pair, x: Pair, y: Pair) -> Pair:
+def where(condition: Pair, x: Pair, y: Pair, _facts: Facts = NO_FACTS) -> Pair:
     """Select data *and* mask: valid where ``condition`` and the chosen operand are valid.
 
     A constant never makes a masked position valid: a 0-d plain operand (a Python scalar, a
@@ -155,11 +159,11 @@ def where(condition: Pair, x: Pair, y: Pair) -> Pair:
     data = jnp.where(cond, x.data, y.data)
     if x.mask is None and y.mask is None:
         return Pair(data, condition.mask)
-    xm = and_masks(condition.mask, y.mask) if is_constant(x) else x.mask
-    ym = and_masks(condition.mask, x.mask) if is_constant(y) else y.mask
+    xm = and_masks(condition.mask, y.mask, facts=_facts) if is_constant(x) else x.mask
+    ym = and_masks(condition.mask, x.mask, facts=_facts) if is_constant(y) else y.mask
     xm = True if xm is None else xm
     ym = True if ym is None else ym
-    return Pair(data, and_masks(condition.mask, jnp.where(cond, xm, ym)))
+    return Pair(data, and_masks(condition.mask, jnp.where(cond, xm, ym), facts=_facts))
 
 
 def clip(x: Pair, min: Pair | None = None, max: Pair | None = None) -> Pair:  # noqa: A002

@@ -13,6 +13,7 @@ from jax import lax
 
 from masked_jax.ops import _factors
 from masked_jax.ops._base import Pair, fill, ranked
+from masked_jax.ops._factors import NO_FACTS, Facts
 from masked_jax.ops._registry import MASKIFY_ONLY, OpSpec, register, signature_of
 
 _X = inspect.Signature([inspect.Parameter("x", inspect.Parameter.POSITIONAL_ONLY)])
@@ -26,8 +27,9 @@ def unary(fn, safe=1):
     ``safe=None`` marks a linear ``fn`` that needs no sanitising.
     """
 
-    def rule(x: Pair, *args, **kwargs) -> Any:  # a Pair (a tuple of them for modf, frexp)
-        if x.mask is None or not _factors.active():
+    def rule(x: Pair, *args, _facts: Facts = NO_FACTS, **kwargs) -> Any:  # a Pair (a tuple: modf, frexp)
+        facts = _facts
+        if x.mask is None or not facts.active:
             data = x.data if safe is None else fill(x.data, x.mask, safe)
             out = fn(data, *args, **kwargs)
             if isinstance(out, tuple):  # modf, frexp: each part valid where x is
@@ -37,11 +39,11 @@ def unary(fn, safe=1):
         # (recorded where the mask is False) need no fill; the output's value there is recorded
         f = _with_args(fn, args, kwargs)
         dtype = jnp.result_type(x.data)
-        k = _factors.known(x.data, x.mask)
+        k = facts.known(x.data, x.mask)
         if safe is None or (k is not None and _factors.evaluate(f, (k.value,), (dtype,))[1]):
             data, value = x.data, None if k is None else k.value
         else:
-            data, value = fill(x.data, x.mask, safe), safe
+            data, value = fill(x.data, x.mask, safe, facts=facts), safe
         out = fn(data, *args, **kwargs)
         if isinstance(out, tuple):
             return tuple(Pair(o, x.mask) for o in out)
@@ -49,7 +51,7 @@ def unary(fn, safe=1):
             return Pair(out, _width_mask(x, out))
         if value is not None:
             at_safe = safe is not None and value == safe
-            _factors.record_value(out, x.mask, _factors.evaluate(f, (value,), (dtype,), not at_safe)[0], False)
+            facts.record_value(out, x.mask, _factors.evaluate(f, (value,), (dtype,), not at_safe)[0], False)
         return Pair(out, x.mask)
 
     rule.__name__ = getattr(fn, "__name__", "unary")

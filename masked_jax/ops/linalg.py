@@ -30,6 +30,7 @@ import numpy as np
 from masked_jax._validate import is_tracer
 from masked_jax.ops import _factors
 from masked_jax.ops._base import Pair, and_masks, any_valid, fill, ranked, uniform_along
+from masked_jax.ops._factors import NO_FACTS, Facts
 from masked_jax.ops._registry import OpSpec, register, signature_of
 
 
@@ -109,7 +110,7 @@ def _exact_value_jvp(fn, primals, tangents):
     return _exact_value(fn, *primals), tangents[0]
 
 
-def dot_general(bind, a: Pair, b: Pair, dimension_numbers) -> Pair:
+def dot_general(bind, a: Pair, b: Pair, dimension_numbers, facts: Facts = NO_FACTS) -> Pair:
     """``lax.dot_general`` over jointly valid terms, with compact masks.
 
     ``bind(a, b)`` contracts data (the primitive with its parameters). Where the masks allow, the
@@ -124,12 +125,12 @@ def dot_general(bind, a: Pair, b: Pair, dimension_numbers) -> Pair:
     """
     (lc, rc), (lb, rb) = dimension_numbers
     nda, ndb = jnp.ndim(a.data), jnp.ndim(b.data)
-    ma, mb = ranked(a.mask, nda), ranked(b.mask, ndb)
+    ma, mb = ranked(a.mask, nda, facts), ranked(b.mask, ndb, facts)
     if ma is None and mb is None:
         return Pair(bind(a.data, b.data), None)
     const_a = ma is None or uniform_along(ma, lc)
     const_b = mb is None or uniform_along(mb, rc)
-    if not (const_a and const_b or _same_along_contraction(ma, mb, nda, ndb, lc, rc, lb, rb)):
+    if not (const_a and const_b or _same_along_contraction(ma, mb, nda, ndb, lc, rc, lb, rb, facts)):
         # a masked term may meet a valid inf: the data by the general rule
         data = _contract_data(bind, [a, b])
         return Pair(data, _compact_mask_contraction(ma, mb, jnp.shape(a.data), jnp.shape(b.data), lc, rc, lb, rb))
@@ -141,14 +142,14 @@ def dot_general(bind, a: Pair, b: Pair, dimension_numbers) -> Pair:
         free), 1 on the other operand's free dims."""
         if m is None:
             return None
-        r = any_valid(m, shape, tuple(contract), keepdims=True)
+        r = any_valid(m, shape, tuple(contract), keepdims=True, facts=facts)
         perm = list(batch) + list(free) + list(contract)
         t = jnp.transpose(r, perm)
         out = jnp.reshape(
             t, t.shape[: len(batch)] + (1,) * before + t.shape[len(batch) : len(batch) + len(free)] + (1,) * after
         )
-        if _factors.active():
-            _factors.record(out, _factors.reshaped(_factors.transposed(_factors.factors(r), perm), t.shape, out.shape))
+        if facts.active:
+            facts.record(out, _factors.reshaped(_factors.transposed(facts.factors(r), perm), t.shape, out.shape))
         return out
 
     out_a = side(ma, lc, lb, free_a, 0, len(free_b), jnp.shape(a.data))
@@ -156,28 +157,28 @@ def dot_general(bind, a: Pair, b: Pair, dimension_numbers) -> Pair:
     if const_a and const_b:
         # a masked term meets masked outputs only: the fill keeps the weight gradient's sum finite,
         # so data already holding finite values where masked need none
-        fa, fb = fill(a.data, ma, 0, finite=True), fill(b.data, mb, 0, finite=True)
+        fa, fb = fill(a.data, ma, 0, finite=True, facts=facts), fill(b.data, mb, 0, finite=True, facts=facts)
     else:
         # masked terms meet valid outputs: one side must hold exactly 0 there (one that already
         # does, else the smaller one is filled), the other finite values (not conditionally)
-        zero_b = _factors.holds_zero(b.data, mb, along=rc) or (
-            not _factors.holds_zero(a.data, ma, along=lc) and np.size(b.data) <= np.size(a.data)
+        zero_b = facts.holds_zero(b.data, mb, along=rc) or (
+            not facts.holds_zero(a.data, ma, along=lc) and np.size(b.data) <= np.size(a.data)
         )
-        fa = fill(a.data, ma, 0, finite=zero_b, conditional=False, along=lc)
-        fb = fill(b.data, mb, 0, finite=not zero_b, conditional=False, along=rc)
-        fa, fb = _materialized(fa, a.data), _materialized(fb, b.data)
-    out = Pair(bind(fa, fb), and_masks(out_a, out_b))
-    if _factors.active() and const_a and const_b and not lb and (ma is None) != (mb is None):
+        fa = fill(a.data, ma, 0, finite=zero_b, conditional=False, along=lc, facts=facts)
+        fb = fill(b.data, mb, 0, finite=not zero_b, conditional=False, along=rc, facts=facts)
+        fa, fb = _materialized(fa, a.data, facts), _materialized(fb, b.data, facts)
+    out = Pair(bind(fa, fb), and_masks(out_a, out_b, facts=facts))
+    if facts.active and const_a and const_b and not lb and (ma is None) != (mb is None):
         # a dense layer with no bias, on rows that hold 0 where masked: 0 there while the plain
         # operand (no batch dims: every row meets all of it) is finite; a conditional record
         # (see masked_jax.ops._factors.Known)
         x, m = (fa, ma) if mb is None else (fb, mb)
-        if _factors.holds_zero(x, m, conditional=True):
-            _factors.record_value(out.data, out.mask, 0, True, conditional=True)
+        if facts.holds_zero(x, m, conditional=True):
+            facts.record_value(out.data, out.mask, 0, True, conditional=True)
     return out
 
 
-def _materialized(filled, data):
+def _materialized(filled, data, facts: Facts):
     """``filled`` (a fill of ``data``) behind an optimisation barrier when traced, so that XLA
     keeps it as one buffer.
 
@@ -191,16 +192,16 @@ def _materialized(filled, data):
     """
     if filled is data or not is_tracer(filled):
         return filled
-    return _factors.memo(("materialized", id(filled)), lambda: jax.lax.optimization_barrier(filled), filled)
+    return facts.memo(("materialized", id(filled)), lambda: jax.lax.optimization_barrier(filled), filled)
 
 
-def _same_along_contraction(ma, mb, nda, ndb, lc, rc, lb, rb):
+def _same_along_contraction(ma, mb, nda, ndb, lc, rc, lb, rb, facts: Facts):
     """Whether both masks are known (statically, by their recorded factors) to be the same along
     the contracted dims, and to vary there with the batch dims only: attention's weights (the
     keys' mask along the keys) times the values (the same keys' mask). Then, for every output whose
     slices are valid, a term is valid on both sides or on neither, as when no mask varies along
     the contracted dims: zero-filling is exact and the output mask comes from the masks alone."""
-    if ma is None or mb is None or not _factors.active():
+    if ma is None or mb is None or not facts.active:
         return False
 
     def roles(nd, contract, batch):
@@ -211,7 +212,7 @@ def _same_along_contraction(ma, mb, nda, ndb, lc, rc, lb, rb):
             out[d] = ("b", t)
         return out
 
-    return _factors.same_along(_factors.factors(ma), _factors.factors(mb), roles(nda, lc, lb), roles(ndb, rc, rb))
+    return _factors.same_along(facts.factors(ma), facts.factors(mb), roles(nda, lc, lb), roles(ndb, rc, rb))
 
 
 def _compact_mask_contraction(ma, mb, shape_a, shape_b, lc, rc, lb, rb):

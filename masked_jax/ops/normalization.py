@@ -9,8 +9,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from masked_jax.ops import _factors, reductions
+from masked_jax.ops import reductions
 from masked_jax.ops._base import Pair, any_valid, fill, materialize, ranked
+from masked_jax.ops._factors import Facts
 from masked_jax.ops._registry import OpSpec, register, rule_signature, signature_of
 from masked_jax.ops.statistics import _seg_norm, norm
 
@@ -37,7 +38,7 @@ def softmax(x: Pair, axis=-1) -> Pair:
     return Pair(e / jnp.where(has, total, 1), x.mask)  # the input's mask, compact (or None)
 
 
-def compact_softmax(x: Pair, axes) -> Pair:
+def compact_softmax(x: Pair, axes, facts: Facts) -> Pair:
     """``jax.nn.softmax`` along ``axes`` over the valid elements, for ``maskify``: the masked entries
     enter as ``-inf``, so their exponentials are exactly 0 and nothing else is filled (one select at
     the data's shape; the mask stays compact). A slice with no valid element is shifted by 0 and
@@ -45,30 +46,30 @@ def compact_softmax(x: Pair, axes) -> Pair:
     whose valid maximum is NaN, or ``-inf`` (every valid element ``-inf``), where every valid value
     of the slice is NaN too, as in jax: a record ``along`` the axes, which only a contraction along
     them reads (attention's weights times values)."""
-    shifted, has = _minus_inf_shifted(x, axes)
+    shifted, has = _minus_inf_shifted(x, axes, facts)
     e = jnp.exp(shifted)
     out = e / jnp.where(has, jnp.sum(e, axis=axes, keepdims=True), 1)
-    return Pair(_factors.record_value(out, x.mask, 0, True, along=axes), x.mask)
+    return Pair(facts.record_value(out, x.mask, 0, True, along=axes), x.mask)
 
 
-def compact_log_softmax(x: Pair, axes) -> Pair:
+def compact_log_softmax(x: Pair, axes, facts: Facts) -> Pair:
     """``jax.nn.log_softmax`` along ``axes`` over the valid elements, for ``maskify``, as
     :func:`compact_softmax`: one select (the masked entries enter as ``-inf``, so their exponentials
     are exactly 0). The data under the mask are ``-inf`` (NaN in a slice with no valid element):
     not recorded, so any op that reads them fills them first."""
-    shifted, _ = _minus_inf_shifted(x, axes)
+    shifted, _ = _minus_inf_shifted(x, axes, facts)
     total = jnp.sum(jnp.exp(shifted), axis=axes, keepdims=True)
     return Pair(shifted - jnp.log(total), x.mask)
 
 
-def _minus_inf_shifted(x: Pair, axes):
+def _minus_inf_shifted(x: Pair, axes, facts: Facts):
     """``(x - max(x), has)`` along ``axes`` with the masked entries at ``-inf``: shifted by the valid
     maximum (a stopped gradient, as ``jax.nn.softmax``), by 0 in a slice with no valid element
     (``has`` False, at the compact mask's shape)."""
     data = jnp.asarray(x.data)
-    m = ranked(x.mask, data.ndim)
+    m = ranked(x.mask, data.ndim, facts)
     entered = jnp.where(m, data, -jnp.inf)
-    has = any_valid(m, data.shape, axes, keepdims=True)
+    has = any_valid(m, data.shape, axes, keepdims=True, facts=facts)
     top = jnp.where(has, jnp.max(entered, axis=axes, keepdims=True, initial=-jnp.inf), 0)
     return entered - jax.lax.stop_gradient(top), has
 

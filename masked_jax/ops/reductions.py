@@ -24,7 +24,6 @@ import jax.extend.core.primitives as P
 import jax.numpy as jnp
 import numpy as np
 
-from masked_jax.ops import _factors
 from masked_jax.ops._base import (
     Pair,
     accumulation_dtype,
@@ -40,6 +39,7 @@ from masked_jax.ops._base import (
     result_dtype,
     uniform_along,
 )
+from masked_jax.ops._factors import NO_FACTS, Facts
 from masked_jax.ops._registry import OpSpec, register, rule_signature, signature_of
 
 
@@ -47,9 +47,9 @@ def _mask(x: Pair):
     return materialize(x.mask, jnp.shape(x.data))
 
 
-def _compact(x: Pair):
+def _compact(x: Pair, facts: Facts = NO_FACTS):
     """The mask at the data's rank, compact (``None``: a (1, ..., 1) True)."""
-    return compact_or_ones(x.mask, jnp.shape(x.data))
+    return compact_or_ones(x.mask, jnp.shape(x.data), facts)
 
 
 def sum_count(data, mask, axes):
@@ -174,35 +174,36 @@ def _sum_dtype(dtype, requested):
     return jax.eval_shape(lambda d: jnp.sum(d, dtype=requested), jax.ShapeDtypeStruct((), dtype)).dtype
 
 
-def sum(x: Pair, axis=None, dtype=None, keepdims=False) -> Pair:  # noqa: A001
-    m = _compact(x)
+def sum(x: Pair, axis=None, dtype=None, keepdims=False, _facts: Facts = NO_FACTS) -> Pair:  # noqa: A001
+    facts = _facts
+    m = _compact(x, facts)
     data = jnp.asarray(x.data)
     axes = normalize_axis(axis, m.ndim)
     if uniform_along(m, axes) and not empty_slices(data.shape, axes):
         # the mask does not vary along the axes: a slice is valid iff its mask is (no count), and
         # a masked slice reaches a masked output only (the fill keeps its derivative finite)
-        filled = fill(data, m, 0, finite=True)
+        filled = fill(data, m, 0, finite=True, facts=facts)
         total = _keep(_accumulated_sum(filled.astype(_sum_dtype(data.dtype, dtype)), axes), axes, keepdims)
-        valid = any_valid(m, data.shape, axes, keepdims)
-        if _factors.holds_zero(filled, m):  # a masked slice sums zeros
-            _factors.record_value(total, valid, 0, True)
+        valid = any_valid(m, data.shape, axes, keepdims, facts)
+        if facts.holds_zero(filled, m):  # a masked slice sums zeros
+            facts.record_value(total, valid, 0, True)
         return Pair(total, valid)
-    filled = fill(data, m, 0).astype(_sum_dtype(data.dtype, dtype))
+    filled = fill(data, m, 0, facts=facts).astype(_sum_dtype(data.dtype, dtype))
     if m.shape != data.shape:  # a compact mask: whether a slice has a valid entry, not how many
         total = _keep(_accumulated_sum(filled, axes), axes, keepdims)
-        valid = any_valid(m, data.shape, axes, keepdims)
+        valid = any_valid(m, data.shape, axes, keepdims, facts)
     else:
         total, n = sum_count(filled, m, axes)
         total, valid = _keep(total, axes, keepdims), _keep(n > 0, axes, keepdims)
-    _factors.record_value(total, valid, 0, True)  # a masked slice sums filled zeros only
+    facts.record_value(total, valid, 0, True)  # a masked slice sums filled zeros only
     return Pair(total, valid)
 
 
-def prod(x: Pair, axis=None, dtype=None, keepdims=False) -> Pair:
-    m = _compact(x)
+def prod(x: Pair, axis=None, dtype=None, keepdims=False, _facts: Facts = NO_FACTS) -> Pair:
+    m = _compact(x, _facts)
     axes = normalize_axis(axis, m.ndim)
-    data = jnp.prod(fill(x.data, m, 1), axis=axes, keepdims=keepdims, dtype=dtype)
-    return Pair(data, any_valid(m, jnp.shape(x.data), axes, keepdims))
+    data = jnp.prod(fill(x.data, m, 1, facts=_facts), axis=axes, keepdims=keepdims, dtype=dtype)
+    return Pair(data, any_valid(m, jnp.shape(x.data), axes, keepdims, _facts))
 
 
 def mean(x: Pair, axis=None, dtype=None, keepdims=False) -> Pair:
@@ -241,20 +242,20 @@ def std(x: Pair, axis=None, dtype=None, ddof=0, keepdims=False, *, correction=No
     return Pair(safe_sqrt(v.data), v.mask)
 
 
-def max(x: Pair, axis=None, keepdims=False) -> Pair:  # noqa: A001
-    m = _compact(x)
+def max(x: Pair, axis=None, keepdims=False, _facts: Facts = NO_FACTS) -> Pair:  # noqa: A001
+    m = _compact(x, _facts)
     axes = normalize_axis(axis, m.ndim)
     init = lowest(jnp.result_type(x.data))
-    data = jnp.max(fill(x.data, m, init), axis=axes, keepdims=keepdims, initial=init)
-    return Pair(data, any_valid(m, jnp.shape(x.data), axes, keepdims))
+    data = jnp.max(fill(x.data, m, init, facts=_facts), axis=axes, keepdims=keepdims, initial=init)
+    return Pair(data, any_valid(m, jnp.shape(x.data), axes, keepdims, _facts))
 
 
-def min(x: Pair, axis=None, keepdims=False) -> Pair:  # noqa: A001
-    m = _compact(x)
+def min(x: Pair, axis=None, keepdims=False, _facts: Facts = NO_FACTS) -> Pair:  # noqa: A001
+    m = _compact(x, _facts)
     axes = normalize_axis(axis, m.ndim)
     init = highest(jnp.result_type(x.data))
-    data = jnp.min(fill(x.data, m, init), axis=axes, keepdims=keepdims, initial=init)
-    return Pair(data, any_valid(m, jnp.shape(x.data), axes, keepdims))
+    data = jnp.min(fill(x.data, m, init, facts=_facts), axis=axes, keepdims=keepdims, initial=init)
+    return Pair(data, any_valid(m, jnp.shape(x.data), axes, keepdims, _facts))
 
 
 def ptp(x: Pair, axis=None, keepdims=False) -> Pair:
@@ -304,18 +305,18 @@ def argmin(x: Pair, axis=None, keepdims=None) -> Pair:
     return _arg_extreme(x, axis, keepdims, largest=False)
 
 
-def any(x: Pair, axis=None, keepdims=False) -> Pair:  # noqa: A001
-    m = _compact(x)
+def any(x: Pair, axis=None, keepdims=False, _facts: Facts = NO_FACTS) -> Pair:  # noqa: A001
+    m = _compact(x, _facts)
     axes = normalize_axis(axis, m.ndim)
-    data = jnp.any(fill(x.data, m, 0), axis=axes, keepdims=keepdims)
-    return Pair(data, any_valid(m, jnp.shape(x.data), axes, keepdims))
+    data = jnp.any(fill(x.data, m, 0, facts=_facts), axis=axes, keepdims=keepdims)
+    return Pair(data, any_valid(m, jnp.shape(x.data), axes, keepdims, _facts))
 
 
-def all(x: Pair, axis=None, keepdims=False) -> Pair:  # noqa: A001
-    m = _compact(x)
+def all(x: Pair, axis=None, keepdims=False, _facts: Facts = NO_FACTS) -> Pair:  # noqa: A001
+    m = _compact(x, _facts)
     axes = normalize_axis(axis, m.ndim)
-    data = jnp.all(fill(x.data, m, 1), axis=axes, keepdims=keepdims)
-    return Pair(data, any_valid(m, jnp.shape(x.data), axes, keepdims))
+    data = jnp.all(fill(x.data, m, 1, facts=_facts), axis=axes, keepdims=keepdims)
+    return Pair(data, any_valid(m, jnp.shape(x.data), axes, keepdims, _facts))
 
 
 def shifted_by_max(x: Pair, axis):
