@@ -131,6 +131,11 @@ _SLOW_TESTS = {
     "test_layout_keeps_sparse_storage_where_the_op_allows",  # every op on every sparse layout: ~1 min
     "test_every_op_passes_check_jacobian_in_masked_semantics",  # the checker on every op: ~16 s
     "test_eager_compiled_and_background_checks_agree",  # three checker modes: ~8 s
+    # maskify's sanitising and factor records against the general rules, op by op: ~50 s
+    "test_a_chain_sanitised_once_equals_its_ops_sanitised_one_by_one",
+    "test_attention_with_recorded_factors_equals_the_general_rule",
+    "test_a_contraction_along_the_mask_of_two_chains_equals_its_ops_one_by_one",
+    "test_bcoo_reductions_and_softmax_along_axes_stay_sparse_in_3d",  # 3-d BCOO layouts: ~18 s
 }
 
 

@@ -43,14 +43,19 @@ BAD_INPUTS = [
     (lambda: float(mj.masked_array(jnp.array(2.0), jnp.array(False))), ValueError, r"x.filled\(fill_value\)"),
     (lambda: jax.jit(lambda v: int(v))(mj.as_masked(jnp.int32(3))), TypeError, "traced"),
     (lambda: np.asarray(x3()), TypeError, "cannot be converted to a plain array"),
-    (lambda: x3()[mj.masked_array(jnp.array([0]), jnp.array([False]))], TypeError, "Indexing with a MaskedArray"),
+    (  # masked ids take rows (table[ids]); beside another index part they have no position
+        lambda: x3()[None, mj.masked_array(jnp.array([0]), jnp.array([False]))],
+        TypeError,
+        "Indexing with a MaskedArray",
+    ),
+    (lambda: x3()[mj.masked_array(jnp.array([5, 0]), jnp.array([True, False]))], IndexError, "index 5 is out of"),
     (lambda: mnp.add(x3(), "a"), TypeError, "x2 must be an array"),
     (lambda: mnp.add(x3(), None), TypeError, "x2 must be an array"),
     (lambda: mnp.sum(x3(), axis=3), ValueError, "out of bounds"),
     (lambda: mnp.pad(x3(), 1, mode="mean"), ValueError, "pad mode must be one of"),
     (lambda: mnp.quantile(x3(), 0.5, method="weird"), ValueError, "method must be one of"),
     (lambda: mnp.norm(x3(), "fro", axis=0), ValueError, "matrix norm"),
-    (lambda: mnp.average(x3(), axis=0, weights=jnp.ones(2)), ValueError, "weights must have length 3"),
+    (lambda: mnp.average(x3(), axis=0, weights=jnp.ones(2)), ValueError, r"or of the averaged axes \(0,\) \(\(3,\)\)"),
     (lambda: mnp.concatenate(x3()), TypeError, "sequence of arrays"),
     (lambda: mj.from_numpy_ma([1, 2]), TypeError, "numpy.ma.MaskedArray"),
     (lambda: x3().at[0].divide(2.0), AttributeError, "divide"),
@@ -65,6 +70,39 @@ BAD_INPUTS = [
 def test_bad_input_raises_clear_error(call, error, message):
     with pytest.raises(error, match=message):
         call()
+
+
+@pytest.mark.parametrize("axis", [0, 1])
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "jit"])
+def test_indexing_with_masked_ids_gives_masked_rows(axis, compile):
+    """``table[ids]`` (``table[:, ids]``) with masked ids: each valid id's row, as the plain
+    index gives it, with the table's own mask; a masked id's row masked, whatever its data hold
+    (out of range included); equal to ``take``; its gradient reaches the valid ids' rows only."""
+    table = mj.masked_array(
+        jnp.arange(12.0).reshape(3, 4) if axis == 0 else jnp.arange(12.0).reshape(4, 3),
+        jnp.arange(12).reshape((3, 4) if axis == 0 else (4, 3)) % 5 != 0,
+    )
+    ids = mj.masked_array(jnp.array([2, 99, -1, 0]), jnp.array([True, False, True, True]))
+    index = ids if axis == 0 else (slice(None), ids)
+    got = jax.jit(lambda t: t[index])(table) if compile else table[index]
+    valid = np.asarray(ids.mask)
+    for k, (i, ok) in enumerate(zip(np.asarray(ids.data), valid)):
+        row = np.take(np.asarray(got.mask), k, axis=axis)
+        if not ok:
+            assert not row.any()
+            continue
+        want = table[int(i)] if axis == 0 else table[:, int(i)]
+        np.testing.assert_array_equal(row, np.asarray(want.mask))
+        np.testing.assert_array_equal(np.take(np.asarray(got.data), k, axis=axis)[row], np.asarray(want.data)[row])
+    took = mnp.take(table, ids, axis=axis)
+    np.testing.assert_array_equal(np.asarray(took.mask), np.asarray(got.mask))
+    grad = mj.grad(lambda t: mnp.sum(t[index]))(table)
+    hits = np.zeros(table.shape[axis])
+    for i, ok in zip(np.asarray(ids.data), valid):
+        if ok:
+            hits[int(i)] += 1
+    want_grad = (hits[:, None] if axis == 0 else hits[None, :]) * np.asarray(table.mask)
+    np.testing.assert_array_equal(np.asarray(grad.filled(0) if hasattr(grad, "filled") else grad), want_grad)
 
 
 # -- repr and conversions -------------------------------------------------------------------------

@@ -131,3 +131,82 @@ def test_average_matches_numpy_ma(x, data):
     ref = quiet(np.ma.average)(x.to_numpy_ma(), axis=axis, weights=w)
     expected_valid = np.sum(np.asarray(x.mask), axis=axis) > 0
     _check_against(got, np.ma.asarray(ref), expected_valid, x.dtype)
+
+
+@given(x=masked_arrays(dtypes=(np.float32, np.float64), min_dims=1), data=st.data())
+def test_average_returned_matches_numpy_ma(x, data):
+    """``returned=True``: the average and the sum of the weights that counted (numpy.ma's pair),
+    with weights of the array's shape, 1-D along the axis, or none (the count of valid elements)."""
+    axis = data.draw(st.one_of(st.none(), st.integers(0, x.ndim - 1)))
+    rng = np.random.default_rng(data.draw(st.integers(0, 99)))
+    full = rng.uniform(0.5, 2.0, x.shape).astype(x.dtype)
+    choices = [None, full] + ([rng.uniform(0.5, 2.0, x.shape[axis]).astype(x.dtype)] if axis is not None else [])
+    w = data.draw(st.sampled_from(range(len(choices))))
+    weights = choices[w]
+    got, got_sum = mnp.average(x, axis=axis, weights=None if weights is None else jnp.asarray(weights), returned=True)
+    ref, ref_sum = quiet(np.ma.average)(x.to_numpy_ma(), axis=axis, weights=weights, returned=True)
+    counted = np.sum(np.asarray(x.mask), axis=axis)
+    _check_against(got, np.ma.asarray(ref), counted > 0, x.dtype)
+    ref_sum = np.ma.asarray(ref_sum)
+    ref_valid = ~np.ma.getmaskarray(ref_sum)
+    assert np.shape(got_sum.data) == np.shape(ref_sum)
+    np.testing.assert_array_equal(np.broadcast_to(got_sum.mask, ref_valid.shape), ref_valid | (x.size == 0))
+    np.testing.assert_allclose(
+        np.asarray(got_sum.data)[ref_valid],
+        np.ma.getdata(ref_sum)[ref_valid],
+        rtol=1e-5 if x.dtype == np.float32 else 1e-12,
+    )
+
+
+def test_average_takes_weights_of_the_averaged_axes_shape():
+    """Weights shaped like the averaged axes (a tuple ``axis``, in its order) weigh those axes, as
+    in jnp; a mask on them drops their elements too."""
+    a = jnp.arange(24.0).reshape(2, 3, 4)
+    w = jnp.arange(1.0, 9.0).reshape(2, 4)
+    for axis, weights in (((0, 2), w), ((2, 0), w.T)):
+        got = mnp.average(mnp.asarray(a), axis=axis, weights=weights)
+        np.testing.assert_allclose(got.data, jnp.average(a, axis=axis, weights=weights), rtol=1e-6)
+        assert bool(got.mask.all())
+    keep = jnp.arange(8).reshape(2, 4) % 3 != 0
+    got = mnp.average(mnp.asarray(a), axis=(0, 2), weights=mj.masked_array(w, keep))
+    want = jnp.sum(a * jnp.where(keep, w, 0)[:, None, :], axis=(0, 2)) / jnp.sum(jnp.where(keep, w, 0))
+    np.testing.assert_allclose(got.data, want, rtol=1e-6)
+    with pytest.raises(ValueError, match="of the averaged axes"):
+        mnp.average(mnp.asarray(a), axis=(0, 2), weights=jnp.ones((4, 2)))
+    x = mj.masked_array(jnp.array([0.0, 1.0, 2.0, 3.0]), jnp.array([False, True, True, True]))
+    avg, total = mnp.average(x, weights=jnp.array([1.0, 1.0, 2.0, 1.0]), returned=True)
+    assert (float(avg), float(total)) == (2.0, 4.0)  # numpy.ma's (2.0, 4.0)
+
+
+@pytest.mark.parametrize("name", ["cov", "corrcoef"])
+@given(data=st.data())
+def test_cov_and_corrcoef_of_two_masked_arrays_match_numpy_ma(name, data):
+    """``cov(x, y)`` / ``corrcoef(x, y)`` with masked entries in both: ``y``'s variables stacked
+    after ``x``'s; of the same shape, an observation masked in either is masked in both (numpy.ma's
+    common mask); of another shape, each keeps its own."""
+    nvars, nobs = data.draw(st.integers(1, 3)), data.draw(st.integers(3, 7))
+    rowvar = data.draw(st.booleans())
+    y_vars = data.draw(st.sampled_from([nvars, 1, 2]))
+    rng = np.random.default_rng(data.draw(st.integers(0, 999)))
+
+    def draw(n):
+        shape = (n, nobs) if rowvar else (nobs, n)
+        values = rng.normal(size=shape)
+        valid = rng.uniform(size=shape) > 0.25
+        return mj.masked_array(jnp.asarray(np.where(valid, values, np.nan)), jnp.asarray(valid))
+
+    x, y = draw(nvars), draw(y_vars)
+    got = getattr(mnp, name)(x, y, rowvar=rowvar)
+    ref = np.ma.asarray(quiet(getattr(np.ma, name))(x.to_numpy_ma(), y.to_numpy_ma(), rowvar=rowvar))
+    ref_valid = ~np.ma.getmaskarray(ref)
+    got_valid = np.broadcast_to(np.asarray(got.mask), np.shape(ref))
+    # valid here is valid there; here also masked where no degree of freedom is left (numpy.ma
+    # divides by a negative count there)
+    assert not (got_valid & ~ref_valid).any()
+    both = got_valid & ref_valid & np.isfinite(np.ma.getdata(ref))
+    np.testing.assert_allclose(np.asarray(got.data)[both], np.ma.getdata(ref)[both], rtol=1e-9, atol=1e-12)
+    # the jnp function under maskify is the same op
+    jnp_fn = getattr(jnp, name)
+    same = mj.maskify(lambda a, b: jnp_fn(a, b, rowvar=rowvar))(x, y)
+    np.testing.assert_array_equal(np.asarray(same.mask), np.asarray(got.mask))
+    np.testing.assert_allclose(np.where(got.mask, same.data, 0), np.where(got.mask, got.data, 0), rtol=1e-12)

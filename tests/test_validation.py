@@ -107,7 +107,12 @@ MANUAL = [
         "1-D or 2-D",
     ),
     ("cov: a float ddof", lambda: mnp.cov(X, ddof=0.5), TypeError, "ddof must be an int"),
-    ("cov: y (not supported with masked semantics)", lambda: mnp.cov(X, y=X), TypeError, "y="),
+    (
+        "cov: y with another number of observations",
+        lambda: mnp.cov(X, y=mj.masked_array(jnp.ones((1, 7)), jnp.ones((1, 7), bool))),
+        ValueError,
+        "as many observations",
+    ),
     (
         "corrcoef: a 3-D input",
         lambda: mnp.corrcoef(mj.masked_array(jnp.ones((2, 2, 2)), jnp.ones((2, 2, 2), bool))),

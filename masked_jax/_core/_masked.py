@@ -471,6 +471,9 @@ class MaskedArray(ArrayMethods):
 
     # -- indexing -----------------------------------------------------------------------------
     def __getitem__(self, index) -> MaskedArray:
+        taken = _masked_ids(self, index)
+        if taken is not None:  # table[ids] with masked ids: masked rows
+            return taken
         return apply("getitem", self, index=_check_index(index, self.shape))
 
     @property
@@ -606,6 +609,37 @@ def _plain_index(p):
         "Indexing with a MaskedArray: the index",
         "a masked entry has no defined position. Use idx.filled(...) or a plain bool/int array.",
     )
+
+
+def _masked_ids(x, index):
+    """``x[ids]``, ``x[:, ids]``, ... for an integer :class:`MaskedArray` ``ids`` with masked entries
+    (the other index parts full slices): the rows ``ids`` name along that axis, a masked id giving a
+    masked row (``take``). A valid id out of range raises ``IndexError`` when it is known (as
+    numpy), and gives a masked row under a trace. ``None`` for any other index.
+
+    >>> import jax.numpy as jnp, masked_jax as mj
+    >>> table = mj.masked_array(jnp.arange(6.0).reshape(3, 2), jnp.ones((3, 2), bool))
+    >>> ids = mj.masked_array(jnp.array([2, 0]), jnp.array([True, False]))
+    >>> table[ids]
+    MaskedArray([[4.0 5.0]
+                 [-- --]], dtype=float32)
+    """
+    parts = index if isinstance(index, tuple) else (index,)
+    at = [i for i, p in enumerate(parts) if isinstance(p, MaskedArray) and dtype_kind(p.dtype) in "iu"]
+    if len(at) != 1 or at[0] >= x.ndim:
+        return None
+    ids = parts[at[0]]
+    if ids.compact_mask is None or (not is_tracer(ids.mask) and bool(np.asarray(ids.mask).all())):
+        return None  # every id valid: an ordinary index
+    if any(not (isinstance(p, slice) and p == slice(None)) for i, p in enumerate(parts) if i != at[0]):
+        return None  # (refused by _check_index, with its message)
+    n = x.shape[at[0]]
+    if not (is_tracer(ids.data) or is_tracer(ids.mask)):
+        valid_ids = np.asarray(ids.data)[np.asarray(ids.mask)]
+        bad = valid_ids[(valid_ids < -n) | (valid_ids >= n)]
+        if bad.size:
+            raise IndexError(f"index {int(bad[0])} is out of bounds for axis {at[0]} with size {n}.")
+    return apply("take", x, ids, axis=at[0])
 
 
 def _check_index(index, shape=None):

@@ -253,12 +253,14 @@ def named_call(interp, eqn, params, invals):
         )
     n = len(spec.operands)
     operands, rest = invals[:n], invals[n:]
+    # the op's optional operands (cov's y) come next and may be masked; the others are parameters
+    optional, rest = rest[: len(spec.optional_operands)], rest[len(spec.optional_operands) :]
     if any(p.mask is not None for p in rest):
         raise MaskifyError(
             f"maskify({interp.fun_name}): an argument of jnp.{name} other than the array "
             "(such as q) is masked; it must be a plain array."
         )
-    out = spec.rule(*operands, *(p.data for p in rest), **kw)
+    out = spec.rule(*operands, *optional, *(p.data for p in rest), **kw)
     return [out if isinstance(out, Pair) else Pair(out, None)]
 
 

@@ -13,31 +13,35 @@ import numpy as np
 from masked_jax._validate import dtype_kind, is_tracer
 from masked_jax.ops._base import Pair, candidate_axes, fill, materialize, normalize_axis, result_dtype
 from masked_jax.ops._registry import OpSpec, register, signature_of
-from masked_jax.ops.reductions import _float, _float_dtype, _mask, _safe_div, max, mean, min, safe_sqrt, sum
+from masked_jax.ops.reductions import (
+    _float,
+    _float_dtype,
+    _mask,
+    _safe_div,
+    empty_slices,
+    max,
+    mean,
+    min,
+    safe_sqrt,
+    sum,
+)
 
 
-def average(x: Pair, axis=None, weights: Pair | None = None, keepdims=False) -> Pair:
+def average(x: Pair, axis=None, weights: Pair | None = None, returned=False, keepdims=False):
     """Weighted mean over elements where both ``x`` and ``weights`` are valid; masked where no
-    valid element has a nonzero weight sum."""
-    if weights is None:
-        return mean(x, axis=axis, keepdims=keepdims)
+    valid element has a nonzero weight sum. ``weights`` have ``x``'s shape, or the shape of the
+    averaged axes (in the order ``axis`` names them: 1-D along an int axis). With ``returned``,
+    also the sum of the weights that counted (of the valid elements: their number without
+    weights), valid everywhere (0 where nothing counted), as numpy.ma returns it."""
     data = jnp.asarray(x.data)
-    w = jnp.asarray(weights.data)
-    if w.shape != data.shape:
-        if axis is None or w.ndim != 1 or not isinstance(axis, (int, np.integer)):
-            raise ValueError(
-                f"weights must have the shape of a ({data.shape}), or be 1-D along an int "
-                f"axis; got weights of shape {w.shape} with axis={axis}."
-            )
-        ax = normalize_axis(axis, data.ndim)[0]
-        if w.shape[0] != data.shape[ax]:
-            raise ValueError(f"weights must have length {data.shape[ax]} along axis {axis}; got {w.shape[0]}.")
-        shape = [1] * data.ndim
-        shape[ax] = -1
-        w = w.reshape(shape)
-        wm = None if weights.mask is None else weights.mask.reshape(shape)
-    else:
-        wm = weights.mask
+    if weights is None:
+        avg = mean(x, axis=axis, keepdims=keepdims)
+        if not returned:
+            return avg
+        m = materialize(x.mask, data.shape)
+        count = jnp.sum(m, axis=normalize_axis(axis, data.ndim), keepdims=keepdims).astype(avg.data.dtype)
+        return avg, Pair(jnp.broadcast_to(count, jnp.shape(avg.data)), None)
+    w, wm = _weights_like(data, jnp.asarray(weights.data), weights.mask, axis)
     m = materialize(x.mask, data.shape)
     if wm is not None:
         m = m & wm
@@ -46,8 +50,43 @@ def average(x: Pair, axis=None, weights: Pair | None = None, keepdims=False) -> 
     w = fill(jnp.broadcast_to(w, data.shape), m, 0).astype(dtype)
     num = jnp.sum(fill(data, m, 0).astype(dtype) * w, axis=axes, keepdims=keepdims)  # int4: no implicit promotion
     den = jnp.sum(w, axis=axes, keepdims=keepdims)
-    valid = jnp.any(m, axis=axes, keepdims=keepdims) & (den != 0)
-    return Pair(_safe_div(num, den, valid), valid)
+    has = jnp.any(m, axis=axes, keepdims=keepdims)
+    valid = has & (den != 0)
+    avg = Pair(_safe_div(num, den, valid), valid)
+    if not returned:
+        return avg
+    # the weights' sum is a masked sum: masked where no element counted (a slice of no element at
+    # all sums to 0, valid)
+    return avg, Pair(den, has | empty_slices(data.shape, axes))
+
+
+def _weights_like(data, w, wm, axis):
+    """``(weights, their mask)`` at ``data``'s rank: as they are when they have its shape; laid
+    along the averaged axes when they have those axes' shape (in ``axis``'s order)."""
+    if w.shape == data.shape:
+        return w, wm
+    named = (
+        [axis]
+        if isinstance(axis, (int, np.integer))
+        else list(axis)
+        if isinstance(axis, (tuple, list)) and axis
+        else None
+    )
+    if named is None:
+        raise ValueError(
+            f"weights must have the shape of a ({data.shape}) when axis is None; got weights of shape {w.shape}."
+        )
+    order = [int(a) % data.ndim for a in named]
+    want = tuple(data.shape[a] for a in order)
+    if w.shape != want:
+        raise ValueError(
+            f"weights must have the shape of a ({data.shape}) or of the averaged axes {tuple(named)} "
+            f"({want}); got weights of shape {w.shape}."
+        )
+    perm = list(np.argsort(order))  # the weights' axes in the data's order
+    shape = [data.shape[a] if a in order else 1 for a in range(data.ndim)]
+    w = jnp.transpose(w, perm).reshape(shape)
+    return w, None if wm is None else jnp.transpose(jnp.broadcast_to(wm, want), perm).reshape(shape)
 
 
 def _move_to_end(x: Pair, axis):
@@ -154,14 +193,25 @@ def _variables(x: Pair, rowvar):
     return data.astype(_float_dtype(data.dtype)), m
 
 
-def cov(m: Pair, rowvar=True, bias=False, ddof=None) -> Pair:
+def cov(m: Pair, y: Pair | None = None, rowvar=True, bias=False, ddof=None) -> Pair:
     """Covariance matrix over valid observations, as ``numpy.ma.cov``: each variable is centred on
     the mean of its own valid observations, and entry ``(i, j)`` divides the sum over the
     observations valid in both ``i`` and ``j`` by their number minus ``ddof`` (1, or 0 with
-    ``bias=True``). An entry with no degrees of freedom left is masked."""
+    ``bias=True``). An entry with no degrees of freedom left is masked. ``y``: more variables,
+    stacked after those of ``m``; when it has ``m``'s shape, an observation masked in either is
+    masked in both (numpy.ma's common mask)."""
     if ddof is not None and (isinstance(ddof, bool) or not isinstance(ddof, (int, np.integer))):
         raise TypeError(f"cov: ddof must be an int or None; got {ddof!r}.")
     data, valid = _variables(m, rowvar)
+    if y is not None:
+        more, more_valid = _variables(y, rowvar)
+        if np.shape(y.data) == np.shape(m.data):  # one observation mask for both
+            valid = more_valid = valid & more_valid
+        if more.shape[1] != data.shape[1]:
+            raise ValueError(f"cov: y must have as many observations as m ({data.shape[1]}); got {more.shape[1]}.")
+        dtype = jnp.result_type(data, more)
+        data = jnp.concatenate([data.astype(dtype), more.astype(dtype)])
+        valid = jnp.concatenate([valid, more_valid])
     ddof = (0 if bias else 1) if ddof is None else ddof
     n = jnp.sum(valid, axis=1, keepdims=True)
     mean = jnp.sum(fill(data, valid, 0), axis=1, keepdims=True) / jnp.maximum(n, 1).astype(data.dtype)
@@ -173,11 +223,11 @@ def cov(m: Pair, rowvar=True, bias=False, ddof=None) -> Pair:
     return Pair(jnp.squeeze(jnp.where(ok, out, 0)), jnp.squeeze(ok))
 
 
-def corrcoef(x: Pair, rowvar=True) -> Pair:
+def corrcoef(x: Pair, y: Pair | None = None, rowvar=True) -> Pair:
     """Correlation coefficients over valid observations, as ``numpy.ma.corrcoef``: :func:`cov`
     divided by the outer product of the square roots of its diagonal; masked where a variance
-    is masked or 0."""
-    c = cov(x, rowvar=rowvar)
+    is masked or 0. ``y`` as in :func:`cov`."""
+    c = cov(x, y, rowvar=rowvar)
     if np.ndim(c.data) == 0:
         ok = c.mask & (c.data != 0)
         return Pair(jnp.where(ok, 1, 0).astype(c.data.dtype), ok)
@@ -332,11 +382,11 @@ def _median_static(body, a):
     return [dict(axis=ax, keepdims=k) for ax in candidate_axes(a) for k in (False, True)]
 
 
-def _cov_static(body, m):
+def _cov_static(body, m, y=None):
     return [dict(rowvar=r, bias=b, ddof=d) for r in (True, False) for b in (False, True) for d in (None, 0, 1, 2)]
 
 
-def _corrcoef_static(body, x):
+def _corrcoef_static(body, x, y=None):
     return [dict(rowvar=r) for r in (True, False)]
 
 
@@ -357,6 +407,7 @@ _stat(
     "cov",
     jnp.cov,
     cov,
+    optional_operands=("y",),
     static=_cov_static,
     example=(_COV, "{mod}.cov(x).round(2)", "MaskedArray([[1.0 2.5]\n             [2.5 8.92]], dtype=float32)"),
 )
@@ -364,6 +415,7 @@ _stat(
     "corrcoef",
     jnp.corrcoef,
     corrcoef,
+    optional_operands=("y",),
     static=_corrcoef_static,
     example=(_COV, "{mod}.corrcoef(x)[0, 1].round(3)", "MaskedArray(0.837, dtype=float32)"),
 )
