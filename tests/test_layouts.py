@@ -171,6 +171,54 @@ def test_vmap_over_a_batch_of_sparse_arrays(op, layout):
 
 
 # -- semantics, conversions and edge cases -------------------------------------------------------
+BASIC_INDICES = [
+    1,
+    4,
+    -1,
+    (4, 2),
+    (slice(None), 0),
+    slice(1, 5),
+    slice(None, None, 2),
+    (Ellipsis, 1),
+    (None, 4),
+    (2, 0),
+]
+
+
+@pytest.mark.parametrize("kind", ["bcoo", "bcoo_batch", "bcoo_hybrid", "row_sparse"])
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "jit"])
+def test_basic_indexing_of_a_sparse_layout_equals_indexing_its_dense_array(kind, compile):
+    """ints, slices, ``...`` and ``None`` index a sparse layout on its stored entries (BCOO's own
+    indexing): the values and masks of ``x.todense()[index]``, unstored positions masked; an int
+    out of range raises ``IndexError``, an array index a ``TypeError`` naming the way out."""
+    x = layouts()[kind]
+    dense = x.todense()
+    for index in BASIC_INDICES:
+        got = jax.jit(lambda v, index=index: v[index])(x) if compile else x[index]
+        got = got if isinstance(got, mj.MaskedArray) else got.todense()
+        want = dense[index]
+        assert got.shape == want.shape, index
+        np.testing.assert_array_equal(np.asarray(got.mask), np.asarray(want.mask), err_msg=str(index))
+        np.testing.assert_array_equal(np.asarray(got.filled(0)), np.asarray(want.filled(0)), err_msg=str(index))
+    with pytest.raises(IndexError, match="out of bounds for axis 0 with size 6"):
+        x[6]
+    with pytest.raises(TypeError, match="todense"):
+        x[jnp.array([0, 1])]
+
+
+def test_indexing_a_huge_sparse_array_reads_its_stored_entries_only():
+    """A row of a 70,000 x 70,000 x 2 BCOO-backed array with 4 stored entries: O(nse) work, the
+    entries of that row and nothing else."""
+    ids = jnp.array([[0, 0, 0], [5, 6, 1], [69_999, 3, 0], [5, 7, 0]])
+    big = mj.from_bcoo(sparse.BCOO((jnp.array([1.0, 2.0, 3.0, 4.0]), ids), shape=(70_000, 70_000, 2)))
+    row = big[5]
+    assert isinstance(row, mj.BCOOMaskedArray) and row.shape == (70_000, 2) and row.nse == big.nse
+    cell = big[5, 6].todense()
+    np.testing.assert_array_equal(np.asarray(cell.mask), [False, True])
+    assert float(cell.data[1]) == 2.0
+    assert float(big[69_999, 3, 0]) == 3.0 and not bool(big[1, 1, 1].mask)
+
+
 def test_two_semantics_are_explicit():
     b = sparse.BCOO((jnp.array([0.0, 3.0]), jnp.array([[0], [2]])), shape=(4,))
     assert float(jnp.mean(b.todense())) == 0.75  # BCOO: dense semantics, unspecified = 0

@@ -122,6 +122,20 @@ class BCOOMaskedArray(SparseMasked, storage="bcoo"):
     def with_data(self, data) -> BCOOMaskedArray:
         return BCOOMaskedArray.tree_unflatten(self.shape, (data, self.indices))
 
+    def __getitem__(self, index) -> BCOOMaskedArray | MaskedArray:
+        """Basic indexing (ints, slices, ``...``, ``None``) on the stored entries, as BCOO indexes
+        them: the result is BCOO-backed, built from the entries inside the index, with no array at
+        the logical shape (dense, of the stored blocks' size, once ints take every sparse dim).
+
+        Examples:
+            >>> import jax.numpy as jnp, masked_jax as mj
+            >>> from jax.experimental import sparse
+            >>> x = mj.from_bcoo(sparse.BCOO.fromdense(jnp.array([[0.0, 2.0], [3.0, 0.0]])))
+            >>> x[1].todense()
+            MaskedArray([3.0 --], dtype=float32)
+        """
+        return basic_index(self, self.to_bcoo(), index)
+
     def todense(self) -> MaskedArray:
         """Dense-storage MaskedArray: stored entries valid (duplicates summed), the rest masked."""
         if self.dtype == jnp.bool_:  # duplicates of a bool are or-ed
@@ -226,6 +240,40 @@ class BCOOMaskedArray(SparseMasked, storage="bcoo"):
                 )
         data = jsparse.bcoo_extract(pattern, dense.data).data
         return cls.tree_unflatten(dense.shape, (data, pattern.indices))
+
+
+def basic_index(x, bcoo: jsparse.BCOO, index) -> BCOOMaskedArray | MaskedArray:
+    """``x[index]`` for a sparse layout ``x`` stored as ``bcoo`` (its stored entries are its valid
+    ones): BCOO's own indexing for ints, slices, ``...`` and ``None`` (BCOO-backed while a sparse
+    dimension is left, else a dense MaskedArray of the stored blocks' size); an int out of range raises
+    ``IndexError`` (as numpy; BCOO would clamp it). Integer or bool array indices raise
+    ``TypeError``: densify first (``x.todense()[index]``)."""
+    parts = index if isinstance(index, tuple) else (index,)
+    dim = 0
+    for p in parts:
+        if p is None:
+            continue
+        if p is Ellipsis:
+            dim = len(x.shape) - sum(1 for q in parts if q is not None and q is not Ellipsis) + dim
+            continue
+        if isinstance(p, (int, np.integer)) and not isinstance(p, (bool, np.bool_)):
+            if dim >= len(x.shape) or not -x.shape[dim] <= p < x.shape[dim]:
+                size = x.shape[dim] if dim < len(x.shape) else 0
+                raise IndexError(f"index {int(p)} is out of bounds for axis {dim} with size {size}.")
+        elif not isinstance(p, slice):
+            raise TypeError(
+                f"{type(x).__name__}[...]: only ints, slices, ... and None index a sparse layout "
+                f"(got {type(p).__name__}); index x.todense() for array indices."
+            )
+        dim += 1
+    out = bcoo[index]
+    if out.n_sparse == 0 and bcoo.n_sparse > 0:
+        # every sparse dim taken by an int: no index is left to say which entries matched (BCOO
+        # zeroes the others), so their number is read from marks indexed the same way; the
+        # result is dense, of the stored blocks' size
+        marks = jsparse.BCOO((jnp.ones(bcoo.data.shape, jnp.int32), bcoo.indices), shape=bcoo.shape)[index]
+        return from_pair(BCOOMaskedArray.from_bcoo(out).todense().data, marks.todense() > 0)
+    return BCOOMaskedArray.from_bcoo(out)
 
 
 def from_bcoo(bcoo: jsparse.BCOO) -> BCOOMaskedArray:

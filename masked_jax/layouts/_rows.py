@@ -19,7 +19,7 @@ from jax.experimental import sparse as jsparse
 
 from masked_jax import _validate
 from masked_jax._core import MaskedArray, SparseMasked, check_data, from_pair, is_tracer
-from masked_jax.layouts._bcoo import DATA_KEY, INDICES_KEY, BCOOMaskedArray
+from masked_jax.layouts._bcoo import DATA_KEY, INDICES_KEY, BCOOMaskedArray, basic_index
 from masked_jax.layouts._segments import distinct_ids, segment_total, unique_ids
 from masked_jax.ops._base import Pair, accumulation_dtype, widened_indices
 
@@ -164,6 +164,19 @@ class RowSparseArray(SparseMasked, storage="row_sparse"):
             indices_sorted=False,
             unique_indices=False,
         )
+
+    def __getitem__(self, index):
+        """Basic indexing (ints, slices, ``...``, ``None``) on the stored rows, as BCOO indexes
+        them: slices give a BCOO-backed result built from the stored rows inside them; a row
+        (an int) is a dense MaskedArray, masked where the row is not stored.
+
+        Examples:
+            >>> import jax.numpy as jnp, masked_jax as mj
+            >>> grad = mj.row_sparse(jnp.array([[1.0, 2.0]]), jnp.array([3]), (5, 2))
+            >>> grad[3], grad[0]
+            (MaskedArray([1.0 2.0], dtype=float32), MaskedArray([-- --], dtype=float32))
+        """
+        return basic_index(self, self.to_bcoo(), index)
 
     def to_bcoo_masked(self):
         """The same stored rows as a BCOO-backed masked array (no densifying)."""
