@@ -121,6 +121,12 @@ MANUAL = [
     ),
     ("percentile: q out of [0, 100]", lambda: mnp.percentile(X, 150.0), ValueError, "q must be numbers in"),
     ("norm: unknown matrix ord", lambda: mnp.norm(X, ord=3, axis=(0, 1)), ValueError, "ord must be one of"),
+    (  # jnp's message, word for word
+        "norm: three axes",
+        lambda: mnp.norm(mj.masked_array(jnp.ones((2, 2, 2)), jnp.ones((2, 2, 2), bool)), axis=(0, 1, 2)),
+        ValueError,
+        "Improper number of axes for norm",
+    ),
     ("norm: matrix ord for a vector", lambda: mnp.norm(X, ord="fro", axis=0), ValueError, "ord='fro' is a matrix"),
     ("add: shapes that do not broadcast", lambda: mnp.add(X, jnp.ones(4)), ValueError, "could not be broadcast"),
     ("sum: initial=", lambda: mnp.sum(X, initial=1.0), TypeError, "initial=1.0 is not supported"),

@@ -310,7 +310,10 @@ def norm(x: Pair, ord=None, axis=None, keepdims=False) -> Pair:
     if len(axes) == 2:
         given = tuple(int(a) % ndim for a in axis)
         return _matrix_norm(x, ord, given, keepdims)
-    raise ValueError(f"axis must be an int or a pair of ints for norm; got axis={axis}.")
+    raise ValueError(  # jnp's own words
+        f"Improper number of axes for norm: axis={axis}. Pass one axis to compute a vector-norm, "
+        "or two axes to compute a matrix-norm."
+    )
 
 
 def _seg_norm(g, v, ord=None):
