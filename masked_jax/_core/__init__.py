@@ -13,6 +13,7 @@ here, never from the private modules:
 from masked_jax._core._masked import MaskedArray as MaskedArray
 from masked_jax._core._masked import as_masked as as_masked
 from masked_jax._core._masked import check_data as check_data
+from masked_jax._core._masked import check_index as check_index
 from masked_jax._core._masked import from_numpy_ma as from_numpy_ma
 from masked_jax._core._masked import from_pair as from_pair
 from masked_jax._core._masked import fully_valid_data as fully_valid_data

@@ -474,7 +474,7 @@ class MaskedArray(ArrayMethods):
         taken = _masked_ids(self, index)
         if taken is not None:  # table[ids] with masked ids: masked rows
             return taken
-        return apply("getitem", self, index=_check_index(index, self.shape))
+        return apply("getitem", self, index=check_index(index, self.shape))
 
     @property
     def at(self) -> _AtIndexer:
@@ -569,7 +569,7 @@ class _AtIndexer:
         self._x = x
 
     def __getitem__(self, index) -> _AtRef:
-        return _AtRef(self._x, _check_index(index))
+        return _AtRef(self._x, check_index(index))
 
 
 class _AtRef:
@@ -642,7 +642,7 @@ def _masked_ids(x, index):
     return apply("take", x, ids, axis=at[0])
 
 
-def _check_index(index, shape=None):
+def check_index(index, shape=None):
     """Refuse masked indices (a fully valid concrete MaskedArray index is its data), and static
     integer indices out of range (as numpy does; jax would clamp them and return valid data from
     another position). Returns the index with plain arrays for masked ones."""

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import sparse as jsparse
 
-from masked_jax._core import MaskedArray, SparseMasked, from_pair, is_tracer
+from masked_jax._core import MaskedArray, SparseMasked, check_index, from_pair, is_tracer
 from masked_jax.layouts._segments import segment_total, unique_ids
 from masked_jax.ops._base import Pair, accumulation_dtype, widened_indices
 
@@ -249,23 +249,18 @@ def basic_index(x, bcoo: jsparse.BCOO, index) -> BCOOMaskedArray | MaskedArray:
     ``IndexError`` (as numpy; BCOO would clamp it). Integer or bool array indices raise
     ``TypeError``: densify first (``x.todense()[index]``)."""
     parts = index if isinstance(index, tuple) else (index,)
-    dim = 0
     for p in parts:
-        if p is None:
-            continue
-        if p is Ellipsis:
-            dim = len(x.shape) - sum(1 for q in parts if q is not None and q is not Ellipsis) + dim
-            continue
-        if isinstance(p, (int, np.integer)) and not isinstance(p, (bool, np.bool_)):
-            if dim >= len(x.shape) or not -x.shape[dim] <= p < x.shape[dim]:
-                size = x.shape[dim] if dim < len(x.shape) else 0
-                raise IndexError(f"index {int(p)} is out of bounds for axis {dim} with size {size}.")
-        elif not isinstance(p, slice):
+        if not (
+            p is None
+            or p is Ellipsis
+            or isinstance(p, slice)
+            or (isinstance(p, (int, np.integer)) and not isinstance(p, (bool, np.bool_)))
+        ):
             raise TypeError(
                 f"{type(x).__name__}[...]: only ints, slices, ... and None index a sparse layout "
                 f"(got {type(p).__name__}); index x.todense() for array indices."
             )
-        dim += 1
+    check_index(index, x.shape)  # an int out of range: IndexError, as numpy (BCOO would clamp it)
     out = bcoo[index]
     if out.n_sparse == 0 and bcoo.n_sparse > 0:
         # every sparse dim taken by an int: no index is left to say which entries matched (BCOO

@@ -168,6 +168,11 @@ def _axes(along):
     return None if along is None else tuple(sorted(along))
 
 
+def _own_factor(m) -> tuple[Factor, ...]:
+    """``m`` as its own one factor: its root, every axis of size other than 1 shown."""
+    return (Factor(id(m), tuple(i if s != 1 else None for i, s in enumerate(np.shape(m)))),)
+
+
 class Facts:
     """The static facts of one ``maskify`` call: the recorded factorisation of each mask met, the
     values recorded under masks (:class:`Known`), and a memo of fills and reductions already
@@ -184,11 +189,10 @@ class Facts:
     # -- masks ---------------------------------------------------------------------------------
     def factors(self, m) -> tuple[Factor, ...]:
         """The factors of mask ``m``: its record, or ``m`` itself as its one root."""
-        key = id(m)
-        if key in self._masks:
-            return self._masks[key][1]
-        own = (Factor(key, tuple(i if s != 1 else None for i, s in enumerate(np.shape(m)))),)
-        self._masks[key] = (m, own)  # keeps ``m`` alive: its id names it for the whole call
+        if id(m) in self._masks:
+            return self._masks[id(m)][1]
+        own = _own_factor(m)
+        self._masks[id(m)] = (m, own)  # keeps ``m`` alive: its id names it for the whole call
         return own
 
     def record(self, m, fs):
@@ -281,7 +285,7 @@ class _NoFacts(Facts):
     active = False
 
     def factors(self, m):
-        return (Factor(id(m), tuple(i if s != 1 else None for i, s in enumerate(np.shape(m)))),)
+        return _own_factor(m)
 
     def record(self, m, fs):
         return m
