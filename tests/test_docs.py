@@ -11,13 +11,14 @@ import pytest
 import masked_jax as mj
 import masked_jax.nn as mnn
 import masked_jax.numpy as mnp
+import masked_jax.testing as mtesting
 from masked_jax import optim
 from masked_jax.numpy import _metadata
 
 
 def _public():
     items = []
-    for mod in (mj, mnp, mnn, optim):
+    for mod in (mj, mnp, mnn, optim, mtesting):
         for name in getattr(mod, "__all__", None) or [n for n in dir(mod) if not n.startswith("_")]:
             obj = getattr(mod, name)
             if callable(obj) and not inspect.ismodule(obj) and name not in _metadata.DTYPES:  # jax's dtypes
@@ -27,6 +28,7 @@ def _public():
         items.append((f"MaskedArray.{meth}", getattr(mj.MaskedArray, meth)))
     for meth in ("save_html", "plot"):
         items.append((f"JacobianReport.{meth}", getattr(mj.JacobianReport, meth)))
+    items.append(("InvarianceReport.save_html", mj.InvarianceReport.save_html))
     items += [("masked_jax.numpy", mnp), ("masked_jax.nn", mnn), ("masked_jax.optim", optim)]
     return items
 

@@ -211,3 +211,66 @@ def test_inputs_with_a_zero_size_axis_are_re_padded(shape, axis, other):
     for f in (mnp.sin, lambda v: mnp.sum(v, axis=other)):
         report = mj.check_invariance(f, (x,), axis=axis)
         assert report and "PASSED" in str(report)
+
+
+def _backend_compiles(fn):
+    """``(result, number of XLA compiles)`` of ``fn()``."""
+    events = []
+    listener = lambda event, duration, **kw: events.append(event)  # noqa: E731
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        result = fn()
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    return result, sum(e == "/jax/core/compile/backend_compile_duration" for e in events)
+
+
+class _Tokens(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return jnp.mean(nn.Dense(3)(jnp.tanh(nn.Dense(5)(x))), axis=1)
+
+
+def _token_model(scale):
+    """A new maskify'd flax model (a new function object each call) scaled by ``scale``."""
+    return mj.maskify(lambda p, v: _Tokens().apply(p, v) * scale)
+
+
+def test_a_re_run_with_the_same_code_reuses_the_compiled_programs():
+    """A re-run notebook cell: a new function with the same code, and other parameters. Its check
+    compiles nothing (the programs are found by the function's structure, its constants passed
+    in), and a function that differs only in a captured number still checks its own number."""
+    mask = jnp.asarray(np.arange(5)[None, :] < np.array([[5], [3], [2]]))[..., None]
+    x = mj.masked_array(jnp.asarray(np.random.default_rng(3).normal(size=(3, 5, 4))), mask)
+    params = _Tokens().init(jax.random.key(0), x.data)
+    first, n_first = _backend_compiles(lambda: mj.check_invariance(_token_model(2.0), (params, x), axis=1, params=(0,)))
+    other = jax.tree_util.tree_map(lambda a: a * 1.5, params)
+    again, n_again = _backend_compiles(lambda: mj.check_invariance(_token_model(2.0), (other, x), axis=1, params=(0,)))
+    assert bool(first) and bool(again) and len(again.cases) == len(first.cases)
+    assert n_first > 0 and n_again == 0, (n_first, n_again)
+    # a captured constant that breaks invariance is this function's, not the cached one's
+    for c, ok in ((0.0, True), (1.0, False), (0.0, True)):  # c times a sum over the padded length / its size
+
+        def f(p, v, c=c, model=_token_model(2.0)):
+            return model(p, v) + c * jnp.sum(v.filled(0.0)) / v.shape[1]
+
+        report = mj.check_invariance(f, (other, x), axis=1, params=(0,), raise_exception=False)
+        assert bool(report) == ok, c
+
+
+def test_an_eager_gradient_of_masked_code_runs_its_compiled_program():
+    """``jax.grad`` of a maskify'd model outside ``jit``: the masked program is compiled (with its
+    derivative) once; a new function with the same code compiles nothing, and the gradient equals
+    the jitted one."""
+    mask = jnp.asarray(np.arange(5)[None, :] < np.array([[5], [3]]))[..., None]
+    x = mj.masked_array(jnp.asarray(np.random.default_rng(4).normal(size=(2, 5, 4))), mask)
+    params = _Tokens().init(jax.random.key(1), x.data)
+
+    def loss(model):
+        return lambda p: jnp.sum(model(p, x).data)
+
+    g1, n1 = _backend_compiles(lambda: jax.grad(loss(_token_model(2.0)))(params))
+    g2, n2 = _backend_compiles(lambda: jax.grad(loss(_token_model(2.0)))(params))
+    assert n1 > 0 and n2 == 0, (n1, n2)
+    want = jax.jit(jax.grad(loss(_token_model(2.0))))(params)
+    jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-12), g2, want)

@@ -27,7 +27,7 @@ LAYERS = [
     ["masked_jax.embeddings", "masked_jax._maskify"],
     ["masked_jax._ad"],
     ["masked_jax.optim", "masked_jax.checking"],
-    ["masked_jax._serialization"],
+    ["masked_jax._serialization", "masked_jax.testing"],
     ["masked_jax"],  # the public facade: re-exports only
     ["masked_jax._stubgen", "masked_jax.demo"],  # tools written against the public API
 ]

@@ -379,6 +379,10 @@ def test_dot_product_attention_equals_unpadded_runs_and_is_one_softmax(kv_heads)
     jaxpr = jax.make_jaxpr(f)(params, xm)
     scores = [tuple(e.outvars[0].aval.shape) for e in jaxpr.jaxpr.eqns if e.primitive.name == "exp"]
     assert scores and primitive_count(jaxpr, "select_n", scores[0]) <= 1, "the softmax ran op by op"
+    # nor is any other array of the scores' size selected (the scale ``q @ k / sqrt(d)`` fills nothing)
+    size = int(np.prod(scores[0]))
+    layouts = {tuple(e.outvars[0].aval.shape) for e in jaxpr.jaxpr.eqns for _ in [0] if e.outvars}
+    assert sum(primitive_count(jaxpr, "select_n", t) for t in layouts if int(np.prod(t)) == size) <= 1
     assert primitive_count(jaxpr, "cond") == 0, "weights times values took the conditional exact rule"
 
     def masked_loss(p):

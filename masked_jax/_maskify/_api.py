@@ -97,7 +97,8 @@ _SMALL_CONSTANT = 4096  # bytes: constants up to this size are part of the key b
 
 
 def _eager_program(name, closed, scans, out_tree, pairs):
-    """For a call outside any trace (no argument is a tracer): the masked program of ``closed``,
+    """For a call outside any trace (no argument is a tracer, or only eager autodiff's, see
+    :func:`_eager`): the masked program of ``closed``,
     jitted, so that the call compiles one program instead of one per operation. Programs are kept
     by the jaxpr's text, its constants' values, the output structure and the masks' types: a later
     call that traces to the same program (the same function, or another one written the same way,
@@ -105,7 +106,7 @@ def _eager_program(name, closed, scans, out_tree, pairs):
     (the program then runs operation by operation) under a trace, for a jaxpr with a recorded
     ``associative_scan`` (its combine function is called again) or a constant larger than
     :data:`_SMALL_CONSTANT` bytes (it would be kept alive by the program)."""
-    if scans or not all(_is_concrete(x) for p in pairs for x in (p.data, p.mask)):
+    if scans or not all(_eager(x) for p in pairs for x in (p.data, p.mask)):
         return None
     consts = []
     for c in closed.consts:
@@ -123,6 +124,16 @@ def _eager_program(name, closed, scans, out_tree, pairs):
         return _interpret(name, closed, (), [Pair(d, m) for d, m in zip(datas, masks)])
 
     return _kept(_EAGER_PROGRAMS, key, lambda: jax.jit(run), 256)
+
+
+def _eager(x) -> bool:
+    """Whether ``x`` is a value of an eager computation: concrete, or the tracer of an eager
+    ``jax.grad`` / ``jax.jvp`` (an autodiff tracer whose primal is, at the bottom, concrete). The
+    jitted program then serves the call too: jax differentiates the jitted call, compiling its
+    derivative once, where the masked operations one by one would each compile their own."""
+    while hasattr(x, "primal") and not _is_concrete(x):  # JVP and linearize tracers carry their primal
+        x = x.primal
+    return _is_concrete(x)
 
 
 def _is_masked_leaf(x):

@@ -343,8 +343,8 @@ def _has_own_rules(jaxpr) -> bool:
             info = getattr(v, "debug_info", None)
             if isinstance(v, jcore.ClosedJaxpr) or (info is None and not callable(v)):
                 continue
-            if info is None:  # a plain function: jax's own bookkeeping, or a rule we cannot place
-                if getattr(v, "__module__", "").split(".")[0] != "jax":
+            if info is None:  # a plain function: jax's or this library's bookkeeping, or a rule we cannot place
+                if getattr(v, "__module__", "").split(".")[0] not in ("jax", "masked_jax"):
                     return True
             elif not (info.func_src_info or "").count(" at ") or not any(t in info.func_src_info for t in _TRUSTED):
                 return True

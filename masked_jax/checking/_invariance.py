@@ -21,13 +21,19 @@ with the function's outputs and gradients at the given inputs. Hand-masked model
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import functools
+import html
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.extend import core as jcore
 
 from masked_jax._core import MaskedArray
+from masked_jax.checking._compile import _callbacks, _has_own_rules, _lift_constants
+from masked_jax.checking._report import TABLE_STYLE, styled, write_page
 
 FILLS = {"zero": 0.0, "nan": float("nan"), "inf": float("inf"), "-inf": float("-inf"), "huge": None}
 POSITIONS = ("end", "start", "scattered")
@@ -90,6 +96,50 @@ class InvarianceReport:
         if len(bad) > 12:
             lines.append(f"  ... and {len(bad) - 12} more failing cases")
         return "\n".join(lines)
+
+    def _repr_html_(self) -> str:
+        return self.to_html()
+
+    def to_html(self) -> str:
+        """The report as HTML: the verdict and a table of every case that changed something (what,
+        at which index, from what to what)."""
+        e = html.escape
+        bad = self.failures()
+        colour = "#2e7d32" if not bad else "#c62828"
+        out = [
+            f"<div><b style='color:{colour}'>Invariance check {'passed' if not bad else 'FAILED'}</b>: "
+            f"{len(self.cases) - len(bad)} of {len(self.cases)} re-paddings x transforms unchanged"
+            f"<br><small>rtol {self.rtol:g}</small>"
+        ]
+        if bad:
+            out.append(
+                f"<table style='{TABLE_STYLE}'><tr><th>re-padding</th><th>transform</th><th>what changed</th>"
+                "<th>index</th><th>given</th><th>re-padded</th></tr>"
+            )
+            for c in bad:
+                what, index, expected, got = c.first
+                out.append(
+                    f"<tr><td>{e(c.padding)}</td><td>{e(c.transform)}</td><td>{e(what)}</td>"
+                    f"<td>{e('shape' if index == 'shape' else str(list(index)))}</td>"
+                    f"<td>{e(_show(expected))}</td><td>{e(_show(got))}</td></tr>"
+                )
+            out.append("</table>")
+        out.append("</div>")
+        return styled("".join(out))
+
+    def save_html(self, path) -> None:
+        """Write the report as a standalone HTML page.
+
+        Examples:
+            >>> import pathlib, tempfile, jax.numpy as jnp, masked_jax as mj
+            >>> x = mj.masked_array(jnp.ones((1, 3)), jnp.array([[True, True, False]]))
+            >>> r = mj.check_invariance(lambda v: jnp.sum(v.filled(0), axis=1), (x,), axis=1)
+            >>> path = pathlib.Path(tempfile.mkdtemp()) / "report.html"
+            >>> r.save_html(path)
+            >>> "Invariance check passed" in path.read_text()
+            True
+        """
+        write_page(path, "Invariance check", self.to_html())
 
 
 def _show(v):
@@ -229,15 +279,15 @@ def check_invariance(
 
     rng = np.random.default_rng(seed)
     ref_keeps = keeps[padded[0]]
-    outs_ref, ks = _valid_outputs(f(*args), out_axis, axis, length, ref_keeps)
+    outs_ref, ks = _valid_outputs(f(*args), out_axis, axis, length, ref_keeps, xp=np)
     weights = [
         None
         if not jnp.issubdtype(v.dtype, jnp.floating)
-        else jnp.asarray(rng.normal(size=v.shape), v.dtype) * (1 if m is None else m)
+        else jnp.asarray((rng.normal(size=v.shape) * (1 if m is None else m)).astype(v.dtype))
         for (v, m), _ in outs_ref
     ]
-    run = _Run(f, flat, treedef, params, out_axis, axis, ks, weights)
-    grad_ref = run.gradients(flat, "given", length, ref_keeps, jit=True) if run.diff else None
+    run = _Run(f, flat, treedef, params, out_axis, axis, ks, weights, [name for _, name in outs_ref])
+    grad_ref = run.evaluate(flat, "given", length, ref_keeps, jit=True)[1] if run.diff else None
     names = [
         "args" + jax.tree_util.keystr(path)
         for path, _ in jax.tree_util.tree_flatten_with_path(args, is_leaf=lambda x: isinstance(x, MaskedArray))[0]
@@ -367,22 +417,27 @@ def _repad(flat, padded, ax, slots, new_len, fill):
         nd = np.where(nm, nd, np.asarray(value).astype(data.dtype))
         nd = np.moveaxis(nd.reshape(lead + trail + (new_len,)), -1, a)
         nm = np.moveaxis(nm.reshape(lead + trail + (new_len,)), -1, a)
+        compact = np.shape(x.mask) if np.ndim(x.mask) == x.ndim else x.shape
+        for d, n in enumerate(compact):  # the mask keeps its compact dims ((B, L, 1) tokens)
+            if n == 1 and nm.shape[d] != 1 and (nm == nm.take([0], axis=d)).all():
+                nm = nm.take([0], axis=d)
         leaves[i] = MaskedArray.tree_unflatten(None, (jnp.asarray(nd), jnp.asarray(nm)))
     return leaves
 
 
-def _valid_outputs(out, out_axis, axis, length, kept, ks=None):
+def _valid_outputs(out, out_axis, axis, length, kept, ks=None, xp=jnp):
     """``([((values, mask or None), name)], ks)`` per output leaf: compacted along its padded axis
     (valid positions first, in order, ``ks[j]`` slots: the longest row of the reference) with
     masked-out entries set to 0. ``ks=None`` (the reference, concrete) measures ``ks``; traceable
-    otherwise."""
+    otherwise. ``xp``: ``jnp`` (inside a compiled program), or ``np`` for concrete outputs (no
+    operation compiled)."""
     flat, _ = jax.tree_util.tree_flatten_with_path(out, is_leaf=lambda x: isinstance(x, MaskedArray))
     result, measured = [], []
     for j, (path, leaf) in enumerate(flat):
         name = "out" + jax.tree_util.keystr(path)
         own = isinstance(leaf, MaskedArray)
-        data = leaf.data if own else jnp.asarray(leaf)
-        mask = jnp.broadcast_to(leaf.mask, leaf.shape) if own else None
+        data = xp.asarray(leaf.data if own else leaf)
+        mask = xp.broadcast_to(xp.asarray(leaf.mask), leaf.shape) if own else None
         a = out_axis
         if (
             a is None
@@ -400,49 +455,112 @@ def _valid_outputs(out, out_axis, axis, length, kept, ks=None):
                     f"check_invariance: out_axis {a} is out of range for output {name} of shape {data.shape}."
                 )
             a %= data.ndim
-            pos_valid = _kept(leaf, a, jnp) if own else jnp.asarray(kept)
+            pos_valid = _kept(leaf, a, xp) if own else xp.asarray(kept)
             if pos_valid.shape[0] != int(np.prod(data.shape[:a], dtype=np.int64)):
                 raise ValueError(
                     f"check_invariance: output {name} of shape {data.shape} does not have the "
                     f"inputs' {pos_valid.shape[0]} rows before its padded axis {a}; give out_axis."
                 )
             k = max(int(np.asarray(pos_valid).sum(-1).max(initial=0)), 1) if ks is None else ks[j]
-            data, mask = _compact(data, mask, a, pos_valid, k)
+            data, mask = _compact(data, mask, a, pos_valid, k, xp)
         measured.append(k)
-        result.append(((data if mask is None else jnp.where(mask, data, 0), mask), name))
+        result.append(((data if mask is None else xp.where(mask, data, 0), mask), name))
     return result, measured
 
 
-def _compact(data, mask, a, pos_valid, k):
+def _compact(data, mask, a, pos_valid, k, xp=jnp):
     """``data`` (and ``mask``) along axis ``a`` as ``(rows, trailing..., k)``: each row's valid
     positions first, in order; slots past a row's valid count are masked."""
     rows = pos_valid.shape[0]
-    d = jnp.moveaxis(data, a, -1)
+    d = xp.moveaxis(data, a, -1)
     trail = d.shape[len(data.shape[:a]) : -1]
     d = d.reshape((rows,) + trail + (data.shape[a],))
-    m = None if mask is None else jnp.moveaxis(mask, a, -1).reshape(d.shape)
+    m = None if mask is None else xp.moveaxis(mask, a, -1).reshape(d.shape)
     if data.shape[a] < k:  # fewer positions than the reference's valid ones: pad (masked)
         widths = [(0, 0)] * (d.ndim - 1) + [(0, k - data.shape[a])]
-        d = jnp.pad(d, widths)
-        m = None if m is None else jnp.pad(m, widths)
-        pos_valid = jnp.pad(pos_valid, [(0, 0), (0, k - data.shape[a])])
-    order = jnp.argsort(~pos_valid, axis=-1, stable=True)[:, :k]  # valid positions first, in order
-    ok = jnp.take_along_axis(pos_valid, order, -1)
-    idx = jnp.broadcast_to(order.reshape((rows,) + (1,) * len(trail) + (k,)), (rows,) + trail + (k,))
-    ok = jnp.broadcast_to(ok.reshape((rows,) + (1,) * len(trail) + (k,)), idx.shape)
+        d = xp.pad(d, widths)
+        m = None if m is None else xp.pad(m, widths)
+        pos_valid = xp.pad(pos_valid, [(0, 0), (0, k - data.shape[a])])
+    order = xp.argsort(~pos_valid, axis=-1, stable=True)[:, :k]  # valid positions first, in order
+    ok = xp.take_along_axis(pos_valid, order, -1)
+    idx = xp.broadcast_to(order.reshape((rows,) + (1,) * len(trail) + (k,)), (rows,) + trail + (k,))
+    ok = xp.broadcast_to(ok.reshape((rows,) + (1,) * len(trail) + (k,)), idx.shape)
     if m is not None:
-        ok = ok & jnp.take_along_axis(m, idx, -1)
-    return jnp.take_along_axis(d, idx, -1), ok
+        ok = ok & xp.take_along_axis(m, idx, -1)
+    return xp.take_along_axis(d, idx, -1), ok
+
+
+# The compiled programs of every check, by the structure of ``f`` at one layout (its jaxpr with the
+# constants it captured lifted into inputs, see ``_Traced``) and what the program computes from it:
+# a function with the same code (a re-run notebook cell, other parameters or captured numbers)
+# finds them compiled.
+_PROGRAMS: collections.OrderedDict = collections.OrderedDict()
+_PROGRAMS_SIZE = 256
+
+
+# The check's programs run once or a few times on small inputs: XLA's slower optimisations would
+# cost more compile time than they save
+_FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+
+
+def _jit(fn):
+    return jax.jit(fn, compiler_options=_FAST_COMPILE)
+
+
+def _program(key, build):
+    """The program cached under ``key``, built by ``build()`` when missing."""
+    if key in _PROGRAMS:
+        _PROGRAMS.move_to_end(key)
+        return _PROGRAMS[key]
+    _PROGRAMS[key] = program = build()
+    while len(_PROGRAMS) > _PROGRAMS_SIZE:
+        _PROGRAMS.popitem(last=False)
+    return program
+
+
+class _Traced:
+    """``call`` traced at one layout, its constants (arrays and Python numbers) lifted into inputs:
+    ``fn(lifted, arrays)`` evaluates it, ``lifted`` holds this function's constants, ``key`` is the
+    structure (printed jaxpr, the lifted values' shapes and dtypes, the input and output trees, the
+    host callbacks it makes). ``None`` (see :meth:`of`) when ``call`` does not trace (it reads values
+    in Python) or has custom derivative rules of its own, which print by name only."""
+
+    def __init__(self, jaxpr, lifted, out_tree, key):
+        self.lifted, self.key = lifted, key
+        run = jcore.jaxpr_as_fun(jaxpr)
+        self.fn = lambda lifted, arrays: jax.tree_util.tree_unflatten(
+            out_tree, run(*lifted, *jax.tree_util.tree_leaves(arrays))
+        )
+
+    @classmethod
+    def of(cls, call, arrays):
+        try:
+            closed, shapes = jax.make_jaxpr(call, return_shape=True)(arrays)
+        except Exception:  # noqa: BLE001 - f reads values in Python: it runs uncached
+            return None
+        if _has_own_rules(closed.jaxpr):
+            return None
+        jaxpr, lifted = _lift_constants(closed)
+        out_tree = jax.tree_util.tree_structure(shapes)
+        key = (
+            str(jaxpr.jaxpr),
+            tuple((np.shape(v), str(np.result_type(v))) for v in lifted),
+            str(jax.tree_util.tree_structure(arrays)),
+            str(out_tree),
+            tuple(_callbacks(jaxpr.jaxpr)),
+        )
+        return cls(jaxpr, lifted, out_tree, key)
 
 
 class _Run:
     """How one re-padded input set is evaluated: the outputs, and the gradients of their weighted
     valid entries with respect to the float leaves of the ``params`` arguments. Leaves that are not
-    arrays (flags, sizes) are static; the jitted functions are built once per layout and serve
-    every content."""
+    arrays (flags, sizes) are static. Compiled evaluations run ``f`` traced once per layout
+    (:class:`_Traced`), through programs cached by its structure (``_PROGRAMS``), so every content
+    of a layout, and a later check of a function with the same code, reuses them."""
 
-    def __init__(self, f, flat, treedef, params, out_axis, axis, ks, weights):
-        self.f, self.treedef, self.params = f, treedef, params
+    def __init__(self, f, flat, treedef, params, out_axis, axis, ks, weights, names):
+        self.f, self.treedef, self.params, self.names = f, treedef, params, names
         self.out_axis, self.axis, self.ks, self.weights = out_axis, axis, ks, weights
         self.dynamic = [i for i, x in enumerate(flat) if isinstance(x, (jax.Array, np.ndarray, MaskedArray))]
         self.static = {i: x for i, x in enumerate(flat) if i not in self.dynamic}
@@ -450,8 +568,9 @@ class _Run:
         owner = jax.tree_util.tree_unflatten(treedef, list(range(len(flat))))
         mine = sorted(i for p in params for i in jax.tree_util.tree_leaves(owner[p]))
         self.diff = [i for i in mine if _inexact(flat[i]) and not isinstance(flat[i], MaskedArray)]
-        self.jit_call = jax.jit(self.call)
-        self._grads = {}
+        self.where = [self.dynamic.index(i) for i in self.diff]
+        self._traced = {}  # layout -> _Traced or None
+        self._uncached = {}  # programs of a function that does not trace: this check's own
 
     def call(self, arrays):
         leaves = [None] * (len(self.dynamic) + len(self.static))
@@ -465,56 +584,118 @@ class _Run:
         return [leaves[i] for i in self.dynamic]
 
     def outputs(self, out, length, kept):
-        return _valid_outputs(out, self.out_axis, self.axis, length, kept, self.ks)[0]
+        """The valid outputs of concrete outputs ``out``, compacted on the host (no program)."""
+        return _valid_outputs(out, self.out_axis, self.axis, length, kept, self.ks, np)[0]
 
-    def grad_fn(self, layout, length, kept, jit):
-        """``(floats, arrays) -> gradients``, built once per layout."""
-        key = (layout, jit)
-        if key not in self._grads:
-            where = [self.dynamic.index(i) for i in self.diff]
+    def valid(self, out, length, kept):
+        """The valid outputs' ``(values, mask)`` pairs, traceable (inside a compiled program)."""
+        return _weighted(out, kept, None, out_axis=self.out_axis, axis=self.axis, length=length, ks=tuple(self.ks))[1]
 
-            def loss(floats, arrays):
-                arrays = list(arrays)
-                for j, v in zip(where, floats):
-                    arrays[j] = v
-                pairs = zip(self.outputs(self.call(arrays), length, kept), self.weights)
-                return sum(jnp.sum(v * w) for ((v, _), _), w in pairs if w is not None)
+    def named(self, pairs):
+        """Compacted ``(values, mask)`` pairs from a program, on the host and with their names."""
+        pairs = jax.tree_util.tree_map(np.asarray, pairs)
+        return [(pair, name) for pair, name in zip(pairs, self.names)]
 
-            g = jax.grad(loss)
-            self._grads[key] = jax.jit(g) if jit else g
-        return self._grads[key]
+    def loss_of(self, fn, length):
+        """``loss(floats, lifted, arrays, kept, weights) -> (loss, valid)``: the weighted valid
+        outputs of ``fn``, with those outputs (:meth:`valid`)."""
 
-    def gradients(self, leaves, layout, length, kept, jit=False):
-        """The gradients, as ``{leaf position: gradient}``."""
-        g = self.grad_fn(layout, length, kept, jit)([leaves[i] for i in self.diff], self.arrays(leaves))
-        return dict(zip(self.diff, g))
+        def loss(floats, lifted, arrays, kept, weights):
+            arrays = list(arrays)
+            for j, v in zip(self.where, floats):
+                arrays[j] = v
+            config = {"out_axis": self.out_axis, "axis": self.axis, "length": length, "ks": tuple(self.ks)}
+            return _weighted(fn(lifted, arrays), kept, weights, **config)
+
+        return loss
+
+    def programs(self, layout, arrays, length):
+        """``(lifted, call, both, vmapped)`` for one layout, compiled: ``call(lifted, arrays)`` (the
+        outputs), ``both(floats, lifted, arrays, kept, weights) -> ((loss, outputs), gradients)``,
+        and ``vmapped(axes)``: the one of them a check needs (``both`` when it compares gradients)
+        vmapped over the stacked contents (the arrays' axes ``axes``)."""
+        if layout not in self._traced:
+            self._traced[layout] = _Traced.of(self.call, arrays)
+        traced = self._traced[layout]
+        if traced is None:
+            key, lifted, fn, store = (layout,), [], lambda _, arrays: self.call(arrays), self._uncached
+        else:
+            config = (self.out_axis, self.axis, length, tuple(self.ks), tuple(self.where))
+            key, lifted, fn, store = traced.key + config, traced.lifted, traced.fn, None
+        both = jax.value_and_grad(self.loss_of(fn, length), has_aux=True)
+
+        def call(lifted, arrays, kept):
+            return self.valid(fn(lifted, arrays), length, kept)
+
+        def cached(kind, build):
+            if store is None:
+                return _program((kind,) + key, build)
+            if (kind,) + key not in store:
+                store[(kind,) + key] = build()
+            return store[(kind,) + key]
+
+        def vmapped(axes):
+            if not self.diff:
+                return cached(("vcall", tuple(axes)), lambda: _jit(jax.vmap(call, in_axes=(None, list(axes), None))))
+            in_axes = ([axes[j] for j in self.where], None, list(axes), None, None)
+            return cached(("vboth", tuple(axes)), lambda: _jit(jax.vmap(both, in_axes=in_axes)))
+
+        return lifted, cached("call", lambda: _jit(call)), cached("both", lambda: _jit(both)), vmapped
 
     def evaluate(self, leaves, layout, length, kept, jit, grads=True):
-        out = (self.jit_call if jit else self.call)(self.arrays(leaves))
-        grads = self.gradients(leaves, layout, length, kept, jit) if self.diff and grads else None
-        return self.outputs(out, length, kept), grads
+        """The valid outputs, and the gradients (``{leaf position: gradient}``) when ``grads`` and
+        the check has parameters: compiled (one program computes both), or eagerly (``f`` itself,
+        its gradient by an eager ``jax.grad``)."""
+        arrays = self.arrays(leaves)
+        grads = bool(self.diff) and grads
+        floats, extra = [leaves[i] for i in self.diff], (jnp.asarray(kept), self.weights)
+        if jit:
+            lifted, call, both, _ = self.programs(layout, arrays, length)
+            if grads:
+                (_, valid), g = both(floats, lifted, arrays, *extra)
+            else:
+                valid = call(lifted, arrays, extra[0])
+            outs = self.named(valid)
+        elif grads:
+            eager = jax.value_and_grad(self.loss_of(lambda _, arrays: self.call(arrays), length), has_aux=True)
+            (_, valid), g = eager(floats, [], arrays, *extra)
+            outs = self.named(valid)
+        else:
+            outs = self.outputs(self.call(arrays), length, kept)
+        return outs, dict(zip(self.diff, g)) if grads else None
 
     def vmapped(self, variants, padded, layout, length, kept):
         """Every content of one layout at once: ``vmap`` over the stacked padded leaves (others shared)."""
         stacked = list(variants[0])
         axes: list[int | None] = [None] * len(variants[0])
         for i in padded:
-            stacked[i] = jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *[v[i] for v in variants])
+            stacked[i] = jax.tree_util.tree_map(lambda *xs: jnp.asarray(np.stack(xs)), *[v[i] for v in variants])
             axes[i] = 0
         arr_axes = [axes[i] for i in self.dynamic]
-        outs = jax.jit(jax.vmap(self.call, in_axes=(arr_axes,)))(self.arrays(stacked))
+        lifted, _, _, vmapped = self.programs(layout, self.arrays(variants[0]), length)
+        program = vmapped(arr_axes)
         grads = None
         if self.diff:
-            g = self.grad_fn(layout, length, kept, False)
-            grads = jax.jit(jax.vmap(g, in_axes=([axes[i] for i in self.diff], arr_axes)))(
-                [stacked[i] for i in self.diff], self.arrays(stacked)
-            )
-            grads = dict(zip(self.diff, grads))
+            floats = [stacked[i] for i in self.diff]
+            (_, valid), grads = program(floats, lifted, self.arrays(stacked), jnp.asarray(kept), self.weights)
+            grads = dict(zip(self.diff, jax.tree_util.tree_map(np.asarray, grads)))
+        else:
+            valid = program(lifted, self.arrays(stacked), jnp.asarray(kept))
+        valid = jax.tree_util.tree_map(np.asarray, valid)
         take = lambda tree, j: jax.tree_util.tree_map(lambda x: x[j], tree)  # noqa: E731
-        return [
-            (self.outputs(take(outs, j), length, kept), None if grads is None else take(grads, j))
-            for j in range(len(variants))
-        ]
+        return [(self.named(take(valid, j)), None if grads is None else take(grads, j)) for j in range(len(variants))]
+
+
+@functools.partial(jax.jit, static_argnames=("out_axis", "axis", "length", "ks"))
+def _weighted(out, kept, weights, *, out_axis, axis, length, ks):
+    """``(loss, valid)``: the outputs ``out`` compacted to their valid entries (``(values, mask)``
+    pairs) and their sum weighted by ``weights`` (0 without weights). Compiled once per output
+    shapes and settings, for every check: an eager gradient of ``f`` runs ``f`` op by op and this
+    as one program."""
+    valid = [pair for pair, _ in _valid_outputs(out, out_axis, axis, length, kept, list(ks))[0]]
+    if weights is None:
+        return jnp.zeros(()), valid
+    return sum((jnp.sum(v * w) for (v, _), w in zip(valid, weights) if w is not None), jnp.zeros(())), valid
 
 
 def _inexact(v):

@@ -157,7 +157,7 @@ class JacobianReport:
         for note in self.notes:
             out.append(f"<br><small>note: {e(note)}</small>")
         out.append(
-            f"<table style='{_TABLE}'><tr><th>semantics</th><th>mode</th><th>output</th><th>input</th><th>result</th>"
+            f"<table style='{TABLE_STYLE}'><tr><th>semantics</th><th>mode</th><th>output</th><th>input</th><th>result</th>"
             "<th>max abs err</th><th>max rel err</th><th>off-mask leak</th></tr>"
         )
         for c in self.checks:
@@ -172,7 +172,7 @@ class JacobianReport:
         for c in self.failures():
             out.append(
                 f"<p><b>{c.semantics} {c.mode} d{e(c.output)}/d{e(c.input)}</b>: {e(c.reason)}. Worst entries</p>"
-                f"<table style='{_TABLE}'><tr><th>output</th><th>input</th><th>numerical</th><th>analytical</th></tr>"
+                f"<table style='{TABLE_STYLE}'><tr><th>output</th><th>input</th><th>numerical</th><th>analytical</th></tr>"
             )
             for out_idx, in_idx, num, an, bad in c.worst:
                 style = " style='background:#ffcdd2'" if bad else ""
@@ -184,7 +184,7 @@ class JacobianReport:
             if c.leak_map:
                 out.append(
                     f"<p><b>leak map</b>: masked-out elements of {e(c.input)} reaching valid elements of "
-                    f"{e(c.output)}</p><table style='{_TABLE}'><tr><th>masked-out input</th><th>valid output"
+                    f"{e(c.output)}</p><table style='{TABLE_STYLE}'><tr><th>masked-out input</th><th>valid output"
                     "</th><th>through</th></tr>"
                 )
                 for in_idx, out_idx, kinds in c.leak_map:
@@ -196,7 +196,7 @@ class JacobianReport:
             if heatmap and c.diff is not None:
                 out.append(_heatmap(c.diff, max_heatmap, c.leak_cells))
         out.append("</div>")
-        return "".join(out).replace("<td>", f"<td style='{_TD}'>").replace("<th>", f"<th style='{_TD}'>")
+        return styled("".join(out))
 
     def save_html(self, path, heatmap: bool = True) -> None:
         """Write the report as a standalone HTML page that any browser shows as Jupyter does.
@@ -209,12 +209,7 @@ class JacobianReport:
             >>> "Jacobian check passed" in path.read_text()
             True
         """
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(
-                "<!DOCTYPE html><html><head><meta charset='utf-8'><title>Jacobian check</title></head>"
-                "<body style='font:14px sans-serif;margin:16px;background:#ffffff;color:#111111'>"
-                f"{self.to_html(heatmap=heatmap)}</body></html>"
-            )
+        write_page(path, "Jacobian check", self.to_html(heatmap=heatmap))
 
     def plot(self, checks=None, max_cells: int = 60):
         """``|numerical - analytical|`` of full-mode checks as matplotlib heatmaps, one panel each.
@@ -274,7 +269,21 @@ class JacobianReport:
         return fig
 
 
-_TABLE = "border-collapse:collapse;margin:6px 0;font:12px sans-serif"
+def write_page(path, title: str, body: str) -> None:
+    """Write ``body`` (HTML) as a standalone page titled ``title``."""
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(
+            f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title></head>"
+            f"<body style='font:14px sans-serif;margin:16px;background:#ffffff;color:#111111'>{body}</body></html>"
+        )
+
+
+def styled(table_html: str) -> str:
+    """``table_html`` with the reports' cell style on every ``td`` and ``th``."""
+    return table_html.replace("<td>", f"<td style='{_TD}'>").replace("<th>", f"<th style='{_TD}'>")
+
+
+TABLE_STYLE = "border-collapse:collapse;margin:6px 0;font:12px sans-serif"
 _TD = "border:1px solid #cccccc;padding:2px 6px;text-align:left"
 _LEAK = "#7b1fa2"  # leak-map cells: purple, apart from the error scale's reds and the greys
 _CELL = 18  # heatmap cell size in pixels, set inline so the report needs no style sheet

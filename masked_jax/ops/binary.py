@@ -37,7 +37,9 @@ def nary(fn, safe=1, preserves=()):
     ``preserves`` names the operands in which ``fn`` keeps a non-finite entry non-finite when the
     others are finite constants (``x * 0.5``, ``x / 8.0``, ``x + 1.0``): under ``maskify`` a
     conditional record of such an operand (see :class:`masked_jax.ops._factors.Known`) carries over
-    to the result.
+    to the result. ``fn`` is linear in those operands: when the one masked operand is such an
+    operand with unknown values where masked and the others are finite constants, no derivative
+    reads the masked values, and nothing is filled.
     """
 
     def rule(*operands: Pair, _facts: Facts = NO_FACTS, **kwargs) -> Any:  # a Pair (a tuple of them for divmod)
@@ -57,6 +59,10 @@ def nary(fn, safe=1, preserves=()):
         conditional = _conditional(operands, held, mask, preserves, facts)
         if conditional is not None:
             held[conditional[0]] = conditional[1]
+        elif safe is not None and _linear_in_unknown(operands, held, preserves, f, safe, dtypes):
+            # x * 0.125, x / 8.0: the derivative in x is the constant's, whatever x holds where
+            # masked, and no other operand has a derivative: nothing to fill, nothing known there
+            return Pair(fn(*(o.data for o in operands), **kwargs), mask)
         if safe is None:
             datas, values = [o.data for o in operands], held
         else:
@@ -115,6 +121,19 @@ def _conditional(operands, held, mask, preserves, facts: Facts):
         return None
     k = facts.known(operands[masked[0]].data, mask, conditional=True)
     return None if k is None else (masked[0], k.value)
+
+
+def _linear_in_unknown(operands, held, preserves, f, safe, dtypes) -> bool:
+    """Whether the one masked operand, holding unknown values where masked, is one ``fn`` is linear
+    in (``preserves``) and every other operand a finite 0-d constant at which ``fn`` and its
+    derivatives are finite (not a divisor of 0): then no derivative reads the masked values."""
+    masked = [i for i, o in enumerate(operands) if o.mask is not None]
+    if len(masked) != 1 or masked[0] not in preserves or held[masked[0]] is not None:
+        return False
+    if any(v is None for i, v in enumerate(held) if i != masked[0]):
+        return False
+    values = tuple(safe if i == masked[0] else v for i, v in enumerate(held))
+    return bool(_factors.evaluate(f, values, dtypes)[1])
 
 
 def _finite_constant(p: Pair) -> bool:

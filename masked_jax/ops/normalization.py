@@ -40,15 +40,23 @@ def softmax(x: Pair, axis=-1) -> Pair:
 
 def compact_softmax(x: Pair, axes, facts: Facts) -> Pair:
     """``jax.nn.softmax`` along ``axes`` over the valid elements, for ``maskify``: the masked entries
-    enter as ``-inf``, so their exponentials are exactly 0 and nothing else is filled (one select at
-    the data's shape; the mask stays compact). A slice with no valid element is shifted by 0 and
-    divided by 1 (data 0). The data are recorded as 0 under the mask: they are, except in a slice
-    whose valid maximum is NaN, or ``-inf`` (every valid element ``-inf``), where every valid value
-    of the slice is NaN too, as in jax: a record ``along`` the axes, which only a contraction along
-    them reads (attention's weights times values)."""
-    shifted, has = _minus_inf_shifted(x, axes, facts)
-    e = jnp.exp(shifted)
-    out = e / jnp.where(has, jnp.sum(e, axis=axes, keepdims=True), 1)
+    enter as ``-inf``, so their exponentials are exactly 0 (one select at the data's shape; the mask
+    stays compact), and the steps after it are jax's own (max, shift, exp, sum, divide), which XLA
+    fuses into one loop. A slice with no valid element enters as zeros instead: its data are the
+    uniform ``1 / n``, finite and all masked. The data are recorded as 0 under the mask: they are,
+    except in such a slice and in a slice whose valid maximum is NaN or ``-inf`` (every valid element
+    ``-inf``), where every valid value of the slice is NaN too, as in jax: a record ``along`` the
+    axes, which only a contraction along them reads (attention's weights times values), whose
+    outputs from such a slice are masked or NaN as in jax."""
+    data = jnp.asarray(x.data)
+    m = ranked(x.mask, data.ndim, facts)
+    has = any_valid(m, data.shape, axes, keepdims=True, facts=facts)
+    # the fill at the compact shape of ``has``: -inf beside valid elements, 0 in an empty slice
+    entered = jnp.where(m, data, jnp.where(has, -jnp.inf, 0).astype(data.dtype))
+    empty = any(data.shape[a] == 0 for a in axes)  # nothing to normalise: jnp.max needs an initial
+    top = jnp.max(entered, axis=axes, keepdims=True, initial=-jnp.inf if empty else None)
+    e = jnp.exp(entered - jax.lax.stop_gradient(top))
+    out = e / jnp.sum(e, axis=axes, keepdims=True)
     return Pair(facts.record_value(out, x.mask, 0, True, along=axes), x.mask)
 
 

@@ -1,0 +1,127 @@
+"""masked_jax.testing: the assertion helpers, and the pytest plugin's ``--mj-report`` files."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import pytest
+
+import masked_jax as mj
+import masked_jax.numpy as mnp
+from masked_jax.testing import assert_invariant, assert_jacobian
+from masked_jax.testing._plugin import report_path
+
+pytest_plugins = ["pytester"]
+
+X = mj.masked_array(jnp.array([0.5, 1.0, 2.0, -1.0]), jnp.array([True, True, False, True]))
+TOKENS = mj.masked_array(jnp.arange(8.0).reshape(2, 4), jnp.array([[1, 1, 1, 0], [1, 0, 0, 0]], bool))
+
+
+def test_assert_jacobian_returns_the_report_of_a_passing_check():
+    report = assert_jacobian(lambda v: mnp.sum(mnp.sin(v) * v), (X,))
+    assert isinstance(report, mj.JacobianReport) and bool(report)
+    assert report.satisfies == ("masked",)
+
+
+def test_assert_jacobian_raises_an_assertion_error_carrying_the_report():
+    with pytest.raises(AssertionError) as info:
+        assert_jacobian(lambda v: jnp.sum(jnp.sin(v.data)), (X,))
+    err = info.value
+    assert isinstance(err, mj.JacobianError) and not err.report
+    text = str(err)
+    assert text == repr(err.report)
+    assert "FAILED: fails masked semantics" in text and "leak map" in text
+    assert "x[2]" in text or "[2]" in text  # the masked-out element that leaks is named
+
+
+def test_assert_jacobian_checks_masked_semantics_by_default():
+    """A function that reads the data under the mask has dense semantics: check_jacobian's default
+    ("both") accepts it, the assertion (masked, by default) does not, unless asked for dense."""
+    leaky = lambda v: jnp.sum(v.data**2)  # noqa: E731
+    assert bool(mj.check_jacobian(leaky, (X,), raise_exception=False))
+    with pytest.raises(mj.JacobianError):
+        assert_jacobian(leaky, (X,))
+    assert bool(assert_jacobian(leaky, (X,), semantics="dense"))
+
+
+def test_assert_invariant_passes_and_fails_as_check_invariance():
+    report = assert_invariant(lambda v: mnp.mean(v, axis=1), (TOKENS,), axis=1)
+    assert isinstance(report, mj.InvarianceReport) and bool(report)
+    with pytest.raises(AssertionError) as info:
+        assert_invariant(lambda v: jnp.mean(v.filled(0), axis=1), (TOKENS,), axis=1)
+    err = info.value
+    assert isinstance(err, mj.InvarianceError) and str(err) == repr(err.report)
+    assert "[FAIL]" in str(err) and err.report.first_failure.first[0] == "out"
+
+
+def test_an_invariance_report_as_html_lists_every_failing_case(tmp_path):
+    report = mj.check_invariance(lambda v: jnp.mean(v.filled(0), axis=1), (TOKENS,), axis=1, raise_exception=False)
+    page = report.to_html()
+    assert "Invariance check FAILED" in page
+    assert page.count("<tr>") == len(report.failures()) + 1  # a header and one row per failing case
+    report.save_html(tmp_path / "r.html")
+    assert (tmp_path / "r.html").read_text().startswith("<!DOCTYPE html>")
+
+
+_SUITE = """
+import jax.numpy as jnp
+import masked_jax as mj
+import masked_jax.numpy as mnp
+from masked_jax.testing import assert_invariant, assert_jacobian
+
+X = mj.masked_array(jnp.array([0.5, 1.0, 2.0]), jnp.array([True, True, False]))
+T = mj.masked_array(jnp.ones((2, 4)), jnp.array([[1, 1, 0, 0], [1, 1, 1, 0]], bool))
+
+def test_leak():
+    assert_jacobian(lambda v: jnp.sum(jnp.sin(v.data)), (X,))
+
+def test_padded_mean():
+    assert_invariant(lambda v: jnp.mean(v.filled(0), axis=1), (T,), axis=1)
+
+def test_raised_by_the_check_itself():
+    mj.check_jacobian(lambda v: jnp.sum(v.data), (X,), semantics="masked")
+
+def test_passes():
+    assert_jacobian(lambda v: mnp.sum(mnp.sin(v)), (X,))
+
+def test_fails_otherwise():
+    assert 1 == 2
+"""
+
+
+def test_the_plugin_writes_the_report_of_each_failing_check(pytester, tmp_path):
+    pytester.makepyfile(test_suite=_SUITE)
+    out = tmp_path / "reports"
+    result = pytester.runpytest("--mj-report", str(out), "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1, failed=4)
+    written = sorted(p.name for p in out.iterdir())
+    want = {name: report_path(out, f"test_suite.py::{name}").name for name in ("test_leak", "test_padded_mean")}
+    want["test_raised_by_the_check_itself"] = report_path(out, "test_suite.py::test_raised_by_the_check_itself").name
+    assert written == sorted(want.values())  # no file for the passing test, nor for a plain assert
+    assert "Jacobian check FAILED" in (out / want["test_leak"]).read_text()
+    assert "Invariance check FAILED" in (out / want["test_padded_mean"]).read_text()
+    assert "Jacobian check FAILED" in (out / want["test_raised_by_the_check_itself"]).read_text()
+    result.stdout.fnmatch_lines(["*check report written to*test_suite.py_test_leak.html*"])
+
+
+def test_without_the_option_the_plugin_writes_nothing(pytester):
+    pytester.makepyfile(test_suite=_SUITE)
+    result = pytester.runpytest("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1, failed=4)
+    assert not list(pytester.path.rglob("*.html"))
+    assert "--mj-report" in "\n".join(pytester.runpytest("--help").outlines)
+
+
+def test_the_test_file_in_the_docs_runs_and_passes():
+    """docs/jacobians.md's test file, as written: its tests pass."""
+    import pathlib
+    import re
+
+    text = (pathlib.Path(__file__).parent.parent / "docs" / "jacobians.md").read_text()
+    section = text[text.index("## In a test suite") :]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    scope: dict = {}
+    exec(compile(code, "docs/jacobians.md", "exec"), scope)
+    tests = [v for k, v in scope.items() if k.startswith("test_")]
+    assert len(tests) == 2
+    for test in tests:
+        test()
