@@ -274,3 +274,19 @@ def test_an_eager_gradient_of_masked_code_runs_its_compiled_program():
     assert n1 > 0 and n2 == 0, (n1, n2)
     want = jax.jit(jax.grad(loss(_token_model(2.0))))(params)
     jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-12), g2, want)
+
+
+def test_a_gradient_zero_but_for_round_off_is_compared_on_the_whole_gradient_s_scale():
+    """A parameter whose gradient is 0 but for round-off (a bias that a softmax cancels: its
+    gradient is a sum of terms that cancel) may move by round-off of the gradient's size; a real
+    change of that parameter's gradient is still found."""
+    from masked_jax.checking._invariance import _first_change
+
+    ref = {0: np.array([0.5, -2.0]), 1: np.array([1.4e-17])}
+    outs = [((np.array([1.0]), None), "out")]
+    assert _first_change(outs, outs, ref, {0: ref[0], 1: np.array([-2.1e-17])}, 1e-10, ["w", "b"]) is None
+    moved = _first_change(outs, outs, ref, {0: ref[0], 1: np.array([1e-6])}, 1e-10, ["w", "b"])
+    assert moved is not None and moved[0] == "grad b" and moved[1] == (0,)
+    # a whole gradient of round-off: nothing to compare against but itself
+    tiny = {0: np.array([1e-17])}
+    assert _first_change(outs, outs, tiny, {0: np.array([3e-17])}, 1e-10, ["b"]) is not None

@@ -111,7 +111,8 @@ def check_jacobian(
             output shapes have been checked eagerly before runs eagerly, op by op, at once (jax's
             compiled primitives serve it); in interactive sessions the check then compiles in a
             background thread (``MJ_CHECK_BACKGROUND=1`` or ``0`` decides elsewhere). ``True``
-            always compiles, ``False`` always runs eagerly. A function with the same code as one
+            always compiles, ``False`` always runs eagerly, op by op: for debugging ``f`` inside
+            the check (a breakpoint, a print), many times slower than either. A function with the same code as one
             checked before (a re-run notebook cell, other captured arrays or numbers, another
             mask of the same shapes) finds that one's check and runs it on its own constants
             (for sparse inputs: only with the same captured values).

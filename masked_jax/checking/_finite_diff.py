@@ -75,6 +75,12 @@ def _run(
         out["probes"] = _probes(outputs, leaves, specs, fills, base_m, modes, jax.random.fold_in(rng, n + 1))
         if leak_map and not fast:
             out["leak_map"] = [_leak_map(outputs, specs, fills, base_m, modes, i) for i in range(n)]
+    same = specified and plain[0] and not fast and "dense" in sems  # the two semantics: one check
+    joint = None
+    if not fast and "dense" in sems and n > 1 and all(leaf.kind in ("array", "masked") for leaf in leaves):
+        # every input's dense tables from one batch of evaluations over all inputs at once
+        keep = not same and _shares_tables(leaves[0], sems, fast, probes)
+        joint = _joint_tables(outputs, leaves, vals, modes, eps, richardson, keep_raw=keep)
     for i, leaf in enumerate(leaves):
         for sem in sems:
             base = vals if sem == "dense" else fills
@@ -88,9 +94,10 @@ def _run(
                 return outputs(vs, extras)[which]
 
             x0 = base[i]
-            same = specified and plain[0] and not fast and "dense" in sems  # the two semantics: one check
             shared = not same and _shares_tables(leaf, sems, fast, probes)
-            if sem == "masked" and same:
+            if sem == "dense" and joint is not None:
+                out[f"{i}/dense"] = joint[i]
+            elif sem == "masked" and same:
                 out[f"{i}/masked"] = out[f"{i}/dense"]
             elif sem == "masked" and shared:
                 out[f"{i}/masked"] = _masked_share(out[f"{i}/dense"], specs[i], modes)
@@ -171,6 +178,48 @@ def _tables(F, x0, leaf, sem, modes, eps, which, richardson=False, keep_raw=Fals
     return res
 
 
+def _joint_tables(outputs, leaves, vals, modes, eps, richardson=False, keep_raw=False):
+    """:func:`_tables` under dense semantics for every input at once, as a list of their results:
+    the inputs' elements perturbed in one batch (the perturbed element specified, by its index in
+    its own input; an out-of-range index, none, for the others), and ``jacfwd`` / ``jacrev`` of
+    the outputs in all the inputs' elements, split into each input's columns. One evaluation of
+    ``f``, one JVP and one VJP in the program, however many inputs (pytree leaves) ``f`` takes."""
+    n = len(leaves)
+    sizes = [leaf.size for leaf in leaves]
+    starts = [sum(sizes[:i]) for i in range(n)]
+    total = sum(sizes)
+    x0 = jnp.concatenate([v.astype(jnp.result_type(*vals)) for v in vals])
+
+    def split(x):
+        return [x[a : a + s].astype(v.dtype) for a, s, v in zip(starts, sizes, vals)]
+
+    def extras(k):
+        return [jnp.where((k >= a) & (k < a + s), k - a, s) for a, s in zip(starts, sizes)]
+
+    steps = jnp.eye(total, dtype=x0.dtype) * eps
+    points = [x0 + steps, x0 - steps] + ([x0 + 2 * steps, x0 - 2 * steps] if richardson else [])
+    ks = jnp.tile(jnp.arange(total), len(points))
+    evals = jax.vmap(lambda x, k: outputs(split(x), extras(k))[0])(jnp.concatenate(points), ks)
+    d1 = (evals[:total] - evals[total : 2 * total]) / (2 * eps)
+    res = [{"num": d1.T[:, a : a + s]} for a, s in zip(starts, sizes)]
+    if richardson:
+        err = _richardson(d1, (evals[2 * total : 3 * total] - evals[3 * total :]) / (4 * eps)).T
+        for r, a, s in zip(res, starts, sizes):
+            r["fd_err"] = err[:, a : a + s]
+    none = [None] * n
+    g = lambda x: outputs(split(x), none)[1 if keep_raw else 0]  # noqa: E731
+    valid = outputs(vals, none)[2][:, None] if keep_raw else None
+    for mode, jac in (("fwd", jax.jacfwd), ("rev", jax.jacrev)):
+        if mode in modes:
+            table = jac(g)(x0)
+            for r, a, s in zip(res, starts, sizes):
+                r[mode] = table[:, a : a + s]
+                if keep_raw:
+                    r[f"raw/{mode}"] = r[mode]
+                    r[mode] = jnp.where(valid, r[mode], 0)
+    return res
+
+
 def _richardson(d1, d2):
     """The error of the central difference ``d1`` (step h), estimated from ``d2`` (step 2h):
     their truncation errors are c h^2 and 4 c h^2, so ``|d1 - d2| / 3`` (Richardson's estimate,
@@ -197,34 +246,36 @@ def _projections(F, x0, leaf, spec, sem, modes, eps, valid, rng, richardson=Fals
         U_off = U * (1 - spec)
         U = U * spec
 
-    def num(u, v, h=eps):
-        return jnp.dot(v, (F(x0 + h * u, extra, 0) - F(x0 - h * u, extra, 0))) / (2 * h)
-
     which = 0 if dense else 1
     g = lambda w: F(w, analytic_pattern(leaf, sem), which)  # noqa: E731
-    d1 = jax.vmap(num)(U, V)
+    # Every perturbed point in one batch, every tangent in one, every cotangent in one: one copy
+    # of f's evaluation, of its JVP and of its VJP in the program, however many directions
+    dirs = [(U, 1.0)] + ([(U, 2.0)] if richardson else []) + ([] if dense else [(U_off, 1.0)])
+    points = jnp.concatenate([x0 + (m * eps) * d for d, m in dirs] + [x0 - (m * eps) * d for d, m in dirs])
+    evals = jax.vmap(lambda w: F(w, extra, 0))(points).reshape((2, len(dirs), N_DIRECTIONS, out_size))
+    diffs = [jnp.sum(V * (evals[0, j] - evals[1, j]), axis=1) / (2 * m * eps) for j, (_, m) in enumerate(dirs)]
+    d1 = diffs[0]
     res = {"num": d1}
     if scale is not None:
         res["scale"] = jnp.abs(V) @ scale.astype(V.dtype)
     if richardson:
-        res["fd_err"] = _richardson(d1, jax.vmap(lambda u, v: num(u, v, 2 * eps))(U, V))
+        res["fd_err"] = _richardson(d1, diffs[1])
     if "fwd" in modes:
-        jvp = jax.vmap(lambda u: jax.jvp(g, (x0,), (u,))[1])
-        t = jvp(U)
-        res["fwd"] = jnp.sum(t * V, axis=1)
+        tangents = U if dense else jnp.concatenate([U, U_off])
+        t = jax.vmap(lambda u: jax.jvp(g, (x0,), (u,))[1])(tangents)
+        res["fwd"] = jnp.sum(t[:N_DIRECTIONS] * V, axis=1)
         if not dense:
-            res["fwd_leak_in"] = jnp.max(jnp.abs(jnp.sum(jvp(U_off) * V, axis=1)), initial=0)
-            res["fwd_leak_out"] = jnp.max(jnp.abs(t * ~valid), initial=0)
+            res["fwd_leak_in"] = jnp.max(jnp.abs(jnp.sum(t[N_DIRECTIONS:] * V, axis=1)), initial=0)
+            res["fwd_leak_out"] = jnp.max(jnp.abs(t[:N_DIRECTIONS] * ~valid), initial=0)
     if "rev" in modes:
         _, pull = jax.vjp(g, x0)
-        back = jax.vmap(lambda v: pull(v)[0])
-        c = back(V)
-        res["rev"] = jnp.sum(c * U, axis=1)
+        c = jax.vmap(lambda v: pull(v)[0])(V if dense else jnp.concatenate([V, V_out]))
+        res["rev"] = jnp.sum(c[:N_DIRECTIONS] * U, axis=1)
         if not dense:
-            res["rev_leak_in"] = jnp.max(jnp.abs(c * (1 - spec)), initial=0)
-            res["rev_leak_out"] = jnp.max(jnp.abs(back(V_out)), initial=0)
+            res["rev_leak_in"] = jnp.max(jnp.abs(c[:N_DIRECTIONS] * (1 - spec)), initial=0)
+            res["rev_leak_out"] = jnp.max(jnp.abs(c[N_DIRECTIONS:]), initial=0)
     if not dense:
-        res["num_off"] = jax.vmap(num)(U_off, V)  # per direction; the leak is what rounding cannot explain
+        res["num_off"] = diffs[-1]  # per direction; the leak is what rounding cannot explain
     return res
 
 

@@ -32,7 +32,7 @@ import numpy as np
 from jax.extend import core as jcore
 
 from masked_jax._core import MaskedArray
-from masked_jax.checking._compile import _callbacks, _has_own_rules, _lift_constants
+from masked_jax.checking._compile import _callbacks, _has_own_rules, _lift_constants, fast_jit
 from masked_jax.checking._report import TABLE_STYLE, styled, write_page
 
 FILLS = {"zero": 0.0, "nan": float("nan"), "inf": float("inf"), "-inf": float("-inf"), "huge": None}
@@ -498,15 +498,6 @@ _PROGRAMS: collections.OrderedDict = collections.OrderedDict()
 _PROGRAMS_SIZE = 256
 
 
-# The check's programs run once or a few times on small inputs: XLA's slower optimisations would
-# cost more compile time than they save
-_FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
-
-
-def _jit(fn):
-    return jax.jit(fn, compiler_options=_FAST_COMPILE)
-
-
 def _program(key, build):
     """The program cached under ``key``, built by ``build()`` when missing."""
     if key in _PROGRAMS:
@@ -636,11 +627,13 @@ class _Run:
 
         def vmapped(axes):
             if not self.diff:
-                return cached(("vcall", tuple(axes)), lambda: _jit(jax.vmap(call, in_axes=(None, list(axes), None))))
+                return cached(
+                    ("vcall", tuple(axes)), lambda: fast_jit(jax.vmap(call, in_axes=(None, list(axes), None)))
+                )
             in_axes = ([axes[j] for j in self.where], None, list(axes), None, None)
-            return cached(("vboth", tuple(axes)), lambda: _jit(jax.vmap(both, in_axes=in_axes)))
+            return cached(("vboth", tuple(axes)), lambda: fast_jit(jax.vmap(both, in_axes=in_axes)))
 
-        return lifted, cached("call", lambda: _jit(call)), cached("both", lambda: _jit(both)), vmapped
+        return lifted, cached("call", lambda: fast_jit(call)), cached("both", lambda: fast_jit(both)), vmapped
 
     def evaluate(self, leaves, layout, length, kept, jit, grads=True):
         """The valid outputs, and the gradients (``{leaf position: gradient}``) when ``grads`` and
@@ -714,15 +707,26 @@ def _first_change(outs_ref, outs, grad_ref, grads, rtol, names):
         if change is not None:
             return (name,) + change
     if grad_ref is not None:
+        # a gradient that is 0 but for round-off (a bias that a softmax cancels) is compared on the
+        # scale of the whole gradient: its round-off comes from terms of that size
+        floor = max((_magnitude(np.asarray(r)) for r in grad_ref.values()), default=0.0)
         for i, r in grad_ref.items():
-            change = _changed(np.asarray(r), None, np.asarray(grads[i]), None, rtol)
+            change = _changed(np.asarray(r), None, np.asarray(grads[i]), None, rtol, floor)
             if change is not None:
                 return (f"grad {names[i]}",) + change
     return None
 
 
-def _changed(ref, ref_m, got, got_m, rtol):
-    """``(index, expected, got)`` of the first valid entry that moved (or whose mask changed)."""
+def _magnitude(a) -> float:
+    """The largest finite magnitude in ``a`` (0 for non-float arrays)."""
+    if not np.issubdtype(a.dtype, np.floating):
+        return 0.0
+    return float(np.max(np.abs(a[np.isfinite(a)]), initial=0.0))
+
+
+def _changed(ref, ref_m, got, got_m, rtol, floor=0.0):
+    """``(index, expected, got)`` of the first valid entry that moved (or whose mask changed); an
+    entry may move by ``rtol`` times its magnitude plus the largest of ``ref`` (at least ``floor``)."""
     if ref.shape != got.shape:
         return ("shape", ref.shape, got.shape)
     if ref_m is not None and got_m is not None:
@@ -733,7 +737,7 @@ def _changed(ref, ref_m, got, got_m, rtol):
     if not np.issubdtype(ref.dtype, np.floating):
         bad = ref != got
     else:
-        scale = float(np.max(np.abs(ref[np.isfinite(ref)]), initial=0.0))
+        scale = max(_magnitude(ref), floor)
         tol = rtol * (np.abs(ref) + scale)
         same = (ref == got) | (np.isnan(ref) & np.isnan(got))
         bad = ~same & ~(np.abs(got - ref) <= tol)

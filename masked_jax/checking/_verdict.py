@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from masked_jax.checking._compile import fast_jit
 from masked_jax.checking._finite_diff import _shares_tables
 from masked_jax.checking._inputs import NEAR_MISS, SPARSE_KINDS
 from masked_jax.checking._probes import PROBE_NAMES, _leak_cells, _leak_entries, _leak_passed, _unravel
@@ -109,7 +110,7 @@ def _judge(out, tol, names, sems, modes, xp=jnp):
     )
 
 
-@functools.partial(jax.jit, static_argnames=("names", "sems", "modes"))
+@functools.partial(fast_jit, static_argnames=("names", "sems", "modes"))
 def _judged(out, tol, rest, names, sems, modes):
     """:func:`_judge` where the tables are, and the check's other (small) results ``rest`` as one
     float64 vector, so that one copy brings everything the host needs."""
