@@ -21,7 +21,7 @@ median of 3), **repeat** the same function again (median of 3). Prints the table
 ``check_grads``'s first call, and saves ``benchmarks/results/jacobian_models.png``.
 
 Run: ``.venv/bin/python benchmarks/jacobian_models.py`` (``--only NAME`` for models whose names
-contain it).
+contain it, ``--quick`` for the flax MLP alone).
 """
 
 from __future__ import annotations
@@ -197,12 +197,13 @@ def worker(model, name):
 def main(argv=None):
     parser = argparse.ArgumentParser()
     parser.add_argument("--only", nargs="*", help="models whose names contain one of these")
+    parser.add_argument("--quick", action="store_true", help="the flax MLP alone (a smoke run)")
     parser.add_argument("--worker", nargs=2, metavar=("MODEL", "CHECKER"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         worker(*args.worker)
         return None
-    models = [m for m in MODELS if not args.only or any(o in m for o in args.only)]
+    models = [m for m in MODELS if not args.only or any(o in m for o in args.only)][: 1 if args.quick else None]
     rows = {}
     env = dict(os.environ, MJ_CHECK_BACKGROUND="0", JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))
     for model in models:

@@ -809,3 +809,41 @@ def test_empty_inputs_have_an_empty_jacobian_and_pass(kw):
         mj.check_jacobian(
             lambda a, b: wrong(a) + jnp.sum(b), (jnp.array([0.5, 2.0]), jnp.zeros((0,))), semantics="dense", **kw
         )
+
+
+@jax.custom_jvp
+def _scaled_wrong(w, x):
+    return w * x
+
+
+@_scaled_wrong.defjvp
+def _scaled_wrong_jvp(primals, tangents):
+    (w, x), (dw, dx) = primals, tangents
+    return w * x, 2.0 * dw * x + w * dx  # the derivative in w is doubled
+
+
+@pytest.mark.parametrize("fast", [False, True], ids=["tables", "projections"])
+def test_a_pytree_of_inputs_is_checked_input_by_input_in_one_batch(fast):
+    """Several parameter arrays and a masked input, checked together (the tables or projections of
+    all of them from one batch of evaluations): a right function passes; a wrong derivative in one
+    parameter fails that parameter's checks only; a leak through the masked input is found."""
+    x = mj.masked_array(jnp.array([[0.5, -1.0, 2.0], [1.5, 0.3, -0.7]]), jnp.array([[1, 1, 0], [1, 0, 1]], bool))
+    params = {"a": jnp.array([0.3, -0.2, 0.5]), "b": jnp.array(0.7), "w": jnp.array([[1.0, 2.0], [0.5, -1.0]])}
+
+    def right(p, v):
+        return mnp.sum(mnp.tanh(v * p["a"] + p["b"]), axis=1) @ p["w"]
+
+    assert mj.check_jacobian(right, (params, x), semantics="masked", fast=fast)
+
+    def wrong(p, v):
+        return mnp.sum(mnp.tanh(v * p["a"]), axis=1) @ p["w"] + _scaled_wrong(p["b"], 3.0)
+
+    report = mj.check_jacobian(wrong, (params, x), semantics="masked", fast=fast, raise_exception=False)
+    assert not report
+    failed = {c.input for c in report.failures()}
+    assert failed and all("'b'" in name for name in failed), failed
+
+    def leaky(p, v):
+        return right(p, v) + jnp.sum(v.data) * p["b"]
+
+    assert not mj.check_jacobian(leaky, (params, x), semantics="masked", fast=fast, raise_exception=False)

@@ -102,19 +102,17 @@ def _run(
             elif sem == "masked" and shared:
                 out[f"{i}/masked"] = _masked_share(out[f"{i}/dense"], specs[i], modes)
             elif fast:
-                out[f"{i}/{sem}"] = _projections(
-                    F,
-                    x0,
-                    leaf,
-                    specs[i],
-                    sem,
-                    modes,
-                    eps,
-                    out["valid"],
-                    jax.random.fold_in(rng, i),
-                    richardson,
-                    out[f"scale/{sem}"],
-                )
+                if f"{i}/{sem}" not in out:  # masked: every input at once; dense: the arrays, or one input
+                    together = sem == "masked" or leaf.kind == "array"
+                    group = (
+                        [j for j, o in enumerate(leaves) if sem == "masked" or o.kind == "array"] if together else [i]
+                    )
+                    base = vals if sem == "dense" else fills
+                    found = _projections(
+                        outputs, base, leaves, group, specs, sem, modes, eps, out["valid"], rng, richardson,
+                        out[f"scale/{sem}"],
+                    )  # fmt: skip
+                    out.update({f"{j}/{sem}": r for j, r in found.items()})
             else:
                 out[f"{i}/{sem}"] = _tables(F, x0, leaf, sem, modes, eps, which, richardson, keep_raw=shared)
     out["specs"] = specs
@@ -214,7 +212,7 @@ def _joint_tables(outputs, leaves, vals, modes, eps, richardson=False, keep_raw=
             table = jac(g)(x0)
             for r, a, s in zip(res, starts, sizes):
                 r[mode] = table[:, a : a + s]
-                if keep_raw:
+                if valid is not None:  # keep_raw
                     r[f"raw/{mode}"] = r[mode]
                     r[mode] = jnp.where(valid, r[mode], 0)
     return res
@@ -227,55 +225,97 @@ def _richardson(d1, d2):
     return jnp.abs(d1 - d2) / 3
 
 
-def _projections(F, x0, leaf, spec, sem, modes, eps, valid, rng, richardson=False, scale=None):
-    """Random-direction checks ``v^T J u`` (and, under masked semantics, the leaks). ``scale``: the
+def _projections(outputs, base, leaves, group, specs, sem, modes, eps, valid, rng, richardson=False, scale=None):
+    """Random-direction checks ``v^T J u`` (and, under masked semantics, the leaks) of the inputs
+    in ``group`` (their positions), as ``{position: result}``, at the point ``base``. ``scale``: the
     outputs' magnitudes; ``res["scale"]`` is ``|v| . scale`` per direction, what the rounding of the
-    outputs can move a projected central difference by (times :func:`_roundoff`)."""
-    spec = spec.astype(x0.dtype)
-    ku, kv = jax.random.split(rng)
-    size = leaf.size
-    out_size = valid.shape[0]
-    U = jax.random.normal(ku, (N_DIRECTIONS, size), x0.dtype)
-    V = jax.random.normal(kv, (N_DIRECTIONS, out_size), x0.dtype)
-    dense = sem == "dense"
-    extra = ALL if dense else None
-    V_out = U_off = V  # masked semantics: set below
-    if not dense:
-        V_out = V * ~valid
-        V = V * valid
-        U_off = U * (1 - spec)
-        U = U * spec
+    outputs can move a projected central difference by (times :func:`_roundoff`).
 
+    Each input has its own directions (seeded by its position), but the group's evaluations run
+    in one batch: every perturbed point, every tangent and every cotangent of every input of the
+    group at once, so the program holds one evaluation of ``f``, one JVP and one VJP for the group.
+    Under dense semantics the perturbed input is taken fully specified (array inputs have no
+    pattern, so they share a group; any other input is a group of its own); under masked semantics
+    every input keeps its pattern, and all share one group."""
+    n = len(leaves)
+    dense = sem == "dense"
+    out_size = valid.shape[0]
+    sizes = [leaves[i].size for i in group]
+    starts = [sum(sizes[:k]) for k in range(len(group))]
+    dtype = jnp.result_type(*(base[i] for i in group))
+    x0 = jnp.concatenate([base[i].astype(dtype) for i in group])
+    extras: list = [None] * n
     which = 0 if dense else 1
-    g = lambda w: F(w, analytic_pattern(leaf, sem), which)  # noqa: E731
-    # Every perturbed point in one batch, every tangent in one, every cotangent in one: one copy
-    # of f's evaluation, of its JVP and of its VJP in the program, however many directions
-    dirs = [(U, 1.0)] + ([(U, 2.0)] if richardson else []) + ([] if dense else [(U_off, 1.0)])
-    points = jnp.concatenate([x0 + (m * eps) * d for d, m in dirs] + [x0 - (m * eps) * d for d, m in dirs])
-    evals = jax.vmap(lambda w: F(w, extra, 0))(points).reshape((2, len(dirs), N_DIRECTIONS, out_size))
-    diffs = [jnp.sum(V * (evals[0, j] - evals[1, j]), axis=1) / (2 * m * eps) for j, (_, m) in enumerate(dirs)]
-    d1 = diffs[0]
-    res = {"num": d1}
-    if scale is not None:
-        res["scale"] = jnp.abs(V) @ scale.astype(V.dtype)
-    if richardson:
-        res["fd_err"] = _richardson(d1, diffs[1])
-    if "fwd" in modes:
-        tangents = U if dense else jnp.concatenate([U, U_off])
-        t = jax.vmap(lambda u: jax.jvp(g, (x0,), (u,))[1])(tangents)
-        res["fwd"] = jnp.sum(t[:N_DIRECTIONS] * V, axis=1)
+    analytic: list = [None] * n
+    for i in group:
+        extras[i] = ALL if dense else None
+        analytic[i] = analytic_pattern(leaves[i], sem)
+
+    def F(x, ex, which):
+        vs = list(base)
+        for i, a, size in zip(group, starts, sizes):
+            vs[i] = x[a : a + size].astype(base[i].dtype)
+        return outputs(vs, ex)[which]
+
+    def place(k, d):  # directions ``d`` of input ``group[k]`` as directions of the group's vector
+        return jnp.zeros((d.shape[0], x0.shape[0]), dtype).at[:, starts[k] : starts[k] + sizes[k]].set(d)
+
+    per = []  # per input: U, V, U_off, V_out
+    for k, i in enumerate(group):
+        spec = specs[i].astype(dtype)
+        ku, kv = jax.random.split(jax.random.fold_in(rng, i))
+        U = jax.random.normal(ku, (N_DIRECTIONS, sizes[k]), base[i].dtype).astype(dtype)
+        V = jax.random.normal(kv, (N_DIRECTIONS, out_size), base[i].dtype)
+        U_off, V_out = U, V
         if not dense:
-            res["fwd_leak_in"] = jnp.max(jnp.abs(jnp.sum(t[N_DIRECTIONS:] * V, axis=1)), initial=0)
-            res["fwd_leak_out"] = jnp.max(jnp.abs(t[:N_DIRECTIONS] * ~valid), initial=0)
+            V_out, V = V * ~valid, V * valid
+            U_off, U = U * (1 - spec), U * spec
+        per.append((U, V, U_off, V_out))
+    mults = [1.0] + ([2.0] if richardson else [])
+    # the directions of every input: (input, multiple of eps, off-mask?) in this order
+    dirs = [(k, m, False) for k in range(len(group)) for m in mults]
+    if not dense:
+        dirs += [(k, 1.0, True) for k in range(len(group))]
+    steps = jnp.concatenate([place(k, per[k][2] if off else per[k][0]) * (m * eps) for k, m, off in dirs])
+    evals = jax.vmap(lambda x: F(x, extras, 0))(jnp.concatenate([x0 + steps, x0 - steps]))
+    evals = evals.reshape((2, len(dirs), N_DIRECTIONS, out_size))
+    diffs = {
+        d: jnp.sum(per[d[0]][1] * (evals[0, j] - evals[1, j]), axis=1) / (2 * d[1] * eps) for j, d in enumerate(dirs)
+    }
+    res = {i: {"num": diffs[(k, 1.0, False)]} for k, i in enumerate(group)}
+    for k, i in enumerate(group):
+        V = per[k][1]
+        if scale is not None:
+            res[i]["scale"] = jnp.abs(V) @ scale.astype(V.dtype)
+        if richardson:
+            res[i]["fd_err"] = _richardson(diffs[(k, 1.0, False)], diffs[(k, 2.0, False)])
+        if not dense:
+            res[i]["num_off"] = diffs[(k, 1.0, True)]  # per direction; the leak is what rounding cannot explain
+    g = lambda x: F(x, analytic, which)  # noqa: E731
+    if "fwd" in modes:
+        tangents = [place(k, per[k][0]) for k in range(len(group))]
+        if not dense:
+            tangents += [place(k, per[k][2]) for k in range(len(group))]
+        t = jax.vmap(lambda u: jax.jvp(g, (x0,), (u,))[1])(jnp.concatenate(tangents))
+        t = t.reshape((len(tangents), N_DIRECTIONS, out_size))
+        for k, i in enumerate(group):
+            V = per[k][1]
+            res[i]["fwd"] = jnp.sum(t[k] * V, axis=1)
+            if not dense:
+                res[i]["fwd_leak_in"] = jnp.max(jnp.abs(jnp.sum(t[len(group) + k] * V, axis=1)), initial=0)
+                res[i]["fwd_leak_out"] = jnp.max(jnp.abs(t[k] * ~valid), initial=0)
     if "rev" in modes:
         _, pull = jax.vjp(g, x0)
-        c = jax.vmap(lambda v: pull(v)[0])(V if dense else jnp.concatenate([V, V_out]))
-        res["rev"] = jnp.sum(c[:N_DIRECTIONS] * U, axis=1)
-        if not dense:
-            res["rev_leak_in"] = jnp.max(jnp.abs(c[:N_DIRECTIONS] * (1 - spec)), initial=0)
-            res["rev_leak_out"] = jnp.max(jnp.abs(c[N_DIRECTIONS:]), initial=0)
-    if not dense:
-        res["num_off"] = diffs[-1]  # per direction; the leak is what rounding cannot explain
+        cotangents = [per[k][1] for k in range(len(group))] + ([] if dense else [per[k][3] for k in range(len(group))])
+        c = jax.vmap(lambda v: pull(v)[0])(jnp.concatenate(cotangents))
+        c = c.reshape((len(cotangents), N_DIRECTIONS, x0.shape[0]))
+        for k, i in enumerate(group):
+            mine = lambda a, k=k: a[:, starts[k] : starts[k] + sizes[k]]  # noqa: E731
+            res[i]["rev"] = jnp.sum(mine(c[k]) * per[k][0], axis=1)
+            if not dense:
+                spec = specs[i].astype(dtype)
+                res[i]["rev_leak_in"] = jnp.max(jnp.abs(mine(c[k]) * (1 - spec)), initial=0)
+                res[i]["rev_leak_out"] = jnp.max(jnp.abs(mine(c[len(group) + k])), initial=0)
     return res
 
 
