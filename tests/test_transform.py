@@ -1446,14 +1446,17 @@ def test_a_chain_sanitised_once_equals_its_ops_sanitised_one_by_one(ops, seed, g
         # rtol: exp and rsqrt round differently in one fused program, and a chain (exp of exp) magnifies it
         np.testing.assert_allclose(np.asarray(got.filled(0.0)), np.asarray(want.filled(0.0)), rtol=1e-4, atol=1e-6)
 
+    # arctan bounds the outputs (inf -> pi/2) and, unlike a saturating tanh, keeps the gradient as
+    # well conditioned as the outputs: float32 roundings of one fused program and of the ops one by
+    # one then move it by as little
     def loss(f):
-        return lambda w: jnp.sum(jnp.tanh(f(xm, w).filled(0.0)))
+        return lambda w: jnp.sum(jnp.arctan(f(xm, w).filled(0.0)))
 
     g_got, g_want = jax.grad(loss(mj.maskify(chain)))(w), jax.grad(loss(by_parts))(w)
     np.testing.assert_allclose(np.asarray(g_got), np.asarray(g_want), rtol=2e-4, atol=1e-5)
     # the input's gradient: the reference's on valid entries, exactly 0 under the mask
-    gx = jax.grad(lambda d: jnp.sum(jnp.tanh(mj.maskify(chain)(mj.masked_array(d, xm.compact_mask), w).filled(0.0))))
-    gx_want = jax.grad(lambda d: jnp.sum(jnp.tanh(by_parts(mj.masked_array(d, xm.compact_mask), w).filled(0.0))))
+    gx = jax.grad(lambda d: jnp.sum(jnp.arctan(mj.maskify(chain)(mj.masked_array(d, xm.compact_mask), w).filled(0.0))))
+    gx_want = jax.grad(lambda d: jnp.sum(jnp.arctan(by_parts(mj.masked_array(d, xm.compact_mask), w).filled(0.0))))
     got_x, want_x = np.asarray(gx(data)), np.asarray(gx_want(data))
     np.testing.assert_allclose(got_x, want_x, rtol=2e-4, atol=1e-5)
     assert not np.broadcast_to(~np.asarray(xm.compact_mask), got_x.shape)[got_x != 0].any()
