@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import equinox as eqx
+import flax.linen as nn
+import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import masked_jax as mj
@@ -125,3 +129,81 @@ def test_the_test_file_in_the_docs_runs_and_passes():
     assert len(tests) == 2
     for test in tests:
         test()
+
+
+# -- planted padding bugs in models, found by the assertions (and their fixes passing) ---------------
+_MASK = jnp.asarray(np.arange(6)[None, :] < np.array([[6], [4], [3]]))
+_TOKENS = mj.masked_array(jnp.asarray(np.random.default_rng(0).normal(size=(3, 6, 4))), _MASK[..., None])
+
+
+def _pooled(h, m):
+    return jnp.sum(h * m[..., None], axis=1) / jnp.sum(m, axis=1, keepdims=True)
+
+
+class _Attention(nn.Module):
+    """Attention by hand; ``keys_masked=False`` is the bug: the softmax runs over padded keys."""
+
+    keys_masked: bool
+
+    @nn.compact
+    def __call__(self, v, m):
+        v = jnp.where(m[..., None], v, 0.0)
+        scores = nn.Dense(4)(v) @ jnp.swapaxes(nn.Dense(4)(v), 1, 2)
+        if self.keys_masked:
+            scores = jnp.where(m[:, None, :], scores, -jnp.inf)
+        return _pooled(jax.nn.softmax(scores, axis=-1) @ v, m)
+
+
+class _BiasColumn(nn.Module):
+    """A constant column joined to the features; ``valid_mean=False`` is the bug: the padded
+    positions' constant column makes them count in the mean."""
+
+    valid_mean: bool
+
+    @nn.compact
+    def __call__(self, v, m):
+        v = jnp.where(m[..., None], v, 0.0)
+        h = nn.Dense(3)(jnp.concatenate([v, jnp.ones_like(v[..., :1])], -1))
+        return _pooled(h, m) if self.valid_mean else jnp.mean(h, axis=1)
+
+
+class _EqxBiasColumn(eqx.Module):
+    linear: eqx.nn.Linear
+    valid_mean: bool = eqx.field(static=True)
+
+    def __call__(self, v, m):
+        v = jnp.where(m[..., None], v, 0.0)
+        h = jax.vmap(jax.vmap(self.linear))(jnp.concatenate([v, jnp.ones_like(v[..., :1])], -1))
+        return _pooled(h, m) if self.valid_mean else jnp.mean(h, axis=1)
+
+
+def _flax_case(module):
+    params = module.init(jax.random.key(0), _TOKENS.data, _MASK)
+    return (lambda p, t: module.apply(p, t.data, t.mask[..., 0])), params
+
+
+def _eqx_case(valid_mean):
+    model = _EqxBiasColumn(eqx.nn.Linear(5, 3, key=jax.random.key(0)), valid_mean)
+    params, static = eqx.partition(model, eqx.is_inexact_array)
+    return (lambda p, t: eqx.combine(p, static)(t.data, t.mask[..., 0])), params
+
+
+@pytest.mark.parametrize(
+    "name, case",
+    [
+        ("flax: softmax over padded keys", lambda fixed: _flax_case(_Attention(keys_masked=fixed))),
+        ("flax: a constant column made valid", lambda fixed: _flax_case(_BiasColumn(valid_mean=fixed))),
+        ("equinox: a constant column made valid", _eqx_case),
+    ],
+)
+def test_planted_padding_bugs_are_found_and_their_fixes_pass(name, case):
+    """Each bug moves a valid output when the padding changes: ``assert_invariant`` fails and its
+    report names the output and the entry that moved; the fixed model passes."""
+    f, params = case(False)
+    with pytest.raises(mj.InvarianceError) as info:
+        assert_invariant(f, (params, _TOKENS), axis=1, params=(0,))
+    what, index, expected, got = info.value.report.first_failure.first
+    assert what == "out" and len(index) == 2 and expected != got, name
+    assert f"out{list(index)} changed" in str(info.value)
+    f, params = case(True)
+    assert bool(assert_invariant(f, (params, _TOKENS), axis=1, params=(0,))), name
