@@ -721,3 +721,15 @@ def primitive_count(jaxpr, name, shape=None):
         + sum(primitive_count(j, name, shape) for j in sub_jaxprs(e.params))
         for e in jaxpr.eqns
     )
+
+
+def backend_compiles(call):
+    """``(call(), number of programs XLA compiled while it ran)``."""
+    events = []
+    listener = lambda event, duration, **kw: events.append(event)  # noqa: E731
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        out = call()
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    return out, sum(e == "/jax/core/compile/backend_compile_duration" for e in events)

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from harness import backend_compiles
 
 import masked_jax as mj
 import masked_jax.nn as mnn
@@ -213,18 +214,6 @@ def test_inputs_with_a_zero_size_axis_are_re_padded(shape, axis, other):
         assert report and "PASSED" in str(report)
 
 
-def _backend_compiles(fn):
-    """``(result, number of XLA compiles)`` of ``fn()``."""
-    events = []
-    listener = lambda event, duration, **kw: events.append(event)  # noqa: E731
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
-        result = fn()
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
-    return result, sum(e == "/jax/core/compile/backend_compile_duration" for e in events)
-
-
 class _Tokens(nn.Module):
     @nn.compact
     def __call__(self, x):
@@ -243,9 +232,9 @@ def test_a_re_run_with_the_same_code_reuses_the_compiled_programs():
     mask = jnp.asarray(np.arange(5)[None, :] < np.array([[5], [3], [2]]))[..., None]
     x = mj.masked_array(jnp.asarray(np.random.default_rng(3).normal(size=(3, 5, 4))), mask)
     params = _Tokens().init(jax.random.key(0), x.data)
-    first, n_first = _backend_compiles(lambda: mj.check_invariance(_token_model(2.0), (params, x), axis=1, params=(0,)))
+    first, n_first = backend_compiles(lambda: mj.check_invariance(_token_model(2.0), (params, x), axis=1, params=(0,)))
     other = jax.tree_util.tree_map(lambda a: a * 1.5, params)
-    again, n_again = _backend_compiles(lambda: mj.check_invariance(_token_model(2.0), (other, x), axis=1, params=(0,)))
+    again, n_again = backend_compiles(lambda: mj.check_invariance(_token_model(2.0), (other, x), axis=1, params=(0,)))
     assert bool(first) and bool(again) and len(again.cases) == len(first.cases)
     assert n_first > 0 and n_again == 0, (n_first, n_again)
     # a captured constant that breaks invariance is this function's, not the cached one's
@@ -269,8 +258,8 @@ def test_an_eager_gradient_of_masked_code_runs_its_compiled_program():
     def loss(model):
         return lambda p: jnp.sum(model(p, x).data)
 
-    g1, n1 = _backend_compiles(lambda: jax.grad(loss(_token_model(2.0)))(params))
-    g2, n2 = _backend_compiles(lambda: jax.grad(loss(_token_model(2.0)))(params))
+    g1, n1 = backend_compiles(lambda: jax.grad(loss(_token_model(2.0)))(params))
+    g2, n2 = backend_compiles(lambda: jax.grad(loss(_token_model(2.0)))(params))
     assert n1 > 0 and n2 == 0, (n1, n2)
     want = jax.jit(jax.grad(loss(_token_model(2.0))))(params)
     jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-12), g2, want)

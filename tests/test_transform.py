@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from harness import primitive_count
+from harness import backend_compiles, primitive_count
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax import lax
@@ -437,14 +437,7 @@ def _compiles_to_lower(fun, *args):
     lowering, so that the library's own caches of scalar evaluations are warm)."""
     jax.jit(fun).lower(*args)
     jax.clear_caches()
-    events = []
-    listener = lambda event, duration, **kw: events.append(event)  # noqa: E731
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
-        jax.jit(fun).lower(*args)
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
-    return sum(e == "/jax/core/compile/backend_compile_duration" for e in events)
+    return backend_compiles(lambda: jax.jit(fun).lower(*args))[1]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float64"])
@@ -464,18 +457,6 @@ def test_constants_of_the_function_are_evaluated_together_and_exactly(dtype):
     assert _compiles_to_lower(mj.maskify(_constants_in_the_body), x) <= others + 1
 
 
-def _compiles(call):
-    """``(result, programs XLA compiled while call() ran)``."""
-    events = []
-    listener = lambda event, duration, **kw: events.append(event)  # noqa: E731
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
-        out = call()
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
-    return out, sum(e == "/jax/core/compile/backend_compile_duration" for e in events)
-
-
 def test_an_eager_call_compiles_one_program_and_reuses_it():
     """Called outside any trace, a maskify'd function runs its masked program as one compiled
     program (not one per operation), reused by later calls that trace to the same program (new
@@ -493,11 +474,11 @@ def test_an_eager_call_compiles_one_program_and_reuses_it():
     expected = want(X, 1)
     mj.maskify(f)(X, 1)  # (the library's cache of scalar evaluations is warm after one call)
     jax.clear_caches()
-    got, compiles = _compiles(lambda: mj.maskify(f)(X, 1))
+    got, compiles = backend_compiles(lambda: mj.maskify(f)(X, 1))
     _same(got, expected)
     assert compiles <= 2, f"{compiles} programs compiled for one eager call"
     other = mj.masked_array(Y.data, Y.mask)
-    got, compiles = _compiles(lambda: mj.maskify(lambda x, k: f(x, k))(other, 1))  # a new lambda, new values
+    got, compiles = backend_compiles(lambda: mj.maskify(lambda x, k: f(x, k))(other, 1))  # a new lambda, new values
     _same(got, want(other, 1))
     assert compiles == 0
     for args in ((X, 2), (X, True), (X, -1)):

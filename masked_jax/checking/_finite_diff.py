@@ -107,7 +107,6 @@ def _run(
                     group = (
                         [j for j, o in enumerate(leaves) if sem == "masked" or o.kind == "array"] if together else [i]
                     )
-                    base = vals if sem == "dense" else fills
                     found = _projections(
                         outputs, base, leaves, group, specs, sem, modes, eps, out["valid"], rng, richardson,
                         out[f"scale/{sem}"],
@@ -184,7 +183,7 @@ def _joint_tables(outputs, leaves, vals, modes, eps, richardson=False, keep_raw=
     ``f``, one JVP and one VJP in the program, however many inputs (pytree leaves) ``f`` takes."""
     n = len(leaves)
     sizes = [leaf.size for leaf in leaves]
-    starts = [sum(sizes[:i]) for i in range(n)]
+    starts = _starts(sizes)
     total = sum(sizes)
     x0 = jnp.concatenate([v.astype(jnp.result_type(*vals)) for v in vals])
 
@@ -218,6 +217,11 @@ def _joint_tables(outputs, leaves, vals, modes, eps, richardson=False, keep_raw=
     return res
 
 
+def _starts(sizes):
+    """Where each input begins in the concatenation of inputs of ``sizes`` elements."""
+    return [sum(sizes[:k]) for k in range(len(sizes))]
+
+
 def _richardson(d1, d2):
     """The error of the central difference ``d1`` (step h), estimated from ``d2`` (step 2h):
     their truncation errors are c h^2 and 4 c h^2, so ``|d1 - d2| / 3`` (Richardson's estimate,
@@ -241,7 +245,7 @@ def _projections(outputs, base, leaves, group, specs, sem, modes, eps, valid, rn
     dense = sem == "dense"
     out_size = valid.shape[0]
     sizes = [leaves[i].size for i in group]
-    starts = [sum(sizes[:k]) for k in range(len(group))]
+    starts = _starts(sizes)
     dtype = jnp.result_type(*(base[i] for i in group))
     x0 = jnp.concatenate([base[i].astype(dtype) for i in group])
     extras: list = [None] * n
