@@ -12,6 +12,7 @@ from harness import backend_compiles, primitive_count
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax import lax
+from jax.lax import associative_scan as imported_associative_scan
 
 import masked_jax as mj
 import masked_jax._maskify._scan
@@ -758,8 +759,56 @@ def test_associative_scan_runs_over_valid_elements_only(jit, reverse):
         np.testing.assert_allclose(np.asarray(g_m.data[r, idx]), np.asarray(want_g[0]), rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(np.asarray(g_c.data[r, idx]), np.asarray(want_g[1]), rtol=1e-5, atol=1e-6)
     assert np.isfinite(np.asarray(g_m.filled(0))).all() and np.isfinite(np.asarray(g_c.filled(0))).all()
-    # outside maskify, lax.associative_scan is jax's own again
-    assert lax.associative_scan is masked_jax._maskify._scan._ASSOCIATIVE_SCAN
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_associative_scan_is_found_however_it_is_called(jit):
+    """A call is found by its equations' source, not by patching ``lax``: imported before
+    maskify ran, passed in as a function object, inside an inner ``jit``, called twice from one line
+    (stacked layers) and with a combine function that closes over a traced parameter. Each equals
+    the scan of every row's valid elements alone, in values, masks and gradients; the eager call
+    compiles one program, reused by the next call."""
+    mask = np.array([[True, False, True, True, False, True], [False, False, True, True, True, True]])
+    rng = np.random.default_rng(5)
+    x = rng.uniform(0.5, 1.5, mask.shape).astype(np.float32)
+    poisoned = mj.masked_array(jnp.asarray(np.where(mask, x, np.nan)), jnp.asarray(mask))
+
+    def layers(v, w, scan):
+        assert lax.associative_scan is imported_associative_scan  # nothing in lax is patched
+        for _ in range(2):  # one source line, two calls; each call's results feed the next one
+            v = scan(lambda a, b: a * w + b, v, axis=1)
+        return v
+
+    @jax.jit
+    def inner(v, w):
+        return layers(v, w, lax.associative_scan)
+
+    forms = {
+        "imported": lambda v, w: layers(v, w, imported_associative_scan),
+        "passed in": lambda v, w, scan=lax.associative_scan: layers(v, w, scan),
+        "inner jit": inner,
+    }
+    w = jnp.float32(0.75)
+    for name, form in forms.items():
+        f = mj.maskify(form)
+        f = jax.jit(f) if jit else f
+        out = f(poisoned, w)
+        g = mj.grad(lambda v, w: jnp.sum(f(v, w).filled(0) ** 2), argnums=(0, 1))(poisoned, w)
+        np.testing.assert_array_equal(np.asarray(out.mask), mask, err_msg=name)
+        g_w = 0.0
+        for r in range(mask.shape[0]):
+            idx = np.flatnonzero(mask[r])
+            ref = lambda v, w: layers(v[None], w, lax.associative_scan)[0]  # noqa: E731
+            np.testing.assert_allclose(np.asarray(out.data[r, idx]), ref(jnp.asarray(x[r, idx]), w), rtol=1e-6)
+            want = jax.grad(lambda v, w: jnp.sum(ref(v, w) ** 2), argnums=(0, 1))(jnp.asarray(x[r, idx]), w)
+            np.testing.assert_allclose(np.asarray(g[0].data[r, idx]), want[0], rtol=1e-5, err_msg=name)
+            g_w += float(want[1])
+        np.testing.assert_allclose(float(g[1]), g_w, rtol=1e-5, err_msg=name)
+    if not jit:
+        f = mj.maskify(forms["imported"])
+        f(poisoned, w)
+        _, compiled = backend_compiles(lambda: f(poisoned, w))
+        assert compiled == 0
 
 
 def test_associative_scan_of_leaves_of_different_shapes_is_refused_by_name():

@@ -8,7 +8,7 @@ Layer 4, beside :mod:`masked_jax.embeddings`: it reads the op registry's semanti
 * ``_interpreter``: the evaluation of a jaxpr on ``(data, mask)`` pairs, control flow included;
 * ``_rules``: the masked rule of each primitive, and the whole calls it recognises;
 * ``_constants``: what is known statically (values from literals, element counts of masked sums);
-* ``_scan``: ``lax.associative_scan`` recorded while tracing, run as one masked scan;
+* ``_scan``: the ``lax.associative_scan`` calls of a jaxpr, found by their equations' source;
 * ``_errors``: :class:`MaskifyError` and its messages.
 """
 

@@ -14,7 +14,6 @@ import numpy as np
 from masked_jax._core import MaskedArray, SparseMasked, from_pair
 from masked_jax._maskify._constants import _is_concrete, _kept
 from masked_jax._maskify._interpreter import _Interpreter
-from masked_jax._maskify._scan import _recording_scans
 from masked_jax.ops._base import Pair
 
 
@@ -72,22 +71,21 @@ def maskify(fun):
                 leaves[i] = d
             return fun(*jax.tree_util.tree_unflatten(tree, leaves), **kwargs)
 
-        with _recording_scans() as scans:
-            closed, out_shape = jax.make_jaxpr(on_data, return_shape=True)(*(p.data for p in pairs))
+        closed, out_shape = jax.make_jaxpr(on_data, return_shape=True)(*(p.data for p in pairs))
         out_tree = jax.tree_util.tree_structure(out_shape)
-        program = _eager_program(name, closed, scans, out_tree, pairs)
+        program = _eager_program(name, closed, out_tree, pairs)
         if program is not None:
             outs = program([p.data for p in pairs], [p.mask for p in pairs])
         else:
-            outs = _interpret(name, closed, scans, pairs)
+            outs = _interpret(name, closed, pairs)
         return jax.tree_util.tree_unflatten(out_tree, outs)
 
     return wrapped
 
 
-def _interpret(name, closed, scans, pairs):
+def _interpret(name, closed, pairs):
     """The masked outputs of ``closed`` (``fun``'s jaxpr) on ``pairs``."""
-    outs = _Interpreter(name, scans).run(closed.jaxpr, closed.consts, pairs)
+    outs = _Interpreter(name).run(closed.jaxpr, closed.consts, pairs)
     return [_wrap(o) for o in outs]
 
 
@@ -96,17 +94,16 @@ _EAGER_PROGRAMS: dict = {}
 _SMALL_CONSTANT = 4096  # bytes: constants up to this size are part of the key by value
 
 
-def _eager_program(name, closed, scans, out_tree, pairs):
+def _eager_program(name, closed, out_tree, pairs):
     """For a call outside any trace (no argument is a tracer, or only eager autodiff's, see
     :func:`_eager`): the masked program of ``closed``,
     jitted, so that the call compiles one program instead of one per operation. Programs are kept
     by the jaxpr's text, its constants' values, the output structure and the masks' types: a later
     call that traces to the same program (the same function, or another one written the same way,
     even a new ``lambda``) reuses it, and one whose Python values changed traces to another. ``None``
-    (the program then runs operation by operation) under a trace, for a jaxpr with a recorded
-    ``associative_scan`` (its combine function is called again) or a constant larger than
+    (the program then runs operation by operation) under a trace, or for a constant larger than
     :data:`_SMALL_CONSTANT` bytes (it would be kept alive by the program)."""
-    if scans or not all(_eager(x) for p in pairs for x in (p.data, p.mask)):
+    if not all(_eager(x) for p in pairs for x in (p.data, p.mask)):
         return None
     consts = []
     for c in closed.consts:
@@ -121,7 +118,7 @@ def _eager_program(name, closed, scans, out_tree, pairs):
     key = (str(closed.jaxpr), tuple(consts), out_tree, masks)  # (the name only enters error messages)
 
     def run(datas, masks):
-        return _interpret(name, closed, (), [Pair(d, m) for d, m in zip(datas, masks)])
+        return _interpret(name, closed, [Pair(d, m) for d, m in zip(datas, masks)])
 
     return _kept(_EAGER_PROGRAMS, key, lambda: jax.jit(run), 256)
 

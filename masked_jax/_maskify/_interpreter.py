@@ -41,7 +41,7 @@ from masked_jax._maskify._constants import (
     _uses,
 )
 from masked_jax._maskify._errors import MaskifyError, _inside_public_call, _public_name
-from masked_jax._maskify._scan import _SCAN_NAME, _scan_counts
+from masked_jax._maskify._scan import _scan_counts, associative_scans
 from masked_jax.ops import _factors
 from masked_jax.ops._base import Pair, compact_or_ones, count_valid, fill, materialize, ranked, uniform_along
 
@@ -53,12 +53,11 @@ _LOOPS = frozenset((P.cond_p, P.while_p, P.scan_p))
 
 
 class _Interpreter:
-    def __init__(self, fun_name, scans=()):
+    def __init__(self, fun_name):
         self.fun_name = fun_name
         # the static facts of this call (masks' factors, values under masks, a memo of fills),
         # handed to every rule as an argument
         self.facts = _factors.Facts()
-        self.scans = scans  # lax.associative_scan calls recorded while tracing (see _recorded_associative_scan)
         # the jaxpr being run: its values, the equation that produced each variable, read counts,
         # the free positions of its values (see _free)
         self.env, self.producer, self.uses, self.free = {}, {}, {}, {}
@@ -103,10 +102,23 @@ class _Interpreter:
             env[v] = a
         constants = _literal_constants(jaxpr, literal, env)
         skip = set()
+        scans, scan = associative_scans(jaxpr), None  # lax.associative_scan calls; the one running
         for i, eqn in enumerate(jaxpr.eqns):
+            if scan is not None and i == scan[0].stop:
+                self._scan_results(scan)
+                scan = None
             if i in skip:
                 continue
+            if i in scans:
+                call = scans[i]
+                elems = [_free.resolved(read(v), self._free_of(v)) for v in call.elems]
+                moved = _recognise.associative_scan(self, call, elems)
+                scan = None if moved is None else (call, *moved)
             invals = [read(v) for v in eqn.invars]
+            frees = [self._free_of(v) for v in eqn.invars]
+            if scan is not None and i in scan[0].readers:  # the call reads its valid elements, moved
+                invals = [scan[1].get(v, p) for v, p in zip(eqn.invars, invals)]
+                frees = [None if v in scan[1] else f for v, f in zip(eqn.invars, frees)]
             if eqn.outvars and eqn.outvars[0] in constants:  # from literals alone, evaluated beforehand
                 literal.update(eqn.outvars)
                 env[eqn.outvars[0]] = Pair(constants[eqn.outvars[0]], None)
@@ -122,7 +134,6 @@ class _Interpreter:
             is_literal = [_jaxpr.is_literal(v) or v in literal for v in eqn.invars]
             if all(is_literal) and not eqn.effects:
                 literal.update(eqn.outvars)
-            frees = [self._free_of(v) for v in eqn.invars]
             prim = eqn.primitive
             masked = any(p.mask is not None for p in invals)
             blocked = prim is P.dot_general_p and any(not _jaxpr.is_literal(v) and v in self.blocks for v in eqn.invars)
@@ -155,7 +166,18 @@ class _Interpreter:
                 self.producer[v] = eqn
                 if f is not None:
                     self.free[v] = f
+        if scan is not None:
+            self._scan_results(scan)
         return [read(v) for v in jaxpr.outvars]
+
+    def _scan_results(self, scan):
+        """At the end of a ``lax.associative_scan`` call run on moved elements: its results, moved
+        back (:func:`masked_jax._maskify._recognise.scan_results`)."""
+        call, _, state = scan
+        outs = [_free.resolved(self.env[v], self._free_of(v)) for v in call.outputs]
+        for v, o in zip(call.outputs, _recognise.scan_results(self, state, outs)):
+            self.env[v] = o
+            self.free.pop(v, None)
 
     def _with_free(self, eqn, invals, frees, is_literal):
         """``(result, its free positions)`` of an equation that puts constants beside masked data
@@ -183,8 +205,6 @@ class _Interpreter:
         prim, params = eqn.primitive, dict(eqn.params)
         name = prim.name
         unmasked = all(p.mask is None for p in invals)
-        if prim is P.jit_p and not unmasked and str(params.get("name")).startswith(_SCAN_NAME):
-            return _recognise.associative_scan(self, params, invals)
         if (
             prim is P.jit_p
             and not unmasked

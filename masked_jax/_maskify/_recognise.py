@@ -6,7 +6,8 @@ masked op, because read one equation at a time they would mean something else.
 * a sum divided by its static element count (``jnp.mean``, ``jnp.var``): a division by the valid
   count; ``sum(x * w) / sum(w)`` (``jnp.average``): a masked weighted mean;
 * jax functions' own named calls (``jnp.median``, ``jnp.sort``, ...): the ``masked_jax.numpy`` op;
-* ``lax.associative_scan`` (recorded while tracing): a scan over the valid elements.
+* ``lax.associative_scan`` (found by its equations' source, :mod:`._scan`): a scan over the valid
+  elements.
 
 Each takes the interpreter (:class:`masked_jax._maskify._interpreter._Interpreter`), whose tables
 (values, producers, read counts of the jaxpr being run) it reads.
@@ -23,7 +24,6 @@ from masked_jax import _jaxpr
 from masked_jax._maskify import _rules as primitives
 from masked_jax._maskify._constants import _concrete_scalar, _known
 from masked_jax._maskify._errors import MaskifyError
-from masked_jax._maskify._scan import _ASSOCIATIVE_SCAN, _SCAN_NAME
 from masked_jax.ops import normalization
 from masked_jax.ops._base import Pair, and_masks, fill, materialize
 
@@ -264,30 +264,63 @@ def named_call(interp, eqn, params, invals):
     return [out if isinstance(out, Pair) else Pair(out, None)]
 
 
-def associative_scan(interp, params, invals):
-    """``lax.associative_scan(fn, elems)`` over the valid elements only: an element is valid
-    where every leaf of ``elems`` is, masked-out elements are skipped (the combination of
-    ``a`` and a masked ``b`` is ``a``), and the result keeps that mask. Masked-out data are
-    replaced by zeros before ``fn`` sees them, which only ever combines valid values."""
-    fn, tree, reverse, axis = interp.scans[int(params["name"][len(_SCAN_NAME) :])]
-    shapes = {jnp.shape(p.data) for p in invals}
+def associative_scan(interp, call, elems):
+    """``lax.associative_scan(fn, elems)`` over the valid elements only (``call`` found by
+    :func:`masked_jax._maskify._scan.associative_scans`, ``elems`` its leaves' values), or ``None``
+    when no leaf is masked (its equations then run as they are).
+
+    An element is valid where every leaf of ``elems`` is; the result at a valid element combines
+    the valid elements up to it (from it, with ``reverse``), skipping masked ones, and the result
+    keeps the elements' mask. The call's own equations run on the valid elements moved to the front
+    of each row (to the back with ``reverse``), in order, the places after them holding a copy of
+    the last valid element (so that ``fn`` only ever sees valid values); :func:`scan_results` moves
+    the results back. Returns ``(the moved leaves by variable, the run's state)``."""
+    if all(p.mask is None for p in elems):
+        return None
+    shapes = {jnp.shape(p.data) for p in elems}
     if len(shapes) != 1:
         raise MaskifyError(
             f"maskify({interp.fun_name}): lax.associative_scan of masked elements needs every "
             f"leaf of elems to have one shape (got {sorted(shapes)}): an element is valid where "
             "all its leaves are."
         )
-    shape = shapes.pop()
-    valid = materialize(and_masks(*(p.mask for p in invals), facts=interp.facts), shape)
-    data = [fill(p.data, valid, 0, facts=interp.facts) for p in invals]
+    shape, axis = shapes.pop(), call.axis
+    valid = materialize(and_masks(*(p.mask for p in elems), facts=interp.facts), shape)
+    n = shape[axis]
+    count = jnp.sum(valid, axis=axis, keepdims=True, dtype=jnp.int32)
+    place = jax.lax.broadcasted_iota(jnp.int32, shape, axis)
+    # the valid elements' positions first (last with reverse), each row's order kept
+    order = jnp.argsort(valid if call.reverse else ~valid, axis=axis, stable=True)
+    first = n - count  # with reverse, where the valid elements begin
+    source = jnp.clip(place, first, n - 1) if call.reverse else jnp.minimum(place, jnp.maximum(count - 1, 0))
+    source = jnp.take_along_axis(order, source, axis=axis)
+    moved = {
+        v: Pair(jnp.take_along_axis(fill(p.data, valid, 0, facts=interp.facts), source, axis=axis), None)
+        for v, p in zip(call.elems, elems)
+    }
+    rank = jnp.cumsum(valid, axis=axis, dtype=jnp.int32) - 1
+    back = jnp.clip(rank + first if call.reverse else rank, 0, n - 1)
+    return moved, (valid, back, axis)
 
-    def combine(a, b):
-        (xa, va), (xb, vb) = a, b
-        both = tree.flatten_up_to(fn(jax.tree_util.tree_unflatten(tree, xa), jax.tree_util.tree_unflatten(tree, xb)))
-        return [jnp.where(va & vb, ab, jnp.where(vb, b_, a_)) for ab, a_, b_ in zip(both, xa, xb)], va | vb
 
-    out, _ = _ASSOCIATIVE_SCAN(combine, (data, valid), reverse=reverse, axis=axis)
-    return [Pair(fill(o, valid, 0, facts=interp.facts), valid) for o in out]
+def scan_results(interp, state, outs):
+    """The results of an :func:`associative_scan` call, moved back to the valid elements' places and
+    masked where the elements are (or where ``fn`` made a result masked)."""
+    valid, back, axis = state
+    results = []
+    for p in outs:
+        if jnp.shape(p.data) != valid.shape:
+            raise MaskifyError(
+                f"maskify({interp.fun_name}): a result of lax.associative_scan has shape "
+                f"{jnp.shape(p.data)}, not its elements' {valid.shape}; a scan over masked elements "
+                "needs results shaped like them."
+            )
+        data = jnp.take_along_axis(p.data, back, axis=axis)
+        mask = valid
+        if p.mask is not None:
+            mask = valid & jnp.take_along_axis(materialize(p.mask, valid.shape), back, axis=axis)
+        results.append(Pair(fill(data, mask, 0, facts=interp.facts), mask))
+    return results
 
 
 # -- control flow ------------------------------------------------------------------------------

@@ -1,62 +1,145 @@
-"""``lax.associative_scan`` while ``maskify`` traces: the call is recorded (its combining function
-and arguments), so that the interpreter runs it as one masked scan instead of its unrolled levels.
+"""``lax.associative_scan`` calls, found in a jaxpr by the source of their equations.
+
+``lax.associative_scan`` has no primitive or named call of its own: it traces to slices, pads,
+concatenations and the combining function's equations. Read one equation at a time, a hole or left
+padding would combine valid and masked elements into masked ones and mask everything after it.
+Every equation records the Python frames that were running when it was traced, so the equations a
+call produced are those traced inside jax's ``associative_scan``; :func:`associative_scans` finds
+them, with the call's element leaves and outputs, before the interpreter runs the jaxpr, and the
+interpreter runs each call over the valid elements only (``_recognise.associative_scan``). Nothing is
+patched or recorded while ``fun`` traces, so the call is found however it was reached (``lax.`` at call
+time, ``from jax.lax import associative_scan``, a function object passed in, inside an inner ``jit``).
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import threading
+import dataclasses
+import inspect
 
-import jax
+import jax.extend.core.primitives as P
 from jax import lax
 
-# -- lax.associative_scan, recognised as a whole call -------------------------------------------------
-# Its body (slices, pads, the combine function) read primitive by primitive would combine valid and
-# masked elements into masked ones, masking everything after a hole or left padding. While maskify
-# traces, lax.associative_scan is therefore wrapped in a jit named _SCAN_NAME + its index in this
-# trace's record of (fn, elems structure, reverse, axis), and the interpreter runs the scan over
-# valid elements only (``_Interpreter._associative_scan``).
-_ASSOCIATIVE_SCAN = lax.associative_scan
-
-_SCAN_NAME = "masked_jax_associative_scan_"
-
-_SCAN_RECORDS = threading.local()  # per thread: a stack of the records of the traces in progress
-
-_SCAN_PATCH = {"users": 0, "lock": threading.Lock()}
+from masked_jax import _jaxpr
 
 
-@functools.wraps(_ASSOCIATIVE_SCAN)
-def _recorded_associative_scan(fn, elems, reverse=False, axis=0):
-    stack = getattr(_SCAN_RECORDS, "stack", None)
-    if not stack:  # another thread's trace patched it: jax's own scan
-        return _ASSOCIATIVE_SCAN(fn, elems, reverse=reverse, axis=axis)
-    record = stack[-1]
-    leaves, tree = jax.tree_util.tree_flatten(elems)
-
-    def scan(*leaves):
-        return _ASSOCIATIVE_SCAN(fn, jax.tree_util.tree_unflatten(tree, leaves), reverse=reverse, axis=axis)
-
-    scan.__name__ = scan.__qualname__ = f"{_SCAN_NAME}{len(record)}"
-    record.append((fn, tree, reverse, axis))
-    return jax.jit(scan)(*leaves)
-
-
-@contextlib.contextmanager
-def _recording_scans():
-    stack = _SCAN_RECORDS.__dict__.setdefault("stack", [])
-    stack.append([])
-    with _SCAN_PATCH["lock"]:
-        _SCAN_PATCH["users"] += 1
-        lax.associative_scan = _recorded_associative_scan
+def _code(fn, name=None):
+    """The code object of ``fn`` (``None``: not found), or of its nested function ``name``."""
     try:
-        yield stack[-1]
-    finally:
-        stack.pop()
-        with _SCAN_PATCH["lock"]:
-            _SCAN_PATCH["users"] -= 1
-            if not _SCAN_PATCH["users"]:
-                lax.associative_scan = _ASSOCIATIVE_SCAN
+        code = inspect.unwrap(fn).__code__
+    except AttributeError:
+        return None
+    if name is None:
+        return code
+    return next((c for c in code.co_consts if getattr(c, "co_name", None) == name), None)
+
+
+# jax's associative_scan, its recursive ``_scan`` and the ``combine`` wrapper of the user's function
+_CALL, _LEVEL, _COMBINE = (
+    _code(lax.associative_scan),
+    _code(lax.associative_scan, "_scan"),
+    _code(lax.associative_scan, "combine"),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class AssociativeScan:
+    """One ``lax.associative_scan`` call in a jaxpr: its equations ``start`` to ``stop`` (exclusive),
+    the equations among them that read the element leaves (``readers``), the leaves (``elems``),
+    ``reverse`` and ``axis``, and the call's results that are read after it (``outputs``)."""
+
+    start: int
+    stop: int
+    readers: frozenset
+    elems: tuple
+    reverse: bool
+    axis: int
+    outputs: tuple
+
+
+def _frames(eqn):
+    """``(caller, order, level)`` of an equation traced inside ``associative_scan``, else ``None``:
+    the frames that called it; the position reached in ``associative_scan`` and in its outermost
+    ``_scan`` (-1 outside one), which only grow within one call; the number of ``_scan`` frames and
+    whether the user's function was running, which tell the element reads from the rest."""
+    traceback = eqn.source_info.traceback
+    if traceback is None or _CALL is None:
+        return None
+    codes, lastis = traceback.raw_frames()  # innermost first
+    k = next((k for k in range(len(codes) - 1, -1, -1) if codes[k] is _CALL), None)
+    if k is None:
+        return None
+    inner = codes[:k]
+    level = sum(c is _LEVEL for c in inner)
+    outer = lastis[k - 1] if k and codes[k - 1] is _LEVEL else -1
+    caller = tuple(zip(codes[k + 1 :], lastis[k + 1 :]))
+    return caller, (lastis[k], outer), (level, any(c is _COMBINE for c in inner))
+
+
+def _maybe(jaxpr) -> bool:
+    """Cheaply: whether ``jaxpr`` can hold an associative scan (a stride-2 slice or a reversal)."""
+    return any(
+        e.primitive is P.rev_p or (e.primitive is P.slice_p and 2 in (e.params.get("strides") or ()))
+        for e in jaxpr.eqns
+    )
+
+
+def associative_scans(jaxpr) -> dict[int, AssociativeScan]:
+    """The ``lax.associative_scan`` calls among ``jaxpr``'s own equations, by their first equation.
+
+    A call whose element leaves cannot be told apart is left out: its equations then run one at a
+    time, which masks an element's results wherever a masked element entered them."""
+    if _LEVEL is None or not _maybe(jaxpr):
+        return {}
+    groups, last = [], None
+    for i, eqn in enumerate(jaxpr.eqns):
+        frames = _frames(eqn)
+        if frames is None:
+            last = None
+            continue
+        caller, order, _ = frames
+        if last is None or caller != last[0] or order < last[1]:  # a new call (also the same line again)
+            groups.append([])
+        groups[-1].append((i, frames))
+        last = (caller, order)
+    calls = {}
+    for group in groups:
+        call = _call(jaxpr, group)
+        if call is not None:
+            calls[call.start] = call
+    return calls
+
+
+def _call(jaxpr, group):
+    start, stop = group[0][0], group[-1][0] + 1
+    eqns = jaxpr.eqns
+    defined = {v for e in eqns[start:stop] for v in e.outvars}
+    reverse = eqns[start].primitive is P.rev_p and group[0][1][2][0] == 0
+    readers, elems, axes = set(), [], set()
+    for i, (_, _, (level, in_fn)) in group:
+        eqn = eqns[i]
+        if reverse:  # the leading reversals of the leaves, before the first level
+            if level:
+                break
+            if eqn.primitive is not P.rev_p:
+                continue
+        elif level != 1 or in_fn or eqn.primitive is not P.slice_p:
+            continue
+        v = eqn.invars[0]
+        if _jaxpr.is_literal(v) or v in defined:
+            continue
+        if reverse:
+            axes.update(eqn.params["dimensions"])
+        else:  # the pairs (0, 1), (2, 3), ... and the even elements: stride 2 along the axis
+            axes.update(d for d, s in enumerate(eqn.params.get("strides") or ()) if s == 2)
+        readers.add(i)
+        if v not in elems:
+            elems.append(v)
+    if not elems or len(axes) != 1:
+        return None
+    after = {v for e in eqns[stop:] for v in e.invars if not _jaxpr.is_literal(v)}
+    after.update(v for v in jaxpr.outvars if not _jaxpr.is_literal(v))
+    outputs = tuple(v for e in eqns[start:stop] for v in e.outvars if v in after)
+    return AssociativeScan(start, stop, frozenset(readers), tuple(elems), reverse, axes.pop(), outputs)
 
 
 def _scan_counts(params, n_in):
