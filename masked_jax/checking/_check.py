@@ -95,7 +95,7 @@ def check_jacobian(
         atol, rtol: tolerances, ``|num - an| <= atol + rtol * |num|``; default by dtype.
         fast: ``True`` compares random projections ``v^T J u`` (cost independent of the
             Jacobian's size), ``False`` full Jacobian tables, ``None`` chooses by size (full up
-            to 1024 input elements).
+            to 2048 input elements).
         raise_exception: raise :class:`JacobianError` (carrying the report) on failure.
         seed: seed of the random fill under masks and of the random directions.
         leak_probes: under masked semantics, also set the data under the masks to NaN, +-inf

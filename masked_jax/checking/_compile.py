@@ -22,7 +22,7 @@ from jax.extend import core as jcore
 
 from masked_jax import _jaxpr
 from masked_jax.checking._finite_diff import _run
-from masked_jax.checking._inputs import ALL, PADDED, is_leaf, output_vectors
+from masked_jax.checking._inputs import is_leaf, output_vectors, with_extra
 
 _CACHE: collections.OrderedDict = collections.OrderedDict()
 
@@ -276,20 +276,11 @@ def _jaxpr_evaluator(jaxpr, lifted, specs, consts, plain):
     ``extra`` as :meth:`Leaf.build` makes it."""
 
     def evaluate(vs, extras):
-        patterns = [_with_extra(jnp.asarray(s), e) for s, e in zip(specs, extras)]
+        patterns = [with_extra(jnp.asarray(s), e) for s, e in zip(specs, extras)]
         args = jax.tree_util.tree_leaves((list(lifted), list(vs), patterns, list(consts)))
         return tuple(jcore.jaxpr_as_fun(jaxpr)(*args)), plain
 
     return evaluate
-
-
-def _with_extra(spec, extra):
-    """The mask :meth:`Leaf.build` gives a ``MaskedArray`` input with pattern ``spec`` and ``extra``."""
-    if extra is ALL:
-        return jnp.ones_like(spec)
-    if extra is None or extra is PADDED or spec.size == 0:  # an empty input has no entry to set
-        return spec
-    return spec.at[extra].set(True, mode="drop")
 
 
 def _lifted(call, leaves, values, consts):

@@ -102,16 +102,25 @@ def _run(
             elif sem == "masked" and shared:
                 out[f"{i}/masked"] = _masked_share(out[f"{i}/dense"], specs[i], modes)
             elif fast:
-                if f"{i}/{sem}" not in out:  # masked: every input at once; dense: the arrays, or one input
-                    together = sem == "masked" or leaf.kind == "array"
-                    group = (
-                        [j for j, o in enumerate(leaves) if sem == "masked" or o.kind == "array"] if together else [i]
-                    )
-                    found = _projections(
-                        outputs, base, leaves, group, specs, sem, modes, eps, out["valid"], rng, richardson,
-                        out[f"scale/{sem}"],
-                    )  # fmt: skip
-                    out.update({f"{j}/{sem}": r for j, r in found.items()})
+                if f"{i}/{sem}" not in out:  # every set in one batch; a sparse input's sets apart
+                    sets = _projection_sets(leaves, sems)
+                    sparse = any(lf.kind not in ("array", "masked") for lf in leaves)
+                    for batch in [[st] for st in sets] if sparse else [sets]:
+                        out.update(
+                            _projections(
+                                outputs,
+                                {"dense": vals, "masked": fills},
+                                leaves,
+                                batch,
+                                specs,
+                                modes,
+                                eps,
+                                out["valid"],
+                                rng,
+                                richardson,
+                                {s: out[f"scale/{s}"] for s in sems},
+                            )  # fmt: skip
+                        )
             else:
                 out[f"{i}/{sem}"] = _tables(F, x0, leaf, sem, modes, eps, which, richardson, keep_raw=shared)
     out["specs"] = specs
@@ -229,98 +238,167 @@ def _richardson(d1, d2):
     return jnp.abs(d1 - d2) / 3
 
 
-def _projections(outputs, base, leaves, group, specs, sem, modes, eps, valid, rng, richardson=False, scale=None):
+def _projection_sets(leaves, sems):
+    """The ``(semantics, group)`` sets of :func:`_projections` one check needs: under masked
+    semantics every input in one group; under dense semantics the arrays together (they have no
+    pattern) and each other input alone (it is taken fully specified, the others keep theirs)."""
+    sets = []
+    for sem in sems:
+        if sem == "masked":
+            sets.append((sem, tuple(range(len(leaves)))))
+            continue
+        arrays = tuple(i for i, leaf in enumerate(leaves) if leaf.kind == "array")
+        sets += [(sem, arrays)] if arrays else []
+        sets += [(sem, (i,)) for i, leaf in enumerate(leaves) if leaf.kind != "array"]
+    return sets
+
+
+def _projections(outputs, bases, leaves, sets, specs, modes, eps, valid, rng, richardson=False, scales=None):
     """Random-direction checks ``v^T J u`` (and, under masked semantics, the leaks) of the inputs
-    in ``group`` (their positions), as ``{position: result}``, at the point ``base``. ``scale``: the
-    outputs' magnitudes; ``res["scale"]`` is ``|v| . scale`` per direction, what the rounding of the
-    outputs can move a projected central difference by (times :func:`_roundoff`).
+    of every ``(semantics, group)`` set in ``sets`` (see :func:`_projection_sets`), as
+    ``{"<position>/<semantics>": result}``, at the point ``bases[semantics]``. ``scales``: the
+    outputs' magnitudes per semantics; ``res["scale"]`` is ``|v| . scale`` per direction, what the
+    rounding of the outputs can move a projected central difference by (times :func:`_roundoff`).
 
-    Each input has its own directions (seeded by its position), but the group's evaluations run
-    in one batch: every perturbed point, every tangent and every cotangent of every input of the
-    group at once, so the program holds one evaluation of ``f``, one JVP and one VJP for the group.
-    Under dense semantics the perturbed input is taken fully specified (array inputs have no
-    pattern, so they share a group; any other input is a group of its own); under masked semantics
-    every input keeps its pattern, and all share one group."""
+    Each input has its own directions (seeded by its position, the same under both semantics),
+    and all the sets' evaluations run in one batch: every perturbed point, every tangent and every
+    cotangent of every input of every set at once, so the program holds one evaluation of ``f``,
+    one JVP and one VJP however many inputs and sets there are. The vector they act on is every
+    input's elements end to end; each row of the batch carries its own base point and the patterns
+    its set takes the inputs at (a ``MaskedArray`` input's mask is an operand: all of it specified,
+    for the input under dense semantics, or its own). Sparse inputs change structure when fully
+    specified, so a set with one runs as a batch of its own (``sets`` of one element)."""
     n = len(leaves)
-    dense = sem == "dense"
     out_size = valid.shape[0]
-    sizes = [leaves[i].size for i in group]
+    sizes = [leaf.size for leaf in leaves]
     starts = _starts(sizes)
-    dtype = jnp.result_type(*(base[i] for i in group))
-    x0 = jnp.concatenate([base[i].astype(dtype) for i in group])
-    extras: list = [None] * n
-    which = 0 if dense else 1
-    analytic: list = [None] * n
-    for i in group:
-        extras[i] = ALL if dense else None
-        analytic[i] = analytic_pattern(leaves[i], sem)
+    dtype = jnp.result_type(*(b for base in bases.values() for b in base))
+    # per set: the base vector, and what each input's ``extra`` is for its evaluations and Jacobians
+    x0s = {sem: jnp.concatenate([b.astype(dtype) for b in base]) for sem, base in bases.items()}
+    single = len(sets) == 1
+    masks = [leaf.kind == "masked" for leaf in leaves]  # inputs whose extra can be an operand
 
-    def F(x, ex, which):
-        vs = list(base)
-        for i, a, size in zip(group, starts, sizes):
-            vs[i] = x[a : a + size].astype(base[i].dtype)
-        return outputs(vs, ex)[which]
+    def extra(i, sem, group, analytic):
+        if sem == "dense" and i in group:
+            e = analytic_pattern(leaves[i], sem) if analytic else ALL
+        else:
+            e = None
+        if single or not masks[i]:
+            return e
+        return jnp.full(sizes[i], e is ALL)  # added to the input's pattern
 
-    def place(k, d):  # directions ``d`` of input ``group[k]`` as directions of the group's vector
-        return jnp.zeros((d.shape[0], x0.shape[0]), dtype).at[:, starts[k] : starts[k] + sizes[k]].set(d)
+    def static_extras(sem, group, analytic):
+        return [extra(i, sem, group, analytic) for i in range(n)]
 
-    per = []  # per input: U, V, U_off, V_out
-    for k, i in enumerate(group):
-        spec = specs[i].astype(dtype)
+    per = {}  # per input: U, V, U_off, V_out under each semantics
+    for i in range(n):
         ku, kv = jax.random.split(jax.random.fold_in(rng, i))
-        U = jax.random.normal(ku, (N_DIRECTIONS, sizes[k]), base[i].dtype).astype(dtype)
-        V = jax.random.normal(kv, (N_DIRECTIONS, out_size), base[i].dtype)
-        U_off, V_out = U, V
-        if not dense:
-            V_out, V = V * ~valid, V * valid
-            U_off, U = U * (1 - spec), U * spec
-        per.append((U, V, U_off, V_out))
+        U = jax.random.normal(ku, (N_DIRECTIONS, sizes[i]), bases[sets[0][0]][i].dtype).astype(dtype)
+        V = jax.random.normal(kv, (N_DIRECTIONS, out_size), bases[sets[0][0]][i].dtype)
+        per[i, "dense"] = (U, V, U, V)
+        spec = specs[i].astype(dtype)
+        per[i, "masked"] = (U * spec, V * valid, U * (1 - spec), V * ~valid)
+
+    def place(i, d):  # directions ``d`` of input ``i`` as directions of the vector of all inputs
+        return jnp.zeros((d.shape[0], x0s[sets[0][0]].shape[0]), dtype).at[:, starts[i] : starts[i] + sizes[i]].set(d)
+
+    def batch(rows):
+        """Rows ``(set index, vector)`` -> (base points, raw-output flags, extras, analytic extras)
+        per row of ``N_DIRECTIONS``."""
+        reps = [v.shape[0] for _, v in rows]
+        where = [k for (k, _), r in zip(rows, reps) for _ in range(r)]
+        x0 = jnp.stack([x0s[sets[k][0]] for k in where]) if not single else None
+        raw = jnp.asarray([sets[k][0] == "masked" for k in where])
+        ex = [
+            None if single or not masks[i] else jnp.stack([extra(i, *sets[k], a) for k in where])
+            for a in (False, True)
+            for i in range(n)
+        ]
+        return x0, raw, ex[:n], ex[n:]
+
+    def F(x, ex, analytic=False):  # (filled, raw) outputs at the vector ``x``
+        vs = [x[a : a + size].astype(leaf.dtype) for a, size, leaf in zip(starts, sizes, leaves)]
+        extras = static_extras(*sets[0], analytic) if single else ex
+        return outputs(vs, extras)[:2]
+
+    def pick(pair, raw):  # each row's outputs: raw under masked semantics, else filled
+        return jnp.where(raw[:, None], pair[1], pair[0])
+
     mults = [1.0] + ([2.0] if richardson else [])
-    # the directions of every input: (input, multiple of eps, off-mask?) in this order
-    dirs = [(k, m, False) for k in range(len(group)) for m in mults]
-    if not dense:
-        dirs += [(k, 1.0, True) for k in range(len(group))]
-    steps = jnp.concatenate([place(k, per[k][2] if off else per[k][0]) * (m * eps) for k, m, off in dirs])
-    evals = jax.vmap(lambda x: F(x, extras, 0))(jnp.concatenate([x0 + steps, x0 - steps]))
+    # the directions: (set, input, multiple of eps, off-mask?) in this order
+    dirs = [(k, i, m, False) for k, (_, group) in enumerate(sets) for i in group for m in mults]
+    dirs += [(k, i, 1.0, True) for k, (sem, group) in enumerate(sets) if sem == "masked" for i in group]
+    rows = [(k, place(i, per[i, sets[k][0]][2 if off else 0]) * (m * eps)) for k, i, m, off in dirs]
+    x0, raw, ex, _ = batch(rows)
+    steps = jnp.concatenate([v for _, v in rows])
+    base = jnp.broadcast_to(x0s[sets[0][0]], steps.shape) if single else x0
+    points = jnp.concatenate([base + steps, base - steps])
+    both = jax.tree_util.tree_map(lambda *a: None if a[0] is None else jnp.concatenate(a), ex, ex)
+    evals = pick(jax.vmap(F)(points, both), jnp.concatenate([raw, raw]))
     evals = evals.reshape((2, len(dirs), N_DIRECTIONS, out_size))
     diffs = {
-        d: jnp.sum(per[d[0]][1] * (evals[0, j] - evals[1, j]), axis=1) / (2 * d[1] * eps) for j, d in enumerate(dirs)
+        d: jnp.sum(per[d[1], sets[d[0]][0]][1] * (evals[0, j] - evals[1, j]), axis=1) / (2 * d[2] * eps)
+        for j, d in enumerate(dirs)
     }
-    res = {i: {"num": diffs[(k, 1.0, False)]} for k, i in enumerate(group)}
-    for k, i in enumerate(group):
-        V = per[k][1]
-        if scale is not None:
-            res[i]["scale"] = jnp.abs(V) @ scale.astype(V.dtype)
+    res = {(k, i): {"num": diffs[(k, i, 1.0, False)]} for k, (_, group) in enumerate(sets) for i in group}
+    for (k, i), r in res.items():
+        sem = sets[k][0]
+        V = per[i, sem][1]
+        if scales is not None:
+            r["scale"] = jnp.abs(V) @ scales[sem].astype(V.dtype)
         if richardson:
-            res[i]["fd_err"] = _richardson(diffs[(k, 1.0, False)], diffs[(k, 2.0, False)])
-        if not dense:
-            res[i]["num_off"] = diffs[(k, 1.0, True)]  # per direction; the leak is what rounding cannot explain
-    g = lambda x: F(x, analytic, which)  # noqa: E731
+            r["fd_err"] = _richardson(diffs[(k, i, 1.0, False)], diffs[(k, i, 2.0, False)])
+        if sem == "masked":
+            r["num_off"] = diffs[(k, i, 1.0, True)]  # per direction; the leak is what rounding cannot explain
+    keys = list(res)  # (set, input), in the order of the rows below
+    off_keys = [(k, i) for k, i in keys if sets[k][0] == "masked"]
+
+    def derivatives(rows, fn):
+        """``fn(base point, vector, extras)`` for every row, one batch."""
+        x, _, _, ex = batch(rows)
+        vecs = jnp.concatenate([v for _, v in rows])
+        if single:
+            return jax.vmap(lambda v: fn(x0s[sets[0][0]], v, None))(vecs)
+        return jax.vmap(fn)(x, vecs, ex)
+
     if "fwd" in modes:
-        tangents = [place(k, per[k][0]) for k in range(len(group))]
-        if not dense:
-            tangents += [place(k, per[k][2]) for k in range(len(group))]
-        t = jax.vmap(lambda u: jax.jvp(g, (x0,), (u,))[1])(jnp.concatenate(tangents))
-        t = t.reshape((len(tangents), N_DIRECTIONS, out_size))
-        for k, i in enumerate(group):
-            V = per[k][1]
-            res[i]["fwd"] = jnp.sum(t[k] * V, axis=1)
-            if not dense:
-                res[i]["fwd_leak_in"] = jnp.max(jnp.abs(jnp.sum(t[len(group) + k] * V, axis=1)), initial=0)
-                res[i]["fwd_leak_out"] = jnp.max(jnp.abs(t[k] * ~valid), initial=0)
+        rows = [(k, place(i, per[i, sets[k][0]][0])) for k, i in keys]
+        rows += [(k, place(i, per[i, "masked"][2])) for k, i in off_keys]
+        _, raw, _, _ = batch(rows)
+        t = pick(derivatives(rows, lambda x, u, e: jax.jvp(lambda y: F(y, e, True), (x,), (u,))[1]), raw)
+        t = t.reshape((len(rows), N_DIRECTIONS, out_size))
+        for j, key in enumerate(keys):
+            V = per[key[1], sets[key[0]][0]][1]
+            res[key]["fwd"] = jnp.sum(t[j] * V, axis=1)
+        for j, key in enumerate(off_keys):
+            V = per[key[1], "masked"][1]
+            res[key]["fwd_leak_in"] = jnp.max(jnp.abs(jnp.sum(t[len(keys) + j] * V, axis=1)), initial=0)
+            res[key]["fwd_leak_out"] = jnp.max(jnp.abs(t[keys.index(key)] * ~valid), initial=0)
     if "rev" in modes:
-        _, pull = jax.vjp(g, x0)
-        cotangents = [per[k][1] for k in range(len(group))] + ([] if dense else [per[k][3] for k in range(len(group))])
-        c = jax.vmap(lambda v: pull(v)[0])(jnp.concatenate(cotangents))
-        c = c.reshape((len(cotangents), N_DIRECTIONS, x0.shape[0]))
-        for k, i in enumerate(group):
-            mine = lambda a, k=k: a[:, starts[k] : starts[k] + sizes[k]]  # noqa: E731
-            res[i]["rev"] = jnp.sum(mine(c[k]) * per[k][0], axis=1)
-            if not dense:
+        rows = [(k, per[i, sets[k][0]][1]) for k, i in keys] + [(k, per[i, "masked"][3]) for k, i in off_keys]
+        _, raw, _, _ = batch(rows)
+        flag = raw.astype(dtype)[:, None]
+
+        def pull(x, v, e, f):  # the cotangent ``v`` on the raw outputs (f = 1) or on the filled ones
+            (filled, raw_out), vjp = jax.vjp(lambda y: F(y, e, True), x)
+            return vjp(((v * (1 - f)).astype(filled.dtype), (v * f).astype(raw_out.dtype)))[0]
+
+        vecs = jnp.concatenate([v for _, v in rows])
+        if single:
+            c = jax.vmap(lambda v, f: pull(x0s[sets[0][0]], v, None, f))(vecs, flag)
+        else:
+            x, _, _, ex = batch(rows)
+            c = jax.vmap(pull)(x, vecs, ex, flag)
+        c = c.reshape((len(rows), N_DIRECTIONS, c.shape[-1]))
+        for j, (k, i) in enumerate(keys):
+            mine = lambda a, i=i: a[:, starts[i] : starts[i] + sizes[i]]  # noqa: E731
+            U = per[i, sets[k][0]][0]
+            res[k, i]["rev"] = jnp.sum(mine(c[j]) * U, axis=1)
+            if sets[k][0] == "masked":
                 spec = specs[i].astype(dtype)
-                res[i]["rev_leak_in"] = jnp.max(jnp.abs(mine(c[k]) * (1 - spec)), initial=0)
-                res[i]["rev_leak_out"] = jnp.max(jnp.abs(mine(c[len(group) + k])), initial=0)
-    return res
+                res[k, i]["rev_leak_in"] = jnp.max(jnp.abs(mine(c[j]) * (1 - spec)), initial=0)
+                res[k, i]["rev_leak_out"] = jnp.max(jnp.abs(mine(c[len(keys) + off_keys.index((k, i))])), initial=0)
+    return {f"{i}/{sets[k][0]}": r for (k, i), r in res.items()}
 
 
 def _roundoff(dtype, eps) -> float:

@@ -32,6 +32,19 @@ def is_leaf(x) -> bool:
     return isinstance(x, (MaskedArray, SparseMasked, jsparse.BCOO))
 
 
+def with_extra(spec, extra):
+    """The mask of a ``MaskedArray`` input with pattern ``spec`` (flat) and ``extra`` (see
+    :meth:`Leaf.build`; also a bool array of ``spec``'s size: those elements specified too, so that
+    a batch of evaluations can take the input at different patterns)."""
+    if extra is ALL:
+        return jnp.ones_like(spec)
+    if extra is None or extra is PADDED or spec.size == 0:  # an empty input has no entry to set
+        return spec
+    if getattr(extra, "dtype", None) == jnp.bool_:
+        return spec | extra
+    return spec.at[extra].set(True, mode="drop")
+
+
 @dataclasses.dataclass(frozen=True)
 class Leaf:
     """Static description of one differentiable input (hashable: part of the compile cache key)."""
@@ -70,12 +83,7 @@ class Leaf:
             return values.reshape(self.shape)
         spec = jnp.asarray(self.spec) if pattern is None or self.kind != "masked" else pattern
         if self.kind == "masked":
-            if extra is ALL:
-                mask = jnp.ones(self.size, bool)
-            elif extra is None:
-                mask = spec
-            else:
-                mask = spec.at[extra].set(True, mode="drop")
+            mask = with_extra(spec, extra)
             # plain unflatten, no tangent masking: what the function does with masked data is tested
             return MaskedArray.tree_unflatten(None, (values.reshape(self.shape), mask.reshape(self.shape)))
         if self.kind == "row_sparse":
@@ -204,7 +212,10 @@ SEMANTICS = ("dense", "masked")
 
 MODES = ("fwd", "rev")
 
-FULL_MAX_ELEMENTS = 1024  # fast=None: full Jacobian tables up to this many input elements in all
+# fast=None: full Jacobian tables up to this many input elements in all. Below a few thousand
+# elements they are cheaper than the projections' program to compile (2-layer MLP, 2 CPU cores:
+# 2.8 s at 163 and 3.3 s at 2467 elements, against 5.0 s for projections at any size).
+FULL_MAX_ELEMENTS = 2048
 
 N_DIRECTIONS = 4  # random directions per input in fast mode
 
