@@ -280,12 +280,8 @@ def _projections(outputs, bases, leaves, sets, specs, modes, eps, valid, rng, ri
 
     def extra(i, sem, group, analytic):
         if sem == "dense" and i in group:
-            e = analytic_pattern(leaves[i], sem) if analytic else ALL
-        else:
-            e = None
-        if single or not masks[i]:
-            return e
-        return jnp.full(sizes[i], e is ALL)  # added to the input's pattern
+            return analytic_pattern(leaves[i], sem) if analytic else ALL
+        return None
 
     def static_extras(sem, group, analytic):
         return [extra(i, sem, group, analytic) for i in range(n)]
@@ -307,10 +303,12 @@ def _projections(outputs, bases, leaves, sets, specs, modes, eps, valid, rng, ri
         per row of ``N_DIRECTIONS``."""
         reps = [v.shape[0] for _, v in rows]
         where = [k for (k, _), r in zip(rows, reps) for _ in range(r)]
-        x0 = jnp.stack([x0s[sets[k][0]] for k in where]) if not single else None
+        x0 = jnp.stack([x0s[sets[k][0]] for k in where])
         raw = jnp.asarray([sets[k][0] == "masked" for k in where])
-        ex = [
-            None if single or not masks[i] else jnp.stack([extra(i, *sets[k], a) for k in where])
+        ex = [  # a MaskedArray input's extra: the elements specified on top of its pattern
+            None
+            if single or not masks[i]
+            else jnp.stack([jnp.full(sizes[i], extra(i, sets[k][0], sets[k][1], a) is ALL) for k in where])
             for a in (False, True)
             for i in range(n)
         ]
@@ -318,7 +316,7 @@ def _projections(outputs, bases, leaves, sets, specs, modes, eps, valid, rng, ri
 
     def F(x, ex, analytic=False):  # (filled, raw) outputs at the vector ``x``
         vs = [x[a : a + size].astype(leaf.dtype) for a, size, leaf in zip(starts, sizes, leaves)]
-        extras = static_extras(*sets[0], analytic) if single else ex
+        extras = static_extras(sets[0][0], sets[0][1], analytic) if single else ex
         return outputs(vs, extras)[:2]
 
     def pick(pair, raw):  # each row's outputs: raw under masked semantics, else filled
@@ -331,8 +329,7 @@ def _projections(outputs, bases, leaves, sets, specs, modes, eps, valid, rng, ri
     rows = [(k, place(i, per[i, sets[k][0]][2 if off else 0]) * (m * eps)) for k, i, m, off in dirs]
     x0, raw, ex, _ = batch(rows)
     steps = jnp.concatenate([v for _, v in rows])
-    base = jnp.broadcast_to(x0s[sets[0][0]], steps.shape) if single else x0
-    points = jnp.concatenate([base + steps, base - steps])
+    points = jnp.concatenate([x0 + steps, x0 - steps])
     both = jax.tree_util.tree_map(lambda *a: None if a[0] is None else jnp.concatenate(a), ex, ex)
     evals = pick(jax.vmap(F)(points, both), jnp.concatenate([raw, raw]))
     evals = evals.reshape((2, len(dirs), N_DIRECTIONS, out_size))
