@@ -582,3 +582,56 @@ def test_half_precision_duplicates_add_up_in_float32(dtype):
     }
     for name, value in got.items():
         assert value.dtype == dtype and float(value) == want, (name, value)
+
+
+# -- sparse arrays of any logical size ------------------------------------------------------------
+_HUGE = (70_000, 70_000, 2)  # 9.8e9 elements: no linear index fits int32
+_HUGE_INDICES = np.array([[0, 1, 0], [69_999, 5, 1], [3, 69_999, 1], [0, 1, 1], [3, 69_999, 1], [69_999, 69_999, 0]])
+_HUGE_OPS = {  # name: (op, the axes it reduces, whether integers take it)
+    "sum(axis=2)": (lambda x: mnp.sum(x, axis=2), (2,), True),
+    "sum(axis=(0, 2))": (lambda x: mnp.sum(x, axis=(0, 2)), (0, 2), True),
+    "max(axis=2)": (lambda x: mnp.max(x, axis=2), (2,), True),
+    "min(axis=1)": (lambda x: mnp.min(x, axis=1), (1,), True),
+    "prod(axis=0)": (lambda x: mnp.prod(x, axis=0), (0,), True),
+    "mean(axis=2)": (lambda x: mnp.mean(x, axis=2), (2,), False),
+    "softmax(axis=2)": (lambda x: mnn.softmax(x, axis=2), (), False),
+    "x * x": (lambda x: x * x, (), True),
+    "x + x": (lambda x: x + x, (), True),
+    "coalesce": (lambda x: x.coalesce(), (), True),
+}
+
+
+def _entries(x):
+    """``{index tuple: value}`` of the valid stored entries of a BCOO-backed array."""
+    data, indices, valid = (np.asarray(a) for a in (x.data, x.indices, x.entry_valid()))
+    return {tuple(int(c) for c in i): v for i, v, ok in zip(indices, data, valid) if ok}
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize(
+    "op,dtype", [(op, d) for op, (_, _, ints) in _HUGE_OPS.items() for d in ("float32", "int32")[: 1 + ints]]
+)
+def test_sparse_ops_at_a_logical_size_past_int32_equal_them_on_the_compressed_array(op, dtype, jit):
+    """A BCOO-backed array of 70,000 x 70,000 x 2 with six stored entries (two of them duplicates)
+    reduces, combines, normalises and coalesces in O(stored entries), as the same entries do in
+    the small array that keeps each axis's distinct coordinates in order (the ops only compare
+    coordinates): same values at the corresponding index tuples, eagerly and under jit."""
+    values = np.arange(1, 7).astype(dtype)
+    # per axis, the distinct coordinates in order: the small array's coordinates are their ranks
+    ranks = [np.unique(_HUGE_INDICES[:, a], return_inverse=True) for a in range(3)]
+    small_idx = np.stack([inv for _, inv in ranks], -1)
+    small_shape = tuple(len(u) for u, _ in ranks)
+    huge = mj.from_bcoo(sparse.BCOO((jnp.asarray(values), jnp.asarray(_HUGE_INDICES, jnp.int32)), shape=_HUGE))
+    small = mj.from_bcoo(sparse.BCOO((jnp.asarray(values), jnp.asarray(small_idx, jnp.int32)), shape=small_shape))
+    fn, reduced, _ = _HUGE_OPS[op]
+    got, want = (jax.jit(fn) if jit else fn)(huge), fn(small)
+    kept = [a for a in range(3) if a not in reduced]
+    assert got.shape == tuple(_HUGE[a] for a in kept)
+    back = {
+        tuple(int(ranks[a][0][c]) for a, c in zip(kept, i)): v
+        for i, v in _entries(want).items()  # the small array's coordinates, mapped back
+    }
+    have = _entries(got)
+    assert have.keys() == back.keys()
+    for key, v in back.items():
+        np.testing.assert_allclose(have[key], v, rtol=1e-6, err_msg=str(key))

@@ -18,7 +18,7 @@ import numpy as np
 from jax.experimental import sparse as jsparse
 
 from masked_jax._core import MaskedArray, SparseMasked, check_index, from_pair, is_tracer
-from masked_jax.layouts._segments import segment_total, unique_ids
+from masked_jax.layouts._segments import segment_total, tuple_ids, unique_ids
 from masked_jax.ops._base import Pair, accumulation_dtype, widened_indices
 
 DATA_KEY, INDICES_KEY = jax.tree_util.GetAttrKey("data"), jax.tree_util.GetAttrKey("indices")
@@ -150,18 +150,16 @@ class BCOOMaskedArray(SparseMasked, storage="bcoo"):
     def coalesce(self) -> BCOOMaskedArray:
         """Sum duplicate entries (static nse; freed slots become padding)."""
         boolean = self.dtype == jnp.bool_  # duplicates of a bool are or-ed
-        size = int(np.prod(self.shape))
         flat = self.n_batch == 0 and self.n_dense == 0 and self.ndim > 0  # 0-d: no index to linearize
-        if flat and 0 < self.nse and size < np.iinfo(np.int32).max:
-            # flat layout: sort the entries' linear indices (unique_ids: faster than
-            # bcoo_sum_duplicates on CPU); padding entries sort last and stay padding
-            lin = jnp.ravel_multi_index(tuple(self.indices.T), self.shape, mode="clip")
-            uniq, seg = unique_ids(jnp.where(self.entry_valid(), lin, size).astype(jnp.int32), size)
+        if flat and 0 < self.nse:
+            # flat layout: sort the entries' ids (unique_ids: faster than bcoo_sum_duplicates on
+            # CPU; tuple_ids: at any logical size); padding entries sort last and stay padding
+            lin, bound, decode = tuple_ids(self.indices, self.shape, self.entry_valid())
+            uniq, seg = unique_ids(lin, bound)
             values = jnp.where(self.entry_valid(), self.data, jnp.zeros((), self.dtype))
             merge = jax.ops.segment_max if boolean else segment_total
             data = merge(values, seg, self.nse)
-            cols = jnp.stack(jnp.unravel_index(jnp.minimum(uniq, size - 1), self.shape), -1)
-            indices = jnp.where((uniq < size)[:, None], cols, jnp.array(self.shape)).astype(self.indices.dtype)
+            indices = jnp.where((uniq < bound)[:, None], decode(uniq), jnp.array(self.shape)).astype(self.indices.dtype)
             return BCOOMaskedArray.tree_unflatten(self.shape, (data, indices))
         x = self.with_data(self.data.astype(jnp.int32)) if boolean else self
         summed = jsparse.bcoo_sum_duplicates(x.to_bcoo(), nse=self.nse)

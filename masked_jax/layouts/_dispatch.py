@@ -166,11 +166,11 @@ def _bcoo_intersect(rule, a, b, kwargs):
     a, b = a.coalesce(), b.coalesce()
     sparse_shape = a.shape[: a.n_sparse]
 
-    def linear(x):
-        lin = jnp.ravel_multi_index(tuple(x.indices.T), sparse_shape, mode="clip")
-        return jnp.where(x.entry_valid(), lin, -1)
-
-    lin_a, lin_b = linear(a), linear(b)
+    # ids of both operands' index tuples, from one numbering (padding -1)
+    valid = jnp.concatenate([a.entry_valid(), b.entry_valid()])
+    ids, _, _ = segments.tuple_ids(jnp.concatenate([a.indices, b.indices]), sparse_shape, valid)
+    ids = jnp.where(valid, ids, -1)
+    lin_a, lin_b = ids[: a.nse], ids[a.nse :]
     padding = jnp.array(sparse_shape, a.indices.dtype)  # one past the end in every sparse dim
     if b.nse == 0 or a.nse == 0:
         return BCOOMaskedArray.tree_unflatten(a.shape, (a.data, jnp.broadcast_to(padding, a.indices.shape)))

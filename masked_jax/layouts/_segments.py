@@ -71,6 +71,40 @@ def unique_ids(ids, sentinel: int):
     return uniq, sorted_search(uniq, ids)
 
 
+_INT32_MAX = int(np.iinfo(np.int32).max)
+
+
+def tuple_ids(coords, shape, valid):
+    """``(ids, bound, decode)``: an int32 id per entry whose index tuple is a row of ``coords``
+    (``(k, len(shape))``), equal for equal tuples and ordered as the tuples are (row-major), with
+    ``bound`` (larger than every id) for the entries that ``valid`` marks as padding; ``decode``
+    maps ids back to index tuples (``bound`` to some in-range tuple: mask it).
+
+    The id is the linear index while ``shape`` holds fewer than 2**31 - 1 elements. Past that (a
+    70,000 x 70,000 x 2 sparse array has 9.8e9), it is the tuple's rank among the entries'
+    distinct tuples: a lexicographic sort of the ``k`` entries, so the work stays O(k log k) at any
+    logical size and no id needs 64 bits."""
+    k = coords.shape[0]
+    size = int(np.prod(shape))
+    if size < _INT32_MAX:
+        lin = jnp.ravel_multi_index(tuple(coords.T), shape, mode="clip") if shape else jnp.zeros(k, jnp.int32)
+        ids = jnp.where(valid, lin, size).astype(jnp.int32)
+
+        def decode(u):
+            if not shape:
+                return jnp.zeros((u.shape[0], 0), coords.dtype)
+            return jnp.stack(jnp.unravel_index(jnp.minimum(u, size - 1), shape), -1).astype(coords.dtype)
+
+        return ids, size, decode
+    order = jnp.lexsort([coords[:, j] for j in reversed(range(len(shape)))] + [~valid])  # padding last
+    tuples, kept = coords[order], valid[order]
+    new = jnp.concatenate([jnp.ones(1, bool), jnp.any(tuples[1:] != tuples[:-1], axis=1) | (kept[1:] != kept[:-1])])
+    rank = jnp.where(kept, jnp.cumsum(new, dtype=jnp.int32) - 1, k)
+    ids = jnp.zeros(k, jnp.int32).at[order].set(rank)
+    table = jnp.zeros((k + 1, len(shape)), coords.dtype).at[rank].set(tuples)  # rank -> tuple
+    return ids, k, lambda u: table[jnp.minimum(u, k)]
+
+
 def distinct_ids(ids, sentinel: int):
     """``(uniq, seg)`` as :func:`unique_ids`, in whatever order is fastest: the distinct values of
     ``ids`` first (sorted or in order of first appearance), then ``sentinel`` padding up to
@@ -103,10 +137,8 @@ class Segments:
         self.valid = x.entry_valid()
         self.k = x.nse
         self.out_shape = tuple(x.shape[a] for a in keep)
-        n_out = int(np.prod(self.out_shape))
-        coords = tuple(x.indices[:, a] for a in keep)
-        lin = jnp.ravel_multi_index(coords, self.out_shape, mode="clip") if keep else jnp.zeros(self.k, int)
-        lin = jnp.where(self.valid, lin, n_out).astype(jnp.int32)
+        coords = x.indices[:, list(keep)]
+        lin, n_out, self.decode = tuple_ids(coords, self.out_shape, self.valid)
         if n_out < self.k:
             # Fewer outputs than entries: one segment per output element (and one for padding),
             # no sort. The result stores n_out + 1 entries, fewer than the input's nse.
@@ -158,10 +190,7 @@ class Segments:
 
     def output_indices(self, keepdims_axes=()):
         """BCOO indices (k, n_out) of the segments; padding segments hold index 0 (mask them)."""
-        if self.out_shape:
-            cols = jnp.stack(jnp.unravel_index(jnp.where(self.out_valid, self.uniq, 0), self.out_shape), -1)
-        else:
-            cols = jnp.zeros((self.n_seg, 0), jnp.int32)
+        cols = self.decode(jnp.where(self.out_valid, self.uniq, 0))
         for a in keepdims_axes:  # a size-1 dimension: index 0 (axes ascending)
             cols = jnp.insert(cols, a, 0, axis=1)
         return cols.astype(jnp.int32)
