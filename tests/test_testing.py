@@ -177,13 +177,33 @@ class _EqxBiasColumn(eqx.Module):
         return _pooled(h, m) if self.valid_mean else jnp.mean(h, axis=1)
 
 
+class _MeanPool(nn.Module):
+    """``valid_mean=False`` is the bug: a mean over the padded length (the padding zeroed)."""
+
+    valid_mean: bool
+
+    @nn.compact
+    def __call__(self, v, m):
+        h = jnp.where(m[..., None], nn.Dense(3)(jnp.where(m[..., None], v, 0.0)), 0.0)
+        return _pooled(h, m) if self.valid_mean else jnp.mean(h, axis=1)
+
+
+class _EqxMeanPool(eqx.Module):
+    linear: eqx.nn.Linear
+    valid_mean: bool = eqx.field(static=True)
+
+    def __call__(self, v, m):
+        h = jnp.where(m[..., None], jax.vmap(jax.vmap(self.linear))(jnp.where(m[..., None], v, 0.0)), 0.0)
+        return _pooled(h, m) if self.valid_mean else jnp.mean(h, axis=1)
+
+
 def _flax_case(module):
     params = module.init(jax.random.key(0), _TOKENS.data, _MASK)
     return (lambda p, t: module.apply(p, t.data, t.mask[..., 0])), params
 
 
-def _eqx_case(valid_mean):
-    model = _EqxBiasColumn(eqx.nn.Linear(5, 3, key=jax.random.key(0)), valid_mean)
+def _eqx_case(valid_mean, module=_EqxBiasColumn, features=5):
+    model = module(eqx.nn.Linear(features, 3, key=jax.random.key(0)), valid_mean)
     params, static = eqx.partition(model, eqx.is_inexact_array)
     return (lambda p, t: eqx.combine(p, static)(t.data, t.mask[..., 0])), params
 
@@ -194,6 +214,8 @@ def _eqx_case(valid_mean):
         ("flax: softmax over padded keys", lambda fixed: _flax_case(_Attention(keys_masked=fixed))),
         ("flax: a constant column made valid", lambda fixed: _flax_case(_BiasColumn(valid_mean=fixed))),
         ("equinox: a constant column made valid", _eqx_case),
+        ("flax: a mean over the padded length", lambda fixed: _flax_case(_MeanPool(valid_mean=fixed))),
+        ("equinox: a mean over the padded length", lambda fixed: _eqx_case(fixed, _EqxMeanPool, 4)),
     ],
 )
 def test_planted_padding_bugs_are_found_and_their_fixes_pass(name, case):
@@ -207,3 +229,93 @@ def test_planted_padding_bugs_are_found_and_their_fixes_pass(name, case):
     assert f"out{list(index)} changed" in str(info.value)
     f, params = case(True)
     assert bool(assert_invariant(f, (params, _TOKENS), axis=1, params=(0,))), name
+
+
+class _Leaky(nn.Module):
+    """``bug="data"``: the padded data reach the output (``t.data`` read as if valid);
+    ``bug="where"``: ``jnp.where(m, log|dense(data)|, 0)``, right forward, but its backward pass
+    multiplies what the padding makes of the layer by 0, NaN for NaN padding; ``bug=None``: both
+    written right (the padding zeroed before the layer and the sum)."""
+
+    bug: str | None
+
+    @nn.compact
+    def __call__(self, d, m):
+        clean = jnp.where(m[..., None], d, 0.0)
+        layer = nn.Dense(3)
+        if self.bug == "where":
+            h = jnp.where(m[..., None], jnp.log(jnp.abs(layer(d)) + 1.0), 0.0)
+        else:
+            h = jnp.where(m[..., None], jnp.log(jnp.abs(layer(clean)) + 1.0), 0.0)
+        extra = (d if self.bug == "data" else clean)[..., :1]
+        return _pooled(h, m) + 0.1 * jnp.sum(extra, axis=1)
+
+
+class _EqxLeaky(eqx.Module):
+    """``_Leaky`` written with equinox."""
+
+    linear: eqx.nn.Linear
+    bug: str | None = eqx.field(static=True)
+
+    def __call__(self, d, m):
+        clean = jnp.where(m[..., None], d, 0.0)
+        layer = jax.vmap(jax.vmap(self.linear))
+        if self.bug == "where":
+            h = jnp.where(m[..., None], jnp.log(jnp.abs(layer(d)) + 1.0), 0.0)
+        else:
+            h = jnp.where(m[..., None], jnp.log(jnp.abs(layer(clean)) + 1.0), 0.0)
+        extra = (d if self.bug == "data" else clean)[..., :1]
+        return _pooled(h, m) + 0.1 * jnp.sum(extra, axis=1)
+
+
+def _leaky_case(framework, bug):
+    if framework == "flax":
+        return _flax_case(_Leaky(bug))
+    model = _EqxLeaky(eqx.nn.Linear(4, 3, key=jax.random.key(0)), bug)
+    params, static = eqx.partition(model, eqx.is_inexact_array)
+    return (lambda p, t: eqx.combine(p, static)(t.data, t.mask[..., 0])), params
+
+
+_PADDED = [(1, 4), (1, 5), (2, 3), (2, 4), (2, 5)]  # _TOKENS' padded (batch, position) pairs
+
+
+@pytest.mark.parametrize("framework", ["flax", "equinox"])
+def test_an_x_data_leak_is_located_at_every_padded_position(framework):
+    """A model that reads the padded data fails ``assert_jacobian`` on the padded input only (not
+    on its parameters); the leak map's summary names every padded (batch, position) pair and lists
+    every leaking element, however many there are; the fixed model passes."""
+    f, params = _leaky_case(framework, "data")
+    with pytest.raises(mj.JacobianError) as info:
+        assert_jacobian(f, (params, _TOKENS))
+    report = info.value.report
+    failing = {c.input for c in report.failures()}
+    assert failing == {"args[1]"}, failing
+    check = report.failures()[0]
+    # feature 0 of each padded position reaches the 3 outputs of its batch row
+    assert len(check.leak_map) == len(_PADDED) * 3
+    assert {tuple(i[:2]) for i, _, _ in check.leak_map} == set(_PADDED)
+    text = str(info.value)
+    assert "at (batch, position) of args[1]: " + ", ".join(f"({b}, {p})" for b, p in _PADDED) in text
+    assert f"leak map: {len(_PADDED)} masked-out elements of args[1] reach 6 valid elements of out" in text
+    for b, p in _PADDED:
+        assert f"args[1][{b}, {p}, 0] -> out[{b}, 0], out[{b}, 1], out[{b}, 2]: value" in text
+    f, params = _leaky_case(framework, None)
+    assert bool(assert_jacobian(f, (params, _TOKENS)))
+
+
+@pytest.mark.parametrize("framework", ["flax", "equinox"])
+def test_a_where_trap_in_the_gradient_is_located_at_the_parameters_it_poisons(framework):
+    """``jnp.where(m, log|layer(data)|, 0)``: the values are right, but NaN in the padding reaches the
+    layer's weight gradient. ``assert_jacobian`` fails the weight's check, by its pytree path, for
+    that reason; the fixed model passes."""
+    f, params = _leaky_case(framework, "where")
+    with pytest.raises(mj.JacobianError) as info:
+        assert_jacobian(f, (params, _TOKENS))
+    poisoned = {c.input: c for c in info.value.report.failures() if c.input != "args[1]"}
+    weight = "args[0]['params']['Dense_0']['kernel']" if framework == "flax" else "args[0].linear.weight"
+    assert weight in poisoned, sorted(poisoned)
+    leaks = poisoned[weight].leaks
+    assert not leaks["VJP to valid inputs with NaN under the masks"] <= 1e-5
+    assert "valid outputs with NaN under the masks" not in leaks  # the outputs are right: not charged here
+    f, params = _leaky_case(framework, None)
+    assert bool(assert_jacobian(f, (params, _TOKENS)))

@@ -60,9 +60,10 @@ def _run(
         plain.append(is_plain)
         return vectors
 
+    owns = [leaf.kind != "array" for leaf in leaves]  # inputs that can have masked-out elements (a map each)
     if leak_map == "only":  # at the fills, as in the whole check (the same seed)
         base = [e[0] for e in jax.vmap(lambda vs: outputs(vs, [None] * n))([f[None] for f in fills])]
-        return {"leak_map": [_leak_map(outputs, specs, fills, base, modes, i) for i in range(n)]}
+        return {"leak_map": [_leak_map(outputs, specs, fills, base, modes, i) if owns[i] else None for i in range(n)]}
     points = [fills] if specified else [fills, alts] + ([vals] if "dense" in sems else [])
     evals = jax.vmap(lambda vs: outputs(vs, [None] * n))([jnp.stack(p) for p in zip(*points)])  # one batch
     base_m, alt_m = ([e[min(j, len(points) - 1)] for e in evals] for j in (0, 1))
@@ -74,7 +75,9 @@ def _run(
     if "masked" in sems and probes and not specified:
         out["probes"] = _probes(outputs, leaves, specs, fills, base_m, modes, jax.random.fold_in(rng, n + 1))
         if leak_map and not fast:
-            out["leak_map"] = [_leak_map(outputs, specs, fills, base_m, modes, i) for i in range(n)]
+            out["leak_map"] = [
+                _leak_map(outputs, specs, fills, base_m, modes, i) if owns[i] else None for i in range(n)
+            ]
     same = specified and plain[0] and not fast and "dense" in sems  # the two semantics: one check
     joint = None
     if not fast and "dense" in sems and n > 1 and all(leaf.kind in ("array", "masked") for leaf in leaves):

@@ -117,15 +117,13 @@ def _leak_cells(cells, num, ok_rows, spec, atol):
     return out
 
 
-def _leak_entries(full, oshape, ishape, limit=12):
-    """The leak map ``full`` (see :func:`_leak_cells`) as ``[(input index, output index, kinds)]``,
-    at most ``limit`` entries."""
+def _leak_entries(full, oshape, ishape):
+    """The leak map ``full`` (see :func:`_leak_cells`) as ``[(input index, output index, kinds)]``:
+    every leaking pair, by input element, then output element."""
     entries = []
-    for r, k in zip(*np.nonzero(full)):
+    for k, r in zip(*np.nonzero(np.asarray(full).T)):
         kinds = tuple(name for bit, name in LEAK_KINDS if full[r, k] & bit)
         entries.append((_unravel(int(k), ishape), _unravel(int(r), oshape), kinds))
-        if len(entries) == limit:
-            break
     return entries
 
 

@@ -11,6 +11,36 @@ from typing import Any
 import numpy as np
 
 
+def leak_summary(entries, input_name, output_name, max_elements=24):
+    """Lines that summarise a leak map (``entries`` from :func:`_leak_entries`): how many masked-out
+    input elements reach how many valid outputs; for an input of two or more dimensions, every
+    (batch, position) pair (its first two indices) that leaks; then, per leaking input element, the
+    outputs it reaches and through what, for the first ``max_elements`` elements, saying how many
+    more there are (``leak_map`` lists them all)."""
+    by_input: dict = {}
+    for in_idx, out_idx, kinds in entries:
+        by_input.setdefault(tuple(in_idx), []).append((tuple(out_idx), kinds))
+    outputs = {o for targets in by_input.values() for o, _ in targets}
+    lines = [
+        f"leak map: {len(by_input)} masked-out element{'s' * (len(by_input) != 1)} of {input_name} reach "
+        f"{len(outputs)} valid element{'s' * (len(outputs) != 1)} of {output_name} ({len(entries)} pairs)"
+    ]
+    if by_input and len(next(iter(by_input))) >= 2:
+        pairs = sorted({idx[:2] for idx in by_input})
+        lines.append(f"  at (batch, position) of {input_name}: " + ", ".join(f"({b}, {p})" for b, p in pairs))
+    for idx, targets in list(by_input.items())[:max_elements]:
+        groups: dict = {}
+        for o, kinds in targets:
+            groups.setdefault(kinds, []).append(f"{output_name}{list(o)}")
+        reached = "; ".join(f"{', '.join(outs)}: {', '.join(kinds)}" for kinds, outs in groups.items())
+        lines.append(f"  {input_name}{list(idx)} -> {reached}")
+    if len(by_input) > max_elements:
+        lines.append(
+            f"  ... and {len(by_input) - max_elements} more masked-out elements (the check's leak_map lists all)"
+        )
+    return lines
+
+
 @dataclasses.dataclass
 class Check:
     """One comparison: input x output x mode x semantics.
@@ -18,8 +48,8 @@ class Check:
     ``worst`` lists up to five entries ``(output index, input index, numerical, analytical,
     failed)``, worst first (in fast mode: one row per random direction). ``leaks`` (masked
     semantics only) maps what was measured off the masks to its largest absolute value: each
-    must stay within ``atol``. ``leak_map`` (masked semantics, full mode) locates the leaks: up to
-    twelve ``(input index, output index, kinds)``, a masked-out input element and the valid output
+    must stay within ``atol``. ``leak_map`` (masked semantics, full mode) locates the leaks: every
+    ``(input index, output index, kinds)``, a masked-out input element and the valid output
     it reaches, by its value (the output moves when that element alone is NaN), its gradient (a
     Jacobian entry with NaN under the masks is not 0) or numerically (perturbing it moves the
     output); ``leak_cells`` is the whole map as an (outputs x inputs) array of those kinds as
@@ -129,9 +159,7 @@ class JacobianReport:
                 flag = "" if np.isfinite(value) and value <= self.atol else "  <-- leak"
                 lines.append(f"      off-mask {name}: {value:.3g}{flag}")
             if not c.passed and c.leak_map:
-                lines.append("      leak map (masked-out input element -> valid output it reaches):")
-                for in_idx, out_idx, kinds in c.leak_map:
-                    lines.append(f"        {c.input}{list(in_idx)} -> {c.output}{list(out_idx)}: {', '.join(kinds)}")
+                lines += ["      " + line for line in leak_summary(c.leak_map, c.input, c.output)]
             if c.mismatch:  # the worst entries: read from the tables only for a failed derivative
                 for out_idx, in_idx, num, an, bad in c.worst:
                     where = out_idx if self.fast else f"out{list(out_idx)} in{list(in_idx)}"
@@ -182,9 +210,10 @@ class JacobianReport:
                 )
             out.append("</table>")
             if c.leak_map:
+                summary = leak_summary(c.leak_map, c.input, c.output, max_elements=0)
                 out.append(
-                    f"<p><b>leak map</b>: masked-out elements of {e(c.input)} reaching valid elements of "
-                    f"{e(c.output)}</p><table style='{TABLE_STYLE}'><tr><th>masked-out input</th><th>valid output"
+                    f"<p><b>{e(summary[0])}</b>{''.join(f'<br>{e(line.strip())}' for line in summary[1:2])}</p>"
+                    f"<table style='{TABLE_STYLE}'><tr><th>masked-out input</th><th>valid output"
                     "</th><th>through</th></tr>"
                 )
                 for in_idx, out_idx, kinds in c.leak_map:

@@ -153,34 +153,41 @@ def _compare(raw, leaves, names, sems, modes, fast, atol, rtol, roundoff=0.0, pr
             res = raw[f"{i}/{sem}"]
             for (oname, oshape), rows in zip(names, _row_blocks(tuple(names))):
                 leaks = {}
+                # What masked-out data does to the outputs is a leak of the inputs that have
+                # masked-out data; an input with none (a parameter) is only charged with what the
+                # probes do to its own gradient.
+                owns = not bool(np.all(spec))
                 if sem == "masked":
-                    leaks["valid outputs vs masked-out data"] = float(np.max(value_leak[rows], initial=0))
-                    if raw["mask_changed"]:
-                        leaks["output mask depends on masked-out data"] = float("inf")
+                    if owns:
+                        leaks["valid outputs vs masked-out data"] = float(np.max(value_leak[rows], initial=0))
+                        if raw["mask_changed"]:
+                            leaks["output mask depends on masked-out data"] = float("inf")
                     probes = raw.get("probes") or {}
                     for p, pname in enumerate(PROBE_NAMES if probes else ()):
                         under = f"{pname} under the masks"
                         if padded_inputs:  # a leak here may come from a padding slot as well
                             under += f" and in the padding slots of {padded_inputs}"
-                        leaks[f"valid outputs with {under}"] = float(
-                            np.max(np.asarray(probes["value"][p])[rows], initial=0)
-                        )
-                        if bool(probes["mask"][p]):
-                            leaks[f"output mask with {under}"] = float("inf")
-                        if "fwd" in modes and "rev" not in modes:
-                            leaks[f"JVP of valid outputs with {under}"] = float(
-                                np.max(np.asarray(probes["jvp"][p])[rows], initial=0)
+                        if owns:
+                            leaks[f"valid outputs with {under}"] = float(
+                                np.max(np.asarray(probes["value"][p])[rows], initial=0)
                             )
+                            if bool(probes["mask"][p]):
+                                leaks[f"output mask with {under}"] = float("inf")
+                            if "fwd" in modes and "rev" not in modes:
+                                leaks[f"JVP of valid outputs with {under}"] = float(
+                                    np.max(np.asarray(probes["jvp"][p])[rows], initial=0)
+                                )
                         if "rev" in modes:
                             leaks[f"VJP to valid inputs with {under}"] = float(
                                 np.max(np.asarray(probes["vjp"][i][p]), initial=0)
                             )
-                            leaks[f"VJP to masked-out inputs with {under}"] = float(
-                                np.max(np.asarray(probes["vjp_off"][i][p]), initial=0)
-                            )
+                            if owns:
+                                leaks[f"VJP to masked-out inputs with {under}"] = float(
+                                    np.max(np.asarray(probes["vjp_off"][i][p]), initial=0)
+                                )
                 cells = None
-                if sem == "masked" and raw.get("leak_map") is not None:
-                    lm = raw["leak_map"][i]
+                lm = raw["leak_map"][i] if sem == "masked" and raw.get("leak_map") is not None else None
+                if lm is not None and owns:
                     over = lambda a: ~(np.asarray(a)[rows] <= atol)  # noqa: E731 - past atol, or NaN
                     cells = over(lm["value"]).astype(np.uint8) | (over(lm["gradient"]).astype(np.uint8) << 1)
                     leaks["masked-out inputs reaching valid outputs (leak map cells)"] = float(np.count_nonzero(cells))
