@@ -7,7 +7,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from masked_jax.checking._inputs import ALL, N_DIRECTIONS
+from masked_jax.checking._inputs import ALL, N_DIRECTIONS, random_directions
 from masked_jax.checking._probes import _leak_map, _probes, analytic_pattern
 
 
@@ -289,17 +289,23 @@ def _projections(outputs, bases, leaves, sets, specs, modes, eps, valid, rng, ri
     def static_extras(sem, group, analytic):
         return [extra(i, sem, group, analytic) for i in range(n)]
 
-    per = {}  # per input: U, V, U_off, V_out under each semantics
+    # per input: U, V, U_off, V_out under each semantics. Two draws for all inputs (each input's
+    # directions are its own columns of U_all, its own slice of V_all): one random-number
+    # program instead of two per input, which compiled to most of a many-input check
+    total = sum(sizes)
+    ku, kv = jax.random.split(rng)
+    U_all = random_directions(ku, (N_DIRECTIONS, total), dtype)
+    V_all = random_directions(kv, (n, N_DIRECTIONS, out_size), dtype)
+    per = {}
     for i in range(n):
-        ku, kv = jax.random.split(jax.random.fold_in(rng, i))
-        U = jax.random.normal(ku, (N_DIRECTIONS, sizes[i]), bases[sets[0][0]][i].dtype).astype(dtype)
-        V = jax.random.normal(kv, (N_DIRECTIONS, out_size), bases[sets[0][0]][i].dtype)
+        U = U_all[:, starts[i] : starts[i] + sizes[i]]
+        V = V_all[i].astype(bases[sets[0][0]][i].dtype)
         per[i, "dense"] = (U, V, U, V)
         spec = specs[i].astype(dtype)
         per[i, "masked"] = (U * spec, V * valid, U * (1 - spec), V * ~valid)
 
     def place(i, d):  # directions ``d`` of input ``i`` as directions of the vector of all inputs
-        return jnp.zeros((d.shape[0], x0s[sets[0][0]].shape[0]), dtype).at[:, starts[i] : starts[i] + sizes[i]].set(d)
+        return jnp.pad(d, ((0, 0), (starts[i], total - starts[i] - sizes[i])))
 
     def batch(rows):
         """Rows ``(set index, vector)`` -> (base points, raw-output flags, extras, analytic extras)

@@ -32,6 +32,15 @@ def is_leaf(x) -> bool:
     return isinstance(x, (MaskedArray, SparseMasked, jsparse.BCOO))
 
 
+def random_directions(key, shape, dtype):
+    """Random directions (tangents, cotangents) of ``shape``: uniform in [-1, 1), drawn in float32
+    and cast to ``dtype``. Any continuous distribution makes ``v^T E u = 0`` for a wrong Jacobian
+    (``E != 0``) an event of probability 0; a uniform draw is a few bit operations, where a normal
+    draw's inverse-erf polynomial (longer still in float64), fused by XLA into each consumer of the
+    directions, compiled to half of a check's program."""
+    return jax.random.uniform(key, shape, jnp.float32, -1.0, 1.0).astype(dtype)
+
+
 def with_extra(spec, extra):
     """The mask of a ``MaskedArray`` input with pattern ``spec`` (flat) and ``extra`` (see
     :meth:`Leaf.build`; also a bool array of ``spec``'s size: those elements specified too, so that

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from masked_jax.checking._inputs import ALL, PADDED
+from masked_jax.checking._inputs import ALL, PADDED, random_directions
 
 
 def _leak(a, b):
@@ -27,8 +27,8 @@ def _probes(outputs, leaves, specs, fills, base, modes, rng):
     n = len(leaves)
     valid = base[2]
     keys = jax.random.split(rng, 2 * n)
-    tangents = [jax.random.normal(keys[i], f.shape, f.dtype) * s for i, (f, s) in enumerate(zip(fills, specs))]
-    cotangent = jax.random.normal(keys[n], valid.shape, base[1].dtype) * valid
+    tangents = [random_directions(keys[i], f.shape, f.dtype) * s for i, (f, s) in enumerate(zip(fills, specs))]
+    cotangent = random_directions(keys[n], valid.shape, base[1].dtype) * valid
 
     # sparse inputs get one padding slot holding the probe value too (its data: a masked-out
     # element's), so that a function reading padding data is caught as one reading masked data
