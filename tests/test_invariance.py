@@ -2,6 +2,8 @@
 under jit and under vmap; masked_jax functions pass, padding bugs in real flax and equinox models are
 caught with the first changed output named, and their fixes pass."""
 
+import concurrent.futures
+
 import equinox as eqx
 import flax.linen as nn
 import jax
@@ -279,3 +281,34 @@ def test_a_gradient_zero_but_for_round_off_is_compared_on_the_whole_gradient_s_s
     # a whole gradient of round-off: nothing to compare against but itself
     tiny = {0: np.array([1e-17])}
     assert _first_change(outs, outs, tiny, {0: np.array([3e-17])}, 1e-10, ["b"]) is not None
+
+
+@pytest.mark.parametrize("bug", [False, True], ids=["invariant", "divides-by-padded-length"])
+def test_compiled_cases_in_worker_threads_give_the_serial_report(monkeypatch, bug):
+    """The compiled cases run in worker threads, one per padded length, beside the eager ones
+    (unless ``MJ_CHECK_BACKGROUND=0``): the report is the serial one, case for case, for a model
+    with parameters at three padded lengths, whether it passes or fails."""
+    w = jnp.linspace(-1.0, 1.0, 12).reshape(4, 3)
+    x = mj.masked_array(jnp.arange(24.0).reshape(2, 3, 4) / 10, jnp.array([[1, 1, 0], [1, 0, 0]], bool)[..., None])
+
+    def f(p, v):
+        h = jnp.tanh(v.filled(0.0) @ p)
+        m = v.mask[..., :1]
+        return jnp.mean(h, axis=1) if bug else jnp.sum(h * m, axis=1) / jnp.sum(m, axis=1)
+
+    reports, submitted = {}, []
+    submit = concurrent.futures.ThreadPoolExecutor.submit
+    monkeypatch.setattr(
+        concurrent.futures.ThreadPoolExecutor, "submit", lambda pool, *a: submitted.append(1) or submit(pool, *a)
+    )
+    for flag in ("0", "1"):
+        monkeypatch.setenv("MJ_CHECK_BACKGROUND", flag)
+        reports[flag] = mj.check_invariance(f, (w, x), axis=1, params=(0,), raise_exception=False)
+        assert len(submitted) == (3 if flag == "1" else 0)  # one job group per padded length
+    serial, threaded = reports["0"], reports["1"]
+    assert len({c.padding.split(" (")[0] for c in threaded.cases}) == 3  # lengths 2, 3 and 6
+    assert [(c.padding, c.transform, c.passed) for c in threaded.cases] == [
+        (c.padding, c.transform, c.passed) for c in serial.cases
+    ]
+    assert [c.first and c.first[:2] for c in threaded.cases] == [c.first and c.first[:2] for c in serial.cases]
+    assert bool(threaded) is (not bug)

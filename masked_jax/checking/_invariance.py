@@ -22,9 +22,12 @@ with the function's outputs and gradients at the given inputs. Hand-masked model
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import functools
 import html
+import os
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -287,13 +290,16 @@ def check_invariance(
         for (v, m), _ in outs_ref
     ]
     run = _Run(f, flat, treedef, params, out_axis, axis, ks, weights, [name for _, name in outs_ref])
-    grad_ref = run.evaluate(flat, "given", length, ref_keeps, jit=True)[1] if run.diff else None
     names = [
         "args" + jax.tree_util.keystr(path)
         for path, _ in jax.tree_util.tree_flatten_with_path(args, is_leaf=lambda x: isinstance(x, MaskedArray))[0]
     ]
 
-    cases = []
+    # Every case as a job: the compiled ones grouped by padded length (one group's programs are
+    # one shape's, compiled once), the eager ones apart; see _run_jobs.
+    jobs = [("reference", length, functools.partial(run.evaluate, flat, "given", length, ref_keeps, True))]
+    jobs = jobs if run.diff else []  # the reference gradients
+    labels = []
     eager_grad = next((k for k, fill in enumerate(fills) if fill not in ("zero", "huge")), 0)
     sizes = {"tight": longest, "same": length, "longer": length + 3}
     seen = set()
@@ -306,25 +312,23 @@ def check_invariance(
             slots = _slots(keeps, new_len, pos, np.random.default_rng(rng.integers(2**31)))
             variants = [_repad(flat, padded, ax, slots, new_len, fill) for fill in fills]
             new_keeps = slots[padded[0]][1]
+            layout = (new_len, pos)
             for transform in transforms:
-                layout = (new_len, pos)
                 if transform == "vmap":
-                    results = run.vmapped(variants, padded, layout, new_len, new_keeps)
+                    job = functools.partial(run.vmapped, variants, padded, layout, new_len, new_keeps)
                 else:  # eager gradients (slow): one content, at the given length
                     jit = transform == "jit"
-                    results = [
-                        run.evaluate(
-                            leaves, layout, new_len, new_keeps, jit, jit or (k == eager_grad and new_len == length)
-                        )
-                        for k, leaves in enumerate(variants)
-                    ]
-                for fill, (outs, grads) in zip(fills, results):
-                    first = _first_change(outs_ref, outs, grad_ref if grads is not None else None, grads, rtol, names)
-                    cases.append(
-                        InvarianceCase(
-                            f"pad to {new_len} ({name}) at {pos}, {fill} content", transform, first is None, first
-                        )
-                    )
+                    grads = [jit or (k == eager_grad and new_len == length) for k in range(len(variants))]
+                    job = functools.partial(_each, run.evaluate, variants, layout, new_len, new_keeps, jit, grads)
+                jobs.append((transform, None if transform == "eager" else new_len, job))
+                labels.append((f"pad to {new_len} ({name}) at {pos}", transform))
+    done = _run_jobs([(group, job) for _, group, job in jobs])
+    grad_ref = done.pop(0)[1] if run.diff else None
+    cases = []
+    for (label, transform), results in zip(labels, done):
+        for fill, (outs, grads) in zip(fills, results):
+            first = _first_change(outs_ref, outs, grad_ref if grads is not None else None, grads, rtol, names)
+            cases.append(InvarianceCase(f"{label}, {fill} content", transform, first is None, first))
     report = InvarianceReport(cases, rtol)
     if raise_exception and not report:
         raise InvarianceError(report)
@@ -498,15 +502,54 @@ _PROGRAMS: collections.OrderedDict = collections.OrderedDict()
 _PROGRAMS_SIZE = 256
 
 
+def _each(evaluate, variants, layout, length, kept, jit, grads):
+    """``evaluate`` of every content variant of one layout (``grads[k]``: with gradients)."""
+    return [evaluate(leaves, layout, length, kept, jit, g) for leaves, g in zip(variants, grads)]
+
+
+def _run_jobs(jobs):
+    """The results of ``jobs`` (``(group, thunk)``), in order. Compiled jobs (a group: their padded
+    length) run group by group in worker threads, one thread per group at most as many as there
+    are cores, while the eager ones (group ``None``) run here: XLA compiles without holding the
+    GIL, so each padded length's programs compile beside the others and beside the eager calls
+    (on 2 cores, a quarter off the first check of a flax MLP). ``MJ_CHECK_BACKGROUND=0`` runs all
+    of them here, in order."""
+    groups: dict = {}
+    for k, (group, _) in enumerate(jobs):
+        if group is not None:
+            groups.setdefault(group, []).append(k)
+    workers = min(len(groups), os.cpu_count() or 1)
+    if (workers < 2 and all(group is not None for group, _ in jobs)) or os.environ.get("MJ_CHECK_BACKGROUND") == "0":
+        return [thunk() for _, thunk in jobs]
+    out: list = [None] * len(jobs)
+
+    def run_group(ks):
+        return [(k, jobs[k][1]()) for k in ks]
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
+        futures = [pool.submit(run_group, ks) for ks in groups.values()]
+        for k, (group, thunk) in enumerate(jobs):
+            if group is None:
+                out[k] = thunk()
+        for future in futures:
+            for k, result in future.result():
+                out[k] = result
+    return out
+
+
+_PROGRAMS_LOCK = threading.Lock()
+
+
 def _program(key, build):
     """The program cached under ``key``, built by ``build()`` when missing."""
-    if key in _PROGRAMS:
-        _PROGRAMS.move_to_end(key)
-        return _PROGRAMS[key]
-    _PROGRAMS[key] = program = build()
-    while len(_PROGRAMS) > _PROGRAMS_SIZE:
-        _PROGRAMS.popitem(last=False)
-    return program
+    with _PROGRAMS_LOCK:  # (checks compile in worker threads; building a program is cheap)
+        if key in _PROGRAMS:
+            _PROGRAMS.move_to_end(key)
+            return _PROGRAMS[key]
+        _PROGRAMS[key] = program = build()
+        while len(_PROGRAMS) > _PROGRAMS_SIZE:
+            _PROGRAMS.popitem(last=False)
+        return program
 
 
 class _Traced:
