@@ -297,8 +297,9 @@ def check_invariance(
 
     # Every case as a job: the compiled ones grouped by padded length (one group's programs are
     # one shape's, compiled once), the eager ones apart; see _run_jobs.
-    jobs = [("reference", length, functools.partial(run.evaluate, flat, "given", length, ref_keeps, True))]
-    jobs = jobs if run.diff else []  # the reference gradients
+    jobs: list = []  # (transform, group, thunk)
+    if run.diff:  # the reference gradients
+        jobs.append(("reference", length, functools.partial(run.evaluate, flat, "given", length, ref_keeps, True)))
     labels = []
     eager_grad = next((k for k, fill in enumerate(fills) if fill not in ("zero", "huge")), 0)
     sizes = {"tight": longest, "same": length, "longer": length + 3}
