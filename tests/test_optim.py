@@ -167,6 +167,40 @@ def test_lazy_rejects_state_that_mixes_entries():
             opt.update({"w": g}, opt.init(params), params)
 
 
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_lazy_adafactor_of_parameters_it_does_not_factor(jit):
+    """adafactor keeps a per-entry second moment for a parameter it does not factor (its factors
+    are then shape-(1,) placeholders, global state as a scalar is): lazy(adafactor) lifts it. With
+    full masks it follows optax.adafactor step for step (updates and state); with partial masks a
+    masked-out entry's parameter and second moment stay as they were, and a valid entry moves."""
+    params = {"w": jnp.linspace(-1.0, 1.0, 12).reshape(3, 4), "b": jnp.zeros(4)}
+    mask = {"w": jnp.arange(12).reshape(3, 4) % 3 > 0, "b": jnp.array([True, False, True, True])}
+    dense, lazy = optax.adafactor(1e-2), optim.lazy(optax.adafactor(1e-2))
+    step = jax.jit(lazy.update) if jit else lazy.update
+    rng = np.random.default_rng(0)
+    p_dense, p_full, p_part = params, params, params
+    s_dense, s_full, s_part = dense.init(params), lazy.init(params), lazy.init(params)
+    for _ in range(4):
+        g = {k: jnp.asarray(rng.normal(size=v.shape), jnp.float32) for k, v in params.items()}
+        u, s_dense = dense.update(g, s_dense, p_dense)
+        p_dense = optax.apply_updates(p_dense, u)
+        full = {k: mj.masked_array(v, jnp.ones(v.shape, bool)) for k, v in g.items()}
+        u, s_full = step(full, s_full, p_full)
+        p_full = optax.apply_updates(p_full, jax.tree.map(lambda x: x.filled(0.0), u, is_leaf=mj.is_masked_leaf))
+        for k in params:
+            np.testing.assert_allclose(np.asarray(p_full[k]), np.asarray(p_dense[k]), rtol=1e-5, atol=1e-7)
+        part = {k: mj.masked_array(v, mask[k]) for k, v in g.items()}
+        before_p, before_v = p_part, s_part[0].v
+        u, s_part = step(part, s_part, p_part)
+        p_part = optax.apply_updates(p_part, jax.tree.map(lambda x: x.filled(0.0), u, is_leaf=mj.is_masked_leaf))
+        for k in params:
+            off = ~np.asarray(mask[k])
+            np.testing.assert_array_equal(np.asarray(p_part[k])[off], np.asarray(before_p[k])[off])
+            np.testing.assert_array_equal(np.asarray(s_part[0].v[k])[off], np.asarray(before_v[k])[off])
+            assert not np.allclose(np.asarray(p_part[k])[~off], np.asarray(before_p[k])[~off])
+    np.testing.assert_allclose(np.asarray(s_full[0].v["w"]), np.asarray(s_dense[0].v["w"]), rtol=1e-5)
+
+
 def test_bad_arguments_are_named():
     with pytest.raises(TypeError, match="inner must be an optax.GradientTransformation"):
         optim.lazy(optax.adam)  # the factory, not the transformation

@@ -16,12 +16,14 @@ from masked_jax.optim._views import data_of, view
 
 def _check_liftable(ref: _Reference, state) -> None:
     """Reject state a row or mask cannot be cut out of: non-scalar float state that is not shaped
-    like the parameters (factored second moments, per-row statistics)."""
+    like the parameters (factored second moments, per-row statistics). A leaf of one element is
+    global state, as a scalar is: adafactor's placeholders for the factors of a parameter it does
+    not factor are shape-(1,) zeros, and its second moment of such a parameter is per entry."""
 
     def check(path, node):
         if ref.matches(node):
             return
-        if jnp.issubdtype(jnp.result_type(node), jnp.inexact) and np.ndim(node) > 0:
+        if jnp.issubdtype(jnp.result_type(node), jnp.inexact) and np.ndim(node) > 0 and np.size(node) != 1:
             if tuple(np.shape(node)) in ref.shapes:
                 raise ValueError(
                     f"lazy() cannot lift this transformation: its state leaf {jax.tree_util.keystr(path)} has "
@@ -35,8 +37,9 @@ def _check_liftable(ref: _Reference, state) -> None:
                 f"lazy() cannot lift this transformation: its state leaf "
                 f"{jax.tree_util.keystr(path)} has shape {np.shape(node)}, which is neither a "
                 f"parameter's shape (per-entry state, updated where the gradient is valid) nor a "
-                f"scalar (global state, e.g. a step count). State that mixes entries (factored "
-                f"moments as in adafactor, per-row norms) cannot be updated lazily."
+                f"scalar or one element (global state, e.g. a step count). State that mixes entries "
+                f"(factored moments as in adafactor, for parameters it factors; per-row norms) cannot "
+                f"be updated lazily."
                 + (
                     " One value per row, as rowwise_adagrad's sums, is updated only at the rows a "
                     "row-sparse gradient touches by rowwise_adagrad itself: use it without lazy() "
@@ -142,8 +145,9 @@ def lazy(inner: optax.GradientTransformation, *, catch_up: bool = False, capacit
     (masked-out data, row indices) as if they were parameters.
 
     Rejected (``ValueError`` when the first masked or row-sparse gradient is traced):
-    transformations whose state mixes entries (non-scalar float state not shaped like the
-    parameters, e.g. factored adafactor), and state that covers only some parameters
+    transformations whose state mixes entries (float state of more than one element not shaped
+    like the parameters, e.g. adafactor's factors of a parameter it factors; its shape-(1,)
+    placeholders for the others are global state, as scalars are), and state that covers only some parameters
     (``optax.masked``, ``optax.multi_transform``: lift their inner transformations instead).
     With plain gradients every transformation is accepted, as ``inner`` itself.
     Stateless transformations that mix entries of one parameter (trust ratios as in
