@@ -65,7 +65,11 @@ def _run(
         base = [e[0] for e in jax.vmap(lambda vs: outputs(vs, [None] * n))([f[None] for f in fills])]
         return {"leak_map": [_leak_map(outputs, specs, fills, base, modes, i) if owns[i] else None for i in range(n)]}
     points = [fills] if specified else [fills, alts] + ([vals] if "dense" in sems else [])
-    evals = jax.vmap(lambda vs: outputs(vs, [None] * n))([jnp.stack(p) for p in zip(*points)])  # one batch
+    joint_ok = not fast and "dense" in sems and n > 1 and all(leaf.kind in ("array", "masked") for leaf in leaves)
+    if joint_ok:  # these points and the joint tables' perturbed ones: one batch, one evaluation of f
+        perturbed, evals = _joint_evaluations(outputs, leaves, vals, eps, richardson, points)
+    else:
+        evals = jax.vmap(lambda vs: outputs(vs, [None] * n))([jnp.stack(p) for p in zip(*points)])  # one batch
     base_m, alt_m = ([e[min(j, len(points) - 1)] for e in evals] for j in (0, 1))
     out["valid"] = base_m[2]
     out["scale/masked"] = jnp.abs(base_m[0])  # output magnitudes, for the rounding tolerance
@@ -80,10 +84,9 @@ def _run(
             ]
     same = specified and plain[0] and not fast and "dense" in sems  # the two semantics: one check
     joint = None
-    if not fast and "dense" in sems and n > 1 and all(leaf.kind in ("array", "masked") for leaf in leaves):
-        # every input's dense tables from one batch of evaluations over all inputs at once
+    if joint_ok:  # every input's dense tables from one batch of evaluations over all inputs at once
         keep = not same and _shares_tables(leaves[0], sems, fast, probes)
-        joint = _joint_tables(outputs, leaves, vals, modes, eps, richardson, keep_raw=keep)
+        joint = _joint_tables(outputs, leaves, vals, modes, eps, perturbed, richardson, keep, evals[2][-1])
     for i, leaf in enumerate(leaves):
         for sem in sems:
             base = vals if sem == "dense" else fills
@@ -187,12 +190,36 @@ def _tables(F, x0, leaf, sem, modes, eps, which, richardson=False, keep_raw=Fals
     return res
 
 
-def _joint_tables(outputs, leaves, vals, modes, eps, richardson=False, keep_raw=False):
+def _joint_evaluations(outputs, leaves, vals, eps, richardson, points):
+    """The evaluations :func:`_joint_tables` differences (every input element perturbed by
+    ``+-eps``, and ``+-2 eps`` with ``richardson``: the perturbed element specified, by its index in
+    its own input; an out-of-range index, none, for the others), and ``outputs`` at ``points``
+    (lists of every input's values, nothing specified on top), in one batch: ``(the perturbed
+    points' filled outputs, the points' (filled, raw, mask) stacked)``."""
+    sizes = [leaf.size for leaf in leaves]
+    starts, total = _starts(sizes), sum(sizes)
+    dtype = jnp.result_type(*vals)
+    x0 = jnp.concatenate([v.astype(dtype) for v in vals])
+    steps = jnp.eye(total, dtype=dtype) * eps
+    rows = [x0 + steps, x0 - steps] + ([x0 + 2 * steps, x0 - 2 * steps] if richardson else [])
+    rows += [jnp.stack([jnp.concatenate([v.astype(dtype) for v in p]) for p in points])]
+    ks = jnp.concatenate([jnp.tile(jnp.arange(total), len(rows) - 1), jnp.full(len(points), total)])
+
+    def one(x, k):
+        vs = [x[a : a + size].astype(v.dtype) for a, size, v in zip(starts, sizes, vals)]
+        return outputs(vs, [jnp.where((k >= a) & (k < a + size), k - a, size) for a, size in zip(starts, sizes)])
+
+    evals = jax.vmap(one)(jnp.concatenate(rows), ks)
+    cut = ks.shape[0] - len(points)
+    return evals[0][:cut], tuple(e[cut:] for e in evals)
+
+
+def _joint_tables(outputs, leaves, vals, modes, eps, evals, richardson=False, keep_raw=False, valid=None):
     """:func:`_tables` under dense semantics for every input at once, as a list of their results:
-    the inputs' elements perturbed in one batch (the perturbed element specified, by its index in
-    its own input; an out-of-range index, none, for the others), and ``jacfwd`` / ``jacrev`` of
+    central differences of ``evals`` (:func:`_joint_evaluations`), and ``jacfwd`` / ``jacrev`` of
     the outputs in all the inputs' elements, split into each input's columns. One evaluation of
-    ``f``, one JVP and one VJP in the program, however many inputs (pytree leaves) ``f`` takes."""
+    ``f``, one JVP and one VJP in the program, however many inputs (pytree leaves) ``f`` takes.
+    ``valid``: the output mask at ``vals`` (with ``keep_raw``), from the caller's evaluations."""
     n = len(leaves)
     sizes = [leaf.size for leaf in leaves]
     starts = _starts(sizes)
@@ -202,13 +229,6 @@ def _joint_tables(outputs, leaves, vals, modes, eps, richardson=False, keep_raw=
     def split(x):
         return [x[a : a + s].astype(v.dtype) for a, s, v in zip(starts, sizes, vals)]
 
-    def extras(k):
-        return [jnp.where((k >= a) & (k < a + s), k - a, s) for a, s in zip(starts, sizes)]
-
-    steps = jnp.eye(total, dtype=x0.dtype) * eps
-    points = [x0 + steps, x0 - steps] + ([x0 + 2 * steps, x0 - 2 * steps] if richardson else [])
-    ks = jnp.tile(jnp.arange(total), len(points))
-    evals = jax.vmap(lambda x, k: outputs(split(x), extras(k))[0])(jnp.concatenate(points), ks)
     d1 = (evals[:total] - evals[total : 2 * total]) / (2 * eps)
     res = [{"num": d1.T[:, a : a + s]} for a, s in zip(starts, sizes)]
     if richardson:
@@ -217,7 +237,7 @@ def _joint_tables(outputs, leaves, vals, modes, eps, richardson=False, keep_raw=
             r["fd_err"] = err[:, a : a + s]
     none = [None] * n
     g = lambda x: outputs(split(x), none)[1 if keep_raw else 0]  # noqa: E731
-    valid = outputs(vals, none)[2][:, None] if keep_raw else None
+    valid = valid[:, None] if keep_raw else None
     for mode, jac in (("fwd", jax.jacfwd), ("rev", jax.jacrev)):
         if mode in modes:
             table = jac(g)(x0)

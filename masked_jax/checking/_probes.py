@@ -46,24 +46,24 @@ def _probes(outputs, leaves, specs, fills, base, modes, rng):
         vjp = jax.vjp(raw, vs)[1](cotangent)[0] if "rev" in modes else [jnp.zeros_like(v) for v in vs]
         return jvp, vjp
 
-    jvp0, vjp0 = derivatives(fills)
-
-    def one(value):
-        vs = [jnp.where(s, f, value.astype(f.dtype)) for f, s in zip(fills, specs)]
-        o = outputs(vs, padded)
-        jvp, vjp = derivatives(vs)
-        return {
-            "value": jnp.where(valid, _leak(o[0], base[0]), 0),
-            "mask": jnp.any(o[2] != valid),
-            "jvp": jnp.where(valid, _leak(jvp, jvp0), 0),
-            "vjp": [jnp.where(s, _leak(a, b), 0) for a, b, s in zip(vjp, vjp0, specs)],
-            # and no cotangent, not even a NaN, reaches the masked-out elements
-            "vjp_off": [jnp.where(s, 0, _leak(a, jnp.zeros_like(a))) for a, s in zip(vjp, specs)],
-        }
+    def one(value, probe):  # at the fills (probe False), or with ``value`` under every mask
+        vs = [jnp.where(s | ~probe, f, value.astype(f.dtype)) for f, s in zip(fills, specs)]
+        return outputs(vs, padded), derivatives(vs)
 
     dtype = min((np.dtype(leaf.dtype) for leaf in leaves), key=lambda d: d.itemsize)
-    values = jnp.array([np.nan, np.inf, -np.inf, float(np.sqrt(float(jnp.finfo(dtype).max)))], dtype)
-    return jax.vmap(one)(values)
+    values = jnp.array([0, np.nan, np.inf, -np.inf, float(np.sqrt(float(jnp.finfo(dtype).max)))], dtype)
+    # the fills' derivatives and the probes' in one batch: one evaluation, JVP and VJP in the program
+    o, (jvp, vjp) = jax.vmap(one)(values, jnp.arange(len(values)) > 0)
+    jvp0, vjp0 = jvp[0], [a[0] for a in vjp]
+    o, jvp, vjp = [x[1:] for x in o], jvp[1:], [a[1:] for a in vjp]
+    return {
+        "value": jnp.where(valid, _leak(o[0], base[0]), 0),
+        "mask": jnp.any(o[2] != valid, axis=-1),
+        "jvp": jnp.where(valid, _leak(jvp, jvp0), 0),
+        "vjp": [jnp.where(s, _leak(a, b), 0) for a, b, s in zip(vjp, vjp0, specs)],
+        # and no cotangent, not even a NaN, reaches the masked-out elements
+        "vjp_off": [jnp.where(s, 0, _leak(a, jnp.zeros_like(a))) for a, s in zip(vjp, specs)],
+    }
 
 
 PROBE_NAMES = ("NaN", "+inf", "-inf", "a huge value")
