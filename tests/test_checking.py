@@ -847,3 +847,32 @@ def test_a_pytree_of_inputs_is_checked_input_by_input_in_one_batch(fast):
         return right(p, v) + jnp.sum(v.data) * p["b"]
 
     assert not mj.check_jacobian(leaky, (params, x), semantics="masked", fast=fast, raise_exception=False)
+
+
+@pytest.mark.parametrize("name", ["correct", "wrong derivative", *LEAKY])
+def test_tables_judged_on_the_host_and_by_a_compiled_program_agree(monkeypatch, name):
+    """On the CPU numpy judges the full tables (no program to compile); on an accelerator a compiled
+    program judges them where they are. Both verdicts are the same, check by check, for a correct
+    function, a wrong custom derivative and each leaky function."""
+    import masked_jax.checking._check as check_module
+
+    @jax.custom_jvp
+    def wrong(x):
+        return jnp.sin(x)
+
+    wrong.defjvp(lambda p, t: (jnp.sin(p[0]), 1.5 * jnp.cos(p[0]) * t[0]))
+    f = {
+        "correct": lambda v: mnp.sum(mnp.sin(v) * v),
+        "wrong derivative": lambda v: mnp.sum(mj.masked_array(wrong(v.data), v.mask)),
+    }.get(name) or LEAKY[name][0]
+    reports = {}
+    for where, limit in (("host", check_module.HOST_JUDGE_MAX), ("program", -1)):
+        monkeypatch.setattr(check_module, "HOST_JUDGE_MAX", limit)
+        reports[where] = mj.check_jacobian(f, (_X,), semantics="masked", fast=False, raise_exception=False)
+    host, program = reports["host"], reports["program"]
+    assert [(c.input, c.mode, c.semantics, c.passed) for c in host.checks] == [
+        (c.input, c.mode, c.semantics, c.passed) for c in program.checks
+    ]
+    for a, b in zip(host.checks, program.checks):
+        np.testing.assert_allclose(a.max_abs, b.max_abs, rtol=1e-6, atol=1e-12)
+    assert bool(host) is bool(program) is (name == "correct")

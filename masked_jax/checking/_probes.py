@@ -34,21 +34,25 @@ def _probes(outputs, leaves, specs, fills, base, modes, rng):
     # element's), so that a function reading padding data is caught as one reading masked data
     padded = [PADDED] * n
 
-    def raw(vs):
-        return outputs(vs, padded)[1]
+    def raw(vs):  # the raw outputs, and the filled ones and the mask aside
+        o = outputs(vs, padded)
+        return o[1], (o[0], o[2])
 
     # With reverse mode the VJP probes see every leak a JVP probe would (J^T v at valid and at
     # masked-out inputs covers every entry of J a NaN could sit in); the JVP probe runs alone.
     forward = "fwd" in modes and "rev" not in modes
 
-    def derivatives(vs):
-        jvp = jax.jvp(raw, (vs,), (tangents,))[1] if forward else jnp.zeros_like(valid, base[1].dtype)
-        vjp = jax.vjp(raw, vs)[1](cotangent)[0] if "rev" in modes else [jnp.zeros_like(v) for v in vs]
-        return jvp, vjp
-
     def one(value, probe):  # at the fills (probe False), or with ``value`` under every mask
         vs = [jnp.where(s | ~probe, f, value.astype(f.dtype)) for f, s in zip(fills, specs)]
-        return outputs(vs, padded), derivatives(vs)
+        jvp, vjp = jnp.zeros_like(valid, base[1].dtype), [jnp.zeros_like(v) for v in vs]
+        if "rev" in modes:  # the outputs are the VJP's forward pass: one evaluation of f
+            out, pull, (filled, mask) = jax.vjp(raw, vs, has_aux=True)
+            vjp = pull(cotangent)[0]
+        elif forward:
+            out, jvp, (filled, mask) = jax.jvp(raw, (vs,), (tangents,), has_aux=True)
+        else:
+            out, (filled, mask) = raw(vs)
+        return (filled, out, mask), (jvp, vjp)
 
     dtype = min((np.dtype(leaf.dtype) for leaf in leaves), key=lambda d: d.itemsize)
     values = jnp.array([0, np.nan, np.inf, -np.inf, float(np.sqrt(float(jnp.finfo(dtype).max)))], dtype)

@@ -22,7 +22,8 @@ def leak_summary(entries, input_name, output_name, max_elements=24):
         by_input.setdefault(tuple(in_idx), []).append((tuple(out_idx), kinds))
     outputs = {o for targets in by_input.values() for o, _ in targets}
     lines = [
-        f"leak map: {len(by_input)} masked-out element{'s' * (len(by_input) != 1)} of {input_name} reach "
+        f"leak map: {len(by_input)} masked-out element{'s' * (len(by_input) != 1)} of {input_name} "
+        f"reach{'es' * (len(by_input) == 1)} "
         f"{len(outputs)} valid element{'s' * (len(outputs) != 1)} of {output_name} ({len(entries)} pairs)"
     ]
     if by_input and len(next(iter(by_input))) >= 2:
