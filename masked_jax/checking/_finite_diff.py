@@ -86,7 +86,7 @@ def _run(
     joint = None
     if joint_ok:  # every input's dense tables from one batch of evaluations over all inputs at once
         keep = not same and _shares_tables(leaves[0], sems, fast, probes)
-        joint = _joint_tables(outputs, leaves, vals, modes, eps, perturbed, richardson, keep, evals[2][-1])
+        joint = _joint_tables(outputs, leaves, vals, modes, eps, perturbed, evals[2][-1], richardson, keep)
     for i, leaf in enumerate(leaves):
         for sem in sems:
             base = vals if sem == "dense" else fills
@@ -214,7 +214,7 @@ def _joint_evaluations(outputs, leaves, vals, eps, richardson, points):
     return evals[0][:cut], tuple(e[cut:] for e in evals)
 
 
-def _joint_tables(outputs, leaves, vals, modes, eps, evals, richardson=False, keep_raw=False, valid=None):
+def _joint_tables(outputs, leaves, vals, modes, eps, evals, valid, richardson=False, keep_raw=False):
     """:func:`_tables` under dense semantics for every input at once, as a list of their results:
     central differences of ``evals`` (:func:`_joint_evaluations`), and ``jacfwd`` / ``jacrev`` of
     the outputs in all the inputs' elements, split into each input's columns. One evaluation of
