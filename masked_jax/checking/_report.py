@@ -62,7 +62,7 @@ class Check:
     words why a failing check failed. ``diff`` is ``|numerical - analytical|`` (outputs x
     inputs, NaN where not compared), full mode only.
 
-    The verdict is taken where the check ran (on the accelerator, for a GPU); ``worst``,
+    The verdict is taken where the check ran (on the accelerator, for a GPU; by numpy, on the CPU); ``worst``,
     ``diff``, ``numerical``, ``analytical``, ``leak_map`` and ``leak_cells`` are numpy arrays and
     lists copied from there when first read, so a check nobody looks into costs no transfer of
     its tables.
