@@ -530,7 +530,7 @@ class MaskedArray(ArrayMethods):
         """
         if api_version not in (None, "2024.12", "2023.12", "2022.12", "2021.12"):
             raise ValueError(
-                f"masked_jax.numpy implements the Array API 2023.12, with 2024.12's additions; "
+                f"masked_jax.numpy implements the Array API 2024.12 (and the versions before it); "
                 f"got api_version={api_version!r}."
             )
         # masked_jax.numpy is built on this module: imported on demand, as jax does for jax.numpy

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-API_VERSION = "2023.12"
+API_VERSION = "2024.12"
 
 # Constants and dtypes: jax.numpy's.
 e, pi, inf, nan, newaxis = jnp.e, jnp.pi, jnp.inf, jnp.nan, jnp.newaxis
