@@ -202,8 +202,9 @@ def _flax_case(module):
     return (lambda p, t: module.apply(p, t.data, t.mask[..., 0])), params
 
 
-def _eqx_case(valid_mean, module=_EqxBiasColumn, features=5):
-    model = module(eqx.nn.Linear(features, 3, key=jax.random.key(0)), valid_mean)
+def _eqx_case(flag, module=_EqxBiasColumn, features=5):
+    """``(f, params)`` of ``module(linear, flag)``, a linear layer of ``features`` inputs."""
+    model = module(eqx.nn.Linear(features, 3, key=jax.random.key(0)), flag)
     params, static = eqx.partition(model, eqx.is_inexact_array)
     return (lambda p, t: eqx.combine(p, static)(t.data, t.mask[..., 0])), params
 
@@ -231,49 +232,35 @@ def test_planted_padding_bugs_are_found_and_their_fixes_pass(name, case):
     assert bool(assert_invariant(f, (params, _TOKENS), axis=1, params=(0,))), name
 
 
-class _Leaky(nn.Module):
+def _leaky(layer, bug, d, m):
     """``bug="data"``: the padded data reach the output (``t.data`` read as if valid);
-    ``bug="where"``: ``jnp.where(m, log|dense(data)|, 0)``, right forward, but its backward pass
+    ``bug="where"``: ``jnp.where(m, log|layer(data)|, 0)``, right forward, but its backward pass
     multiplies what the padding makes of the layer by 0, NaN for NaN padding; ``bug=None``: both
     written right (the padding zeroed before the layer and the sum)."""
+    clean = jnp.where(m[..., None], d, 0.0)
+    h = jnp.where(m[..., None], jnp.log(jnp.abs(layer(d if bug == "where" else clean)) + 1.0), 0.0)
+    extra = (d if bug == "data" else clean)[..., :1]
+    return _pooled(h, m) + 0.1 * jnp.sum(extra, axis=1)
 
+
+class _Leaky(nn.Module):
     bug: str | None
 
     @nn.compact
     def __call__(self, d, m):
-        clean = jnp.where(m[..., None], d, 0.0)
-        layer = nn.Dense(3)
-        if self.bug == "where":
-            h = jnp.where(m[..., None], jnp.log(jnp.abs(layer(d)) + 1.0), 0.0)
-        else:
-            h = jnp.where(m[..., None], jnp.log(jnp.abs(layer(clean)) + 1.0), 0.0)
-        extra = (d if self.bug == "data" else clean)[..., :1]
-        return _pooled(h, m) + 0.1 * jnp.sum(extra, axis=1)
+        return _leaky(nn.Dense(3), self.bug, d, m)
 
 
 class _EqxLeaky(eqx.Module):
-    """``_Leaky`` written with equinox."""
-
     linear: eqx.nn.Linear
     bug: str | None = eqx.field(static=True)
 
     def __call__(self, d, m):
-        clean = jnp.where(m[..., None], d, 0.0)
-        layer = jax.vmap(jax.vmap(self.linear))
-        if self.bug == "where":
-            h = jnp.where(m[..., None], jnp.log(jnp.abs(layer(d)) + 1.0), 0.0)
-        else:
-            h = jnp.where(m[..., None], jnp.log(jnp.abs(layer(clean)) + 1.0), 0.0)
-        extra = (d if self.bug == "data" else clean)[..., :1]
-        return _pooled(h, m) + 0.1 * jnp.sum(extra, axis=1)
+        return _leaky(jax.vmap(jax.vmap(self.linear)), self.bug, d, m)
 
 
 def _leaky_case(framework, bug):
-    if framework == "flax":
-        return _flax_case(_Leaky(bug))
-    model = _EqxLeaky(eqx.nn.Linear(4, 3, key=jax.random.key(0)), bug)
-    params, static = eqx.partition(model, eqx.is_inexact_array)
-    return (lambda p, t: eqx.combine(p, static)(t.data, t.mask[..., 0])), params
+    return _flax_case(_Leaky(bug)) if framework == "flax" else _eqx_case(bug, _EqxLeaky, 4)
 
 
 _PADDED = [(1, 4), (1, 5), (2, 3), (2, 4), (2, 5)]  # _TOKENS' padded (batch, position) pairs

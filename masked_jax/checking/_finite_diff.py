@@ -206,8 +206,8 @@ def _joint_evaluations(outputs, leaves, vals, eps, richardson, points):
     ks = jnp.concatenate([jnp.tile(jnp.arange(total), len(rows) - 1), jnp.full(len(points), total)])
 
     def one(x, k):
-        vs = [x[a : a + size].astype(v.dtype) for a, size, v in zip(starts, sizes, vals)]
-        return outputs(vs, [jnp.where((k >= a) & (k < a + size), k - a, size) for a, size in zip(starts, sizes)])
+        extras = [jnp.where((k >= a) & (k < a + size), k - a, size) for a, size in zip(starts, sizes)]
+        return outputs(_split(x, starts, sizes, vals), extras)
 
     evals = jax.vmap(one)(jnp.concatenate(rows), ks)
     cut = ks.shape[0] - len(points)
@@ -226,9 +226,6 @@ def _joint_tables(outputs, leaves, vals, modes, eps, evals, valid, richardson=Fa
     total = sum(sizes)
     x0 = jnp.concatenate([v.astype(jnp.result_type(*vals)) for v in vals])
 
-    def split(x):
-        return [x[a : a + s].astype(v.dtype) for a, s, v in zip(starts, sizes, vals)]
-
     d1 = (evals[:total] - evals[total : 2 * total]) / (2 * eps)
     res = [{"num": d1.T[:, a : a + s]} for a, s in zip(starts, sizes)]
     if richardson:
@@ -236,7 +233,7 @@ def _joint_tables(outputs, leaves, vals, modes, eps, evals, valid, richardson=Fa
         for r, a, s in zip(res, starts, sizes):
             r["fd_err"] = err[:, a : a + s]
     none = [None] * n
-    g = lambda x: outputs(split(x), none)[1 if keep_raw else 0]  # noqa: E731
+    g = lambda x: outputs(_split(x, starts, sizes, vals), none)[1 if keep_raw else 0]  # noqa: E731
     valid = valid[:, None] if keep_raw else None
     for mode, jac in (("fwd", jax.jacfwd), ("rev", jax.jacrev)):
         if mode in modes:
@@ -252,6 +249,12 @@ def _joint_tables(outputs, leaves, vals, modes, eps, evals, valid, richardson=Fa
 def _starts(sizes):
     """Where each input begins in the concatenation of inputs of ``sizes`` elements."""
     return [sum(sizes[:k]) for k in range(len(sizes))]
+
+
+def _split(x, starts, sizes, like):
+    """The vector ``x`` of every input's elements end to end, as the inputs, each in the dtype of
+    its counterpart in ``like``."""
+    return [x[a : a + size].astype(v.dtype) for a, size, v in zip(starts, sizes, like)]
 
 
 def _richardson(d1, d2):
@@ -344,9 +347,8 @@ def _projections(outputs, bases, leaves, sets, specs, modes, eps, valid, rng, ri
         return x0, raw, ex[:n], ex[n:]
 
     def F(x, ex, analytic=False):  # (filled, raw) outputs at the vector ``x``
-        vs = [x[a : a + size].astype(leaf.dtype) for a, size, leaf in zip(starts, sizes, leaves)]
         extras = static_extras(sets[0][0], sets[0][1], analytic) if single else ex
-        return outputs(vs, extras)[:2]
+        return outputs(_split(x, starts, sizes, leaves), extras)[:2]
 
     def pick(pair, raw):  # each row's outputs: raw under masked semantics, else filled
         return jnp.where(raw[:, None], pair[1], pair[0])
@@ -380,18 +382,18 @@ def _projections(outputs, bases, leaves, sets, specs, modes, eps, valid, rng, ri
     off_keys = [(k, i) for k, i in keys if sets[k][0] == "masked"]
 
     def derivatives(rows, fn):
-        """``fn(base point, vector, extras)`` for every row, one batch."""
-        x, _, _, ex = batch(rows)
+        """``fn(base point, vector, extras, raw outputs?)`` for every row, one batch (the primal
+        point shared when there is one set); and each row's raw-output flag."""
+        x, raw, _, ex = batch(rows)
         vecs = jnp.concatenate([v for _, v in rows])
         if single:
-            return jax.vmap(lambda v: fn(x0s[sets[0][0]], v, None))(vecs)
-        return jax.vmap(fn)(x, vecs, ex)
+            return jax.vmap(lambda v, r: fn(x0s[sets[0][0]], v, None, r))(vecs, raw), raw
+        return jax.vmap(fn)(x, vecs, ex, raw), raw
 
     if "fwd" in modes:
         rows = [(k, place(i, per[i, sets[k][0]][0])) for k, i in keys]
         rows += [(k, place(i, per[i, "masked"][2])) for k, i in off_keys]
-        _, raw, _, _ = batch(rows)
-        t = pick(derivatives(rows, lambda x, u, e: jax.jvp(lambda y: F(y, e, True), (x,), (u,))[1]), raw)
+        t = pick(*derivatives(rows, lambda x, u, e, _: jax.jvp(lambda y: F(y, e, True), (x,), (u,))[1]))
         t = t.reshape((len(rows), N_DIRECTIONS, out_size))
         for j, key in enumerate(keys):
             V = per[key[1], sets[key[0]][0]][1]
@@ -402,19 +404,12 @@ def _projections(outputs, bases, leaves, sets, specs, modes, eps, valid, rng, ri
             res[key]["fwd_leak_out"] = jnp.max(jnp.abs(t[keys.index(key)] * ~valid), initial=0)
     if "rev" in modes:
         rows = [(k, per[i, sets[k][0]][1]) for k, i in keys] + [(k, per[i, "masked"][3]) for k, i in off_keys]
-        _, raw, _, _ = batch(rows)
-        flag = raw.astype(dtype)[:, None]
 
-        def pull(x, v, e, f):  # the cotangent ``v`` on the raw outputs (f = 1) or on the filled ones
+        def pull(x, v, e, raw):  # the cotangent ``v`` on the raw outputs, or on the filled ones
             (filled, raw_out), vjp = jax.vjp(lambda y: F(y, e, True), x)
-            return vjp(((v * (1 - f)).astype(filled.dtype), (v * f).astype(raw_out.dtype)))[0]
+            return vjp((jnp.where(raw, 0, v).astype(filled.dtype), jnp.where(raw, v, 0).astype(raw_out.dtype)))[0]
 
-        vecs = jnp.concatenate([v for _, v in rows])
-        if single:
-            c = jax.vmap(lambda v, f: pull(x0s[sets[0][0]], v, None, f))(vecs, flag)
-        else:
-            x, _, _, ex = batch(rows)
-            c = jax.vmap(pull)(x, vecs, ex, flag)
+        c, _ = derivatives(rows, pull)
         c = c.reshape((len(rows), N_DIRECTIONS, c.shape[-1]))
         for j, (k, i) in enumerate(keys):
             mine = lambda a, i=i: a[:, starts[i] : starts[i] + sizes[i]]  # noqa: E731
