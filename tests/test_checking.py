@@ -194,6 +194,45 @@ def test_fast_mode_catches_a_wrong_derivative_and_is_chosen_by_size():
     assert ok.fast and ok
 
 
+@pytest.mark.parametrize("fast", [False, True])
+def test_the_check_program_holds_f_a_fixed_number_of_times_however_many_inputs(fast, monkeypatch):
+    """The compiled check holds ``f`` (its evaluation, JVP and VJP) as often for six parameter
+    leaves as for one: fast mode twice (a JVP and a VJP batch, the points and probes among their
+    rows), full tables four times. A wrong check of a leaf (a leak, a wrong derivative) is still
+    found in the batch."""
+    from masked_jax import _jaxpr
+    from masked_jax.checking import _compile
+
+    seen = {}
+    original = _compile._Entry.__call__
+
+    def spy(self, operands, seed, compile):
+        program = jax.make_jaxpr(self.run)(operands, self.draws(seed))
+        seen["sin"] = sum(e.primitive.name == "sin" for e in _jaxpr.equations(program.jaxpr))
+        return original(self, operands, seed, compile)
+
+    monkeypatch.setattr(_compile._Entry, "__call__", spy)
+    x = mj.masked_array(jnp.array([[0.3, 0.5, 9.0], [0.2, 9.0, 9.0]]), jnp.array([[1, 1, 0], [1, 0, 0]], bool))
+    copies = {}
+    for k in (1, 6):
+        params = [jnp.linspace(0.1, 0.5, 3 + j) for j in range(k)]
+
+        def f(ps, v):
+            return mnp.mean(v * sum(jnp.sum(jnp.sin(p)) for p in ps), axis=1)
+
+        assert mj.check_jacobian(f, (params, x), fast=fast, seed=k)
+        copies[k] = seen["sin"] / k  # f holds k sines
+        leaky = mj.check_jacobian(
+            lambda ps, v: jnp.mean(v.data, axis=1) * sum(jnp.sum(jnp.sin(p)) for p in ps),
+            (params, x),
+            semantics="masked",
+            fast=fast,
+            raise_exception=False,
+        )
+        assert not leaky and any(not c.passed and c.input == "args[1]" for c in leaky.checks)
+    assert copies[1] == copies[6] == (2 if fast else 4), copies
+
+
 def test_float32_defaults_and_report_content():
     r = mj.check_jacobian(jnp.sin, (jnp.array([0.1, 0.5], jnp.float32),), semantics="dense")
     assert (r.dtype, r.eps, r.atol, r.rtol) in {("float64", 1e-6, 1e-5, 1e-3), ("float32", 1e-3, 1e-2, 1e-2)}

@@ -41,6 +41,7 @@ from masked_jax._core import MaskedArray
 from masked_jax.checking._compile import _compiled
 from masked_jax.checking._finite_diff import _roundoff
 from masked_jax.checking._inputs import FULL_MAX_ELEMENTS, MODES, SEMANTICS, describe, is_leaf, output_vectors
+from masked_jax.checking._projections import projection_sets, unstack_projections
 from masked_jax.checking._report import JacobianError, JacobianReport
 from masked_jax.checking._verdict import _compare, _judge, _judged
 
@@ -229,7 +230,7 @@ def check_jacobian(
         raw = entry(operands, seed, compile)
     names = entry.names
     notes += [f"output {s} skipped" for s in entry.skipped]
-    raw = _fetch(raw, fast, tol, names, sems, run_modes, compile)
+    raw = _unpacked(_fetch(raw, fast, tol, names, sems, run_modes, compile), leaves, sems)
     checks = _compare(raw, leaves, names, sems, run_modes, fast, *tol, probes=leak_probes)
     # A second run where the first one calls for it: for a derivative just off the finite differences,
     # their error estimate (steps eps and 2 eps: twice the work, so only where a check would fail
@@ -262,7 +263,8 @@ def check_jacobian(
             richardson=near,
             leak_map="only" if locate and not near else locate,
         )
-        raw = {**raw, **_fetch(second(second_operands, seed, compile), fast, tol, names, sems, run_modes, compile)}
+        again = _fetch(second(second_operands, seed, compile), fast, tol, names, sems, run_modes, compile)
+        raw = {**raw, **_unpacked(again, leaves, sems)}
         checks = _compare(raw, leaves, names, sems, run_modes, fast, *tol, probes=leak_probes)
     report = JacobianReport(
         checks=checks,
@@ -307,6 +309,22 @@ def _fetch(raw, fast, tol, names, sems, modes, compile):
     got = np.split(np.asarray(flat), np.cumsum([np.size(x) for x in leaves])[:-1]) if leaves else []
     rest = jax.tree_util.tree_unflatten(treedef, [g.reshape(np.shape(x)).astype(x.dtype) for g, x in zip(got, leaves)])
     return {**rest, "judged": np.asarray(judged), **{k: needs[k] for k in tables}}
+
+
+def _unpacked(raw, leaves, sems):
+    """``raw`` on the host with what the program computed for all inputs at once split per input:
+    the probes' VJP leaks (every input's elements end to end) and the stacked projections."""
+    probes = raw.get("probes")
+    if probes is not None:
+        sizes = [leaf.size for leaf in leaves]
+        cuts = np.cumsum(sizes)[:-1]
+        raw["probes"] = {
+            **probes,
+            **{k: np.split(np.asarray(probes[k]), cuts, axis=-1) for k in ("vjp", "vjp_off")},
+        }
+    if "projections" in raw:
+        raw.update(unstack_projections(raw.pop("projections"), projection_sets(leaves, sems)))
+    return raw
 
 
 def _gradient_of(f, seed):

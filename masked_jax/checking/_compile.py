@@ -22,7 +22,7 @@ from jax.extend import core as jcore
 
 from masked_jax import _jaxpr
 from masked_jax.checking._finite_diff import _run
-from masked_jax.checking._inputs import is_leaf, output_vectors, with_extra
+from masked_jax.checking._inputs import is_leaf, output_vectors, random_draws, with_extra
 
 _CACHE: collections.OrderedDict = collections.OrderedDict()
 
@@ -65,19 +65,21 @@ class _Entry:
     compile (``f`` branches on values in Python) stays eager.
     """
 
-    def __init__(self, run, names, skipped, shapes):
+    def __init__(self, run, names, skipped, shapes, draws):
         self.run, self.names, self.skipped, self.shapes = run, names, skipped, shapes
+        self.draws = draws  # seed -> the check's random numbers (:func:`random_draws`)
         self.jitted = fast_jit(run)
         self.ready = threading.Event()
         self.thread = None
         self.compilable = True
 
     def __call__(self, operands, seed, compile):
+        draws = self.draws(seed)
         if compile or (compile is None and self.compilable and (self.ready.is_set() or self.shapes not in _WARM)):
-            raw = self.jitted(operands, seed)
+            raw = self.jitted(operands, draws)
             self.ready.set()
             return raw
-        raw = self.run(operands, seed)
+        raw = self.run(operands, draws)
         _WARM.add(self.shapes)  # jax has compiled the primitives of these shapes
         return raw
 
@@ -89,18 +91,18 @@ class _Entry:
         if self.ready.is_set() and self.shapes in _WARM:
             return
         self.thread = threading.Thread(
-            target=self._work, args=(operands, seed), daemon=True, name="masked_jax check_jacobian"
+            target=self._work, args=(operands, self.draws(seed)), daemon=True, name="masked_jax check_jacobian"
         )
         _PENDING.add(self.thread)
         self.thread.start()
 
-    def _work(self, operands, seed):
+    def _work(self, operands, draws):
         try:
             if self.ready.is_set():
-                jax.block_until_ready(self.run(operands, seed))
+                jax.block_until_ready(self.run(operands, draws))
                 _WARM.add(self.shapes)
             else:
-                jax.block_until_ready(self.jitted(operands, seed))  # fills jit's own cache
+                jax.block_until_ready(self.jitted(operands, draws))  # fills jit's own cache
         except Exception:  # noqa: BLE001 - the foreground reports f's errors; this check stays eager
             self.compilable = self.ready.is_set()
         finally:
@@ -200,7 +202,7 @@ def _compiled(
         # reads ``specs``)
         generic = [dataclasses.replace(lf, spec_bytes=None) for lf in leaves] if traced is not None else leaves
 
-        def run(ops, seed):
+        def run(ops, draws):
             if traced is not None:  # (the values, the constants, the lifted values, the patterns)
                 vals, cs, lv, specs = ops
                 evaluate = _jaxpr_evaluator(jaxpr, lv, specs, cs, plain)
@@ -218,13 +220,20 @@ def _compiled(
                 vals,
                 specs,
                 specified,
-                seed,
+                draws,
                 probes,
                 richardson,
                 leak_map,
             )
 
-        entry = _Entry(run, names, skipped, shapes)
+        out_size = sum(int(np.prod(shape)) for _, shape in names)
+        entry = _Entry(
+            run,
+            names,
+            skipped,
+            shapes,
+            functools.partial(random_draws, sizes=[lf.size for lf in leaves], out_size=out_size, fast=fast),
+        )
     for k in (key, skey):
         if k is not None:
             _CACHE[k] = (entry, lifted)

@@ -6,15 +6,19 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from masked_jax.checking._inputs import ALL, N_DIRECTIONS, random_directions
-from masked_jax.checking._probes import _leak_map, _probes, analytic_pattern
+from masked_jax.checking._batch import Batch, batch_dtype, richardson_error, split, starts_of
+from masked_jax.checking._probes import _leak_map, analytic_pattern, probe_rows
+from masked_jax.checking._projections import projection_rows, projection_sets
 
 
-def _random_fills(specs, values, key, lo, hi):
-    """``values`` with the unspecified elements replaced by uniform random values in [lo, hi)."""
-    keys = jax.random.split(key, len(specs))
-    return [jnp.where(s, v, jax.random.uniform(k, v.shape, v.dtype, lo, hi)) for s, v, k in zip(specs, values, keys)]
+def _random_fills(specs, values, draw):
+    """``values`` with the unspecified elements replaced by the random ``draw`` (of every input's
+    elements end to end)."""
+    sizes = [v.shape[0] for v in values]
+    parts = split(draw.astype(batch_dtype(values)), starts_of(sizes), sizes, values)
+    return [jnp.where(s, v, r) for s, v, r in zip(specs, values, parts)]
 
 
 def _run(
@@ -28,7 +32,7 @@ def _run(
     vals,
     specs,
     specified,
-    seed,
+    draws,
     probes=True,
     richardson=False,
     leak_map: bool | str = False,
@@ -46,9 +50,8 @@ def _run(
     specs = [jnp.asarray(leaf.spec) for leaf in leaves] if specs is None else [jnp.asarray(s) for s in specs]
     # the dense-semantics point: unspecified elements 0 (a masked input's data, as given, may hold anything)
     vals = [jnp.where(s, v.astype(leaf.dtype).ravel(), 0) for leaf, v, s in zip(leaves, vals, specs)]
-    k_fill, k_alt, rng = jax.random.split(jax.random.PRNGKey(seed), 3)
-    fills = _random_fills(specs, vals, k_fill, 0.5, 1.5)  # masked semantics: data under masks is random
-    alts = _random_fills(specs, vals, k_alt, -2.0, -1.0)  # ... and different: valid outputs must not move
+    fills = _random_fills(specs, vals, draws["fill"])  # masked semantics: data under masks is random
+    alts = _random_fills(specs, vals, draws["alt"])  # ... and different: valid outputs must not move
     out = {}
     # Nothing unspecified in the inputs (``specified``): masked semantics perturbs what dense
     # semantics perturbs at the same point, no fill or probe can move anything, and with plain
@@ -61,31 +64,51 @@ def _run(
         return vectors
 
     owns = [leaf.kind != "array" for leaf in leaves]  # inputs that can have masked-out elements (a map each)
-    if leak_map == "only":  # at the fills, as in the whole check (the same seed)
+    if leak_map == "only":  # at the fills, as in the whole check (the same draws)
         base = [e[0] for e in jax.vmap(lambda vs: outputs(vs, [None] * n))([f[None] for f in fills])]
         return {"leak_map": [_leak_map(outputs, specs, fills, base, modes, i) if owns[i] else None for i in range(n)]}
     points = [fills] if specified else [fills, alts] + ([vals] if "dense" in sems else [])
-    joint_ok = not fast and "dense" in sems and n > 1 and all(leaf.kind in ("array", "masked") for leaf in leaves)
+    out_size = sum(int(np.prod(shape)) for _, shape in names)
+    with_probes = "masked" in sems and probes and not specified
+    if fast:
+        out.update(
+            _fast(
+                outputs,
+                leaves,
+                sems,
+                modes,
+                eps,
+                {"dense": vals, "masked": fills},
+                specs,
+                points,
+                with_probes,
+                draws,
+                richardson,
+                out_size,
+            )
+        )
+        out["specs"] = specs
+        return out
+    joint_ok = "dense" in sems and n > 1 and all(leaf.kind in ("array", "masked") for leaf in leaves)
     if joint_ok:  # these points and the joint tables' perturbed ones: one batch, one evaluation of f
         perturbed, evals = _joint_evaluations(outputs, leaves, vals, eps, richardson, points)
     else:
         evals = jax.vmap(lambda vs: outputs(vs, [None] * n))([jnp.stack(p) for p in zip(*points)])  # one batch
-    base_m, alt_m = ([e[min(j, len(points) - 1)] for e in evals] for j in (0, 1))
-    out["valid"] = base_m[2]
-    out["scale/masked"] = jnp.abs(base_m[0])  # output magnitudes, for the rounding tolerance
-    out["scale/dense"] = jnp.abs(evals[0][-1]) if "dense" in sems else out["scale/masked"]
-    out["value_leak"] = jnp.where(base_m[2] & alt_m[2], jnp.abs(base_m[0] - alt_m[0]), 0)
-    out["mask_changed"] = jnp.any(base_m[2] != alt_m[2])
-    if "masked" in sems and probes and not specified:
-        out["probes"] = _probes(outputs, leaves, specs, fills, base_m, modes, jax.random.fold_in(rng, n + 1))
-        if leak_map and not fast:
+    out.update(_point_results(evals, len(points), sems))
+    base_m = [e[0] for e in evals]
+    if with_probes:
+        batch = Batch(outputs, leaves, "vjp" if "rev" in modes else "jvp", out_size)
+        finish = probe_rows(batch, leaves, specs, fills, modes, draws)
+        batch.run()
+        out["probes"] = finish(base_m)
+        if leak_map:
             out["leak_map"] = [
                 _leak_map(outputs, specs, fills, base_m, modes, i) if owns[i] else None for i in range(n)
             ]
-    same = specified and plain[0] and not fast and "dense" in sems  # the two semantics: one check
+    same = specified and plain[0] and "dense" in sems  # the two semantics: one check
     joint = None
     if joint_ok:  # every input's dense tables from one batch of evaluations over all inputs at once
-        keep = not same and _shares_tables(leaves[0], sems, fast, probes)
+        keep = not same and _shares_tables(leaves[0], sems, False, probes)
         joint = _joint_tables(outputs, leaves, vals, modes, eps, perturbed, evals[2][-1], richardson, keep)
     for i, leaf in enumerate(leaves):
         for sem in sems:
@@ -100,36 +123,80 @@ def _run(
                 return outputs(vs, extras)[which]
 
             x0 = base[i]
-            shared = not same and _shares_tables(leaf, sems, fast, probes)
+            shared = not same and _shares_tables(leaf, sems, False, probes)
             if sem == "dense" and joint is not None:
                 out[f"{i}/dense"] = joint[i]
             elif sem == "masked" and same:
                 out[f"{i}/masked"] = out[f"{i}/dense"]
             elif sem == "masked" and shared:
                 out[f"{i}/masked"] = _masked_share(out[f"{i}/dense"], specs[i], modes)
-            elif fast:
-                if f"{i}/{sem}" not in out:  # every set in one batch; a sparse input's sets apart
-                    sets = _projection_sets(leaves, sems)
-                    sparse = any(lf.kind not in ("array", "masked") for lf in leaves)
-                    for batch in [[st] for st in sets] if sparse else [sets]:
-                        out.update(
-                            _projections(
-                                outputs,
-                                {"dense": vals, "masked": fills},
-                                leaves,
-                                batch,
-                                specs,
-                                modes,
-                                eps,
-                                out["valid"],
-                                rng,
-                                richardson,
-                                {s: out[f"scale/{s}"] for s in sems},
-                            )  # fmt: skip
-                        )
             else:
                 out[f"{i}/{sem}"] = _tables(F, x0, leaf, sem, modes, eps, which, richardson, keep_raw=shared)
     out["specs"] = specs
+    return out
+
+
+def _point_results(evals, count, sems):
+    """What the check reads from ``f``'s ``(filled, raw, mask)`` outputs at its ``count`` points
+    (the fills, the other random fills, the dense point; the fills alone when every element is
+    specified): the output mask, the outputs' magnitudes (for the rounding tolerance), how far
+    the valid outputs and the mask move with the data under the masks."""
+    base, alt = ([e[min(j, count - 1)] for e in evals] for j in (0, 1))
+    return {
+        "valid": base[2],
+        "scale/masked": jnp.abs(base[0]),
+        "scale/dense": jnp.abs(evals[0][-1] if "dense" in sems else base[0]),
+        "value_leak": jnp.where(base[2] & alt[2], jnp.abs(base[0] - alt[0]), 0),
+        "mask_changed": jnp.any(base[2] != alt[2]),
+    }
+
+
+def _fast(outputs, leaves, sems, modes, eps, bases, specs, points, probes, draws, richardson, out_size):
+    """Everything ``fast=True`` computes: ``outputs`` at the ``points``, the leak probes (with
+    ``probes``) and the random projections of every input under each semantics. For array and
+    ``MaskedArray`` inputs all of them are rows of at most two batches, a JVP's and a VJP's (the
+    points are the outputs of one's forward pass): the program holds ``f`` twice, however many
+    inputs, sets and probes. The projections' results come stacked (``"projections"``, see
+    :func:`unstack_projections`). A sparse input's sets, the points and the probes take batches of
+    their own (the sparse structure differs between them)."""
+    merged = all(leaf.kind in ("array", "masked") for leaf in leaves)
+    made: list = []
+
+    def batches():
+        if merged and made:
+            return made[0]
+        kinds = {
+            kind: Batch(outputs, leaves, kind, out_size)
+            for kind, mode in (("jvp", "fwd"), ("vjp", "rev"))
+            if mode in modes
+        }
+        kinds["eval"] = (kinds.get("jvp") or kinds["vjp"]) if merged else Batch(outputs, leaves, "eval", out_size)
+        made.append(kinds)
+        return kinds
+
+    first = batches()
+    dtype = batch_dtype(bases["dense"])
+    at_points = first["eval"].add(jnp.stack([jnp.concatenate([v.astype(dtype) for v in p]) for p in points]))
+    finish_probes = None
+    if probes:
+        host = first["vjp"] if "rev" in modes else first["jvp"]
+        finish_probes = probe_rows(host, leaves, specs, bases["masked"], modes, draws)
+    sets = projection_sets(leaves, sems)
+    finishers = [
+        projection_rows(batches(), leaves, group, specs, modes, eps, draws, bases, richardson)
+        for group in ([sets] if merged else [[st] for st in sets])
+    ]
+    for batch in {id(b): b for kinds in made for b in kinds.values()}.values():
+        batch.run()
+    evals = first["eval"][at_points][0]
+    out = _point_results(evals, len(points), sems)
+    if finish_probes is not None:
+        out["probes"] = finish_probes([e[0] for e in evals])
+    parts = [finish(out["valid"], {s: out[f"scale/{s}"] for s in sems}) for finish in finishers]
+    # every set's results, stacked in the order of the sets (read by unstack_projections)
+    out["projections"] = {
+        name: jnp.concatenate([p[name] for p in parts if name in p]) for name in {k for p in parts for k in p}
+    }
     return out
 
 
@@ -178,7 +245,7 @@ def _tables(F, x0, leaf, sem, modes, eps, which, richardson=False, keep_raw=Fals
     d1 = (evals[:size] - evals[size : 2 * size]) / (2 * eps)
     res = {"num": d1.T}
     if richardson:
-        res["fd_err"] = _richardson(d1, (evals[2 * size : 3 * size] - evals[3 * size :]) / (4 * eps)).T
+        res["fd_err"] = richardson_error(d1, (evals[2 * size : 3 * size] - evals[3 * size :]) / (4 * eps)).T
     pattern = analytic_pattern(leaf, sem)
     g = lambda v: F(v, pattern, 1 if keep_raw else which)  # noqa: E731
     for mode, jac in (("fwd", jax.jacfwd), ("rev", jax.jacrev)):
@@ -197,7 +264,7 @@ def _joint_evaluations(outputs, leaves, vals, eps, richardson, points):
     (lists of every input's values, nothing specified on top), in one batch: ``(the perturbed
     points' filled outputs, the points' (filled, raw, mask) stacked)``."""
     sizes = [leaf.size for leaf in leaves]
-    starts, total = _starts(sizes), sum(sizes)
+    starts, total = starts_of(sizes), sum(sizes)
     dtype = jnp.result_type(*vals)
     x0 = jnp.concatenate([v.astype(dtype) for v in vals])
     steps = jnp.eye(total, dtype=dtype) * eps
@@ -207,7 +274,7 @@ def _joint_evaluations(outputs, leaves, vals, eps, richardson, points):
 
     def one(x, k):
         extras = [jnp.where((k >= a) & (k < a + size), k - a, size) for a, size in zip(starts, sizes)]
-        return outputs(_split(x, starts, sizes, vals), extras)
+        return outputs(split(x, starts, sizes, vals), extras)
 
     evals = jax.vmap(one)(jnp.concatenate(rows), ks)
     cut = ks.shape[0] - len(points)
@@ -222,18 +289,18 @@ def _joint_tables(outputs, leaves, vals, modes, eps, evals, valid, richardson=Fa
     ``valid``: the output mask at ``vals`` (with ``keep_raw``), from the caller's evaluations."""
     n = len(leaves)
     sizes = [leaf.size for leaf in leaves]
-    starts = _starts(sizes)
+    starts = starts_of(sizes)
     total = sum(sizes)
     x0 = jnp.concatenate([v.astype(jnp.result_type(*vals)) for v in vals])
 
     d1 = (evals[:total] - evals[total : 2 * total]) / (2 * eps)
     res = [{"num": d1.T[:, a : a + s]} for a, s in zip(starts, sizes)]
     if richardson:
-        err = _richardson(d1, (evals[2 * total : 3 * total] - evals[3 * total :]) / (4 * eps)).T
+        err = richardson_error(d1, (evals[2 * total : 3 * total] - evals[3 * total :]) / (4 * eps)).T
         for r, a, s in zip(res, starts, sizes):
             r["fd_err"] = err[:, a : a + s]
     none = [None] * n
-    g = lambda x: outputs(_split(x, starts, sizes, vals), none)[1 if keep_raw else 0]  # noqa: E731
+    g = lambda x: outputs(split(x, starts, sizes, vals), none)[1 if keep_raw else 0]  # noqa: E731
     valid = valid[:, None] if keep_raw else None
     for mode, jac in (("fwd", jax.jacfwd), ("rev", jax.jacrev)):
         if mode in modes:
@@ -244,182 +311,6 @@ def _joint_tables(outputs, leaves, vals, modes, eps, evals, valid, richardson=Fa
                     r[f"raw/{mode}"] = r[mode]
                     r[mode] = jnp.where(valid, r[mode], 0)
     return res
-
-
-def _starts(sizes):
-    """Where each input begins in the concatenation of inputs of ``sizes`` elements."""
-    return [sum(sizes[:k]) for k in range(len(sizes))]
-
-
-def _split(x, starts, sizes, like):
-    """The vector ``x`` of every input's elements end to end, as the inputs, each in the dtype of
-    its counterpart in ``like``."""
-    return [x[a : a + size].astype(v.dtype) for a, size, v in zip(starts, sizes, like)]
-
-
-def _richardson(d1, d2):
-    """The error of the central difference ``d1`` (step h), estimated from ``d2`` (step 2h):
-    their truncation errors are c h^2 and 4 c h^2, so ``|d1 - d2| / 3`` (Richardson's estimate,
-    as numdifftools and scipy.differentiate use), which also picks up their rounding noise."""
-    return jnp.abs(d1 - d2) / 3
-
-
-def _projection_sets(leaves, sems):
-    """The ``(semantics, group)`` sets of :func:`_projections` one check needs: under masked
-    semantics every input in one group; under dense semantics the arrays together (they have no
-    pattern) and each other input alone (it is taken fully specified, the others keep theirs)."""
-    sets = []
-    for sem in sems:
-        if sem == "masked":
-            sets.append((sem, tuple(range(len(leaves)))))
-            continue
-        arrays = tuple(i for i, leaf in enumerate(leaves) if leaf.kind == "array")
-        sets += [(sem, arrays)] if arrays else []
-        sets += [(sem, (i,)) for i, leaf in enumerate(leaves) if leaf.kind != "array"]
-    return sets
-
-
-def _projections(outputs, bases, leaves, sets, specs, modes, eps, valid, rng, richardson=False, scales=None):
-    """Random-direction checks ``v^T J u`` (and, under masked semantics, the leaks) of the inputs
-    of every ``(semantics, group)`` set in ``sets`` (see :func:`_projection_sets`), as
-    ``{"<position>/<semantics>": result}``, at the point ``bases[semantics]``. ``scales``: the
-    outputs' magnitudes per semantics; ``res["scale"]`` is ``|v| . scale`` per direction, what the
-    rounding of the outputs can move a projected central difference by (times :func:`_roundoff`).
-
-    Each input has its own directions (seeded by its position, the same under both semantics),
-    and all the sets' evaluations run in one batch: every perturbed point, every tangent and every
-    cotangent of every input of every set at once, so the program holds one evaluation of ``f``,
-    one JVP and one VJP however many inputs and sets there are. The vector they act on is every
-    input's elements end to end; each row of the batch carries its own base point and the patterns
-    its set takes the inputs at (a ``MaskedArray`` input's mask is an operand: all of it specified,
-    for the input under dense semantics, or its own). Sparse inputs change structure when fully
-    specified, so a set with one runs as a batch of its own (``sets`` of one element)."""
-    n = len(leaves)
-    out_size = valid.shape[0]
-    sizes = [leaf.size for leaf in leaves]
-    starts = _starts(sizes)
-    dtype = jnp.result_type(*(b for base in bases.values() for b in base))
-    # per set: the base vector, and what each input's ``extra`` is for its evaluations and Jacobians
-    x0s = {sem: jnp.concatenate([b.astype(dtype) for b in base]) for sem, base in bases.items()}
-    single = len(sets) == 1
-    masks = [leaf.kind == "masked" for leaf in leaves]  # inputs whose extra can be an operand
-
-    def extra(i, sem, group, analytic):
-        if sem == "dense" and i in group:
-            return analytic_pattern(leaves[i], sem) if analytic else ALL
-        return None
-
-    def static_extras(sem, group, analytic):
-        return [extra(i, sem, group, analytic) for i in range(n)]
-
-    # per input: U, V, U_off, V_out under each semantics. Two draws for all inputs (each input's
-    # directions are its own columns of U_all, its own slice of V_all): one random-number
-    # program instead of two per input, which compiled to most of a many-input check
-    total = sum(sizes)
-    ku, kv = jax.random.split(rng)
-    U_all = random_directions(ku, (N_DIRECTIONS, total), dtype)
-    V_all = random_directions(kv, (n, N_DIRECTIONS, out_size), dtype)
-    per = {}
-    for i in range(n):
-        U = U_all[:, starts[i] : starts[i] + sizes[i]]
-        V = V_all[i].astype(bases[sets[0][0]][i].dtype)
-        per[i, "dense"] = (U, V, U, V)
-        spec = specs[i].astype(dtype)
-        per[i, "masked"] = (U * spec, V * valid, U * (1 - spec), V * ~valid)
-
-    def place(i, d):  # directions ``d`` of input ``i`` as directions of the vector of all inputs
-        return jnp.pad(d, ((0, 0), (starts[i], total - starts[i] - sizes[i])))
-
-    def batch(rows):
-        """Rows ``(set index, vector)`` -> (base points, raw-output flags, extras, analytic extras)
-        per row of ``N_DIRECTIONS``."""
-        reps = [v.shape[0] for _, v in rows]
-        where = [k for (k, _), r in zip(rows, reps) for _ in range(r)]
-        x0 = jnp.stack([x0s[sets[k][0]] for k in where])
-        raw = jnp.asarray([sets[k][0] == "masked" for k in where])
-        ex = [  # a MaskedArray input's extra: the elements specified on top of its pattern
-            None
-            if single or not masks[i]
-            else jnp.stack([jnp.full(sizes[i], extra(i, sets[k][0], sets[k][1], a) is ALL) for k in where])
-            for a in (False, True)
-            for i in range(n)
-        ]
-        return x0, raw, ex[:n], ex[n:]
-
-    def F(x, ex, analytic=False):  # (filled, raw) outputs at the vector ``x``
-        extras = static_extras(sets[0][0], sets[0][1], analytic) if single else ex
-        return outputs(_split(x, starts, sizes, leaves), extras)[:2]
-
-    def pick(pair, raw):  # each row's outputs: raw under masked semantics, else filled
-        return jnp.where(raw[:, None], pair[1], pair[0])
-
-    mults = [1.0] + ([2.0] if richardson else [])
-    # the directions: (set, input, multiple of eps, off-mask?) in this order
-    dirs = [(k, i, m, False) for k, (_, group) in enumerate(sets) for i in group for m in mults]
-    dirs += [(k, i, 1.0, True) for k, (sem, group) in enumerate(sets) if sem == "masked" for i in group]
-    rows = [(k, place(i, per[i, sets[k][0]][2 if off else 0]) * (m * eps)) for k, i, m, off in dirs]
-    x0, raw, ex, _ = batch(rows)
-    steps = jnp.concatenate([v for _, v in rows])
-    points = jnp.concatenate([x0 + steps, x0 - steps])
-    both = jax.tree_util.tree_map(lambda *a: None if a[0] is None else jnp.concatenate(a), ex, ex)
-    evals = pick(jax.vmap(F)(points, both), jnp.concatenate([raw, raw]))
-    evals = evals.reshape((2, len(dirs), N_DIRECTIONS, out_size))
-    diffs = {
-        d: jnp.sum(per[d[1], sets[d[0]][0]][1] * (evals[0, j] - evals[1, j]), axis=1) / (2 * d[2] * eps)
-        for j, d in enumerate(dirs)
-    }
-    res = {(k, i): {"num": diffs[(k, i, 1.0, False)]} for k, (_, group) in enumerate(sets) for i in group}
-    for (k, i), r in res.items():
-        sem = sets[k][0]
-        V = per[i, sem][1]
-        if scales is not None:
-            r["scale"] = jnp.abs(V) @ scales[sem].astype(V.dtype)
-        if richardson:
-            r["fd_err"] = _richardson(diffs[(k, i, 1.0, False)], diffs[(k, i, 2.0, False)])
-        if sem == "masked":
-            r["num_off"] = diffs[(k, i, 1.0, True)]  # per direction; the leak is what rounding cannot explain
-    keys = list(res)  # (set, input), in the order of the rows below
-    off_keys = [(k, i) for k, i in keys if sets[k][0] == "masked"]
-
-    def derivatives(rows, fn):
-        """``fn(base point, vector, extras, raw outputs?)`` for every row, one batch (the primal
-        point shared when there is one set); and each row's raw-output flag."""
-        x, raw, _, ex = batch(rows)
-        vecs = jnp.concatenate([v for _, v in rows])
-        if single:
-            return jax.vmap(lambda v, r: fn(x0s[sets[0][0]], v, None, r))(vecs, raw), raw
-        return jax.vmap(fn)(x, vecs, ex, raw), raw
-
-    if "fwd" in modes:
-        rows = [(k, place(i, per[i, sets[k][0]][0])) for k, i in keys]
-        rows += [(k, place(i, per[i, "masked"][2])) for k, i in off_keys]
-        t = pick(*derivatives(rows, lambda x, u, e, _: jax.jvp(lambda y: F(y, e, True), (x,), (u,))[1]))
-        t = t.reshape((len(rows), N_DIRECTIONS, out_size))
-        for j, key in enumerate(keys):
-            V = per[key[1], sets[key[0]][0]][1]
-            res[key]["fwd"] = jnp.sum(t[j] * V, axis=1)
-        for j, key in enumerate(off_keys):
-            V = per[key[1], "masked"][1]
-            res[key]["fwd_leak_in"] = jnp.max(jnp.abs(jnp.sum(t[len(keys) + j] * V, axis=1)), initial=0)
-            res[key]["fwd_leak_out"] = jnp.max(jnp.abs(t[keys.index(key)] * ~valid), initial=0)
-    if "rev" in modes:
-        rows = [(k, per[i, sets[k][0]][1]) for k, i in keys] + [(k, per[i, "masked"][3]) for k, i in off_keys]
-
-        def pull(x, v, e, raw):  # the cotangent ``v`` on the raw outputs, or on the filled ones
-            (filled, raw_out), vjp = jax.vjp(lambda y: F(y, e, True), x)
-            return vjp((jnp.where(raw, 0, v).astype(filled.dtype), jnp.where(raw, v, 0).astype(raw_out.dtype)))[0]
-
-        c, _ = derivatives(rows, pull)
-        c = c.reshape((len(rows), N_DIRECTIONS, c.shape[-1]))
-        for j, (k, i) in enumerate(keys):
-            mine = lambda a, i=i: a[:, starts[i] : starts[i] + sizes[i]]  # noqa: E731
-            U = per[i, sets[k][0]][0]
-            res[k, i]["rev"] = jnp.sum(mine(c[j]) * U, axis=1)
-            if sets[k][0] == "masked":
-                spec = specs[i].astype(dtype)
-                res[k, i]["rev_leak_in"] = jnp.max(jnp.abs(mine(c[j]) * (1 - spec)), initial=0)
-                res[k, i]["rev_leak_out"] = jnp.max(jnp.abs(mine(c[len(keys) + off_keys.index((k, i))])), initial=0)
-    return {f"{i}/{sets[k][0]}": r for (k, i), r in res.items()}
 
 
 def _roundoff(dtype, eps) -> float:

@@ -32,13 +32,37 @@ def is_leaf(x) -> bool:
     return isinstance(x, (MaskedArray, SparseMasked, jsparse.BCOO))
 
 
-def random_directions(key, shape, dtype):
-    """Random directions (tangents, cotangents) of ``shape``: uniform in [-1, 1), drawn in float32
-    and cast to ``dtype``. Any continuous distribution makes ``v^T E u = 0`` for a wrong Jacobian
-    (``E != 0``) an event of probability 0; a uniform draw is a few bit operations, where a normal
-    draw's inverse-erf polynomial (longer still in float64), fused by XLA into each consumer of the
-    directions, compiled to half of a check's program."""
-    return jax.random.uniform(key, shape, jnp.float32, -1.0, 1.0).astype(dtype)
+def random_draws(seed, sizes, out_size, fast):
+    """Every random number one check uses, drawn on the host from ``seed`` (uniform, float32): the
+    two random fills under the masks (``"fill"`` in [0.5, 1.5), ``"alt"`` in [-2, -1)), the leak
+    probes' tangent and cotangent and, with ``fast``, the projections' directions: ``"u"``
+    (``N_DIRECTIONS`` x every input's elements) and ``"v"`` (per input, ``N_DIRECTIONS`` x
+    outputs), all in [-1, 1). Operands of the check's program, not computed in it: a random draw
+    compiled into the program is fused into every consumer of a slice of it, which compiled to
+    most of a check. Any continuous distribution makes ``v^T E u = 0`` for a wrong Jacobian
+    (``E != 0``) an event of probability 0.
+
+    >>> sorted(random_draws(0, (3, 2), 4, fast=False))
+    ['alt', 'cotangent', 'fill', 'tangent']
+    """
+    return _draws(int(seed), tuple(int(s) for s in sizes), int(out_size), bool(fast))
+
+
+@functools.lru_cache(maxsize=32)
+def _draws(seed, sizes, out_size, fast):
+    rng = np.random.default_rng(seed)
+    total = sum(sizes)
+    uniform = lambda shape, lo=-1.0, hi=1.0: jnp.asarray(rng.uniform(lo, hi, shape).astype(np.float32))  # noqa: E731
+    draws = {
+        "fill": uniform(total, 0.5, 1.5),
+        "alt": uniform(total, -2.0, -1.0),
+        "tangent": uniform(total),
+        "cotangent": uniform(out_size),
+    }
+    if fast:
+        draws["u"] = uniform((N_DIRECTIONS, total))
+        draws["v"] = uniform((len(sizes), N_DIRECTIONS, out_size))
+    return draws
 
 
 def with_extra(spec, extra):

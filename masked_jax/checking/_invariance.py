@@ -495,7 +495,7 @@ def _compact(data, mask, a, pos_valid, k, xp=jnp):
     return xp.take_along_axis(d, idx, -1), ok
 
 
-# The compiled programs of every check, by the structure of ``f`` at one layout (its jaxpr with the
+# The compiled programs of every check, by the structure of ``f`` at one padded length (its jaxpr with the
 # constants it captured lifted into inputs, see ``_Traced``) and what the program computes from it:
 # a function with the same code (a re-run notebook cell, other parameters or captured numbers)
 # finds them compiled.
@@ -554,7 +554,7 @@ def _program(key, build):
 
 
 class _Traced:
-    """``call`` traced at one layout, its constants (arrays and Python numbers) lifted into inputs:
+    """``call`` traced at one padded length, its constants (arrays and Python numbers) lifted into inputs:
     ``fn(lifted, arrays)`` evaluates it, ``lifted`` holds this function's constants, ``key`` is the
     structure (printed jaxpr, the lifted values' shapes and dtypes, the input and output trees, the
     host callbacks it makes). ``None`` (see :meth:`of`) when ``call`` does not trace (it reads values
@@ -590,9 +590,9 @@ class _Traced:
 class _Run:
     """How one re-padded input set is evaluated: the outputs, and the gradients of their weighted
     valid entries with respect to the float leaves of the ``params`` arguments. Leaves that are not
-    arrays (flags, sizes) are static. Compiled evaluations run ``f`` traced once per layout
+    arrays (flags, sizes) are static. Compiled evaluations run ``f`` traced once per padded length
     (:class:`_Traced`), through programs cached by its structure (``_PROGRAMS``), so every content
-    of a layout, and a later check of a function with the same code, reuses them."""
+    and position of the pads at that length, and a later check of a function with the same code, reuses them."""
 
     def __init__(self, f, flat, treedef, params, out_axis, axis, ks, weights, names):
         self.f, self.treedef, self.params, self.names = f, treedef, params, names
@@ -604,7 +604,7 @@ class _Run:
         mine = sorted(i for p in params for i in jax.tree_util.tree_leaves(owner[p]))
         self.diff = [i for i in mine if _inexact(flat[i]) and not isinstance(flat[i], MaskedArray)]
         self.where = [self.dynamic.index(i) for i in self.diff]
-        self._traced = {}  # layout -> _Traced or None
+        self._traced = {}  # (padded length, the arrays' shapes) -> _Traced or None
         self._uncached = {}  # programs of a function that does not trace: this check's own
 
     def call(self, arrays):
@@ -649,11 +649,14 @@ class _Run:
         outputs), ``both(floats, lifted, arrays, kept, weights) -> ((loss, outputs), gradients)``,
         and ``vmapped(axes)``: the one of them a check needs (``both`` when it compares gradients)
         vmapped over the stacked contents (the arrays' axes ``axes``)."""
-        if layout not in self._traced:
-            self._traced[layout] = _Traced.of(self.call, arrays)
-        traced = self._traced[layout]
+        # traced once per shape: the layouts of one padded length (pads at the end, at the start,
+        # scattered) differ in values only
+        shapes = (length, tuple((np.shape(a), str(a.dtype)) for a in jax.tree_util.tree_leaves(arrays)))
+        if shapes not in self._traced:
+            self._traced[shapes] = _Traced.of(self.call, arrays)
+        traced = self._traced[shapes]
         if traced is None:
-            key, lifted, fn, store = (layout,), [], lambda _, arrays: self.call(arrays), self._uncached
+            key, lifted, fn, store = shapes, [], lambda _, arrays: self.call(arrays), self._uncached
         else:
             config = (self.out_axis, self.axis, length, tuple(self.ks), tuple(self.where))
             key, lifted, fn, store = traced.key + config, traced.lifted, traced.fn, None

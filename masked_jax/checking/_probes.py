@@ -8,7 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from masked_jax.checking._inputs import ALL, PADDED, random_directions
+from masked_jax.checking._batch import ON_VALID, batch_dtype
+from masked_jax.checking._inputs import ALL, PADDED
 
 
 def _leak(a, b):
@@ -17,57 +18,55 @@ def _leak(a, b):
     return jnp.where(same, 0, jnp.where(jnp.isfinite(a) & jnp.isfinite(b), jnp.abs(a - b), jnp.inf))
 
 
-def _probes(outputs, leaves, specs, fills, base, modes, rng):
-    """Leak probes: every masked-out element set to NaN, +inf, -inf and a huge value in turn (one
-    ``vmap`` over the probes). A function with masked semantics gives the same valid outputs, the
-    same output mask, the same tangents of valid outputs along valid inputs (JVP) and the same
+def probe_rows(batch, leaves, specs, fills, modes, draws):
+    """Leak probes: every masked-out element set to NaN, +inf, -inf and a huge value in turn, as
+    rows of ``batch`` (a :class:`Batch` of VJPs with ``"rev"`` in ``modes``, of JVPs with
+    ``"fwd"`` alone). A function with masked semantics gives the same valid outputs, the same
+    output mask, the same tangents of valid outputs along valid inputs (JVP) and the same
     cotangents of valid inputs (VJP) as at the finite fill, and no cotangent (a NaN included) at
-    masked-out inputs. Returns, per probe, the leak of each
-    output element (values and JVP) and of each input element (VJP)."""
+    masked-out inputs. Returns ``finish(base)``: with ``base`` the ``(filled, raw, mask)`` outputs
+    at the fills, per probe the leak of each output element (values and JVP) and of each input
+    element (VJP)."""
     n = len(leaves)
-    valid = base[2]
-    keys = jax.random.split(rng, 2 * n)
-    tangents = [random_directions(keys[i], f.shape, f.dtype) * s for i, (f, s) in enumerate(zip(fills, specs))]
-    cotangent = random_directions(keys[n], valid.shape, base[1].dtype) * valid
-
+    dtype = batch_dtype(fills)
+    spec = jnp.concatenate([s for s in specs])
+    tangent = draws["tangent"].astype(dtype) * spec
+    # the cotangent is on the valid outputs: each row's own, which the probes must not move
+    cotangent = draws["cotangent"].astype(dtype)
     # sparse inputs get one padding slot holding the probe value too (its data: a masked-out
     # element's), so that a function reading padding data is caught as one reading masked data
     padded = [PADDED] * n
-
-    def raw(vs):  # the raw outputs, and the filled ones and the mask aside
-        o = outputs(vs, padded)
-        return o[1], (o[0], o[2])
-
+    smallest = min((np.dtype(leaf.dtype) for leaf in leaves), key=lambda d: d.itemsize)
+    values = jnp.array([0, np.nan, np.inf, -np.inf, float(np.sqrt(float(jnp.finfo(smallest).max)))], dtype)
+    probe = jnp.arange(values.shape[0]) > 0  # row 0: at the fills
+    fill = jnp.concatenate([f.astype(dtype) for f in fills])
+    x = jnp.where(spec[None] | ~probe[:, None], fill[None], values[:, None])
     # With reverse mode the VJP probes see every leak a JVP probe would (J^T v at valid and at
     # masked-out inputs covers every entry of J a NaN could sit in); the JVP probe runs alone.
-    forward = "fwd" in modes and "rev" not in modes
+    if batch.kind == "vjp":
+        handle = batch.add(x, padded, jnp.broadcast_to(cotangent, (x.shape[0],) + cotangent.shape), True, ON_VALID)
+    elif batch.kind == "jvp" and "rev" not in modes:
+        handle = batch.add(x, padded, jnp.broadcast_to(tangent, x.shape), True)
+    else:
+        handle = batch.add(x, padded)
 
-    def one(value, probe):  # at the fills (probe False), or with ``value`` under every mask
-        vs = [jnp.where(s | ~probe, f, value.astype(f.dtype)) for f, s in zip(fills, specs)]
-        jvp, vjp = jnp.zeros_like(valid, base[1].dtype), [jnp.zeros_like(v) for v in vs]
-        if "rev" in modes:  # the outputs are the VJP's forward pass: one evaluation of f
-            out, pull, (filled, mask) = jax.vjp(raw, vs, has_aux=True)
-            vjp = pull(cotangent)[0]
-        elif forward:
-            out, jvp, (filled, mask) = jax.jvp(raw, (vs,), (tangents,), has_aux=True)
-        else:
-            out, (filled, mask) = raw(vs)
-        return (filled, out, mask), (jvp, vjp)
+    def finish(base):
+        valid = base[2]
+        o, d = batch[handle]
+        jvp = d if batch.kind == "jvp" and "rev" not in modes else jnp.zeros(o[1].shape, o[1].dtype)
+        vjp = d if batch.kind == "vjp" else jnp.zeros(x.shape, x.dtype)
+        o, jvp0, jvp, vjp0, vjp = [v[1:] for v in o], jvp[0], jvp[1:], vjp[0], vjp[1:]
+        return {
+            "value": jnp.where(valid, _leak(o[0], base[0]), 0),
+            "mask": jnp.any(o[2] != valid, axis=-1),
+            "jvp": jnp.where(valid, _leak(jvp, jvp0), 0),
+            # per element of every input end to end (split per input on the host)
+            "vjp": jnp.where(spec, _leak(vjp, vjp0), 0),
+            # and no cotangent, not even a NaN, reaches the masked-out elements
+            "vjp_off": jnp.where(spec, 0, _leak(vjp, jnp.zeros_like(vjp))),
+        }
 
-    dtype = min((np.dtype(leaf.dtype) for leaf in leaves), key=lambda d: d.itemsize)
-    values = jnp.array([0, np.nan, np.inf, -np.inf, float(np.sqrt(float(jnp.finfo(dtype).max)))], dtype)
-    # the fills' derivatives and the probes' in one batch: one evaluation, JVP and VJP in the program
-    o, (jvp, vjp) = jax.vmap(one)(values, jnp.arange(len(values)) > 0)
-    jvp0, vjp0 = jvp[0], [a[0] for a in vjp]
-    o, jvp, vjp = [x[1:] for x in o], jvp[1:], [a[1:] for a in vjp]
-    return {
-        "value": jnp.where(valid, _leak(o[0], base[0]), 0),
-        "mask": jnp.any(o[2] != valid, axis=-1),
-        "jvp": jnp.where(valid, _leak(jvp, jvp0), 0),
-        "vjp": [jnp.where(s, _leak(a, b), 0) for a, b, s in zip(vjp, vjp0, specs)],
-        # and no cotangent, not even a NaN, reaches the masked-out elements
-        "vjp_off": [jnp.where(s, 0, _leak(a, jnp.zeros_like(a))) for a, s in zip(vjp, specs)],
-    }
+    return finish
 
 
 PROBE_NAMES = ("NaN", "+inf", "-inf", "a huge value")
