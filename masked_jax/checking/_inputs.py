@@ -245,10 +245,11 @@ SEMANTICS = ("dense", "masked")
 
 MODES = ("fwd", "rev")
 
-# fast=None: full Jacobian tables up to this many input elements in all. Below a few thousand
-# elements they are cheaper than the projections' program to compile and run (a 2-layer flax MLP
-# on 2 CPU cores: full tables 2.1 s at 163 elements and 3.3 s at 2,467; projections about 3 s
-# at any size).
+# fast=None: full Jacobian tables up to this many input elements in all. They check every entry
+# and locate a failure (the leak map), and below a few thousand elements they cost about what
+# the projections cost (a 2-layer flax MLP on 2 CPU cores, first check with the model's
+# building: full tables 2.5 s at 163 elements, projections 2.3 s); past that the tables grow
+# with the square of the size and the projections do not.
 FULL_MAX_ELEMENTS = 2048
 
 N_DIRECTIONS = 4  # random directions per input in fast mode
