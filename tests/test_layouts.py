@@ -89,7 +89,9 @@ OPS = {
     "normalize_axis1": (lambda x: mnn.normalize(x, axis=1), ALL),
     "matmul_dense": (lambda x: x @ W, ALL),
     "mul_same_layout": (lambda x: x * (x + 1.0), ALL),
-    "transpose": (mnp.transpose, {"dense"}),
+    "transpose": (mnp.transpose, {"dense", "bcoo", "bcoo_hybrid"}),  # BCOO's indices permuted
+    "swapaxes": (lambda x: mnp.swapaxes(x, 0, 1), {"dense", "bcoo", "bcoo_hybrid"}),
+    "moveaxis": (lambda x: mnp.moveaxis(x, -1, 0), {"dense", "bcoo", "bcoo_hybrid"}),
     "argmax": (lambda x: mnp.argmax(x, axis=0), {"dense"}),
 }
 

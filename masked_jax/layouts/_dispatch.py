@@ -241,6 +241,43 @@ def _matrix_norm(spec, params, ndim):
     return isinstance(axis, (tuple, list)) and len(axis) == 2
 
 
+def bcoo_permute(spec, operands, params):
+    """``transpose``, ``swapaxes`` and ``moveaxis`` of a BCOO-backed array: its stored entries'
+    indices permuted (``jax.experimental.sparse.bcoo_transpose``), as the ``.transpose`` method
+    does. Hybrid dense dimensions are made sparse first; batch dimensions must stay in front
+    (BCOO's rule), else the dense path."""
+    if len(operands) != 1 or not isinstance(operands[0], BCOOMaskedArray):
+        return NotImplemented
+    x = operands[0]
+    perm = _permutation(spec.name, params, x.ndim)
+    if perm is None:
+        return NotImplemented
+    x = x.flatten_dense()
+    if tuple(perm[: x.n_batch]) != tuple(range(x.n_batch)):
+        return NotImplemented
+    return x.transpose(perm)
+
+
+def _permutation(name, params, ndim):
+    """The axis permutation a shape op ``name`` with ``params`` makes, or ``None`` for another op."""
+    order = np.arange(ndim)
+    if name == "transpose":
+        axes = params.get("axes")
+        return tuple(order[::-1]) if axes is None else tuple(int(a) % ndim for a in axes)
+    if name == "swapaxes":
+        i, j = int(params["axis1"]) % ndim, int(params["axis2"]) % ndim
+        order[[i, j]] = order[[j, i]]
+        return tuple(int(a) for a in order)
+    if name == "moveaxis":  # numpy's construction: the other axes in order, the moved ones inserted
+        source = [int(a) % ndim for a in np.atleast_1d(params["source"])]
+        destination = [int(a) % ndim for a in np.atleast_1d(params["destination"])]
+        rest = [a for a in range(ndim) if a not in source]
+        for d, a in sorted(zip(destination, source)):
+            rest.insert(d, a)
+        return tuple(rest)
+    return None
+
+
 def matmul_dense(spec, operands, params):
     if spec.name not in ("matmul", "dot") or len(operands) != 2 or params:
         return NotImplemented
@@ -275,6 +312,7 @@ RowSparseArray.rules = {
 }
 BCOOMaskedArray.rules = {
     "elementwise": on_block,
+    "shape": bcoo_permute,
     "reductions": bcoo_reduce,
     "normalization": bcoo_reduce,
     "linalg": matmul_dense,
