@@ -192,7 +192,7 @@ BASIC_INDICES = [
 def test_basic_indexing_of_a_sparse_layout_equals_indexing_its_dense_array(kind, compile):
     """ints, slices, ``...`` and ``None`` index a sparse layout on its stored entries (BCOO's own
     indexing): the values and masks of ``x.todense()[index]``, unstored positions masked; an int
-    out of range raises ``IndexError``, an array index a ``TypeError`` naming the way out."""
+    out of range raises ``IndexError``."""
     x = layouts()[kind]
     dense = x.todense()
     for index in BASIC_INDICES:
@@ -204,8 +204,59 @@ def test_basic_indexing_of_a_sparse_layout_equals_indexing_its_dense_array(kind,
         np.testing.assert_array_equal(np.asarray(got.filled(0)), np.asarray(want.filled(0)), err_msg=str(index))
     with pytest.raises(IndexError, match="out of bounds for axis 0 with size 6"):
         x[6]
-    with pytest.raises(TypeError, match="todense"):
-        x[jnp.array([0, 1])]
+
+
+ROW_IDS = {
+    "repeated": (jnp.array([3, 0, 3, 5]), None),
+    "negative": (jnp.array([-1, -6, 2]), None),
+    "masked": (jnp.array([4, 9, 1]), jnp.array([True, False, True])),  # the masked id is out of range: no matter
+    "empty": (jnp.zeros((0,), jnp.int32), None),
+}
+
+
+@pytest.mark.parametrize("kind", ["bcoo", "bcoo_batch", "bcoo_hybrid", "row_sparse"])
+@pytest.mark.parametrize("ids", list(ROW_IDS), ids=list(ROW_IDS))
+@pytest.mark.parametrize("dtype", ["float32", "int32"])
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "jit"])
+def test_integer_array_indexing_of_a_sparse_layout_equals_its_dense_array(kind, ids, dtype, compile):
+    """``x[ids]`` (a 1-d integer array, or a MaskedArray of ids) on a sparse layout: the values and
+    masks of ``x.todense()[ids]``. A row-sparse array, and a BCOO-backed one with one sparse
+    dimension, gather their stored rows and keep their layout (no fallback); the other BCOO layouts
+    take it on dense storage through the storage fallback."""
+    x = layouts()[kind]
+    x = x.astype(dtype) if dtype != "float32" else x
+    data, valid = ROW_IDS[ids]
+    index = data if valid is None else mj.masked_array(data, valid)
+    keeps = kind == "row_sparse" or (isinstance(x, mj.BCOOMaskedArray) and x.n_batch == 0 and x.n_sparse == 1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", mj.StorageFallbackWarning)
+        _warned.clear()
+        got = jax.jit(lambda v, i: v[i])(x, index) if compile else x[index]
+    assert any(issubclass(w.category, mj.StorageFallbackWarning) for w in caught) != keeps
+    if keeps:
+        assert got.storage == x.storage
+    got = got.todense() if hasattr(got, "todense") else got
+    want = x.todense()[index]
+    assert got.shape == want.shape and got.dtype == want.dtype
+    np.testing.assert_array_equal(np.asarray(got.mask), np.asarray(want.mask))
+    np.testing.assert_array_equal(np.asarray(got.filled(0)), np.asarray(want.filled(0)))
+
+
+def test_integer_array_indexing_of_row_sparse_rows_out_of_range_and_gradients():
+    """A valid id out of range: ``IndexError`` when known, a masked row under ``jit``; the gradient
+    of the gathered rows reaches the stored rows they came from (repeats add up)."""
+    table = mj.row_sparse(jnp.array([[1.0, 2.0], [3.0, 4.0]]), jnp.array([4, 1]), (6, 2))
+    with pytest.raises(IndexError, match="index 7 is out of bounds for axis 0 with size 6"):
+        table[jnp.array([0, 7])]
+    under_jit = jax.jit(lambda i: table[i].todense())(jnp.array([7, 4]))
+    np.testing.assert_array_equal(np.asarray(under_jit.mask), [[False, False], [True, True]])
+    w = jnp.arange(6.0).reshape(3, 2)
+
+    def loss(data):
+        rows = mj.row_sparse(data, jnp.array([4, 1]), (6, 2))[jnp.array([4, 4, 1])]
+        return jnp.sum(rows.todense().filled(0) * w)
+
+    np.testing.assert_array_equal(np.asarray(jax.grad(loss)(jnp.ones((2, 2)))), [[2.0, 4.0], [4.0, 5.0]])
 
 
 def test_indexing_a_huge_sparse_array_reads_its_stored_entries_only():

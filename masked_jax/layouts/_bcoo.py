@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import sparse as jsparse
 
-from masked_jax._core import MaskedArray, SparseMasked, check_index, from_pair, is_tracer
+from masked_jax._core import STATE, MaskedArray, SparseMasked, check_index, from_pair, is_tracer
 from masked_jax.layouts._segments import segment_total, tuple_ids, unique_ids
 from masked_jax.ops._base import Pair, accumulation_dtype, widened_indices
 
@@ -244,8 +244,18 @@ def basic_index(x, bcoo: jsparse.BCOO, index) -> BCOOMaskedArray | MaskedArray:
     """``x[index]`` for a sparse layout ``x`` stored as ``bcoo`` (its stored entries are its valid
     ones): BCOO's own indexing for ints, slices, ``...`` and ``None`` (BCOO-backed while a sparse
     dimension is left, else a dense MaskedArray of the stored blocks' size); an int out of range raises
-    ``IndexError`` (as numpy; BCOO would clamp it). Integer or bool array indices raise
-    ``TypeError``: densify first (``x.todense()[index]``)."""
+    ``IndexError`` (as numpy; BCOO would clamp it). Integer arrays along the rows (:func:`row_ids`)
+    gather the stored rows (:meth:`RowSparseArray.take_rows`) when the layout is one sparse
+    dimension and dense ones; any other array index is taken on dense storage, through the
+    storage fallback."""
+    ids = row_ids(index)
+    if ids is not None and hasattr(x, "take_rows"):  # a row-sparse array
+        return x.take_rows(*ids)
+    if ids is not None and isinstance(x, BCOOMaskedArray) and x.n_batch == 0 and x.n_sparse == 1:
+        return x.to_row_sparse().take_rows(*ids).to_bcoo_masked()
+    if ids is not None or _array_part(index):
+        STATE.fallback("getitem", x.storage)
+        return x.todense()[index]
     parts = index if isinstance(index, tuple) else (index,)
     for p in parts:
         if not (
@@ -267,6 +277,32 @@ def basic_index(x, bcoo: jsparse.BCOO, index) -> BCOOMaskedArray | MaskedArray:
         marks = jsparse.BCOO((jnp.ones(bcoo.data.shape, jnp.int32), bcoo.indices), shape=bcoo.shape)[index]
         return from_pair(BCOOMaskedArray.from_bcoo(out).todense().data, marks.todense() > 0)
     return BCOOMaskedArray.from_bcoo(out)
+
+
+def _array_part(index) -> bool:
+    """Whether ``index`` has an array part (integer or bool), which basic indexing does not take."""
+    parts = index if isinstance(index, tuple) else (index,)
+    return any(isinstance(p, (jax.Array, np.ndarray, list, MaskedArray)) for p in parts)
+
+
+def row_ids(index):
+    """``(ids, valid)`` when ``index`` takes rows by an integer array (``x[ids]``, or ``x[ids, :]``
+    with full slices after it): the ids, and which of them are valid (a ``MaskedArray`` of ids
+    may mask some); ``None`` for any other index. A 0-d id is an int, not a row list."""
+    parts = index if isinstance(index, tuple) else (index,)
+    if not parts or any(not (p is Ellipsis or (isinstance(p, slice) and p == slice(None))) for p in parts[1:]):
+        return None
+    ids = parts[0]
+    if isinstance(ids, MaskedArray):
+        data, valid = ids.data, ids.mask
+    elif isinstance(ids, (jax.Array, np.ndarray, list)):
+        data = jnp.asarray(ids)
+        valid = jnp.ones(data.shape, bool)
+    else:
+        return None
+    if jnp.ndim(data) != 1 or not jnp.issubdtype(data.dtype, jnp.integer):
+        return None
+    return data, valid
 
 
 def from_bcoo(bcoo: jsparse.BCOO) -> BCOOMaskedArray:

@@ -178,6 +178,47 @@ class RowSparseArray(SparseMasked, storage="row_sparse"):
         """
         return basic_index(self, self.to_bcoo(), index)
 
+    def take_rows(self, ids, valid=None) -> RowSparseArray:
+        """``x[ids]`` for a 1-d integer array ``ids``: row ``j`` of the result is row ``ids[j]``,
+        stored where that row is stored and ``valid[j]`` (a masked id gives a masked row), as a
+        row-sparse array of ``len(ids)`` rows. O(len(ids) x row size): the stored rows are found by
+        a sorted search, no array of the logical shape is built. Negative ids count from the end;
+        a valid id out of range raises ``IndexError`` when the ids are known, and gives a masked
+        row under a trace.
+
+        Examples:
+            >>> import jax.numpy as jnp, masked_jax as mj
+            >>> table = mj.row_sparse(jnp.array([[1.0, 2.0], [3.0, 4.0]]), jnp.array([4, 1]), (6, 2))
+            >>> table[jnp.array([1, 0, 4, 1])].todense()
+            MaskedArray([[3.0 4.0]
+                         [-- --]
+                         [1.0 2.0]
+                         [3.0 4.0]], dtype=float32)
+        """
+        n = self.shape[0]
+        ids = jnp.asarray(ids)
+        valid = jnp.ones(ids.shape, bool) if valid is None else jnp.asarray(valid)
+        if not (is_tracer(ids) or is_tracer(valid)):
+            known = np.asarray(ids)[np.asarray(valid)]
+            bad = known[(known < -n) | (known >= n)]
+            if bad.size:
+                raise IndexError(f"index {int(bad[0])} is out of bounds for axis 0 with size {n}.")
+        ids = jnp.where(ids < 0, ids + n, ids)
+        x = self.coalesce()  # unique rows, sorted, padding (index n) last
+        if x.nse == 0:
+            return rows_from_parts(
+                (ids.shape[0],) + self.shape[1:],
+                jnp.zeros((0,) + self.shape[1:], self.dtype),
+                jnp.zeros(0, jnp.int32),
+                True,
+            )
+        stored = x.clean_indices()
+        at = jnp.clip(jnp.searchsorted(stored, ids), 0, x.nse - 1)
+        hit = (stored[at] == ids) & valid & (ids >= 0) & (ids < n)
+        m = ids.shape[0]
+        rows = jnp.where(hit, jnp.arange(m), m).astype(jnp.int32)
+        return rows_from_parts((m,) + self.shape[1:], x.clean_data()[at], rows, True)
+
     def to_bcoo_masked(self):
         """The same stored rows as a BCOO-backed masked array (no densifying)."""
         return SparseMasked.LAYOUTS["bcoo"].from_masked(self)
