@@ -688,3 +688,27 @@ def test_sparse_ops_at_a_logical_size_past_int32_equal_them_on_the_compressed_ar
     assert have.keys() == back.keys()
     for key, v in back.items():
         np.testing.assert_allclose(have[key], v, rtol=1e-6, err_msg=str(key))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int32"])
+@pytest.mark.parametrize("shape", [(7,), (7, 3)], ids=["scalars", "rows"])
+def test_sorted_totals_equal_segment_sums(dtype, shape):
+    """The accelerators' duplicate-row sums (sorted segmented scan, one write per segment, unique
+    scatter indices) equal ``segment_sum``'s, out-of-range segments dropped, empty input included;
+    and so do their gradients."""
+    from masked_jax.layouts._segments import segment_total, sorted_totals
+
+    rng = np.random.default_rng(0)
+    values = jnp.asarray(rng.integers(-5, 5, size=shape)).astype(dtype)
+    segments = jnp.array([3, 0, 3, 5, 0, 7, 3])  # duplicates, an empty segment, one out of range
+    for fn in (jax.jit(sorted_totals, static_argnums=2), sorted_totals):
+        got = fn(values, segments, 6)
+        want = segment_total(values, segments, 6)
+        assert got.dtype == want.dtype
+        np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32)))
+    assert sorted_totals(values[:0], segments[:0], 6).shape == (6,) + shape[1:]
+    if dtype == "float32":
+        w = jnp.asarray(rng.normal(size=(6,) + shape[1:]), jnp.float32)
+        g_sorted = jax.grad(lambda v: jnp.sum(sorted_totals(v, segments, 6) * w))(values)
+        g_segment = jax.grad(lambda v: jnp.sum(segment_total(v, segments, 6) * w))(values)
+        np.testing.assert_allclose(np.asarray(g_sorted), np.asarray(g_segment))

@@ -30,6 +30,8 @@ from masked_jax.layouts._rows import rows_from_parts as rows_from_parts
 from masked_jax.layouts._rows import take_rows as take_rows
 from masked_jax.layouts._segments import distinct_ids as distinct_ids
 from masked_jax.layouts._segments import segment_total as segment_total
+from masked_jax.layouts._segments import sorted_totals as sorted_totals
+from masked_jax.layouts._segments import unique_targets as unique_targets
 
 __all__ = [
     "BCOOMaskedArray",

@@ -20,7 +20,7 @@ from jax.experimental import sparse as jsparse
 from masked_jax import _validate
 from masked_jax._core import MaskedArray, SparseMasked, check_data, from_pair, is_tracer
 from masked_jax.layouts._bcoo import DATA_KEY, INDICES_KEY, BCOOMaskedArray, basic_index
-from masked_jax.layouts._segments import distinct_ids, segment_total, unique_ids
+from masked_jax.layouts._segments import distinct_ids, row_totals, unique_ids
 from masked_jax.ops._base import Pair, accumulation_dtype, widened_indices
 
 
@@ -139,7 +139,7 @@ class RowSparseArray(SparseMasked, storage="row_sparse"):
         if self.dtype == jnp.bool_:  # duplicates of a bool are or-ed
             data = jax.ops.segment_max(self.data, seg, num_segments=k)
         else:
-            data = segment_total(self.data, seg, k)  # float32 accumulation for half precision
+            data = row_totals(self.data, seg, k)  # float32 accumulation for half precision; no atomics on a GPU
         return rows_from_parts(self.shape, data, uniq, True)
 
     def retain(self, rows) -> RowSparseArray:

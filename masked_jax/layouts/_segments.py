@@ -35,6 +35,64 @@ def segment_total(values, segments, num_segments: int, **kwargs):
     return jax.ops.segment_sum(values.astype(acc), segments, num_segments, **kwargs).astype(values.dtype)
 
 
+def row_totals(values, segments, num_segments: int):
+    """:func:`segment_total` of rows (duplicate rows of a row-sparse array summed), without a
+    scatter-add whose indices repeat on accelerators. XLA:GPU compiles a float scatter-add with
+    repeating indices to atomics, a compare-and-swap loop in some jaxlib versions (0.10.2 to
+    0.11.0) that is hundreds of times slower; there the rows are sorted by segment, each run of a
+    segment summed by a segmented scan, and the run's total written once per segment
+    (:func:`unique_targets`: a scatter with unique indices, plain stores). On the CPU,
+    ``segment_sum``. Chosen when the program is lowered (``lax.platform_dependent``).
+
+    >>> import jax.numpy as jnp
+    >>> row_totals(jnp.array([[1.0], [2.0], [4.0]]), jnp.array([1, 0, 1]), 3)[:, 0]
+    Array([2., 5., 0.], dtype=float32)
+    """
+    return jax.lax.platform_dependent(
+        values,
+        segments,
+        cpu=lambda v, s: segment_total(v, s, num_segments),
+        default=lambda v, s: sorted_totals(v, s, num_segments),
+    )
+
+
+def sorted_totals(values, segments, num_segments: int):
+    """:func:`segment_total` by sorting: the rows ordered by segment (stable), a segmented
+    inclusive scan of each run (exact per run, log-depth), each run's total written at its segment
+    by a scatter with unique indices. Segments out of ``[0, num_segments)`` are dropped."""
+    k = segments.shape[0]
+    acc = accumulation_dtype(values.dtype)
+    if k == 0:
+        return jnp.zeros((num_segments,) + values.shape[1:], values.dtype)
+    order = jnp.argsort(segments, stable=True)
+    seg, rows = segments[order], values[order].astype(acc)
+    change = seg[1:] != seg[:-1]
+    starts = jnp.concatenate([jnp.ones(1, bool), change])
+    ends = jnp.concatenate([change, jnp.ones(1, bool)])
+
+    def combine(a, b):  # (run starts here, running sum): a run's sum restarts at its first row
+        fresh = b[0].reshape(b[0].shape + (1,) * (b[1].ndim - b[0].ndim))
+        return a[0] | b[0], jnp.where(fresh, b[1], a[1] + b[1])
+
+    _, running = jax.lax.associative_scan(combine, (starts, rows))
+    keep = ends & (seg >= 0) & (seg < num_segments)
+    target, unique = unique_targets(jnp.where(keep, seg, num_segments), num_segments)
+    out = jnp.zeros((num_segments,) + values.shape[1:], acc)
+    return out.at[target].set(running, mode="drop", unique_indices=unique).astype(values.dtype)
+
+
+def unique_targets(indices, n: int):
+    """``(targets, unique)``: scatter targets for ``indices`` that are distinct where they are
+    below ``n`` (the rows written) and at ``n`` or past it otherwise (padding, dropped): the padding
+    moved to distinct positions past the end (``n + position``), so that the scatter may be told
+    its indices are unique (``unique_indices=True``: plain stores on a GPU, no atomics). ``unique``
+    is False, and the indices unchanged, when those positions would not fit in the index dtype."""
+    k = indices.shape[0]
+    if n + k >= np.iinfo(np.dtype(indices.dtype)).max:
+        return indices, False
+    return jnp.where(indices < n, indices, n + jnp.arange(k, dtype=indices.dtype)), True
+
+
 def sorted_search(sorted_values, queries):
     """``jnp.searchsorted(sorted_values, queries)`` (left side), by the fastest method per backend.
 
@@ -67,7 +125,9 @@ def unique_ids(ids, sentinel: int):
         return ids, ids
     ordered = jnp.sort(ids)
     first = jnp.concatenate([jnp.ones(1, bool), ordered[1:] != ordered[:-1]])
-    uniq = jnp.full(k, sentinel, ids.dtype).at[jnp.cumsum(first) - 1].min(ordered)
+    # each run's first (smallest) value at the run's rank: one write per rank, unique targets
+    rank, unique = unique_targets(jnp.where(first, jnp.cumsum(first) - 1, k), k)
+    uniq = jnp.full(k, sentinel, ids.dtype).at[rank].set(ordered, mode="drop", unique_indices=unique)
     return uniq, sorted_search(uniq, ids)
 
 

@@ -24,6 +24,7 @@ import numpy as np
 
 from masked_jax import _jaxpr
 from masked_jax._core import is_masked_leaf
+from masked_jax.layouts import sorted_totals
 from masked_jax.optim._catch_up import LazyCatchUpState
 from masked_jax.optim._chunked import empty_leaf, entrywise, row_sparse_leaves
 from masked_jax.optim._lazy import check_update_arguments
@@ -254,7 +255,8 @@ def _onward(ids, perm, g, n, d, block, interpret, config):
     # a run starts in the last block before this one that it does not fill
     starts = jax.lax.cummax(jnp.where(filled, 0, jnp.arange(blocks)))
     key = jnp.where(prev < n, jnp.concatenate([jnp.zeros((1,), starts.dtype), starts[:-1]]) + 1, blocks)
-    return jax.ops.segment_sum(carry, key, num_segments=blocks + 1, indices_are_sorted=True)
+    # (sorted keys summed by a segmented scan, one write per key: no scatter-add of repeated indices)
+    return sorted_totals(carry, key, blocks + 1)
 
 
 def _table_kernel(in_kernel, n_hoisted, hoisted_dtypes, n_rows_refs, n, d, block, unique):

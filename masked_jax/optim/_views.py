@@ -17,7 +17,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from masked_jax._core import SparseMasked, from_pair, is_masked
-from masked_jax.layouts import RowSparseArray, at_least_two_rows, rows_from_parts, take_rows
+from masked_jax.layouts import RowSparseArray, at_least_two_rows, rows_from_parts, take_rows, unique_targets
 
 
 def data_of(x):
@@ -118,12 +118,19 @@ class RowsView(DenseView):
     def gather(self, x):
         return take_rows(x, self.indices)
 
+    def targets(self):
+        """The rows written, told unique to the scatter (padding moved past the end): on a GPU a
+        scatter with unique indices is plain stores, where one that may repeat is atomics."""
+        return unique_targets(self.indices, self.shape[0])
+
     def scatter(self, old, new):
         # numpy too (a restored checkpoint)
-        return jnp.asarray(old).at[self.indices].set(new.astype(old.dtype), mode="drop")
+        at, unique = self.targets()
+        return jnp.asarray(old).at[at].set(new.astype(old.dtype), mode="drop", unique_indices=unique)
 
     def add(self, param, update):
-        return jnp.asarray(param).at[self.indices].add(update.astype(param.dtype), mode="drop")
+        at, unique = self.targets()
+        return jnp.asarray(param).at[at].add(update.astype(param.dtype), mode="drop", unique_indices=unique)
 
     def wrap(self, u):
         u = jnp.where(self.row_mask(u.ndim), u, jnp.zeros((), u.dtype))
@@ -133,7 +140,8 @@ class RowsView(DenseView):
         return rows_from_parts(self.shape, u[:k], self.indices[:k], unique)
 
     def grow_rows(self, sums, grow, per_row: bool):
-        sums = jnp.asarray(sums).at[self.indices].add(grow.astype(sums.dtype), mode="drop")
+        at, unique = self.targets()
+        sums = jnp.asarray(sums).at[at].add(grow.astype(sums.dtype), mode="drop", unique_indices=unique)
         return sums, take_rows(sums, self.indices)
 
     def steps_since(self, last, step):
@@ -141,7 +149,8 @@ class RowsView(DenseView):
         return jnp.where(self.indices < last.shape[0], step - seen, 0)
 
     def touch(self, last, step):
-        return jnp.asarray(last).at[self.indices].set(step + 1, mode="drop")
+        at, unique = self.targets()
+        return jnp.asarray(last).at[at].set(step + 1, mode="drop", unique_indices=unique)
 
     def rows(self, data, shape):
         return self.indices, data

@@ -56,8 +56,10 @@ def test_bcoo_dense_round_trip(shape, n_batch, n_dense):
 def test_bcoo_transpose(shape, n_batch, n_dense):
     """test_bcoo_transpose (batch axes stay in front, as jax requires); the result stays BCOO-backed."""
     _, b = _random(shape, n_batch, n_dense)
-    perm = tuple(range(n_batch)) + tuple(reversed(range(n_batch, len(shape) - n_dense))) + tuple(
-        range(len(shape) - n_dense, len(shape))
+    perm = (
+        tuple(range(n_batch))
+        + tuple(reversed(range(n_batch, len(shape) - n_dense)))
+        + tuple(range(len(shape) - n_dense, len(shape)))
     )
     got = mnp.transpose(mj.from_bcoo(b), perm)
     assert isinstance(got, mj.BCOOMaskedArray)  # the stored entries' indices permuted, no densifying
@@ -74,7 +76,9 @@ def test_bcoo_reduce_sum(shape, n_batch, n_dense, axis):
     want = np.asarray(sparse.bcoo_reduce_sum(b, axes=axes).todense())
     np.testing.assert_allclose(_filled(got), want, rtol=1e-12, atol=1e-12)
     reached = _stored(b).any(axis=axes)
-    np.testing.assert_array_equal(np.asarray(mj.as_masked(got.todense() if hasattr(got, "todense") else got).mask), reached)
+    np.testing.assert_array_equal(
+        np.asarray(mj.as_masked(got.todense() if hasattr(got, "todense") else got).mask), reached
+    )
 
 
 @pytest.mark.parametrize("shape, n_batch, n_dense", LAYOUTS[:2], ids=IDS[:2])
@@ -108,7 +112,9 @@ def test_bcoo_mul_dense(shape, n_batch, n_dense):
         warnings.simplefilter("ignore", mj.StorageFallbackWarning)
         got = mj.from_bcoo(b) * other
     np.testing.assert_allclose(_filled(got), np.asarray(sparse.sparsify(jnp.multiply)(b, other).todense()), rtol=1e-12)
-    np.testing.assert_array_equal(np.asarray(mj.as_masked(got.todense() if hasattr(got, "todense") else got).mask), _stored(b))
+    np.testing.assert_array_equal(
+        np.asarray(mj.as_masked(got.todense() if hasattr(got, "todense") else got).mask), _stored(b)
+    )
 
 
 @pytest.mark.parametrize("shape, n_batch, n_dense", LAYOUTS, ids=IDS)
@@ -136,7 +142,11 @@ def test_bcoo_unary_zero_preserving(shape, n_batch, n_dense):
     """test_bcoo_unary (jax's zero-preserving ops: neg, sin, abs): stored entries only."""
     _, b = _random(shape, n_batch, n_dense)
     x = mj.from_bcoo(b)
-    for ours, theirs in ((lambda a: -a, lambda a: -a), (mnp.sin, sparse.sparsify(jnp.sin)), (mnp.abs, sparse.sparsify(jnp.abs))):
+    for ours, theirs in (
+        (lambda a: -a, lambda a: -a),
+        (mnp.sin, sparse.sparsify(jnp.sin)),
+        (mnp.abs, sparse.sparsify(jnp.abs)),
+    ):
         np.testing.assert_allclose(_filled(ours(x)), np.asarray(theirs(b).todense()), rtol=1e-12)
 
 

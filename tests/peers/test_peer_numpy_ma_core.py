@@ -46,7 +46,11 @@ ARITHMETIC = [
     ("TestMaskedArrayArithmetic::test_basic_arithmetic[add()]", lambda ns, d: ns.add(d["xm"], d["ym"]), None),
     ("TestMaskedArrayArithmetic::test_basic_arithmetic[subtract()]", lambda ns, d: ns.subtract(d["xm"], d["ym"]), None),
     ("TestMaskedArrayArithmetic::test_basic_arithmetic[multiply()]", lambda ns, d: ns.multiply(d["xm"], d["ym"]), None),
-    ("TestMaskedArrayArithmetic::test_basic_arithmetic[divide()]", lambda ns, d: ns.divide(d["xm"], d["ym"]), ("xm", "ym")),
+    (
+        "TestMaskedArrayArithmetic::test_basic_arithmetic[divide()]",
+        lambda ns, d: ns.divide(d["xm"], d["ym"]),
+        ("xm", "ym"),
+    ),
     ("TestMaskedArrayArithmetic::test_basic_ufuncs[cos]", lambda ns, d: ns.cos(d["xm"]), None),
     ("TestMaskedArrayArithmetic::test_basic_ufuncs[cosh]", lambda ns, d: ns.cosh(d["xm"]), None),
     ("TestMaskedArrayArithmetic::test_basic_ufuncs[sin]", lambda ns, d: ns.sin(d["xm"]), None),
@@ -67,7 +71,11 @@ ARITHMETIC = [
     ("TestMaskedArrayArithmetic::test_basic_ufuncs[less]", lambda ns, d: ns.less(d["xm"], d["ym"]), None),
     ("TestMaskedArrayArithmetic::test_basic_ufuncs[greater]", lambda ns, d: ns.greater(d["xm"], d["ym"]), None),
     ("TestMaskedArrayArithmetic::test_basic_ufuncs[less_equal]", lambda ns, d: ns.less_equal(d["xm"], d["ym"]), None),
-    ("TestMaskedArrayArithmetic::test_basic_ufuncs[greater_equal]", lambda ns, d: ns.greater_equal(d["xm"], d["ym"]), None),
+    (
+        "TestMaskedArrayArithmetic::test_basic_ufuncs[greater_equal]",
+        lambda ns, d: ns.greater_equal(d["xm"], d["ym"]),
+        None,
+    ),
     ("TestMaskedArrayArithmetic::test_basic_ufuncs[conjugate]", lambda ns, d: ns.conjugate(d["xm"]), None),
     ("TestMaskedArrayArithmetic::test_minimummaximum_func[maximum]", lambda ns, d: ns.maximum(d["xm"], d["ym"]), None),
     ("TestMaskedArrayArithmetic::test_minimummaximum_func[minimum]", lambda ns, d: ns.minimum(d["xm"], d["ym"]), None),
@@ -115,18 +123,34 @@ REDUCTIONS = [
     ("TestMaskedArrayArithmetic::test_addsumprod[prod]", lambda ns, d: ns.prod(d["xm"]), {}),
     ("TestMaskedArrayArithmetic::test_addsumprod[prod axis]", lambda ns, d: ns.prod(d["xm"].reshape(3, 4), axis=0), {}),
     ("TestMaskedArrayArithmetic::test_addsumprod[cumsum]", lambda ns, d: ns.cumsum(d["xm"]), {}),
-    ("TestMaskedArrayArithmetic::test_addsumprod[cumprod axis]", lambda ns, d: ns.cumprod(d["xm"].reshape(3, 4), axis=1), {}),
+    (
+        "TestMaskedArrayArithmetic::test_addsumprod[cumprod axis]",
+        lambda ns, d: ns.cumprod(d["xm"].reshape(3, 4), axis=1),
+        {},
+    ),
     ("TestMaskedArrayMathMethods::test_cumsumprod", lambda ns, d: ns.cumsum(d["xm"].reshape(3, 4), axis=0), {}),
     ("TestMaskedArrayMathMethods::test_ptp", lambda ns, d: ns.ptp(d["xm"].reshape(3, 4), axis=0), {}),
     ("TestMaskedArrayMathMethods::test_ptp[all]", lambda ns, d: ns.ptp(d["xm"]), {}),
     ("TestMaskedArrayMathMethods::test_varstd[var]", lambda ns, d: ns.var(d["xm"]), {}),
     ("TestMaskedArrayMathMethods::test_varstd[std axis]", lambda ns, d: ns.std(d["xm"].reshape(3, 4), axis=1), {}),
     ("TestMaskedArrayMathMethods::test_varstd_ddof", lambda ns, d: ns.var(d["xm"].reshape(3, 4), axis=1, ddof=1), {}),
-    ("TestMaskedArrayMathMethods::test_varstd_ddof[ddof past count]", lambda ns, d: ns.var(d["sparse"], axis=1, ddof=2), {}),
-    ("TestMaskedArrayMathMethods::test_axis_methods_nomask[mean]", lambda ns, d: ns.mean(d["xm"].reshape(3, 4), axis=0), {}),
+    (
+        "TestMaskedArrayMathMethods::test_varstd_ddof[ddof past count]",
+        lambda ns, d: ns.var(d["sparse"], axis=1, ddof=2),
+        {},
+    ),
+    (
+        "TestMaskedArrayMathMethods::test_axis_methods_nomask[mean]",
+        lambda ns, d: ns.mean(d["xm"].reshape(3, 4), axis=0),
+        {},
+    ),
     ("TestMaskedArrayMathMethods::test_trace", lambda ns, d: ns.trace(d["xm"].reshape(3, 4)), {}),
     ("TestMaskedArrayMethods::test_argmax_argmin[argmax]", lambda ns, d: ns.argmax(d["xm"]), {}),
-    ("TestMaskedArrayMethods::test_argmax_argmin[argmin axis]", lambda ns, d: ns.argmin(d["xm"].reshape(3, 4), axis=1), {}),
+    (
+        "TestMaskedArrayMethods::test_argmax_argmin[argmin axis]",
+        lambda ns, d: ns.argmin(d["xm"].reshape(3, 4), axis=1),
+        {},
+    ),
     ("TestMaskedArrayMethods::test_allany[all]", lambda ns, d: ns.all(d["xm"].reshape(3, 4) > 0, axis=1), {}),
     ("TestMaskedArrayMethods::test_allany[any]", lambda ns, d: ns.any(d["xm"].reshape(3, 4) > 2, axis=0), {}),
 ]
@@ -144,7 +168,10 @@ def test_reductions_as_numpy_ma(name, expr, _):
 
 SHAPES = [
     ("TestMaskedArray::test_concatenate_basic", lambda ns, d: ns.concatenate([d["xm"], d["ym"]])),
-    ("TestMaskedArray::test_concatenate_alongaxis", lambda ns, d: ns.concatenate([d["xm"].reshape(3, 4), d["ym"].reshape(3, 4)], axis=1)),
+    (
+        "TestMaskedArray::test_concatenate_alongaxis",
+        lambda ns, d: ns.concatenate([d["xm"].reshape(3, 4), d["ym"].reshape(3, 4)], axis=1),
+    ),
     ("TestMaskedArrayMethods::test_ravel", lambda ns, d: d["xm"].reshape(3, 4).ravel()),
     ("TestMaskedArrayMethods::test_reshape", lambda ns, d: d["xm"].reshape(2, 6)),
     ("TestMaskedArrayMethods::test_squeeze", lambda ns, d: ns.squeeze(d["xm"].reshape(1, 12))),
@@ -153,8 +180,14 @@ SHAPES = [
     ("TestMaskedArrayMethods::test_take[axis]", lambda ns, d: ns.take(d["xm"].reshape(3, 4), np.array([0, 2]), axis=1)),
     ("TestMaskedArrayMethods::test_clip", lambda ns, d: ns.clip(d["xm"], 0.0, 4.0)),
     ("TestMaskedArrayMathMethods::test_diag", lambda ns, d: ns.diag(d["xm"].reshape(3, 4))),
-    ("TestMaskedArrayArithmetic::test_TakeTransposeInnerOuter[transpose]", lambda ns, d: ns.transpose(d["xm"].reshape(2, 3, 2), (2, 0, 1))),
-    ("TestMaskedArrayArithmetic::test_TakeTransposeInnerOuter[outer]", lambda ns, d: ns.outer(d["xm"][:4], d["ym"][:3])),
+    (
+        "TestMaskedArrayArithmetic::test_TakeTransposeInnerOuter[transpose]",
+        lambda ns, d: ns.transpose(d["xm"].reshape(2, 3, 2), (2, 0, 1)),
+    ),
+    (
+        "TestMaskedArrayArithmetic::test_TakeTransposeInnerOuter[outer]",
+        lambda ns, d: ns.outer(d["xm"][:4], d["ym"][:3]),
+    ),
     ("TestMaskedArrayFunctions::test_round", lambda ns, d: ns.round(d["xm"] * 1.2345, 2)),
     ("TestMaskedArrayFunctions::test_power", lambda ns, d: ns.power(ns.abs(d["xm"]), 1.5)),
     ("TestMaskedArrayFunctions::test_where", lambda ns, d: ns.where(d["x"] > 1.5, d["xm"], d["ym"])),
@@ -189,7 +222,9 @@ def test_compressed_and_filled_as_numpy_ma():
     d = setup_data()
     xm = ours(d["xm"])
     np.testing.assert_array_equal(np.asarray(xm.filled(1e20)), np.ma.filled(d["xm"], 1e20))
-    np.testing.assert_array_equal(np.asarray(xm.compressed() if hasattr(xm, "compressed") else xm.data[xm.mask]), d["xm"].compressed())
+    np.testing.assert_array_equal(
+        np.asarray(xm.compressed() if hasattr(xm, "compressed") else xm.data[xm.mask]), d["xm"].compressed()
+    )
     assert int(mnp.count(xm)) == d["xm"].count()
 
 

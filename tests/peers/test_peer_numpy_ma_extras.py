@@ -142,7 +142,9 @@ def test_cov_corrcoef_without_missing(fn, data12):
     test_2d_wo_missing."""
     for x in (np.ma.array(data12), np.ma.array(data12.reshape(3, 4))):
         for kw in ({}, {"rowvar": False}) + (({"rowvar": False, "bias": True},) if fn == "cov" else ()):
-            np.testing.assert_allclose(np.asarray(getattr(mnp, fn)(ours(x), **kw).data), getattr(np, fn)(x.data, **kw), rtol=1e-12)
+            np.testing.assert_allclose(
+                np.asarray(getattr(mnp, fn)(ours(x), **kw).data), getattr(np, fn)(x.data, **kw), rtol=1e-12
+            )
 
 
 @pytest.mark.parametrize("fn", ["cov", "corrcoef"])
@@ -161,9 +163,7 @@ def test_cov_corrcoef_1d_with_missing(fn, data12):
     nx = x[1:-1]
     got = getattr(mnp, fn)(ours(x), ours(x[::-1]))
     np.testing.assert_allclose(np.asarray(got.data), getattr(np, fn)(nx, nx[::-1]), rtol=1e-10)
-    np.testing.assert_allclose(
-        np.asarray(got.data), np.ma.getdata(getattr(np.ma, fn)(x, x[::-1])), rtol=1e-10
-    )
+    np.testing.assert_allclose(np.asarray(got.data), np.ma.getdata(getattr(np.ma, fn)(x, x[::-1])), rtol=1e-10)
 
 
 def test_cov_2d_with_missing(data12):
@@ -172,7 +172,9 @@ def test_cov_2d_with_missing(data12):
     x[-1] = np.ma.masked
     x = x.reshape(3, 4)
     for kw in ({}, {"bias": True}, {"rowvar": False}, {"rowvar": False, "bias": True}):
-        np.testing.assert_allclose(np.asarray(mnp.cov(ours(x), **kw).data), np.ma.getdata(np.ma.cov(x, **kw)), rtol=1e-10)
+        np.testing.assert_allclose(
+            np.asarray(mnp.cov(ours(x), **kw).data), np.ma.getdata(np.ma.cov(x, **kw)), rtol=1e-10
+        )
 
 
 def test_corrcoef_2d_with_missing(data12):
