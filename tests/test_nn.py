@@ -250,3 +250,44 @@ def test_attention_holds_no_more_t_by_s_buffers_than_the_hand_written_call():
     ours_squares, ours_temp = squares(masked, x, x, x, tokens)
     assert 0 < ours_squares <= hand_squares, (ours_squares, hand_squares)
     assert ours_temp <= 1.10 * hand_temp, (ours_temp, hand_temp)
+
+
+@pytest.mark.parametrize("case", ["right padding", "scattered padding", "causal self-attention", "grouped-query heads"])
+def test_attention_lowered_for_cuda_is_cudnn_flash_attention_with_no_t_by_s_array(case, monkeypatch):
+    """Lowered for CUDA with ``implementation="cudnn"``, the masked call is one cuDNN fused
+    attention (``__cudnn$fmhaSoftmax``) and holds no T x S array: the padding went as lengths,
+    whatever its pattern. No GPU here: jax's cuDNN version and compute-capability probes are
+    answered as an H100 with cuDNN 9.10 would answer them; the lowering itself is jax's."""
+    import re
+
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn
+
+    monkeypatch.setattr(cudnn, "check_cudnn_version", lambda: 91000)
+    monkeypatch.setattr(cudnn, "check_compute_capability", lambda capability: True)
+    monkeypatch.setattr(cudnn, "is_cuda_compute_capability_equal", lambda capability: False)
+    b, length = 2, 256
+    kv_heads = 2 if case == "grouped-query heads" else 4
+    q = jnp.zeros((b, length, 4, 64), jnp.bfloat16)
+    kv = jnp.zeros((b, length, kv_heads, 64), jnp.bfloat16)
+    if case == "scattered padding":
+        tokens = jnp.asarray(np.random.default_rng(0).random((b, length)) < 0.7)
+    else:
+        tokens = jnp.arange(length)[None] < jnp.array([length, 100])[:, None]
+    causal = case == "causal self-attention"
+
+    def masked(q, k, v, m):
+        m = m[:, :, None, None]
+        qm = mj.masked_array(q, m)
+        km, vm = (qm, mj.masked_array(v, m)) if causal else (mj.masked_array(k, m), mj.masked_array(v, m))
+        if causal:
+            vm = mj.masked_array(v, qm.compact_mask)
+        return mnn.dot_product_attention(qm, km, vm, is_causal=causal, implementation="cudnn").data
+
+    text = (
+        jax.jit(masked)
+        .trace(q, q if causal else kv, q if causal else kv, tokens)
+        .lower(lowering_platforms=("cuda",))
+        .as_text()
+    )
+    assert "__cudnn$fmhaSoftmax" in text
+    assert not re.findall(rf"tensor<[^>]*{length}x{length}[^>]*>", text)
