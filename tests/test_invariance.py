@@ -312,3 +312,32 @@ def test_compiled_cases_in_worker_threads_give_the_serial_report(monkeypatch, bu
     ]
     assert [c.first and c.first[:2] for c in threaded.cases] == [c.first and c.first[:2] for c in serial.cases]
     assert bool(threaded) is (not bug)
+
+
+def test_eager_cases_trace_a_maskified_function_once_per_padded_length(monkeypatch):
+    """maskify traces on shapes, never on values, so the eager cases of one padded length (every
+    position of the pads, every content) share one trace of ``f``; a maskify'd function with a
+    padding bug (a mean over the padded length) is still caught eagerly at every content; and
+    outside the check each eager call traces again, as maskify's eager calls do."""
+    monkeypatch.delenv("MJ_CHECK_BACKGROUND", raising=False)  # (eager cases only: no worker thread either way)
+    traces = []
+
+    def body(v):
+        traces.append(v.shape)  # runs once per trace
+        return jnp.mean(v, axis=1)
+
+    f = mj.maskify(body)
+    x = tokens()
+    r = mj.check_invariance(f, (x,), axis=1, transforms=("eager",))
+    assert r and len(r.cases) >= 30  # eager calls: 3 padded lengths x 3 positions x 5 contents and more
+    lengths = {shape[1] for shape in traces}
+    # one trace per padded length (tight, same, longer) and one of the given arguments (their
+    # mask's own layout), against one per call before
+    assert len(lengths) <= 3 and len(traces) <= len(lengths) + 1, traces
+    leaky = mj.maskify(lambda v: v[:, 0] * 2.0)  # the first position: a pad when the pads lead
+    bad = mj.check_invariance(leaky, (x,), axis=1, transforms=("eager",), raise_exception=False)
+    assert not bad and all(c.transform == "eager" for c in bad.failures())
+    traces.clear()
+    f(x)
+    f(x)
+    assert len(traces) == 2

@@ -13,6 +13,7 @@ Layer 4, beside :mod:`masked_jax.embeddings`: it reads the op registry's semanti
 """
 
 from masked_jax._maskify._api import maskify as maskify
+from masked_jax._maskify._api import reusing_traces as reusing_traces  # for the checkers
 from masked_jax._maskify._errors import MaskifyError as MaskifyError
 
 __all__ = ["MaskifyError", "maskify"]

@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 from typing import cast
 
@@ -71,9 +73,16 @@ def maskify(fun):
                 leaves[i] = d
             return fun(*jax.tree_util.tree_unflatten(tree, leaves), **kwargs)
 
-        closed, out_shape = jax.make_jaxpr(on_data, return_shape=True)(*(p.data for p in pairs))
-        out_tree = jax.tree_util.tree_structure(out_shape)
-        program = _eager_program(name, closed, out_tree, pairs)
+        traces = _REUSED.get()
+        key = None if traces is None else _trace_key(wrapped, tree, pairs, statics, kwargs)
+        if key is not None and key in traces:
+            closed, out_tree, program = traces[key]
+        else:
+            closed, out_shape = jax.make_jaxpr(on_data, return_shape=True)(*(p.data for p in pairs))
+            out_tree = jax.tree_util.tree_structure(out_shape)
+            program = _eager_program(name, closed, out_tree, pairs)
+            if key is not None and program is not None:  # (eager, concrete constants: safe to run again)
+                traces[key] = (closed, out_tree, program)
         if program is not None:
             outs = program([p.data for p in pairs], [p.mask for p in pairs])
         else:
@@ -81,6 +90,44 @@ def maskify(fun):
         return jax.tree_util.tree_unflatten(out_tree, outs)
 
     return wrapped
+
+
+# Inside :func:`reusing_traces`: the eager calls' traces, by function and input structure.
+_REUSED: contextvars.ContextVar = contextvars.ContextVar("masked_jax_maskify_traces", default=None)
+
+
+@contextlib.contextmanager
+def reusing_traces():
+    """Within the block, an eager call of a maskify'd function whose arguments have the shapes,
+    dtypes, masks' layout and static values of an earlier call in the block reuses that call's
+    trace. maskify traces abstractly (on shapes, never on values), so such a call would trace to
+    the same program; a checker that calls one function on many contents of the same inputs
+    (``check_invariance``'s eager cases) pays for one trace. Python state that ``fun`` reads and
+    that changes inside the block is not seen again: meant for the library's checkers, not for
+    user code."""
+    token = _REUSED.set({})
+    try:
+        yield
+    finally:
+        _REUSED.reset(token)
+
+
+def _trace_key(fn, tree, pairs, statics, kwargs):
+    """What a trace of ``fn`` depends on: the arguments' structure, each array's shape, dtype and
+    weak type, each mask's shape and dtype, and the static values; ``None`` when a static value
+    cannot be hashed or an argument is a tracer (a call inside a transformation)."""
+    parts = []
+    for p in pairs:
+        if not _eager(p.data) or (p.mask is not None and not _eager(p.mask)):
+            return None
+        mask = None if p.mask is None else (np.shape(p.mask), str(jnp.result_type(p.mask)))
+        parts.append((np.shape(p.data), str(jnp.result_type(p.data)), bool(getattr(p.data, "weak_type", False)), mask))
+    key = (fn, tree, tuple(parts), tuple(sorted(statics.items())), tuple(sorted(kwargs.items())))
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
 
 
 def _interpret(name, closed, pairs):

@@ -35,6 +35,7 @@ import numpy as np
 from jax.extend import core as jcore
 
 from masked_jax._core import MaskedArray
+from masked_jax._maskify import reusing_traces
 from masked_jax.checking._compile import _callbacks, _has_own_rules, _lift_constants, fast_jit
 from masked_jax.checking._report import TABLE_STYLE, styled, write_page
 
@@ -280,60 +281,63 @@ def check_invariance(
     dtype = min(dtypes, key=lambda d: d.itemsize) if dtypes else np.dtype(np.float32)
     rtol = _default_rtol(dtype) if rtol is None else rtol
 
-    rng = np.random.default_rng(seed)
-    ref_keeps = keeps[padded[0]]
-    outs_ref, ks = _valid_outputs(f(*args), out_axis, axis, length, ref_keeps, xp=np)
-    weights = [
-        None
-        if not jnp.issubdtype(v.dtype, jnp.floating)
-        else jnp.asarray((rng.normal(size=v.shape) * (1 if m is None else m)).astype(v.dtype))
-        for (v, m), _ in outs_ref
-    ]
-    run = _Run(f, flat, treedef, params, out_axis, axis, ks, weights, [name for _, name in outs_ref])
-    names = [
-        "args" + jax.tree_util.keystr(path)
-        for path, _ in jax.tree_util.tree_flatten_with_path(args, is_leaf=lambda x: isinstance(x, MaskedArray))[0]
-    ]
+    # maskify traces on shapes, never on values: the eager calls of a maskify'd f at one padded
+    # length, whatever the pads' positions and contents, share one trace
+    with reusing_traces():
+        rng = np.random.default_rng(seed)
+        ref_keeps = keeps[padded[0]]
+        outs_ref, ks = _valid_outputs(f(*args), out_axis, axis, length, ref_keeps, xp=np)
+        weights = [
+            None
+            if not jnp.issubdtype(v.dtype, jnp.floating)
+            else jnp.asarray((rng.normal(size=v.shape) * (1 if m is None else m)).astype(v.dtype))
+            for (v, m), _ in outs_ref
+        ]
+        run = _Run(f, flat, treedef, params, out_axis, axis, ks, weights, [name for _, name in outs_ref])
+        names = [
+            "args" + jax.tree_util.keystr(path)
+            for path, _ in jax.tree_util.tree_flatten_with_path(args, is_leaf=lambda x: isinstance(x, MaskedArray))[0]
+        ]
 
-    # Every case as a job: the compiled ones grouped by padded length (one group's programs are
-    # one shape's, compiled once), the eager ones apart; see _run_jobs.
-    jobs: list = []  # (transform, group, thunk)
-    if run.diff:  # the reference gradients
-        jobs.append(("reference", length, functools.partial(run.evaluate, flat, "given", length, ref_keeps, True)))
-    labels = []
-    eager_grad = next((k for k, fill in enumerate(fills) if fill not in ("zero", "huge")), 0)
-    sizes = {"tight": longest, "same": length, "longer": length + 3}
-    seen = set()
-    for name in lengths:
-        for pos in positions:
-            new_len = sizes[name]
-            if (new_len, pos) in seen:  # "tight" is "same" when the longest row fills the padded length
-                continue
-            seen.add((new_len, pos))
-            slots = _slots(keeps, new_len, pos, np.random.default_rng(rng.integers(2**31)))
-            variants = [_repad(flat, padded, ax, slots, new_len, fill) for fill in fills]
-            new_keeps = slots[padded[0]][1]
-            layout = (new_len, pos)
-            for transform in transforms:
-                if transform == "vmap":
-                    job = functools.partial(run.vmapped, variants, padded, layout, new_len, new_keeps)
-                else:  # eager gradients (slow): one content, at the given length
-                    jit = transform == "jit"
-                    grads = [jit or (k == eager_grad and new_len == length) for k in range(len(variants))]
-                    job = functools.partial(_each, run.evaluate, variants, layout, new_len, new_keeps, jit, grads)
-                jobs.append((transform, None if transform == "eager" else new_len, job))
-                labels.append((f"pad to {new_len} ({name}) at {pos}", transform))
-    done = _run_jobs([(group, job) for _, group, job in jobs])
-    grad_ref = done.pop(0)[1] if run.diff else None
-    cases = []
-    for (label, transform), results in zip(labels, done):
-        for fill, (outs, grads) in zip(fills, results):
-            first = _first_change(outs_ref, outs, grad_ref if grads is not None else None, grads, rtol, names)
-            cases.append(InvarianceCase(f"{label}, {fill} content", transform, first is None, first))
-    report = InvarianceReport(cases, rtol)
-    if raise_exception and not report:
-        raise InvarianceError(report)
-    return report
+        # Every case as a job: the compiled ones grouped by padded length (one group's programs are
+        # one shape's, compiled once), the eager ones apart; see _run_jobs.
+        jobs: list = []  # (transform, group, thunk)
+        if run.diff:  # the reference gradients
+            jobs.append(("reference", length, functools.partial(run.evaluate, flat, "given", length, ref_keeps, True)))
+        labels = []
+        eager_grad = next((k for k, fill in enumerate(fills) if fill not in ("zero", "huge")), 0)
+        sizes = {"tight": longest, "same": length, "longer": length + 3}
+        seen = set()
+        for name in lengths:
+            for pos in positions:
+                new_len = sizes[name]
+                if (new_len, pos) in seen:  # "tight" is "same" when the longest row fills the padded length
+                    continue
+                seen.add((new_len, pos))
+                slots = _slots(keeps, new_len, pos, np.random.default_rng(rng.integers(2**31)))
+                variants = [_repad(flat, padded, ax, slots, new_len, fill) for fill in fills]
+                new_keeps = slots[padded[0]][1]
+                layout = (new_len, pos)
+                for transform in transforms:
+                    if transform == "vmap":
+                        job = functools.partial(run.vmapped, variants, padded, layout, new_len, new_keeps)
+                    else:  # eager gradients (slow): one content, at the given length
+                        jit = transform == "jit"
+                        grads = [jit or (k == eager_grad and new_len == length) for k in range(len(variants))]
+                        job = functools.partial(_each, run.evaluate, variants, layout, new_len, new_keeps, jit, grads)
+                    jobs.append((transform, None if transform == "eager" else new_len, job))
+                    labels.append((f"pad to {new_len} ({name}) at {pos}", transform))
+        done = _run_jobs([(group, job) for _, group, job in jobs])
+        grad_ref = done.pop(0)[1] if run.diff else None
+        cases = []
+        for (label, transform), results in zip(labels, done):
+            for fill, (outs, grads) in zip(fills, results):
+                first = _first_change(outs_ref, outs, grad_ref if grads is not None else None, grads, rtol, names)
+                cases.append(InvarianceCase(f"{label}, {fill} content", transform, first is None, first))
+        report = InvarianceReport(cases, rtol)
+        if raise_exception and not report:
+            raise InvarianceError(report)
+        return report
 
 
 def _choose(name, given, allowed):
@@ -520,7 +524,8 @@ def _run_jobs(jobs):
         if group is not None:
             groups.setdefault(group, []).append(k)
     workers = min(len(groups), os.cpu_count() or 1)
-    if (workers < 2 and all(group is not None for group, _ in jobs)) or os.environ.get("MJ_CHECK_BACKGROUND") == "0":
+    serial = workers == 0 or (workers < 2 and all(group is not None for group, _ in jobs))  # nothing beside
+    if serial or os.environ.get("MJ_CHECK_BACKGROUND") == "0":
         return [thunk() for _, thunk in jobs]
     out: list = [None] * len(jobs)
 
