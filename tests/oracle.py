@@ -776,6 +776,12 @@ FUNCTIONS = {
     "vector_norm": (_one(lambda m, x: m.linalg.vector_norm(x, axis=1)), None),
     "matrix_norm": (_one(lambda m, x: m.linalg.matrix_norm(x)), None),
     "one_hot": (lambda m, x, y: (mj.nn if m is not jnp else jax.nn).one_hot(x, 5), None),
+    "dot_product_attention": (  # (B, T, N, H) = (1, 3, 2, 2); masked cases: tests/test_nn.py
+        lambda m, x, y: (mj.nn if m is not jnp else jax.nn).dot_product_attention(
+            x.reshape(1, 3, 2, 2), y.reshape(1, 3, 2, 2), x.reshape(1, 3, 2, 2), is_causal=True
+        ),
+        None,
+    ),
     "zeros_like": (_one(lambda m, x: m.zeros_like(x)), None),
     "ones_like": (_one(lambda m, x: m.ones_like(x)), None),
     "full_like": (_one(lambda m, x: m.full_like(x, 2)), None),
@@ -840,6 +846,7 @@ NOT_ORACLE = {
 NEEDS = {
     "bincount": "iu",
     "one_hot": "iu",
+    "dot_product_attention": "f",
     "histogram": "f",
     "interp": "f",
     "cross": "iuf",
@@ -862,6 +869,8 @@ def check_function(name, dtype, values, jit=False):
         x = mj.as_masked(jnp.where(jnp.isfinite(x.data), x.data, 0.5))
     try:
         want = call_(jnp, x.data, y.data)
+        if jit:  # (XLA:CPU compiles no float16 dot with a float32 result, which eager jnp avoids)
+            jax.jit(lambda a, b: call_(jnp, a, b))(x.data, y.data)
     except Exception:  # noqa: BLE001 (jnp refuses this dtype: so may the masked function)
         return False
     if name in ("unique", "unique_values", "unique_counts", "unique_inverse", "unique_all", "nonzero"):
