@@ -122,9 +122,9 @@ def dot_product_attention(
     (b, t), s = q.shape[:2], k.shape[1]
     kv_valid = _both(k_valid, v_valid)
     if query_seq_lengths is not None:  # jax's lengths mask the tokens past them, as a mask does
-        q_valid = _both(q_valid, jnp.arange(t) < jnp.asarray(query_seq_lengths)[:, None])
+        q_valid = _both(q_valid, jnp.arange(t) < _lengths(query_seq_lengths, b, "query_seq_lengths")[:, None])
     if key_value_seq_lengths is not None:
-        kv_valid = _both(kv_valid, jnp.arange(s) < jnp.asarray(key_value_seq_lengths)[:, None])
+        kv_valid = _both(kv_valid, jnp.arange(s) < _lengths(key_value_seq_lengths, b, "key_value_seq_lengths")[:, None])
     options = {"scale": scale, "implementation": implementation}
     if q_valid is None and kv_valid is None:  # nothing masked: jax's call as it is
         out = jax.nn.dot_product_attention(
@@ -184,6 +184,17 @@ def _tokens(x, name):
     token_axes = tuple(range(x.ndim - 2, x.ndim))
     valid = jnp.all(jnp.broadcast_to(x.mask, x.shape), axis=token_axes)
     return jnp.where(x.mask, x.data, jnp.zeros((), x.dtype)), valid
+
+
+def _lengths(x, batch, name):
+    """Sequence lengths ``x``: one integer per sequence of the batch."""
+    x = jnp.asarray(x)
+    if x.shape != (batch,) or not jnp.issubdtype(x.dtype, jnp.integer):
+        raise ValueError(
+            f"dot_product_attention: {name} must hold one integer per sequence, shape ({batch},); "
+            f"got {x.dtype} of shape {x.shape}."
+        )
+    return x
 
 
 def _same_tokens(a, b) -> bool:

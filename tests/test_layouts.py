@@ -248,6 +248,8 @@ def test_integer_array_indexing_of_row_sparse_rows_out_of_range_and_gradients():
     table = mj.row_sparse(jnp.array([[1.0, 2.0], [3.0, 4.0]]), jnp.array([4, 1]), (6, 2))
     with pytest.raises(IndexError, match="index 7 is out of bounds for axis 0 with size 6"):
         table[jnp.array([0, 7])]
+    with pytest.raises(TypeError, match="take_rows: ids must be a 1-d integer array"):
+        table.take_rows(jnp.array([0.0, 1.0]))
     under_jit = jax.jit(lambda i: table[i].todense())(jnp.array([7, 4]))
     np.testing.assert_array_equal(np.asarray(under_jit.mask), [[False, False], [True, True]])
     w = jnp.arange(6.0).reshape(3, 2)

@@ -222,6 +222,11 @@ def test_attention_without_masks_is_jax_and_rejects_bad_shapes():
     assert unbatched.shape == (5, 2, 4)
     with pytest.raises(ValueError, match=r"\(B, T, N, H\)"):
         mnn.dot_product_attention(mj.masked_array(x[0, 0], jnp.ones((2, 4), bool)), x, x)
+    masked = mj.masked_array(x, jnp.ones((2, 5, 1, 1), bool))
+    with pytest.raises(ValueError, match=r"key_value_seq_lengths must hold one integer per sequence, shape \(2,\)"):
+        mnn.dot_product_attention(masked, masked, masked, key_value_seq_lengths=jnp.array([3]))
+    with pytest.raises(ValueError, match="query_seq_lengths"):
+        mnn.dot_product_attention(masked, masked, masked, query_seq_lengths=jnp.array([2.0, 3.0]))
 
 
 def test_attention_holds_no_more_t_by_s_buffers_than_the_hand_written_call():

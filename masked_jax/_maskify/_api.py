@@ -75,13 +75,13 @@ def maskify(fun):
 
         traces = _REUSED.get()
         key = None if traces is None else _trace_key(wrapped, tree, pairs, statics, kwargs)
-        if key is not None and key in traces:
+        if traces is not None and key in traces:
             closed, out_tree, program = traces[key]
         else:
             closed, out_shape = jax.make_jaxpr(on_data, return_shape=True)(*(p.data for p in pairs))
             out_tree = jax.tree_util.tree_structure(out_shape)
             program = _eager_program(name, closed, out_tree, pairs)
-            if key is not None and program is not None:  # (eager, concrete constants: safe to run again)
+            if traces is not None and key is not None and program is not None:  # (eager, concrete constants)
                 traces[key] = (closed, out_tree, program)
         if program is not None:
             outs = program([p.data for p in pairs], [p.mask for p in pairs])
@@ -93,7 +93,7 @@ def maskify(fun):
 
 
 # Inside :func:`reusing_traces`: the eager calls' traces, by function and input structure.
-_REUSED: contextvars.ContextVar = contextvars.ContextVar("masked_jax_maskify_traces", default=None)
+_REUSED: contextvars.ContextVar[dict | None] = contextvars.ContextVar("masked_jax_maskify_traces", default=None)
 
 
 @contextlib.contextmanager

@@ -53,7 +53,7 @@ class Batch:
     Example (inside a traced check)::
 
         batch = Batch(outputs, leaves, "jvp", out_size)
-        h = batch.add(points, tangent=directions, raw=True)
+        h = batch.add(points, direction=tangents, raw=True)
         batch.run()
         (filled, raw, mask), tangents = batch[h]
     """
@@ -168,10 +168,3 @@ class Batch:
             raise RuntimeError("Batch: read before run()")
         a, b = handle
         return jax.tree_util.tree_map(lambda v: v[a:b], self.results)
-
-
-def run_all(*batches):
-    """Run every batch given (``None`` entries skipped)."""
-    for batch in batches:
-        if batch is not None:
-            batch.run()

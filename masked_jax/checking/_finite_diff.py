@@ -1,5 +1,6 @@
 """Numerical Jacobians: perturbations of every input batched with ``vmap``, Richardson extrapolation,
-random projections of large Jacobians, the round-off scale, and the tables each check compares.
+the round-off scale, and the tables each check compares; with ``fast=True``, the random
+projections of :mod:`._projections` and the probes as rows of the check's batches (:mod:`._batch`).
 """
 
 from __future__ import annotations

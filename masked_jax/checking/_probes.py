@@ -29,7 +29,7 @@ def probe_rows(batch, leaves, specs, fills, modes, draws):
     element (VJP)."""
     n = len(leaves)
     dtype = batch_dtype(fills)
-    spec = jnp.concatenate([s for s in specs])
+    spec = jnp.concatenate(specs)
     tangent = draws["tangent"].astype(dtype) * spec
     # the cotangent is on the valid outputs: each row's own, which the probes must not move
     cotangent = draws["cotangent"].astype(dtype)

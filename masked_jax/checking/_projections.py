@@ -63,7 +63,7 @@ def projection_rows(batches, leaves, sets, specs, modes, eps, draws, bases, rich
     dtype = batch_dtype([b for base in bases.values() for b in base])
     x0s = {sem: jnp.concatenate([b.astype(dtype) for b in base]) for sem, base in bases.items()}
     U_all, V_all = draws["u"].astype(dtype), draws["v"].astype(dtype)
-    spec = jnp.concatenate([s for s in specs]).astype(dtype)
+    spec = jnp.concatenate(specs).astype(dtype)
     owner = jnp.asarray(np.repeat(np.arange(n, dtype=np.int32), sizes))  # the input of each element
 
     def extras(k, analytic):

@@ -20,7 +20,7 @@ from jax.experimental import sparse as jsparse
 from masked_jax import _validate
 from masked_jax._core import MaskedArray, SparseMasked, check_data, from_pair, is_tracer
 from masked_jax.layouts._bcoo import DATA_KEY, INDICES_KEY, BCOOMaskedArray, basic_index
-from masked_jax.layouts._segments import distinct_ids, row_totals, unique_ids
+from masked_jax.layouts._segments import distinct_ids, row_totals, sorted_search, unique_ids
 from masked_jax.ops._base import Pair, accumulation_dtype, widened_indices
 
 
@@ -197,6 +197,8 @@ class RowSparseArray(SparseMasked, storage="row_sparse"):
         """
         n = self.shape[0]
         ids = jnp.asarray(ids)
+        if ids.ndim != 1 or not jnp.issubdtype(ids.dtype, jnp.integer):
+            raise TypeError(f"take_rows: ids must be a 1-d integer array; got {ids.dtype} of shape {ids.shape}.")
         valid = jnp.ones(ids.shape, bool) if valid is None else jnp.asarray(valid)
         if not (is_tracer(ids) or is_tracer(valid)):
             known = np.asarray(ids)[np.asarray(valid)]
@@ -213,7 +215,7 @@ class RowSparseArray(SparseMasked, storage="row_sparse"):
                 True,
             )
         stored = x.clean_indices()
-        at = jnp.clip(jnp.searchsorted(stored, ids), 0, x.nse - 1)
+        at = jnp.clip(sorted_search(stored, ids), 0, x.nse - 1)
         hit = (stored[at] == ids) & valid & (ids >= 0) & (ids < n)
         m = ids.shape[0]
         rows = jnp.where(hit, jnp.arange(m), m).astype(jnp.int32)
