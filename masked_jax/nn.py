@@ -83,17 +83,24 @@ def dot_product_attention(
     sits. The output is masked at a masked query and at a query that has no valid key to attend
     to (data 0, never NaN); masked-out data never reaches a valid output or a gradient.
 
-    The padding goes to jax's fused call as sequence lengths: the valid tokens of every sequence
-    are moved to its front (a stable gather, no ``T x S`` array), the call runs with
-    ``key_value_seq_lengths`` (cuDNN's flash attention on a GPU, O(L) memory, with
-    ``implementation=None`` or ``"cudnn"``), and the outputs are gathered back.
-    Moving tokens keeps the order of the valid ones, so ``is_causal`` self-attention (query and
-    key the same array, or sharing one mask) takes this path too. A ``bias``, a ``mask``, a
-    ``local_window_size`` or causal attention between differently masked queries and keys depend
-    on the tokens' positions: the padding then joins ``mask`` as a ``(B, 1, T, S)`` array.
-    Sequence lengths given as arguments mask the tokens past them, as jax does. (The queries'
-    padding is not passed on: their outputs are masked here, and it would add a query mask to the
-    call's ``T x S`` work on the XLA path.)
+    How the padding reaches jax's call depends on the implementation:
+
+    * ``implementation=None`` or ``"xla"`` (jax's XLA path, which computes the ``T x S`` scores
+      anyway): the keys' padding goes as a ``(B, 1, 1, S)`` mask beside the user's ``mask``, the
+      padded tokens staying in place; the program is the one a user writes with
+      ``mask=tokens[:, None, None, :]``.
+    * ``implementation="cudnn"`` (cuDNN's flash attention on a GPU, O(L) memory, no ``T x S``
+      array): the padding goes as ``key_value_seq_lengths``. The valid keys and values of every
+      sequence move to its front (a stable gather; the queries too under ``is_causal``, and their
+      outputs move back). Moving tokens keeps the order of the valid ones, so ``is_causal``
+      self-attention takes this path when queries and keys are masked alike (one mask array; for
+      separate arrays the call checks on the device that they are equal, a ``lax.cond``). A
+      ``bias``, a ``mask`` or a ``local_window_size`` depend on the tokens' places: the padding
+      then goes as a mask, as on the XLA path.
+
+    Sequence lengths given as arguments mask the tokens past them, as jax does. The queries'
+    padding is not passed on: their outputs are masked here, and a query mask would add to the
+    call's ``T x S`` work.
 
     Examples:
         >>> import jax, jax.numpy as jnp, masked_jax as mj, masked_jax.nn as mnn
@@ -140,25 +147,34 @@ def dot_product_attention(
         and _same_tokens(query, key)
         and (not isinstance(value, MaskedArray) or value.compact_mask is None or _same_tokens(key, value))
     )
-    positional = bias is not None or mask is not None or local_window_size is not None or (is_causal and not shared)
-    if positional:  # the padding as a mask beside the user's
-        pad = q_valid[:, None, :, None] & kv_valid[:, None, None, :]
-        mask = pad if mask is None else jnp.asarray(mask, bool) & pad
-        out = jax.nn.dot_product_attention(
-            q, k, v, bias, mask, is_causal=is_causal, local_window_size=local_window_size, **options
+    fused = implementation == "cudnn" and bias is None and mask is None and local_window_size is None
+
+    def by_position():  # the keys' padding as a (B, 1, 1, S) mask beside the user's
+        pad = kv_valid[:, None, None, :]
+        both = pad if mask is None else jnp.asarray(mask, bool) & pad
+        return jax.nn.dot_product_attention(
+            q, k, v, bias, both, is_causal=is_causal, local_window_size=local_window_size, **options
         )
-    else:  # the valid tokens to the front of each sequence, the padding as lengths
-        q_order = jnp.argsort(~q_valid, axis=1, stable=True)
-        kv_order = q_order if is_causal else jnp.argsort(~kv_valid, axis=1, stable=True)
-        out = jax.nn.dot_product_attention(
-            _gather(q, q_order),
+
+    def by_lengths():  # the valid keys to the front of each sequence, the padding as lengths
+        kv_order = jnp.argsort(~kv_valid, axis=1, stable=True)
+        # a query's place matters only under is_causal: the queries then move with the keys
+        moved = jax.nn.dot_product_attention(
+            _gather(q, kv_order) if is_causal else q,
             _gather(k, kv_order),
             _gather(v, kv_order),
             is_causal=is_causal,
             key_value_seq_lengths=jnp.sum(kv_valid, axis=1, dtype=jnp.int32),
             **options,
         )
-        out = _gather(out, jnp.argsort(q_order, axis=1))  # back to each query's place
+        return _gather(moved, jnp.argsort(kv_order, axis=1)) if is_causal else moved  # back in place
+
+    if not fused or (is_causal and not shared and t != s):
+        out = by_position()
+    elif not is_causal or shared:
+        out = by_lengths()
+    else:  # causal, queries and keys masked by separate arrays: by lengths where they are one mask
+        out = jax.lax.cond(jnp.array_equal(q_valid, kv_valid), by_lengths, by_position)
     # a query attends to something: a valid key (before it, or itself, under is_causal)
     if is_causal:
         reach = jnp.cumsum(kv_valid, axis=1)[:, jnp.minimum(jnp.arange(t), s - 1)] > 0 if s else jnp.zeros((b, t), bool)

@@ -723,6 +723,23 @@ def primitive_count(jaxpr, name, shape=None):
     )
 
 
+def answer_cudnn_probes_as_an_h100(monkeypatch):
+    """Let jax lower its cuDNN attention for CUDA with no GPU: its cuDNN version and
+    compute-capability probes answer as an H100 with cuDNN 9.10 would; the lowering is jax's."""
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn
+
+    monkeypatch.setattr(cudnn, "check_cudnn_version", lambda: 91000)
+    monkeypatch.setattr(cudnn, "check_compute_capability", lambda capability: True)
+    monkeypatch.setattr(cudnn, "is_cuda_compute_capability_equal", lambda capability: False)
+
+
+def cuda_squares(text, length):
+    """The ``length x length`` tensors in a lowered program's text."""
+    import re
+
+    return re.findall(rf"tensor<[^>]*{length}x{length}[^>]*>", text)
+
+
 def backend_compiles(call):
     """``(call(), number of programs XLA compiled while it ran)``."""
     events = []

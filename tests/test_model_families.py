@@ -344,56 +344,168 @@ def test_constants_beside_padding_stay_padding(form, padding):
 
 
 # -- attention --------------------------------------------------------------------------------------
-@pytest.mark.parametrize(
-    "kv_heads", [pytest.param(4, marks=pytest.mark.slow), 2, pytest.param(1, marks=pytest.mark.slow)]
-)
-def test_dot_product_attention_equals_unpadded_runs_and_is_one_softmax(kv_heads):
-    """``jax.nn.dot_product_attention`` of projections of one padded batch, with 4 query heads and
-    ``kv_heads`` key/value heads (grouped-query and multi-query layouts put a transpose between the
-    maximum and the subtraction): the softmax is recognised as one masked op (one select at the
-    scores' shape, and no conditional exact rule in the weights times values), and values and
-    gradients equal each sequence run alone."""
-    from harness import primitive_count
+HEADS, DEPTH = 4, 8
+ATTENTION = {  # name: (key/value heads, keyword arguments of jax.nn.dot_product_attention)
+    "jax": (4, {}),
+    "jax, grouped-query": (2, {}),
+    "jax, multi-query": (1, {}),
+    "jax, causal": (4, {"is_causal": True}),
+    "jax, grouped-query causal, scale": (2, {"is_causal": True, "scale": 0.3}),
+    "jax, bias": (4, {"bias": True}),  # an operand maskify cannot pass on: run equation by equation
+    "flax": (4, None),  # nn.MultiHeadDotProductAttention
+}
+ROUTED = {name for name, (_, kw) in ATTENTION.items() if not (kw or {}).get("bias")}
 
+
+def _attention(name):
+    """``(f(params, x), params, bias or None)``: projections of ``x`` to heads and the attention of
+    ``name``, as a user writes it; the bias is ``(1, HEADS, L, L)``, read at the tokens' places."""
+    kv_heads, kwargs = ATTENTION[name]
     rng = np.random.default_rng(11)
+    if kwargs is None:
+        module = nn.MultiHeadDotProductAttention(num_heads=HEADS, qkv_features=HEADS * DEPTH)
+        return (lambda p, v: module.apply(p, v)), module.init(jax.random.key(0), jnp.zeros((1, L, D))), None
     params = {
-        k: jnp.asarray(rng.normal(size=(D, h * 8)) / 2, jnp.float32)
-        for k, h in (("q", 4), ("k", kv_heads), ("v", kv_heads))
+        k: jnp.asarray(rng.normal(size=(D, h * DEPTH)) / 2, jnp.float32)
+        for k, h in (("q", HEADS), ("k", kv_heads), ("v", kv_heads))
     }
-    valid = PADDINGS["right"]
-    xm, x = _tokens(valid, 12)
+    bias = jnp.asarray(rng.normal(size=(1, HEADS, L, L)), jnp.float32) if kwargs.get("bias") else None
+    options = {k: v for k, v in kwargs.items() if k != "bias"}
 
-    def attend(p, v):
+    def attend(p, v, bias=bias):
         b, n, _ = v.shape
-        q, k, w = ((v @ p[name]).reshape(b, n, -1, 8) for name in ("q", "k", "v"))
-        return jax.nn.dot_product_attention(q, k, w)
+        q, k, w = ((v @ p[name]).reshape(b, n, -1, DEPTH) for name in ("q", "k", "v"))
+        return jax.nn.dot_product_attention(q, k, w, bias, **options)
 
-    f = mj.maskify(attend)
-    refs = [attend(params, jnp.asarray(x[b : b + 1, valid[b]]))[0] for b in range(B)]
-    for label, fn in (("eager", f), ("jit", jax.jit(f))):
-        out = fn(params, xm)
+    return attend, params, bias
+
+
+@pytest.mark.parametrize("padding", ["right", "holes"])
+@pytest.mark.parametrize("name", sorted(ATTENTION))
+def test_attention_equals_unpadded_runs_and_runs_as_one_masked_call(name, padding, monkeypatch):
+    """``jax.nn.dot_product_attention`` (grouped-query and multi-query layouts, causal, a scale)
+    and flax's ``MultiHeadDotProductAttention``, on projections of one padded batch with NaN in the
+    padding: every valid token's output equals the run on its sequence with the padding removed,
+    eagerly and under ``jit``, and the padded tokens are masked. maskify finds the call by its
+    equations' source and runs it as ``masked_jax.nn.dot_product_attention``; a call with a bias
+    is not taken and runs equation by equation, still equal to the unpadded runs, its bias read
+    at the tokens' own places."""
+    calls = []
+    masked = mj.nn.dot_product_attention
+    monkeypatch.setattr(mj.nn, "dot_product_attention", lambda *a, **kw: calls.append(kw) or masked(*a, **kw))
+    valid = PADDINGS[padding]
+    xm, x = _tokens(valid, 12)
+    fn, params, bias = _attention(name)
+
+    def alone(p, b):
+        keep = np.flatnonzero(valid[b])
+        v = jnp.asarray(x[b : b + 1, keep])
+        if bias is None:
+            return fn(p, v)[0]
+        return fn(p, v, bias[:, :, keep][:, :, :, keep])[0]
+
+    f = mj.maskify(fn)
+    for label, run in (("eager", f), ("jit", jax.jit(f))):
+        out = run(params, xm)
         for b in range(B):
-            n = valid[b].sum()
-            _close(out.data[b, :n], refs[b], f"{label}: sequence {b}")
-            assert bool(out.mask[b, :n].all()) and not bool(out.mask[b, n:].any()), label
-    jaxpr = jax.make_jaxpr(f)(params, xm)
-    scores = [tuple(e.outvars[0].aval.shape) for e in jaxpr.jaxpr.eqns if e.primitive.name == "exp"]
-    assert scores and primitive_count(jaxpr, "select_n", scores[0]) <= 1, "the softmax ran op by op"
-    # nor is any other array of the scores' size selected (the scale ``q @ k / sqrt(d)`` fills nothing)
-    size = int(np.prod(scores[0]))
-    layouts = {tuple(e.outvars[0].aval.shape) for e in jaxpr.jaxpr.eqns for _ in [0] if e.outvars}
-    assert sum(primitive_count(jaxpr, "select_n", t) for t in layouts if int(np.prod(t)) == size) <= 1
-    assert primitive_count(jaxpr, "cond") == 0, "weights times values took the conditional exact rule"
+            _close(out.data[b, valid[b]], alone(params, b), f"{label}: sequence {b}")
+            mask = np.broadcast_to(np.asarray(out.mask), out.shape)[b]
+            assert mask[valid[b]].all() and not mask[~valid[b]].any(), label
+    assert bool(calls) == (name in ROUTED), calls
 
     def masked_loss(p):
-        return jnp.sum(mj.maskify(lambda q, v: jnp.mean(attend(q, v), axis=1))(p, xm).data)
+        return jnp.sum(mj.maskify(lambda q, v: jnp.mean(fn(q, v), axis=1))(p, xm).data)
 
     def ref_loss(p):
-        return sum(jnp.sum(jnp.mean(attend(p, jnp.asarray(x[b : b + 1, valid[b]])), axis=1)) for b in range(B))
+        return sum(jnp.sum(jnp.mean(alone(p, b), axis=0)) for b in range(B))
 
     want = jax.grad(ref_loss)(params)
     for label, grad in (("eager", jax.grad(masked_loss)), ("jit", jax.jit(jax.grad(masked_loss)))):
         jax.tree.map(lambda a, b: _close(a, b, f"{label}: parameter gradient"), grad(params), want)
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_attention_not_taken_is_one_softmax(kv_heads):
+    """A call maskify does not take (here: with a bias) runs equation by equation, and its softmax,
+    in grouped-query layouts too (a transpose between the maximum and the subtraction), is
+    recognised as one masked op: one select at the scores' shape, and no conditional exact rule in
+    the weights times values."""
+    from harness import primitive_count
+
+    fn, params, bias = _attention("jax, bias") if kv_heads == 4 else _attention("jax, grouped-query")
+    if bias is None:
+        bias = jnp.zeros((1, HEADS, L, L), jnp.float32)
+        plain = fn
+        fn = lambda p, v: plain(p, v, bias)  # noqa: E731
+    xm, _ = _tokens(PADDINGS["right"], 12)
+    jaxpr = jax.make_jaxpr(mj.maskify(fn))(params, xm)
+    scores = [tuple(e.outvars[0].aval.shape) for e in jaxpr.jaxpr.eqns if e.primitive.name == "exp"]
+    assert scores and primitive_count(jaxpr, "select_n", scores[0]) <= 1, "the softmax ran op by op"
+    size = int(np.prod(scores[0]))
+    layouts = {tuple(e.outvars[0].aval.shape) for e in jaxpr.jaxpr.eqns if e.outvars}
+    assert sum(primitive_count(jaxpr, "select_n", t) for t in layouts if int(np.prod(t)) == size) <= 1
+    assert primitive_count(jaxpr, "cond") == 0, "weights times values took the conditional exact rule"
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_maskified_attention_lowered_for_cuda_is_cudnn_flash_attention(causal, monkeypatch):
+    """``jax.nn.dot_product_attention(..., implementation="cudnn")`` on projections of a padded
+    bfloat16 batch, maskify'd and lowered for CUDA: one cuDNN fused attention call and no T x S
+    array (the padding went as lengths), causal self-attention included (the queries' and keys'
+    masks are known to be one)."""
+    from harness import answer_cudnn_probes_as_an_h100, cuda_squares
+
+    answer_cudnn_probes_as_an_h100(monkeypatch)
+    length = 200  # not a multiple of the features, so a T x S tensor is one
+    x = jnp.zeros((2, length, 32), jnp.bfloat16)
+    tokens = jnp.arange(length)[None] < jnp.array([length, 100])[:, None]
+    ws = [jnp.zeros((32, n * 64), jnp.bfloat16) for n in (4, 2, 2)]
+
+    def attend(ws, v):
+        b, n, _ = v.shape
+        q, k, w = ((v @ p).reshape(b, n, -1, 64) for p in ws)
+        return jax.nn.dot_product_attention(q, k, w, is_causal=causal, implementation="cudnn")
+
+    lowered = jax.jit(mj.maskify(attend)).trace(ws, mj.masked_array(x, tokens[:, :, None]))
+    text = lowered.lower(lowering_platforms=("cuda",)).as_text()
+    assert "__cudnn$fmhaSoftmax" in text
+    assert not cuda_squares(text, length)
+
+
+def test_attention_calls_are_told_apart_and_their_intermediates_keep_them_op_by_op(monkeypatch):
+    """Two calls on one line (a loop over layers) are two calls; a call whose intermediate value is
+    read after it (the weights, sown by flax) is not taken, and still equals the unpadded runs."""
+    from masked_jax._maskify import _calls
+
+    valid = PADDINGS["holes"]
+    xm, x = _tokens(valid, 5)
+    fn, params, _ = _attention("jax")
+
+    def two_layers(p, v):
+        for _ in range(2):
+            v = v + fn(p, v).reshape(v.shape[0], v.shape[1], -1)[..., : v.shape[-1]]
+        return v
+
+    calls = _calls.library_calls(jax.make_jaxpr(two_layers)(params, jnp.asarray(x)).jaxpr)
+    assert len(calls) == 2 and all(c.kwargs == {"scale": None, "is_causal": False} for c in calls.values())
+    out = jax.jit(mj.maskify(two_layers))(params, xm)
+    for b in range(B):
+        _close(out.data[b, valid[b]], two_layers(params, jnp.asarray(x[b : b + 1, valid[b]]))[0], f"sequence {b}")
+
+    module = nn.MultiHeadDotProductAttention(num_heads=HEADS, qkv_features=HEADS * DEPTH)
+    p = module.init(jax.random.key(0), jnp.zeros((1, L, D)))
+
+    def sown(p, v):
+        out, state = module.apply(p, v, sow_weights=True, mutable=["intermediates"])
+        return out, jax.tree.leaves(state)[0]  # the attention weights
+
+    f = mj.maskify(sown)
+    monkeypatch.setattr(mj.nn, "dot_product_attention", None)  # not called
+    out, weights = f(p, xm)
+    for b in range(B):
+        keep = valid[b]
+        _close(out.data[b, keep], module.apply(p, jnp.asarray(x[b : b + 1, keep]))[0], f"sown: sequence {b}")
+        _close(weights.data[b][:, keep][:, :, keep], sown(p, jnp.asarray(x[b : b + 1, keep]))[1][0], "weights")
 
 
 def test_a_scan_body_that_mixes_rows_reads_only_the_valid_rows():

@@ -9,6 +9,8 @@ Layer 4, beside :mod:`masked_jax.embeddings`: it reads the op registry's semanti
 * ``_rules``: the masked rule of each primitive, and the whole calls it recognises;
 * ``_constants``: what is known statically (values from literals, element counts of masked sums);
 * ``_scan``: the ``lax.associative_scan`` calls of a jaxpr, found by their equations' source;
+* ``_calls``: library calls found the same way (``jax.nn.dot_product_attention``, flax's), run as
+  their masked function;
 * ``_errors``: :class:`MaskifyError` and its messages.
 """
 

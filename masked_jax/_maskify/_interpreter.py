@@ -27,7 +27,7 @@ from jax import lax
 from jax.extend import core as jcore
 
 from masked_jax import _jaxpr
-from masked_jax._maskify import _free, _recognise, _rows
+from masked_jax._maskify import _calls, _free, _recognise, _rows
 from masked_jax._maskify import _rules as primitives
 from masked_jax._maskify._constants import (
     _as_constant,
@@ -103,12 +103,21 @@ class _Interpreter:
         constants = _literal_constants(jaxpr, literal, env)
         skip = set()
         scans, scan = associative_scans(jaxpr), None  # lax.associative_scan calls; the one running
+        library = _calls.library_calls(jaxpr)  # jax.nn.dot_product_attention, ...
         for i, eqn in enumerate(jaxpr.eqns):
             if scan is not None and i == scan[0].stop:
                 self._scan_results(scan)
                 scan = None
             if i in skip:
                 continue
+            if i in library:  # a whole library call, as its masked function
+                call = library[i]
+                out = _calls.run(call, [_free.resolved(read(v), self._free_of(v)) for v in call.operands], self.facts)
+                if out is not None:
+                    env[call.output] = out
+                    self.producer[call.output] = jaxpr.eqns[call.stop - 1]
+                    skip.update(range(i + 1, call.stop))
+                    continue
             if i in scans:
                 call = scans[i]
                 elems = [_free.resolved(read(v), self._free_of(v)) for v in call.elems]
