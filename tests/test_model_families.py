@@ -386,7 +386,7 @@ def test_attention_equals_unpadded_runs_and_runs_as_one_masked_call(name, paddin
     """``jax.nn.dot_product_attention`` (grouped-query and multi-query layouts, causal, a scale)
     and flax's ``MultiHeadDotProductAttention``, on projections of one padded batch with NaN in the
     padding: every valid token's output equals the run on its sequence with the padding removed,
-    eagerly and under ``jit``, and the padded tokens are masked. maskify finds the call by its
+    eagerly, under ``jit`` and under ``vmap``, and the padded tokens are masked. maskify finds the call by its
     equations' source and runs it as ``masked_jax.nn.dot_product_attention``; a call with a bias
     is not taken and runs equation by equation, still equal to the unpadded runs, its bias read
     at the tokens' own places."""
@@ -405,7 +405,13 @@ def test_attention_equals_unpadded_runs_and_runs_as_one_masked_call(name, paddin
         return fn(p, v, bias[:, :, keep][:, :, :, keep])[0]
 
     f = mj.maskify(fn)
-    for label, run in (("eager", f), ("jit", jax.jit(f))):
+
+    def vmapped(p, v):  # over two copies of the batch; the second
+        return jax.tree.map(
+            lambda a: a[1], jax.vmap(f, in_axes=(None, 0))(p, jax.tree.map(lambda a: jnp.stack([a, a]), v))
+        )
+
+    for label, run in (("eager", f), ("jit", jax.jit(f)), ("vmap", vmapped)):
         out = run(params, xm)
         for b in range(B):
             _close(out.data[b, valid[b]], alone(params, b), f"{label}: sequence {b}")
