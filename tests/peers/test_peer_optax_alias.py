@@ -139,3 +139,22 @@ def test_optimization_with_a_masked_entry_leaves_it_and_its_state_untouched(name
     if name == "adadelta" and "learning_rate" not in kwargs:
         return
     np.testing.assert_allclose(np.asarray(params)[valid], np.asarray(final)[valid], rtol=3e-2, atol=3e-2)
+
+
+def test_tree_zeros_like_of_a_masked_array_is_masked_as_documented():
+    """optax.tree_utils.tree_zeros_like (``jax.tree.map(jnp.zeros_like, tree)``, what optax's
+    state initialisers call): on a ``MaskedArray`` it maps the bool validity leaf too, so every
+    entry of the result is masked; on a statically valid one (no mask leaf) it gives valid zeros.
+    ``mj.tree_map_data`` is the map that keeps each mask (docs/semantics.md, "Differences from the
+    peers"). ``optim.lazy`` initialises optax's state on the data: plain zeros."""
+    x = mj.masked_array(jnp.array([1.0, 2.0, 3.0]), jnp.array([True, False, True]))
+    generic = optax.tree_utils.tree_zeros_like({"w": x})["w"]
+    assert isinstance(generic, mj.MaskedArray) and not bool(generic.mask.any())
+    plain = optax.tree_utils.tree_zeros_like({"w": mj.masked_array(jnp.ones(3))})["w"]
+    assert plain.compact_mask is None and bool((plain.data == 0).all())
+    kept = mj.tree_map_data(jnp.zeros_like, {"w": x})["w"]
+    np.testing.assert_array_equal(np.asarray(kept.mask), [True, False, True])
+    np.testing.assert_array_equal(np.asarray(kept.filled(7.0)), [0.0, 7.0, 0.0])
+    adam = optim.lazy(optax.adam(0.1)).init({"w": x})[0]  # zeros of the data, as plain arrays
+    for moment in (adam.mu["w"], adam.nu["w"]):
+        assert not isinstance(moment, mj.MaskedArray) and moment.shape == (3,) and not bool(moment.any())
