@@ -80,8 +80,10 @@ def dot_product_attention(
     for every head and feature (a ``(B, T, 1, 1)`` token mask is the usual form); a key is
     valid where its key and its value are. Each valid query attends to the valid keys only, and
     its output equals attention over its sequence with the padding removed, wherever the padding
-    sits. The output is masked at a masked query and at a query that has no valid key to attend
-    to (data 0, never NaN); masked-out data never reaches a valid output or a gradient.
+    sits. The output is masked at a masked query and at a query that sees no valid key (none at
+    all, none before it under ``is_causal``, none its ``mask`` row or ``local_window_size`` lets
+    through; data 0, never NaN, where jax would spread its weights over every key, the padding
+    included); masked-out data never reaches a valid output or a gradient.
 
     How the padding reaches jax's call depends on the implementation:
 
@@ -120,6 +122,7 @@ def dot_product_attention(
     unbatched = q.ndim == 3
     if unbatched:
         q, k, v = q[None], k[None], v[None]
+        bias, mask = (None if a is None or jnp.ndim(a) != 3 else jnp.asarray(a)[None] for a in (bias, mask))
         q_valid, k_valid, v_valid = (None if t is None else t[None] for t in (q_valid, k_valid, v_valid))
     if not (q.ndim == k.ndim == v.ndim == 4):
         raise ValueError(
@@ -175,14 +178,35 @@ def dot_product_attention(
         out = by_lengths()
     else:  # causal, queries and keys masked by separate arrays: by lengths where they are one mask
         out = jax.lax.cond(jnp.array_equal(q_valid, kv_valid), by_lengths, by_position)
-    # a query attends to something: a valid key (before it, or itself, under is_causal)
-    if is_causal:
-        reach = jnp.cumsum(kv_valid, axis=1)[:, jnp.minimum(jnp.arange(t), s - 1)] > 0 if s else jnp.zeros((b, t), bool)
+    # a query attends to something: a valid key that the call lets it see (jax would spread an
+    # unseeing query's weights evenly over every key, the padding included)
+    if mask is not None or local_window_size is not None:
+        valid = q_valid[:, :, None, None] & _seen(kv_valid, mask, is_causal, local_window_size, t, s)
     else:
-        reach = jnp.broadcast_to(jnp.any(kv_valid, axis=1, keepdims=True), (b, t))
-    valid = (q_valid & reach)[:, :, None, None]
-    out = wrap(ops.Pair(jnp.where(valid, out, jnp.zeros((), out.dtype)), valid))  # a (B, T, 1, 1) token mask
+        if is_causal:
+            cs = jnp.cumsum(kv_valid, axis=1)
+            reach = cs[:, jnp.minimum(jnp.arange(t), s - 1)] > 0 if s else jnp.zeros((b, t), bool)
+        else:
+            reach = jnp.broadcast_to(jnp.any(kv_valid, axis=1, keepdims=True), (b, t))
+        valid = (q_valid & reach)[:, :, None, None]  # a (B, T, 1, 1) token mask
+    out = wrap(ops.Pair(jnp.where(valid, out, jnp.zeros((), out.dtype)), valid))
     return out[0] if unbatched else out
+
+
+def _seen(kv_valid, mask, is_causal, window, t, s):
+    """``(B, T, N or 1, 1)``: whether a query sees a valid key through the user's ``mask``, under
+    ``is_causal`` (key ``j <= i``) and inside a ``local_window_size`` (``i - left <= j <= i +
+    right``), as jax's call combines them."""
+    allowed = kv_valid[:, None, None, :]
+    if mask is not None:
+        allowed = allowed & jnp.asarray(mask, bool)
+    i, j = jnp.arange(t)[:, None], jnp.arange(s)[None, :]
+    if is_causal:
+        allowed = allowed & (j <= i)
+    if window is not None:
+        left, right = (window, window) if isinstance(window, int) else window
+        allowed = allowed & (i <= j + left) & (i >= j - right)
+    return jnp.moveaxis(jnp.any(allowed, axis=-1), 1, 2)[..., None]
 
 
 def _tokens(x, name):

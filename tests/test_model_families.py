@@ -17,6 +17,8 @@ Values, masks and parameter gradients are checked, eagerly and under ``jit``.
 
 from __future__ import annotations
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -351,65 +353,78 @@ ATTENTION = {  # name: (key/value heads, keyword arguments of jax.nn.dot_product
     "jax, multi-query": (1, {}),
     "jax, causal": (4, {"is_causal": True}),
     "jax, grouped-query causal, scale": (2, {"is_causal": True, "scale": 0.3}),
-    "jax, bias": (4, {"bias": True}),  # an operand maskify cannot pass on: run equation by equation
+    "jax, bias": (4, {"bias": True}),  # (1, HEADS, L, L), read at the tokens' places
+    "jax, grouped-query mask": (2, {"mask": True}),  # (1, 1, L, L) bool, each query sees itself
+    # a bias computed from the masked tokens is masked: the call runs equation by equation
+    "jax, data bias": (4, {"data bias": True}),
+    "jax, grouped-query data bias": (2, {"data bias": True}),
     "flax": (4, None),  # nn.MultiHeadDotProductAttention
+    "flax, causal mask": (4, "causal"),  # ... with mask=nn.make_causal_mask(tokens)
 }
-ROUTED = {name for name, (_, kw) in ATTENTION.items() if not (kw or {}).get("bias")}
+ROUTED = {name for name, (_, kw) in ATTENTION.items() if not isinstance(kw, dict) or "data bias" not in kw}
 
 
 def _attention(name):
-    """``(f(params, x), params, bias or None)``: projections of ``x`` to heads and the attention of
-    ``name``, as a user writes it; the bias is ``(1, HEADS, L, L)``, read at the tokens' places."""
+    """``(f(params, x, **positional), params, positional)``: projections of ``x`` to heads and the
+    attention of ``name``, as a user writes it; ``positional`` holds the ``bias`` / ``mask``
+    arrays at the padded places (the unpadded runs read them at the tokens' places)."""
     kv_heads, kwargs = ATTENTION[name]
     rng = np.random.default_rng(11)
-    if kwargs is None:
+    if not isinstance(kwargs, dict):
         module = nn.MultiHeadDotProductAttention(num_heads=HEADS, qkv_features=HEADS * DEPTH)
-        return (lambda p, v: module.apply(p, v)), module.init(jax.random.key(0), jnp.zeros((1, L, D))), None
+        params = module.init(jax.random.key(0), jnp.zeros((1, L, D)))
+        if kwargs == "causal":
+            return (lambda p, v: module.apply(p, v, mask=nn.make_causal_mask(v[..., 0]))), params, {}
+        return (lambda p, v: module.apply(p, v)), params, {}
     params = {
         k: jnp.asarray(rng.normal(size=(D, h * DEPTH)) / 2, jnp.float32)
         for k, h in (("q", HEADS), ("k", kv_heads), ("v", kv_heads))
     }
-    bias = jnp.asarray(rng.normal(size=(1, HEADS, L, L)), jnp.float32) if kwargs.get("bias") else None
-    options = {k: v for k, v in kwargs.items() if k != "bias"}
+    positional = {}
+    if kwargs.get("bias"):
+        positional["bias"] = jnp.asarray(rng.normal(size=(1, HEADS, L, L)), jnp.float32)
+    if kwargs.get("mask"):
+        positional["mask"] = jnp.asarray((rng.random((1, 1, L, L)) < 0.5) | np.eye(L, dtype=bool))
+    options = {k: v for k, v in kwargs.items() if k not in ("bias", "mask", "data bias")}
+    data_bias = kwargs.get("data bias")
 
-    def attend(p, v, bias=bias):
+    def attend(p, v, **given):
         b, n, _ = v.shape
         q, k, w = ((v @ p[name]).reshape(b, n, -1, DEPTH) for name in ("q", "k", "v"))
-        return jax.nn.dot_product_attention(q, k, w, bias, **options)
+        bias = jnp.einsum("btd,bsd->bts", v, v)[:, None] / D if data_bias else given.get("bias")
+        return jax.nn.dot_product_attention(q, k, w, bias, given.get("mask"), **options)
 
-    return attend, params, bias
+    return attend, params, positional
 
 
 @pytest.mark.parametrize("padding", ["right", "holes"])
 @pytest.mark.parametrize("name", sorted(ATTENTION))
 def test_attention_equals_unpadded_runs_and_runs_as_one_masked_call(name, padding, monkeypatch):
-    """``jax.nn.dot_product_attention`` (grouped-query and multi-query layouts, causal, a scale)
-    and flax's ``MultiHeadDotProductAttention``, on projections of one padded batch with NaN in the
-    padding: every valid token's output equals the run on its sequence with the padding removed,
-    eagerly, under ``jit`` and under ``vmap``, and the padded tokens are masked. maskify finds the call by its
-    equations' source and runs it as ``masked_jax.nn.dot_product_attention``; a call with a bias
-    is not taken and runs equation by equation, still equal to the unpadded runs, its bias read
-    at the tokens' own places."""
+    """``jax.nn.dot_product_attention`` (grouped-query and multi-query layouts, causal, a scale, a
+    bias, a mask) and flax's ``MultiHeadDotProductAttention`` (with a causal mask too), on
+    projections of one padded batch with NaN in the padding: every valid token's output equals the
+    run on its sequence with the padding removed (a bias and a mask read at the tokens' places),
+    eagerly, under ``jit`` and under ``vmap``, and the padded tokens are masked; so do the
+    parameters' gradients. maskify finds each call by its equations' source and runs it as
+    ``masked_jax.nn.dot_product_attention``; a call whose bias is computed from the masked tokens
+    is not taken and runs equation by equation, with the same values."""
     calls = []
     masked = mj.nn.dot_product_attention
     monkeypatch.setattr(mj.nn, "dot_product_attention", lambda *a, **kw: calls.append(kw) or masked(*a, **kw))
     valid = PADDINGS[padding]
     xm, x = _tokens(valid, 12)
-    fn, params, bias = _attention(name)
+    fn, params, positional = _attention(name)
 
     def alone(p, b):
         keep = np.flatnonzero(valid[b])
-        v = jnp.asarray(x[b : b + 1, keep])
-        if bias is None:
-            return fn(p, v)[0]
-        return fn(p, v, bias[:, :, keep][:, :, :, keep])[0]
+        given = {k: a[:, :, keep][:, :, :, keep] for k, a in positional.items()}
+        return fn(p, jnp.asarray(x[b : b + 1, keep]), **given)[0]
 
-    f = mj.maskify(fn)
+    f = mj.maskify(functools.partial(fn, **positional))
 
     def vmapped(p, v):  # over two copies of the batch; the second
-        return jax.tree.map(
-            lambda a: a[1], jax.vmap(f, in_axes=(None, 0))(p, jax.tree.map(lambda a: jnp.stack([a, a]), v))
-        )
+        copies = jax.tree.map(lambda a: jnp.stack([a, a]), v)
+        return jax.tree.map(lambda a: a[1], jax.vmap(f, in_axes=(None, 0))(p, copies))
 
     for label, run in (("eager", f), ("jit", jax.jit(f)), ("vmap", vmapped)):
         out = run(params, xm)
@@ -420,7 +435,7 @@ def test_attention_equals_unpadded_runs_and_runs_as_one_masked_call(name, paddin
     assert bool(calls) == (name in ROUTED), calls
 
     def masked_loss(p):
-        return jnp.sum(mj.maskify(lambda q, v: jnp.mean(fn(q, v), axis=1))(p, xm).data)
+        return jnp.sum(mj.maskify(lambda q, v: jnp.mean(f(q, v), axis=1))(p, xm).data)
 
     def ref_loss(p):
         return sum(jnp.sum(jnp.mean(alone(p, b), axis=0)) for b in range(B))
@@ -430,19 +445,15 @@ def test_attention_equals_unpadded_runs_and_runs_as_one_masked_call(name, paddin
         jax.tree.map(lambda a, b: _close(a, b, f"{label}: parameter gradient"), grad(params), want)
 
 
-@pytest.mark.parametrize("kv_heads", [4, 2])
-def test_attention_not_taken_is_one_softmax(kv_heads):
-    """A call maskify does not take (here: with a bias) runs equation by equation, and its softmax,
-    in grouped-query layouts too (a transpose between the maximum and the subtraction), is
-    recognised as one masked op: one select at the scores' shape, and no conditional exact rule in
-    the weights times values."""
+@pytest.mark.parametrize("name", ["jax, data bias", "jax, grouped-query data bias"])
+def test_attention_not_taken_is_one_softmax(name):
+    """A call maskify does not take (a bias computed from the masked tokens) runs equation by
+    equation, and its softmax, in grouped-query layouts too (a transpose between the maximum and
+    the subtraction), is recognised as one masked op: one select at the scores' shape, and no
+    conditional exact rule in the weights times values."""
     from harness import primitive_count
 
-    fn, params, bias = _attention("jax, bias") if kv_heads == 4 else _attention("jax, grouped-query")
-    if bias is None:
-        bias = jnp.zeros((1, HEADS, L, L), jnp.float32)
-        plain = fn
-        fn = lambda p, v: plain(p, v, bias)  # noqa: E731
+    fn, params, _ = _attention(name)
     xm, _ = _tokens(PADDINGS["right"], 12)
     jaxpr = jax.make_jaxpr(mj.maskify(fn))(params, xm)
     scores = [tuple(e.outvars[0].aval.shape) for e in jaxpr.jaxpr.eqns if e.primitive.name == "exp"]

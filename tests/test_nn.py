@@ -146,6 +146,7 @@ ATTENTION_CASES = {  # name: (keyword arguments, one token mask for queries and 
     "cross causal": ({"is_causal": True}, False),
     "window": ({"local_window_size": (2, 1)}, True),
     "bias": ({"bias": "bias"}, False),
+    "mask": ({"mask": "mask"}, False),  # query 1 of the first sequence sees no key through it
 }
 
 
@@ -156,11 +157,16 @@ ATTENTION_CASES = {  # name: (keyword arguments, one token mask for queries and 
 def test_attention_equals_each_sequence_without_its_padding(case, dtype, fill, jit):
     """Every valid query's output equals ``jax.nn.dot_product_attention`` over its sequence with
     the padding removed (wherever the padding sits, with NaN or inf in it); a masked query, and a
-    query with no valid key to attend to, is masked with data 0."""
+    query that sees no valid key (through causality, its window or the user's mask), is masked
+    with data 0 (jax would spread its weights over every key, the padding included)."""
     kwargs, same = ATTENTION_CASES[case]
     q, k, v, parts = _attention_inputs(dtype, fill, same)
     if kwargs.get("bias") == "bias":
         kwargs = {"bias": jnp.asarray(np.random.default_rng(1).normal(size=(ATT_B, ATT_N, ATT_T, ATT_T)), dtype)}
+    if kwargs.get("mask") == "mask":
+        user = np.random.default_rng(2).random((ATT_B, 1, ATT_T, ATT_T)) < 0.6
+        user[0, 0, 1] = False
+        kwargs = {"mask": jnp.asarray(user)}
     run = lambda a, b, c: mnn.dot_product_attention(a, b, c, **kwargs)  # noqa: E731
     out = jax.jit(run)(q, k, v) if jit else run(q, k, v)
     assert out.shape == q.shape and out.dtype == q.dtype
@@ -175,6 +181,8 @@ def test_attention_equals_each_sequence_without_its_padding(case, dtype, fill, j
         if "local_window_size" in kwargs:
             before, after = kwargs["local_window_size"]
             allowed &= (ki[None, :] >= qi[:, None] - before) & (ki[None, :] <= qi[:, None] + after)
+        if "mask" in kwargs:
+            allowed &= np.asarray(kwargs["mask"])[b, 0][np.ix_(qi, ki)]
         reach = allowed.any(axis=1)
         np.testing.assert_array_equal(valid[b, qi], reach)
         assert not valid[b, np.setdiff1d(np.arange(ATT_T), qi)].any()

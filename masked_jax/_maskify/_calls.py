@@ -3,10 +3,10 @@
 ``jax.nn.dot_product_attention`` and flax's ``dot_product_attention`` (what
 ``nn.MultiHeadDotProductAttention`` calls) trace to contractions, a softmax and, for causal
 attention, a mask built from iotas. Read one equation at a time under ``maskify`` they give the
-right values, but through XLA's softmax and contractions over the whole padded ``T x S`` scores:
-none of it reaches the fused kernels, where the padding is a sequence length. Run as
-:func:`masked_jax.nn.dot_product_attention`, the valid tokens move to the front and the padding
-goes to jax's call as lengths (cuDNN's flash attention on a GPU).
+right values, but through XLA's softmax and contractions with the masks' rules: none of it reaches
+jax's own attention call, and with ``implementation="cudnn"`` nothing of it can run. Run as
+:func:`masked_jax.nn.dot_product_attention`, the padding goes to jax's call as a key mask on its
+XLA path, as sequence lengths to cuDNN's flash attention.
 
 **Finding a call.** Every equation records the Python frames that were running when it was
 traced, so the equations a call produced are those traced inside the function's code object, one
@@ -15,19 +15,22 @@ position reached in the function goes back, the same line calling it again). Not
 recorded while the user's function traces, so a call is found however it was reached.
 
 **Taking it.** A group is taken for the call only when re-tracing the function on the group's
-operands, with candidate static arguments read off the group (``scale``, ``is_causal``), gives the
-same program, equation for equation. A call with any other operand (a bias, a mask, sequence
-lengths, a dropout key), with options the candidates do not cover (a local window, another dtype),
-or whose intermediate values are read after it (flax's sown weights) is not taken, and its
-equations run one at a time as any other code. A taken call runs as the masked function only when
-its operands are masked by whole tokens (one validity per token, for every head and feature), the
-masks ``maskify`` carries through the usual projections; otherwise, equation by equation too.
+operands (the query, key and value, and a ``bias`` or ``mask``), with candidate static arguments
+read off the group (``scale``, ``is_causal``, ``implementation``), gives the same program,
+equation for equation. A call with another operand (sequence lengths, a dropout key), with options
+the candidates do not cover (a local window, another dtype), or whose intermediate values are read
+after it (flax's sown weights) is not taken, and its equations run one at a time as any other
+code. A taken call runs as the masked function only when its query, key and value are masked by
+whole tokens (one validity per token, for every head and feature: the masks ``maskify`` carries
+through the usual projections) and its bias and mask are not masked; otherwise, equation by
+equation too.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import sys
 import warnings
 from collections.abc import Callable, Iterator
@@ -100,20 +103,44 @@ KNOWN = (
     Known("flax.linen.dot_product_attention", _flax_attention, lambda eqns: iter(({},)), _masked_attention),
 )
 
-# the ways a group's operands, in the order it first reads them, can be (query, key, value)
-_ROLES = {1: ((0, 0, 0),), 2: ((0, 1, 1), (0, 0, 1), (0, 1, 0)), 3: ((0, 1, 2),)}
+_MOST_OPERANDS = 5  # query, key, value, bias, mask
+
+
+def _assignments(structs):
+    """The ways operands ``structs``, in the order a group first reads them, can be the query, key
+    and value (their indices) and the ``bias`` / ``mask`` operands (name, index): the query is read
+    first; the key and value are any operands whose shapes fit it (the query itself included); an
+    operand left over is the ``mask`` (flax takes a float one too) or, if not bool, the ``bias``."""
+    n, q = len(structs), structs[0]
+    for k in range(n):
+        for v in dict.fromkeys((k, 0, *range(n))):
+            if not _fits(q, structs[k], structs[v]):
+                continue
+            rest = sorted(set(range(n)) - {0, k, v})
+            kinds = [("mask",) if structs[i].dtype == np.dtype(bool) else ("bias", "mask") for i in rest]
+            for names in itertools.product(*kinds):
+                if len(set(names)) == len(names):
+                    yield (0, k, v), tuple(sorted(zip(names, rest)))
+
+
+def _fits(q, k, v) -> bool:
+    """Can ``q``, ``k`` and ``v`` be a query, its keys and their values? The same rank, features of
+    the query's size in the keys, one key per value."""
+    return q.ndim == k.ndim == v.ndim >= 3 and q.shape[-1] == k.shape[-1] and k.shape[:-1] == v.shape[:-1]
 
 
 @dataclasses.dataclass(frozen=True)
 class LibraryCall:
     """One taken call in a jaxpr: its equations ``start`` to ``stop`` (exclusive), the function
-    (``known``), its operands in role order (``operands``: query, key, value), the static keyword
+    (``known``), its operands in role order (``operands``: query, key, value), its optional
+    operands by keyword (``extras``: ``(name, variable)``, a bias or a mask), the static keyword
     arguments it was called with and its result (``output``)."""
 
     start: int
     stop: int
     known: Known
     operands: tuple
+    extras: tuple
     kwargs: dict
     output: Any
 
@@ -174,7 +201,7 @@ def _taken(jaxpr, known, start, stop):
     after = {v for e in jaxpr.eqns[stop:] for v in e.invars if not _jaxpr.is_literal(v)}
     after.update(v for v in jaxpr.outvars if not _jaxpr.is_literal(v))
     outputs = [v for e in eqns for v in e.outvars if v in after]
-    if len(outputs) != 1 or len(operands) not in _ROLES:
+    if len(outputs) != 1 or not 0 < len(operands) <= _MOST_OPERANDS:
         return None
     with warnings.catch_warnings():  # a jaxpr built to be printed needs no debugging information
         warnings.simplefilter("ignore", DeprecationWarning)
@@ -183,8 +210,16 @@ def _taken(jaxpr, known, start, stop):
     found = _match(known, program, structs, tuple(_candidate_keys(known, eqns)))
     if found is None:
         return None
-    roles, kwargs = found
-    return LibraryCall(start, stop, known, tuple(operands[r] for r in roles), dict(kwargs), outputs[0])
+    (roles, extras), kwargs = found
+    return LibraryCall(
+        start,
+        stop,
+        known,
+        tuple(operands[r] for r in roles),
+        tuple((name, operands[i]) for name, i in extras),
+        dict(kwargs),
+        outputs[0],
+    )
 
 
 def _candidate_keys(known, eqns):
@@ -193,30 +228,31 @@ def _candidate_keys(known, eqns):
 
 @functools.lru_cache(maxsize=256)
 def _match(known, program, structs, candidates):
-    """``(roles, static arguments)`` with which ``known``'s function traces to ``program`` on
-    operands ``structs``, else ``None``."""
+    """``((roles, extras), static arguments)`` with which ``known``'s function traces to
+    ``program`` on operands ``structs`` (see :func:`_assignments`), else ``None``."""
     fn = known.function()
-    for roles in _ROLES[len(structs)]:
+    for roles, extras in _assignments(structs):
         for kwargs in candidates:
 
-            def call(*xs, roles=roles, kwargs=kwargs):
-                return fn(*(xs[r] for r in roles), **dict(kwargs))
+            def call(*xs, roles=roles, extras=extras, kwargs=kwargs):
+                return fn(*(xs[r] for r in roles), **{name: xs[i] for name, i in extras}, **dict(kwargs))
 
             try:
                 traced = jax.make_jaxpr(call)(*structs)
             except Exception:  # noqa: BLE001 - arguments the function rejects are not the call's
                 continue
             if not traced.consts and str(traced.jaxpr) == program:
-                return roles, kwargs
+                return (roles, extras), kwargs
     return None
 
 
-def run(call: LibraryCall, operands: list[Pair], facts=NO_FACTS) -> Pair | None:
-    """The result of a taken call on its operands (query, key, value), run as the masked function;
-    ``None`` when no operand is masked, or an operand is masked within a token (its equations then
-    run one at a time). Operands whose masks ``facts`` knows to hold the same values share one mask
-    array (self-attention: the function then knows its queries and keys are masked alike)."""
-    if all(p.mask is None for p in operands):
+def run(call: LibraryCall, operands: list[Pair], extras: list[Pair], facts=NO_FACTS) -> Pair | None:
+    """The result of a taken call on its operands (query, key, value) and its optional operands
+    (``call.extras``' values), run as the masked function; ``None`` when no operand is masked, an
+    optional operand is masked, or an operand is masked within a token (its equations then run one
+    at a time). Operands whose masks ``facts`` knows to hold the same values share one mask array
+    (self-attention: the function then knows its queries and keys are masked alike)."""
+    if all(p.mask is None for p in operands) or any(p.mask is not None for p in extras):
         return None
     for p in operands:
         ndim = np.ndim(p.data)
@@ -229,5 +265,6 @@ def run(call: LibraryCall, operands: list[Pair], facts=NO_FACTS) -> Pair | None:
         same = {frozenset(aligned(facts.factors(p.mask), np.ndim(p.data))) for p in operands}
         if len(same) == 1 and all(np.shape(p.data)[:2] == np.shape(first.data)[:2] for p in operands):
             operands = [Pair(p.data, first.mask) for p in operands]
-    out = call.known.masked(*(wrap(p) for p in operands), **call.kwargs)
+    optional = {name: p.data for (name, _), p in zip(call.extras, extras)}
+    out = call.known.masked(*(wrap(p) for p in operands), **optional, **call.kwargs)
     return unwrap(out) if isinstance(out, MaskedArray) else Pair(out, None)

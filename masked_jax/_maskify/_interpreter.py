@@ -112,7 +112,11 @@ class _Interpreter:
                 continue
             if i in library:  # a whole library call, as its masked function
                 call = library[i]
-                out = _calls.run(call, [_free.resolved(read(v), self._free_of(v)) for v in call.operands], self.facts)
+                operands, extras = (
+                    [_free.resolved(read(v), self._free_of(v)) for v in vs]
+                    for vs in (call.operands, [v for _, v in call.extras])
+                )
+                out = _calls.run(call, operands, extras, self.facts)
                 if out is not None:
                     env[call.output] = out
                     self.producer[call.output] = jaxpr.eqns[call.stop - 1]
