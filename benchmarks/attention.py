@@ -6,9 +6,11 @@ B = 2 sequences of length L (one full, one half padded), 4 heads of 64 features,
 with ``implementation="cudnn"`` on a GPU). For L in 1k, 2k, 4k (and 8k, 16k on a GPU, where cuDNN
 holds no L x L array) it prints, in one run, the median time of one call (jitted; implementations
 take turns), the compiled call's temporary memory, and the ratios to the hand-written call, for
-right padding and for scattered padding (the same number of valid tokens at random places: the
-masked call moves them to the front; the hand-written call cannot express it with lengths). Saves
-``benchmarks/results/attention.png``.
+right padding and for scattered padding (the same number of valid tokens at random places, which
+the hand-written call cannot express with lengths: on the XLA path the masked call passes the
+keys' padding as a mask, with cuDNN it moves the valid tokens to the front), and ``maskify`` of
+the plain ``jax.nn.dot_product_attention(q, k, v)`` on the scattered padding (it runs as the
+masked call). Saves ``benchmarks/results/attention.png``.
 
 Run: ``.venv/bin/python benchmarks/attention.py`` (``--quick`` for L = 1k only).
 """
@@ -47,10 +49,18 @@ def _case(length, gpu):
         x = [mj.masked_array(a, m) for a in (q, k, v)]
         return mnn.dot_product_attention(*x, implementation=impl).data
 
+    def plain(q, k, v):  # the code a user writes for dense arrays, run by maskify
+        return jax.nn.dot_product_attention(q, k, v, implementation=impl)
+
+    def maskified(q, k, v, tokens):
+        m = tokens[:, :, None, None]
+        return mj.maskify(plain)(*(mj.masked_array(a, m) for a in (q, k, v))).data
+
     calls = {
         "hand-written (lengths)": (jax.jit(hand), (q, k, v, lengths)),
         "masked, right padding": (jax.jit(masked), (q, k, v, right)),
         "masked, scattered padding": (jax.jit(masked), (q, k, v, scattered)),
+        "maskify, scattered padding": (jax.jit(maskified), (q, k, v, scattered)),
     }
     memory = {}
     for name, (fn, args) in calls.items():

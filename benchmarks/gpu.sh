@@ -14,7 +14,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --f
 $PY -c "import jax, flax, equinox, optax, torch, masked_jax; print('jax', jax.__version__, jax.devices(),
 'flax', flax.__version__, 'equinox', equinox.__version__, 'optax', optax.__version__, 'torch', torch.__version__)" \
   2>&1 | tee -a "$LOG/device.txt"
-ONLY=${ONLY:-recsys_sweep recsys maskify_models jacobian}  # which ones, e.g. ONLY="recsys_sweep"
+ONLY=${ONLY:-recsys_sweep recsys attention maskify_models jacobian}  # which ones, e.g. ONLY="recsys_sweep"
 run() {  # run NAME SECONDS ARGS...: one benchmark under its time limit
   local name=$1 limit=$2; shift 2
   case " $ONLY " in *" $name "*) ;; *) return ;; esac
@@ -25,6 +25,7 @@ run() {  # run NAME SECONDS ARGS...: one benchmark under its time limit
 }
 run recsys_sweep "${SWEEP_S:-200}" benchmarks/recsys.py --sweep-only  # first: the row-sparse bandwidth target
 run recsys "${RECSYS_S:-150}" benchmarks/recsys.py --no-sweep
+run attention "${ATTENTION_S:-240}" benchmarks/attention.py  # L = 1k to 16k with cuDNN
 run maskify_models "${MASKIFY_S:-150}" benchmarks/maskify_models.py
 run jacobian "${JACOBIAN_S:-140}" benchmarks/jacobian.py
 cp benchmarks/results/*_gpu.png "$LOG/" 2>/dev/null
