@@ -42,6 +42,7 @@ import numpy as np
 from jax.extend import core as jcore
 
 from masked_jax import _jaxpr
+from masked_jax import nn as masked_nn
 from masked_jax._core import MaskedArray, unwrap, wrap
 from masked_jax._maskify._scan import _code
 from masked_jax.ops._base import Pair, ranked
@@ -93,9 +94,7 @@ def _all_equations(eqns):
 
 
 def _masked_attention(q, k, v, **kwargs):
-    from masked_jax import nn  # the layer above the op registry; maskify sits above both
-
-    return nn.dot_product_attention(q, k, v, **kwargs)
+    return masked_nn.dot_product_attention(q, k, v, **kwargs)
 
 
 KNOWN = (
