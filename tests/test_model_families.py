@@ -445,6 +445,40 @@ def test_attention_equals_unpadded_runs_and_runs_as_one_masked_call(name, paddin
         jax.tree.map(lambda a, b: _close(a, b, f"{label}: parameter gradient"), grad(params), want)
 
 
+@pytest.mark.parametrize("padding", ["right", "holes"])
+def test_attention_in_a_scan_over_stacked_layers_runs_as_one_masked_call(padding, monkeypatch):
+    """Residual causal self-attention layers stacked with ``lax.scan`` (the activations are the
+    carry): the carry's token mask stays a token mask through the body, so each layer's call runs
+    as ``masked_jax.nn.dot_product_attention``; values, masks and gradients equal the unpadded
+    runs, eagerly and under ``jit``."""
+    calls = []
+    masked = mj.nn.dot_product_attention
+    monkeypatch.setattr(mj.nn, "dot_product_attention", lambda *a, **kw: calls.append(kw) or masked(*a, **kw))
+    valid = PADDINGS[padding]
+    xm, x = _tokens(valid, 8)
+    weights = jnp.asarray(np.random.default_rng(2).normal(size=(3, D, 2 * D)) / 2, jnp.float32)
+
+    def layers(w, v):
+        def layer(h, wl):
+            b, n, _ = h.shape
+            q = (h @ wl).reshape(b, n, 2, D)
+            return h + jax.nn.dot_product_attention(q, q, q, is_causal=True).sum(axis=2), None
+
+        return jax.lax.scan(layer, v, w)[0]
+
+    f = mj.maskify(layers)
+    for label, run in (("eager", f), ("jit", jax.jit(f))):
+        out = run(weights, xm)
+        for b in range(B):
+            _close(out.data[b, valid[b]], layers(weights, jnp.asarray(x[b : b + 1, valid[b]]))[0], f"{label}: {b}")
+            mask = np.broadcast_to(np.asarray(out.mask), out.shape)[b]
+            assert mask[valid[b]].all() and not mask[~valid[b]].any(), label
+    assert calls and all(kw["is_causal"] for kw in calls)
+    got = jax.jit(jax.grad(lambda w: jnp.sum(f(w, xm).data)))(weights)
+    want = jax.grad(lambda w: sum(jnp.sum(layers(w, jnp.asarray(x[b : b + 1, valid[b]]))) for b in range(B)))(weights)
+    _close(got, want, "gradient")
+
+
 @pytest.mark.parametrize("name", ["jax, data bias", "jax, grouped-query data bias"])
 def test_attention_not_taken_is_one_softmax(name):
     """A call maskify does not take (a bias computed from the masked tokens) runs equation by

@@ -377,20 +377,32 @@ class _Interpreter:
         rows = _whole_rows(consts, carry_in, xs, params["jaxpr"].jaxpr)
         if rows is not None:
             return self._scan_whole_rows(params, consts, carry_in, xs, rows, ncarry)
-        carry = _materialized(carry_in)
-        xs = _materialized(xs)
+        xs = [p if p.mask is None else _materialized([p])[0] for p in xs]  # plain inputs stay plain
         body = params["jaxpr"]
 
         def step(c, x):
             with self.facts.new_trace():
-                outs = _materialized(self.run(body.jaxpr, body.consts, list(consts) + list(c) + list(x)))
-            carry, ys = outs[:ncarry], outs[ncarry:]
+                outs = self.run(body.jaxpr, body.consts, list(consts) + list(c) + list(x))
+            # each carry's mask at the shape it came in with (a compact one stays compact)
+            carry, ys = [_mask_shaped(o, np.shape(old.mask)) for o, old in zip(outs, c)], _materialized(outs[ncarry:])
             missing = _missing_rows([p.mask for p, m in zip(x, masked_xs) if m])
             if missing is not None:  # a padded step: the carry is left as it was, the outputs masked
                 carry = [_where_rows(missing, old, new) for old, new in zip(c, carry)]
                 ys = [Pair(y.data, y.mask & ~_rows_like(missing, y.mask)) for y in ys]
             return carry, ys
 
+        # The carries' masks keep their compact shapes where the body keeps them (a (B, L, 1) token
+        # mask through stacked layers: the whole calls of the body see token masks), found by
+        # tracing one step; else they are materialised at the data's shape.
+        carry = _materialized(carry_in)
+        compact = [Pair(p.data, compact_or_ones(p.mask, np.shape(p.data), self.facts)) for p in carry_in]
+        if any(np.shape(a.mask) != np.shape(b.mask) for a, b in zip(compact, carry)):
+            one = [jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a)[1:], a.dtype), x) for x in xs]
+            try:
+                jax.eval_shape(step, compact, one)
+                carry = compact
+            except _GrowingMask:
+                pass
         carry, ys = lax.scan(
             step, carry, xs, length=params["length"], reverse=params["reverse"], unroll=params["unroll"]
         )
@@ -419,6 +431,19 @@ def _whole_rows(consts, carry, xs, body):
     shape = (length, *lead)
     valid = [jnp.broadcast_to(jnp.reshape(m, np.shape(m)[: len(shape)]), shape) for m in masks]
     return functools.reduce(jnp.logical_or, valid)
+
+
+class _GrowingMask(Exception):
+    """A loop body gives a carry a mask that varies along more axes than the one it came in with."""
+
+
+def _mask_shaped(p: Pair, shape) -> Pair:
+    """``p`` with its mask broadcast to ``shape`` (a loop carry's mask shape); raises
+    :class:`_GrowingMask` when the mask varies along an axis where ``shape`` has size 1."""
+    mask = compact_or_ones(p.mask, np.shape(p.data))
+    if len(shape) != np.ndim(mask) or any(m not in (1, n) for m, n in zip(np.shape(mask), shape)):
+        raise _GrowingMask
+    return Pair(p.data, jnp.broadcast_to(mask, shape))
 
 
 def _missing_rows(masks):
