@@ -122,7 +122,7 @@ def dot_product_attention(
     unbatched = q.ndim == 3
     if unbatched:
         q, k, v = q[None], k[None], v[None]
-        bias, mask = (None if a is None or jnp.ndim(a) != 3 else jnp.asarray(a)[None] for a in (bias, mask))
+        bias, mask = (jnp.asarray(a)[None] if a is not None and jnp.ndim(a) == 3 else a for a in (bias, mask))
         q_valid, k_valid, v_valid = (None if t is None else t[None] for t in (q_valid, k_valid, v_valid))
     if not (q.ndim == k.ndim == v.ndim == 4):
         raise ValueError(
