@@ -229,9 +229,9 @@ def test_attention_without_masks_is_jax_and_rejects_bad_shapes():
     unbatched = mnn.dot_product_attention(mj.masked_array(x[0], jnp.ones((5, 1, 1), bool)), x[0], x[0])
     assert unbatched.shape == (5, 2, 4)
     user = jnp.asarray(np.random.default_rng(3).random((2, 5, 5)) < 0.5) | jnp.eye(5, dtype=bool)
-    for given in (user, user[None]):  # an unbatched call's mask, with and without its batch axis
-        got = mnn.dot_product_attention(mj.masked_array(x[0], jnp.ones((5, 1, 1), bool)), x[0], x[0], mask=given)
-        np.testing.assert_allclose(got.data, jax.nn.dot_product_attention(x[0], x[0], x[0], mask=given), atol=1e-6)
+    for user_mask in (user, user[None]):  # an unbatched call's mask, with and without its batch axis
+        got = mnn.dot_product_attention(mj.masked_array(x[0], jnp.ones((5, 1, 1), bool)), x[0], x[0], mask=user_mask)
+        np.testing.assert_allclose(got.data, jax.nn.dot_product_attention(x[0], x[0], x[0], mask=user_mask), atol=1e-6)
     with pytest.raises(ValueError, match=r"\(B, T, N, H\)"):
         mnn.dot_product_attention(mj.masked_array(x[0, 0], jnp.ones((2, 4), bool)), x, x)
     masked = mj.masked_array(x, jnp.ones((2, 5, 1, 1), bool))
