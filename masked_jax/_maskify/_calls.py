@@ -44,7 +44,7 @@ from jax.extend import core as jcore
 from masked_jax import _jaxpr
 from masked_jax import nn as masked_nn
 from masked_jax._core import MaskedArray, unwrap, wrap
-from masked_jax._maskify._scan import _code
+from masked_jax._maskify._scan import code_of, traced_inside
 from masked_jax.ops._base import Pair, ranked
 from masked_jax.ops._factors import NO_FACTS, aligned
 
@@ -152,7 +152,7 @@ def library_calls(jaxpr) -> dict[int, LibraryCall]:
     codes = {}
     for known in KNOWN:
         fn = known.function()
-        code = None if fn is None else _code(fn)
+        code = None if fn is None else code_of(fn)
         if code is not None:
             codes[code] = known
     if not codes:
@@ -179,13 +179,10 @@ def library_calls(jaxpr) -> dict[int, LibraryCall]:
 def _frame(eqn, codes):
     """``(known function, its caller's frames, the position reached in it)`` of an equation traced
     inside a known function (the outermost such frame), else ``None``."""
-    traceback = eqn.source_info.traceback
-    if traceback is None:
+    found = traced_inside(eqn, codes.__contains__)
+    if found is None:
         return None
-    frames, lastis = traceback.raw_frames()  # innermost first
-    k = next((k for k in range(len(frames) - 1, -1, -1) if frames[k] in codes), None)
-    if k is None:
-        return None
+    frames, lastis, k = found
     return codes[frames[k]], tuple(zip(frames[k + 1 :], lastis[k + 1 :])), lastis[k]
 
 

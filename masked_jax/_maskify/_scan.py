@@ -22,7 +22,7 @@ from jax import lax
 from masked_jax import _jaxpr
 
 
-def _code(fn, name=None):
+def code_of(fn, name=None):
     """The code object of ``fn`` (``None``: not found), or of its nested function ``name``."""
     try:
         code = inspect.unwrap(fn).__code__
@@ -35,9 +35,9 @@ def _code(fn, name=None):
 
 # jax's associative_scan, its recursive ``_scan`` and the ``combine`` wrapper of the user's function
 _CALL, _LEVEL, _COMBINE = (
-    _code(lax.associative_scan),
-    _code(lax.associative_scan, "_scan"),
-    _code(lax.associative_scan, "combine"),
+    code_of(lax.associative_scan),
+    code_of(lax.associative_scan, "_scan"),
+    code_of(lax.associative_scan, "combine"),
 )
 
 
@@ -61,18 +61,27 @@ def _frames(eqn):
     the frames that called it; the position reached in ``associative_scan`` and in its outermost
     ``_scan`` (-1 outside one), which only grow within one call; the number of ``_scan`` frames and
     whether the user's function was running, which tell the element reads from the rest."""
-    traceback = eqn.source_info.traceback
-    if traceback is None or _CALL is None:
+    found = None if _CALL is None else traced_inside(eqn, lambda code: code is _CALL)
+    if found is None:
         return None
-    codes, lastis = traceback.raw_frames()  # innermost first
-    k = next((k for k in range(len(codes) - 1, -1, -1) if codes[k] is _CALL), None)
-    if k is None:
-        return None
+    codes, lastis, k = found
     inner = codes[:k]
     level = sum(c is _LEVEL for c in inner)
     outer = lastis[k - 1] if k and codes[k - 1] is _LEVEL else -1
     caller = tuple(zip(codes[k + 1 :], lastis[k + 1 :]))
     return caller, (lastis[k], outer), (level, any(c is _COMBINE for c in inner))
+
+
+def traced_inside(eqn, is_code):
+    """``(codes, positions, k)`` of the Python frames that were running when ``eqn`` was traced
+    (innermost first) and the index of the outermost one whose code ``is_code`` accepts; ``None``
+    when there is none (or the equation kept no traceback)."""
+    traceback = eqn.source_info.traceback
+    if traceback is None:
+        return None
+    codes, lastis = traceback.raw_frames()
+    k = next((k for k in range(len(codes) - 1, -1, -1) if is_code(codes[k])), None)
+    return None if k is None else (codes, lastis, k)
 
 
 def _maybe(jaxpr) -> bool:
