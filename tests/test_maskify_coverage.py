@@ -39,6 +39,7 @@ LENGTHS = (7, 4, 1, 0, 5)  # valid prefix of each row (row 3 is all padding)
 
 
 # -- elementwise: name -> (function, domain) -------------------------------------------------------
+STORED = {"jnp.tril", "jnp.triu", "dropout-like where"}  # elementwise by stored position
 def _j(name, dom=ANY):
     return getattr(jnp, name), dom
 
@@ -370,9 +371,9 @@ def _padded(rng):
     return mj.masked_array(jnp.asarray(np.where(mask, data, np.nan).astype(F)), jnp.asarray(mask)), data
 
 
-def _both(fn, *args):
+def _both(fn, *args, positions="unpadded"):
     """``maskify(fn)`` eagerly and under jit."""
-    return mj.maskify(fn)(*args), jax.jit(mj.maskify(fn))(*args)
+    return mj.maskify(fn, positions=positions)(*args), jax.jit(mj.maskify(fn, positions=positions))(*args)
 
 
 def _pair(out):
@@ -393,10 +394,10 @@ def _close(got, want, where, what):
 
 
 # -- checks per kind ---------------------------------------------------------------------------------
-def _check_elementwise(fn, args):
+def _check_elementwise(fn, args, positions="unpadded"):
     want = np.asarray(fn(*(jnp.where(a.mask, a.data, 1).astype(a.dtype) for a in args)))
     valid = functools.reduce(np.logical_and, [np.asarray(a.mask) for a in args])
-    for label, out in zip(("eager", "jit"), _both(fn, *args)):
+    for label, out in zip(("eager", "jit"), _both(fn, *args, positions=positions)):
         d, m = _pair(out)
         np.testing.assert_array_equal(m, np.broadcast_to(valid, m.shape), err_msg=f"{label}: mask")
         _close(d, want, m, f"{label}: values")
@@ -425,8 +426,10 @@ def _check_along(fn, min_len, rng):
 
 
 def _check_shape(fn, x):
+    # positions as stored: the mask marks missing entries (a (4, 6) mask also makes axis 1 a token
+    # axis, where the default counts positions among valid entries: tests/test_maskify_positions.py)
     want_d, want_m = np.asarray(fn(x.data)), np.asarray(fn(x.mask))
-    for label, out in zip(("eager", "jit"), _both(fn, x)):
+    for label, out in zip(("eager", "jit"), _both(fn, x, positions="padded")):
         d, m = _pair(out)
         np.testing.assert_array_equal(m, want_m, err_msg=f"{label}: mask")
         _close(d, want_d, m, f"{label}: values")
@@ -435,7 +438,7 @@ def _check_shape(fn, x):
 def _check_contract(fn, a, b):
     want = np.asarray(fn(a.filled(0), b.filled(0)))
     valid = np.asarray(fn(a.mask.astype(F), b.mask.astype(F))) > 0
-    for label, out in zip(("eager", "jit"), _both(fn, a, b)):
+    for label, out in zip(("eager", "jit"), _both(fn, a, b, positions="padded")):
         d, m = _pair(out)
         np.testing.assert_array_equal(m, valid, err_msg=f"{label}: mask")
         _close(d, want, m, f"{label}: values")
@@ -445,7 +448,7 @@ def _check_window(fn, reducer, x):
     a = np.ma.masked_array(np.asarray(x.data), ~np.asarray(x.mask))
     pairs = np.ma.stack([a[:, :-1], a[:, 1:]])
     want = getattr(np.ma, reducer)(pairs, axis=0)
-    for label, out in zip(("eager", "jit"), _both(fn, x)):
+    for label, out in zip(("eager", "jit"), _both(fn, x, positions="padded")):
         d, m = _pair(out)
         np.testing.assert_array_equal(m, ~np.ma.getmaskarray(want), err_msg=f"{label}: mask")
         _close(d, np.ma.getdata(want), m, f"{label}: values")
@@ -460,8 +463,8 @@ def test_masked_reference_or_maskify_error(kind, name, fn, extra, record_propert
     """The outcome is recorded for the run's summary (conftest prints the counts)."""
     rng = np.random.default_rng(abs(hash(name)) % 2**32)
     try:
-        if kind == "unary":
-            _check_elementwise(fn, [_masked(rng, (4, 5), extra)])
+        if kind == "unary":  # (tril, triu: stored positions; a row's own are tests/test_maskify_positions.py's)
+            _check_elementwise(fn, [_masked(rng, (4, 5), extra)], "padded" if name in STORED else "unpadded")
         elif kind == "int_unary":
             _check_elementwise(fn, [_ints(rng, (4, 5))])
         elif kind == "binary":

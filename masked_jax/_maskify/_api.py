@@ -14,12 +14,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from masked_jax._core import MaskedArray, SparseMasked, from_pair
+from masked_jax._maskify import _coords, _positions
 from masked_jax._maskify._constants import _is_concrete, _kept
 from masked_jax._maskify._interpreter import _Interpreter
 from masked_jax.ops._base import Pair
 
 
-def maskify(fun):
+def maskify(fun, *, positions: str = "unpadded"):
     """``fun`` with masked semantics: it accepts masked arrays wherever it accepted arrays.
 
     ``fun`` is ordinary ``jax.numpy`` / ``jax.nn`` / ``lax`` code. Its arguments may be
@@ -39,6 +40,18 @@ def maskify(fun):
     written the same way included), instead of operation by operation. Under ``jit``, ``vmap``
     or a gradient the masked program is traced into the caller's.
 
+    **Positions.** A masked input's *token axis* is the axis its mask varies along (the only one, or
+    the one after the batch axis: a ``(B, L, 1)`` mask of ``(B, L, D)`` activations, a ``(B, L)``
+    mask of token ids). With ``positions="unpadded"`` (the default) every position the program
+    builds along a token axis means what it means in the example without its padding: the ranks
+    among the valid tokens. ``x[:, -1]`` is each example's last valid token, ``x[:, ::-1]`` reverses
+    the valid tokens, ``pos_emb[jnp.arange(L)]`` gives each valid token its rank's embedding, a
+    causal ``jnp.pad`` before a convolution pads before the first valid token, and ``jnp.argsort``
+    returns positions among the valid tokens. Arrays passed in (lengths, positions, indices) are
+    taken as given, in padded coordinates. With ``positions="padded"`` the positions are the
+    stored ones, as in ``masked_jax.numpy`` (a mask that marks missing entries of a matrix, not
+    padding).
+
     Examples:
         >>> import jax, jax.numpy as jnp, masked_jax as mj
         >>> x = mj.masked_array(jnp.array([1.0, 2.0, 100.0]), jnp.array([True, True, False]))
@@ -46,9 +59,14 @@ def maskify(fun):
         MaskedArray(1.5, dtype=float32)
         >>> mj.maskify(jax.nn.softmax)(x).mask
         Array([ True,  True, False], dtype=bool)
+        >>> mj.maskify(lambda v: v[-1])(x)  # the last valid entry
+        Array(2., dtype=float32)
     """
     if not callable(fun):
         raise TypeError(f"maskify: fun must be callable; got {type(fun).__name__}.")
+    if positions not in ("unpadded", "padded"):
+        raise ValueError(f"maskify: positions must be 'unpadded' or 'padded'; got {positions!r}.")
+    unpadded = positions == "unpadded"
     name = getattr(fun, "__name__", repr(fun))
 
     @functools.wraps(fun)
@@ -76,17 +94,18 @@ def maskify(fun):
         traces = _REUSED.get()
         key = None if traces is None else _trace_key(wrapped, tree, pairs, statics, kwargs)
         if traces is not None and key in traces:
-            closed, out_tree, program = traces[key]
+            closed, out_tree, program, rel = traces[key]
         else:
             closed, out_shape = jax.make_jaxpr(on_data, return_shape=True)(*(p.data for p in pairs))
             out_tree = jax.tree_util.tree_structure(out_shape)
-            program = _eager_program(name, closed, out_tree, pairs)
+            rel = _relativity(closed, on_data, pairs) if unpadded else None
+            program = _eager_program(name, closed, out_tree, pairs, rel)
             if traces is not None and key is not None and program is not None:  # (eager, concrete constants)
-                traces[key] = (closed, out_tree, program)
+                traces[key] = (closed, out_tree, program, rel)
         if program is not None:
             outs = program([p.data for p in pairs], [p.mask for p in pairs])
         else:
-            outs = _interpret(name, closed, pairs)
+            outs = _interpret(name, closed, pairs, rel)
         return jax.tree_util.tree_unflatten(out_tree, outs)
 
     return wrapped
@@ -130,10 +149,40 @@ def _trace_key(fn, tree, pairs, statics, kwargs):
     return key
 
 
-def _interpret(name, closed, pairs):
-    """The masked outputs of ``closed`` (``fun``'s jaxpr) on ``pairs``."""
-    outs = _Interpreter(name).run(closed.jaxpr, closed.consts, pairs)
+def _interpret(name, closed, pairs, rel):
+    """The masked outputs of ``closed`` (``fun``'s jaxpr) on ``pairs``; ``rel``: the program's
+    :class:`~._positions.Relativity`, ``None`` for positions as stored (no token axes)."""
+    infos = [
+        None if p.mask is None or rel is None else _coords.input_info(np.shape(p.mask), np.ndim(p.data), k)
+        for k, p in enumerate(pairs)
+    ]
+    outs = _Interpreter(name, rel).run(closed.jaxpr, closed.consts, pairs, infos=infos)
     return [_wrap(o) for o in outs]
+
+
+def _relativity(closed, on_data, pairs) -> _positions.Relativity:
+    """Which static positions of the program count from the end of a token axis (see
+    :class:`~._positions.Relativity`): read off a second trace with every token axis one longer,
+    made only when the program slices or reads an axis as long as a token axis."""
+    axes = [
+        None if p.mask is None else _coords.ragged_axis(np.shape(p.mask), np.ndim(p.data)) for p in pairs
+    ]
+    lengths = {np.shape(p.data)[a] for p, a in zip(pairs, axes) if a is not None}
+    if not lengths or not _positions.positional(closed.jaxpr, lengths):
+        return _positions.Relativity()
+    growth = _positions.growth(lengths)
+    structs = []
+    for p, a in zip(pairs, axes):
+        shape = list(np.shape(p.data))
+        if a is not None:
+            shape[a] += growth[shape[a]]
+        weak = bool(getattr(p.data, "weak_type", False))
+        structs.append(jax.ShapeDtypeStruct(tuple(shape), jnp.result_type(p.data), weak_type=weak))
+    try:
+        extended = jax.make_jaxpr(on_data)(*structs).jaxpr
+    except Exception:  # noqa: BLE001 - a program that does not trace at another length: nothing known
+        extended = None
+    return _positions.relativity(closed.jaxpr, extended, lengths)
 
 
 _EAGER_PROGRAMS: dict = {}
@@ -141,7 +190,7 @@ _EAGER_PROGRAMS: dict = {}
 _SMALL_CONSTANT = 4096  # bytes: constants up to this size are part of the key by value
 
 
-def _eager_program(name, closed, out_tree, pairs):
+def _eager_program(name, closed, out_tree, pairs, rel):
     """For a call outside any trace (no argument is a tracer, or only eager autodiff's, see
     :func:`_eager`): the masked program of ``closed``,
     jitted, so that the call compiles one program instead of one per operation. Programs are kept
@@ -162,10 +211,11 @@ def _eager_program(name, closed, out_tree, pairs):
             return None
         consts.append((str(c.dtype), a.shape, a.tobytes()))
     masks = tuple(None if p.mask is None else (tuple(np.shape(p.mask)), str(jnp.result_type(p.mask))) for p in pairs)
-    key = (str(closed.jaxpr), tuple(consts), out_tree, masks)  # (the name only enters error messages)
+    rel_key = None if rel is None else rel.key()
+    key = (str(closed.jaxpr), tuple(consts), out_tree, masks, rel_key)  # (the name only enters error messages)
 
     def run(datas, masks):
-        return _interpret(name, closed, [Pair(d, m) for d, m in zip(datas, masks)])
+        return _interpret(name, closed, [Pair(d, m) for d, m in zip(datas, masks)], rel)
 
     return _kept(_EAGER_PROGRAMS, key, lambda: jax.jit(run), 256)
 

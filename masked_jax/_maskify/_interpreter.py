@@ -27,7 +27,7 @@ from jax import lax
 from jax.extend import core as jcore
 
 from masked_jax import _jaxpr
-from masked_jax._maskify import _calls, _free, _recognise, _rows
+from masked_jax._maskify import _calls, _coords, _free, _positions, _recognise, _rows
 from masked_jax._maskify import _rules as primitives
 from masked_jax._maskify._constants import (
     _as_constant,
@@ -53,8 +53,15 @@ _LOOPS = frozenset((P.cond_p, P.while_p, P.scan_p))
 
 
 class _Interpreter:
-    def __init__(self, fun_name):
+    def __init__(self, fun_name, relativity: _positions.Relativity | None = None):
         self.fun_name = fun_name
+        # where padding lives: each value's coordinates (see _coords), the positional rules (see
+        # _positions), the path of the equation being run (its index, and those of the jaxprs
+        # around it), for the static positions read off the extended trace
+        self.positions = _positions.Positions(fun_name, relativity or _positions.Relativity())
+        self.info: dict = {}
+        self.prefix: tuple = ()
+        self.path: tuple = ()
         # the static facts of this call (masks' factors, values under masks, a memo of fills),
         # handed to every rule as an argument
         self.facts = _factors.Facts()
@@ -62,26 +69,38 @@ class _Interpreter:
         # the free positions of its values (see _free)
         self.env, self.producer, self.uses, self.free = {}, {}, {}, {}
         self.blocks = {}  # a concatenation of whole-row pieces: its axis, pieces and their masks (see _free)
+        self.ins: list = []  # the coordinates of the operands of the call or loop being entered
+        self.subs: list = []  # its nested jaxprs
         self.out_free = None  # the free positions of the outputs of the last call run with keep_free
 
-    def run(self, jaxpr, consts, args, literal_args=None, free_args=None, keep_free=False):
+    def run(self, jaxpr, consts, args, literal_args=None, free_args=None, keep_free=False, infos=None, sub=None):
         """The outputs of ``jaxpr`` on ``args``. ``free_args``: the arguments' free positions; with
-        ``keep_free`` the outputs keep theirs (in :attr:`out_free`), else they are masked there."""
-        outer = (self.env, self.producer, self.uses, self.free, self.blocks)  # inner calls (jit, scan bodies) nest
+        ``keep_free`` the outputs keep theirs (in :attr:`out_free`), else they are masked there.
+        ``infos``: the arguments' coordinates (:class:`~._coords.Info`, ``None``: plain); ``sub``:
+        the index of ``jaxpr`` among the nested jaxprs of the equation being run."""
+        outer = (self.env, self.producer, self.uses, self.free, self.blocks, self.info, self.prefix, self.path)
+        if sub is not None:
+            self.prefix = self.path + (sub,)
         try:
-            outs = self._run(jaxpr, consts, args, literal_args, free_args)
+            outs = self._run(jaxpr, consts, args, literal_args, free_args, infos)
             frees = [self._free_of(v) for v in jaxpr.outvars]
             if keep_free:
                 self.out_free = frees
                 return outs
             return [_free.resolved(o, f) for o, f in zip(outs, frees)]
         finally:
-            self.env, self.producer, self.uses, self.free, self.blocks = outer
+            self.env, self.producer, self.uses, self.free, self.blocks, self.info, self.prefix, self.path = outer
 
     def _free_of(self, v):
         return None if _jaxpr.is_literal(v) else self.free.get(v)
 
-    def _run(self, jaxpr, consts, args, literal_args, free_args=None):
+    def info_of(self, v):
+        """The coordinates of jaxpr atom ``v`` (:class:`~._coords.Info`)."""
+        if _jaxpr.is_literal(v):
+            return _coords.plain(np.ndim(v.val), number=True)
+        return self.info.get(v) or _coords.plain(len(getattr(v.aval, "shape", ())))
+
+    def _run(self, jaxpr, consts, args, literal_args, free_args=None, infos=None):
         env, sized, minus = {}, {}, {}
         self.env, self.producer, self.uses, self.free, self.blocks = env, {}, _uses(jaxpr), {}, {}
         for v, f in zip(jaxpr.invars, free_args or ()):
@@ -101,10 +120,13 @@ class _Interpreter:
         for v, a in zip(jaxpr.invars, args):
             env[v] = a
         constants = _literal_constants(jaxpr, literal, env)
+        ins = list(infos) if infos is not None else [None] * len(jaxpr.invars)
+        self.info = _coords.analyse(jaxpr, ins, frozenset(literal), self.positions.relativity, self.prefix)
         skip = set()
         scans, scan = associative_scans(jaxpr), None  # lax.associative_scan calls; the one running
         library = _calls.library_calls(jaxpr)  # jax.nn.dot_product_attention, ...
         for i, eqn in enumerate(jaxpr.eqns):
+            self.path = self.prefix + (i,)
             if scan is not None and i == scan[0].stop:
                 self._scan_results(scan)
                 scan = None
@@ -138,6 +160,15 @@ class _Interpreter:
                 self.producer[eqn.outvars[0]] = eqn
                 self._track_literals(eqn, invals, constants[eqn.outvars[0]], minus)
                 continue
+            if any(p.mask is not None for p in invals):
+                moved = self._positional(eqn, invals, frees)
+                if moved is not None:
+                    invals, frees, outs = moved
+                    if outs is not None:
+                        for v, o in zip(eqn.outvars, outs):
+                            env[v] = o
+                            self.producer[v] = eqn
+                        continue
             whole = _recognise.softmax(self, jaxpr.eqns, i, invals)
             if whole is not None:  # jax.nn.softmax, as one masked op
                 chain, out = whole
@@ -183,6 +214,40 @@ class _Interpreter:
             self._scan_results(scan)
         return [read(v) for v in jaxpr.outvars]
 
+    def _positional(self, eqn, invals, frees):
+        """Where ``eqn`` meets or builds positions along a ragged axis (see :mod:`._positions`):
+        ``(operands, their free positions, results)``, the operands moved to one system of
+        coordinates and the results of a positional construct (``None`` when the usual rule is to
+        run on the operands); ``None`` when nothing positional happens."""
+        ins = [self.info_of(v) for v in eqn.invars]
+        out = self.info.get(eqn.outvars[0]) if eqn.outvars else None
+        if not any(isinstance(t, _coords.Ragged) for i in ins for t in i.axes):
+            return None
+        moved = self.positions.meet(eqn, invals, ins, out) if out is not None else invals
+        changed = any(a is not b for a, b in zip(moved, invals))
+        if changed:
+            frees = [None if a is not b else f for a, b, f in zip(moved, invals, frees)]
+        resolved = [_free.resolved(p, f) for p, f in zip(moved, frees)]
+        outs = self.positions.rule(eqn, resolved, ins, self.path, self._rule)
+        if outs is not None:
+            return resolved, [None] * len(frees), outs if eqn.primitive.multiple_results else [outs]
+        return (moved, frees, None) if changed else None
+
+    def _rule(self, prim):
+        """``prim``'s masked rule with this call's facts: ``rule(prim, invals, **params)``."""
+        rule = primitives.rule_for(prim)
+
+        def run(p, invals, **params):
+            try:
+                return rule(p, invals, self.facts, **params)
+            except primitives.NoMaskedRule as err:
+                raise MaskifyError(
+                    f"maskify({self.fun_name}): primitive '{p.name}' has a masked operand and {err}. "
+                    "Fill the operand first (x.filled(...)) or compute it with masked_jax.numpy."
+                ) from None
+
+        return run
+
     def _scan_results(self, scan):
         """At the end of a ``lax.associative_scan`` call run on moved elements: its results, moved
         back (:func:`masked_jax._maskify._recognise.scan_results`)."""
@@ -225,6 +290,8 @@ class _Interpreter:
         ):
             return _recognise.named_call(self, eqn, params, invals)
         if (prim in _CALLS or prim in _LOOPS) and not unmasked:
+            self.ins = [self.info_of(v) for v in eqn.invars]  # what the bodies' arguments are
+            self.subs = list(_jaxpr.nested_jaxprs(eqn.params.values()))
             return self.control(prim, params, invals, is_literal, frees)
         if unmasked:
             if all(_is_concrete(p.data) for p in invals) and not prim.multiple_results:
@@ -287,10 +354,13 @@ class _Interpreter:
     def control(self, prim, params, invals, is_literal=None, frees=None):
         if prim in _CALLS:
             closed = params.get("jaxpr") or params.get("call_jaxpr") or params.get("fun_jaxpr")
+            ins = self.ins
             try:
                 if isinstance(closed, jcore.ClosedJaxpr):
-                    return self.run(closed.jaxpr, closed.consts, invals, is_literal, frees, keep_free=True)
-                return self.run(closed, (), invals, is_literal, frees, keep_free=True)
+                    return self.run(
+                        closed.jaxpr, closed.consts, invals, is_literal, frees, True, ins, self._sub(closed.jaxpr)
+                    )
+                return self.run(closed, (), invals, is_literal, frees, True, ins, self._sub(closed))
             except MaskifyError as err:
                 user = _public_name(params.get("name")) if prim is P.jit_p else None
                 if user is None:
@@ -306,15 +376,28 @@ class _Interpreter:
                     "cannot be chosen for a missing value."
                 )
             ops = _materialized(ops)
-            branches = [functools.partial(self._branch, b) for b in params["branches"]]
+            ins = self.ins[1:]
+            branches = [functools.partial(self._branch, b, ins, self._sub(b.jaxpr)) for b in params["branches"]]
             return lax.switch(index.data, branches, ops)
         if prim is P.while_p:
             return self._while(params, invals)
         return self._scan(params, invals)
 
-    def _branch(self, closed, ops):
+    def _sub(self, jaxpr):
+        """The index of ``jaxpr`` among the nested jaxprs of the equation being run."""
+        return next((i for i, s in enumerate(self.subs) if s is jaxpr), None)
+
+    @staticmethod
+    def _step_infos(ins, nconsts, ncarry):
+        """A loop body's arguments' coordinates: the scanned inputs lose their leading axis."""
+        return [
+            i if k < nconsts + ncarry else i._replace(axes=i.axes[1:], pad=None) if i.axes else i
+            for k, i in enumerate(ins)
+        ]
+
+    def _branch(self, closed, ins, sub, ops):
         with self.facts.new_trace():
-            return _materialized(self.run(closed.jaxpr, closed.consts, ops))
+            return _materialized(self.run(closed.jaxpr, closed.consts, ops, infos=ins, sub=sub))
 
     def _scan_whole_rows(self, params, consts, carry, xs, rows, ncarry):
         """A scan whose steps are valid or missing by whole rows (see :func:`_whole_rows`), run as
@@ -322,12 +405,16 @@ class _Interpreter:
         carry of a missing row left as it was by one select, the outputs masked by the rows."""
         body = params["jaxpr"]
         xs_data = [p.data if p.mask is None else fill(p.data, p.mask, 0, facts=self.facts) for p in xs]
+        sub = self._sub(body.jaxpr)  # (plain operands: no coordinates inside)
 
         def step(c, inp):
             x, valid = inp
             with self.facts.new_trace():
                 outs = self.run(
-                    body.jaxpr, body.consts, list(consts) + [Pair(d, None) for d in c] + [Pair(d, None) for d in x]
+                    body.jaxpr,
+                    body.consts,
+                    list(consts) + [Pair(d, None) for d in c] + [Pair(d, None) for d in x],
+                    sub=sub,
                 )
             if any(o.mask is not None for o in outs):  # (plain operands give plain results)
                 raise AssertionError("a scan body on plain operands gave a masked result")
@@ -358,15 +445,18 @@ class _Interpreter:
         nc, nb = params["cond_nconsts"], params["body_nconsts"]
         cconsts, bconsts, carry = invals[:nc], invals[nc : nc + nb], _materialized(invals[nc + nb :])
         cj, bj = params["cond_jaxpr"], params["body_jaxpr"]
+        ins = self.ins
+        c_ins, b_ins = ins[:nc] + ins[nc + nb :], ins[nc : nc + nb] + ins[nc + nb :]
+        c_sub, b_sub = self._sub(cj.jaxpr), self._sub(bj.jaxpr)
 
         def cond_fn(c):
             with self.facts.new_trace():
-                (p,) = self.run(cj.jaxpr, cj.consts, list(cconsts) + list(c))
+                (p,) = self.run(cj.jaxpr, cj.consts, list(cconsts) + list(c), infos=c_ins, sub=c_sub)
             return p.data if p.mask is None else p.data & p.mask  # a masked predicate stops the loop
 
         def body_fn(c):
             with self.facts.new_trace():
-                return _materialized(self.run(bj.jaxpr, bj.consts, list(bconsts) + list(c)))
+                return _materialized(self.run(bj.jaxpr, bj.consts, list(bconsts) + list(c), infos=b_ins, sub=b_sub))
 
         return lax.while_loop(cond_fn, body_fn, carry)
 
@@ -379,10 +469,11 @@ class _Interpreter:
             return self._scan_whole_rows(params, consts, carry_in, xs, rows, ncarry)
         xs = [p if p.mask is None else _materialized([p])[0] for p in xs]  # plain inputs stay plain
         body = params["jaxpr"]
+        ins, sub = self._step_infos(self.ins, nconsts, ncarry), self._sub(body.jaxpr)
 
         def step(c, x):
             with self.facts.new_trace():
-                outs = self.run(body.jaxpr, body.consts, list(consts) + list(c) + list(x))
+                outs = self.run(body.jaxpr, body.consts, list(consts) + list(c) + list(x), infos=ins, sub=sub)
             # each carry's mask at the shape it came in with (a compact one stays compact)
             carry, ys = [_mask_shaped(o, np.shape(old.mask)) for o, old in zip(outs, c)], _materialized(outs[ncarry:])
             missing = _missing_rows([p.mask for p, m in zip(x, masked_xs) if m])

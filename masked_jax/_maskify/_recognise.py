@@ -253,6 +253,8 @@ def named_call(interp, eqn, params, invals):
         )
     n = len(spec.operands)
     operands, rest = invals[:n], invals[n:]
+    # positions along a token axis (argsort's) are the unpadded example's
+    operands, finish = interp.positions.compact_call(name, operands, [interp.info_of(v) for v in eqn.invars[:n]], kw)
     # the op's optional operands (cov's y) come next and may be masked; the others are parameters
     optional, rest = rest[: len(spec.optional_operands)], rest[len(spec.optional_operands) :]
     if any(p.mask is not None for p in rest):
@@ -261,7 +263,7 @@ def named_call(interp, eqn, params, invals):
             "(such as q) is masked; it must be a plain array."
         )
     out = spec.rule(*operands, *optional, *(p.data for p in rest), **kw)
-    return [out if isinstance(out, Pair) else Pair(out, None)]
+    return [finish(out if isinstance(out, Pair) else Pair(out, None))]
 
 
 def associative_scan(interp, call, elems):
