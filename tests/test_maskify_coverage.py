@@ -40,6 +40,8 @@ LENGTHS = (7, 4, 1, 0, 5)  # valid prefix of each row (row 3 is all padding)
 
 # -- elementwise: name -> (function, domain) -------------------------------------------------------
 STORED = {"jnp.tril", "jnp.triu", "dropout-like where"}  # elementwise by stored position
+
+
 def _j(name, dom=ANY):
     return getattr(jnp, name), dom
 

@@ -489,7 +489,9 @@ def test_an_eager_call_compiles_one_program_and_reuses_it():
     _same(got, expected)
     assert compiles <= 2, f"{compiles} programs compiled for one eager call"
     other = mj.masked_array(Y.data, Y.mask)
-    got, compiles = backend_compiles(lambda: mj.maskify(lambda x, k: f(x, k), positions="padded")(other, 1))  # a new lambda, new values
+    got, compiles = backend_compiles(
+        lambda: mj.maskify(lambda x, k: f(x, k), positions="padded")(other, 1)
+    )  # a new lambda, new values
     _same(got, want(other, 1))
     assert compiles == 0
     for args in ((X, 2), (X, True), (X, -1)):

@@ -164,9 +164,7 @@ def _relativity(closed, on_data, pairs) -> _positions.Relativity:
     """Which static positions of the program count from the end of a token axis (see
     :class:`~._positions.Relativity`): read off a second trace with every token axis one longer,
     made only when the program slices or reads an axis as long as a token axis."""
-    axes = [
-        None if p.mask is None else _coords.ragged_axis(np.shape(p.mask), np.ndim(p.data)) for p in pairs
-    ]
+    axes = [None if p.mask is None else _coords.ragged_axis(np.shape(p.mask), np.ndim(p.data)) for p in pairs]
     lengths = {np.shape(p.data)[a] for p, a in zip(pairs, axes) if a is not None}
     if not lengths or not _positions.positional(closed.jaxpr, lengths):
         return _positions.Relativity()

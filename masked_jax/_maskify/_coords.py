@@ -440,7 +440,9 @@ def window(prim, params, x: Info, in_shapes, out_shape, masked) -> Info:
     for d, t in spatial_axes(prim, params, len(in_shape)):
         tag = x.axes[t]
         extra = (x.pad[t] if x.pad is not None else None) or (0, 0)
-        if isinstance(tag, Ragged) and not keeps_length(prim, params, d, kernel_size(prim, params, in_shapes, t), extra):
+        if isinstance(tag, Ragged) and not keeps_length(
+            prim, params, d, kernel_size(prim, params, in_shapes, t), extra
+        ):
             tag = Ragged(tag.space, "U")
         axes[d] = _tagged(tag, out_shape[d])
     if prim is P.conv_general_dilated_p:

@@ -19,7 +19,6 @@ sit. This module does what those coordinates ask for, at run time:
 
 from __future__ import annotations
 
-import functools
 import jax
 import jax.extend.core.primitives as P
 import jax.numpy as jnp
@@ -373,8 +372,14 @@ class Positions:
                 if not same[k]:
                     continue
                 given = p.mask is None and i.axes[a] is None and not i.number
-                if given and np.shape(p.data)[a] == shape[a] != 1 and any(
-                    isinstance(j.axes[a], Ragged) and q.mask is not None for q, j in zip(invals, ins) if len(j.axes) == n
+                if (
+                    given
+                    and np.shape(p.data)[a] == shape[a] != 1
+                    and any(
+                        isinstance(j.axes[a], Ragged) and q.mask is not None
+                        for q, j in zip(invals, ins)
+                        if len(j.axes) == n
+                    )
                 ):
                     raise MaskifyError(
                         f"maskify({self.fun_name}): a plain array given in padded coordinates meets "
@@ -437,7 +442,9 @@ class Positions:
             t = o_info.axes[d]
             if isinstance(t, Ragged) and t.layout == "U" and np.shape(invals[other].data)[d] in lengths:
                 o = offset + k
-                j = lax.broadcasted_iota(jnp.int32, tuple(np.shape(out.data)[o] if x == o else 1 for x in range(n_out)), o)
+                j = lax.broadcasted_iota(
+                    jnp.int32, tuple(np.shape(out.data)[o] if x == o else 1 for x in range(n_out)), o
+                )
                 exists = exists & (j < c)
         return Pair(out.data, exists if out.mask is None else out.mask & exists)
 
@@ -784,4 +791,3 @@ def _pattern_for(valid, out: Pair, axis):
         red = tuple(a for a in range(n) if shape[a] == 1 and np.shape(valid)[a] != 1)
         valid = jnp.any(valid, axis=red, keepdims=True)
     return valid
-
