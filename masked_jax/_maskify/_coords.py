@@ -376,8 +376,20 @@ def equation(eqn, ins: list[Info], tied=None, path=()) -> list[Info]:
             axes[d] = Ragged(t.space, "U") if isinstance(t, Ragged) and sliced and idx.number else t
         number = operand.number
         return [Info(tuple(_tagged(t, n) for t, n in zip(axes, shape)), number=number, masked=masked)]
-    if prim in _rules.SCATTERS or prim is P.dynamic_update_slice_p:
-        return [x._replace(masked=masked, order=False)]
+    if prim is P.dynamic_update_slice_p:  # the update's axes are the operand's
+        u = ins[1]
+        axes = tuple(merge([t, s]) for t, s in zip(x.axes, u.axes))
+        return [Info(axes, number=x.number and u.number, masked=masked)]
+    if prim in _rules.SCATTERS:  # the updates' window axes are the operand's axes they slice
+        u = ins[2]
+        dn = params["dimension_numbers"]
+        sliced = [
+            d for d in range(len(x.axes)) if d not in dn.inserted_window_dims and d not in dn.operand_batching_dims
+        ]
+        axes = list(x.axes)
+        for d, w in zip(sliced, dn.update_window_dims):
+            axes[d] = merge([x.axes[d], u.axes[w]])
+        return [Info(tuple(axes), masked=masked)]
     if prim is P.sort_p:
         dim = params["dimension"]
         axes = [merge([i.axes[a] for i in ins]) for a in range(len(x.axes))]

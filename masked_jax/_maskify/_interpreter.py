@@ -62,6 +62,11 @@ class _Interpreter:
         self.info: dict = {}
         self.prefix: tuple = ()
         self.path: tuple = ()
+        # numbers that stand for a token axis's length (``P`` in ``P + t``), per example: each
+        # variable's values with the example's own length, along a leading axis of examples
+        self.per_row: dict = {}
+        self.out_rows: list | None = None
+        self.top = None  # the function's masked inputs and their coordinates (where counts come from)
         # the static facts of this call (masks' factors, values under masks, a memo of fills),
         # handed to every rule as an argument
         self.facts = _factors.Facts()
@@ -70,26 +75,65 @@ class _Interpreter:
         self.env, self.producer, self.uses, self.free = {}, {}, {}, {}
         self.blocks = {}  # a concatenation of whole-row pieces: its axis, pieces and their masks (see _free)
         self.ins: list = []  # the coordinates of the operands of the call or loop being entered
+        self.rows: list = []  # and their values per example (see per_row)
+        self.eqn_rows: dict = {}  # the values per example of the operands of the equation being run
         self.subs: list = []  # its nested jaxprs
         self.out_free = None  # the free positions of the outputs of the last call run with keep_free
 
-    def run(self, jaxpr, consts, args, literal_args=None, free_args=None, keep_free=False, infos=None, sub=None):
+    def run(
+        self,
+        jaxpr,
+        consts,
+        args,
+        literal_args=None,
+        free_args=None,
+        keep_free=False,
+        infos=None,
+        sub=None,
+        rows_in=None,
+    ):
         """The outputs of ``jaxpr`` on ``args``. ``free_args``: the arguments' free positions; with
         ``keep_free`` the outputs keep theirs (in :attr:`out_free`), else they are masked there.
         ``infos``: the arguments' coordinates (:class:`~._coords.Info`, ``None``: plain); ``sub``:
-        the index of ``jaxpr`` among the nested jaxprs of the equation being run."""
-        outer = (self.env, self.producer, self.uses, self.free, self.blocks, self.info, self.prefix, self.path)
+        the index of ``jaxpr`` among the nested jaxprs of the equation being run; ``rows_in``: the
+        arguments' values per example, where they stand for a token axis's length (see
+        :attr:`per_row`); the outputs' are left in :attr:`out_rows`."""
+        outer = (
+            self.env,
+            self.producer,
+            self.uses,
+            self.free,
+            self.blocks,
+            self.info,
+            self.prefix,
+            self.path,
+            self.per_row,
+        )
         if sub is not None:
             self.prefix = self.path + (sub,)
+        if self.top is None:
+            self.top = (list(args), list(infos) if infos is not None else [None] * len(args))
+        self.per_row = {v: r for v, r in zip(jaxpr.invars, rows_in or ()) if r is not None}
         try:
             outs = self._run(jaxpr, consts, args, literal_args, free_args, infos)
+            self.out_rows = [None if _jaxpr.is_literal(v) else self.per_row.get(v) for v in jaxpr.outvars]
             frees = [self._free_of(v) for v in jaxpr.outvars]
             if keep_free:
                 self.out_free = frees
                 return outs
             return [_free.resolved(o, f) for o, f in zip(outs, frees)]
         finally:
-            self.env, self.producer, self.uses, self.free, self.blocks, self.info, self.prefix, self.path = outer
+            (
+                self.env,
+                self.producer,
+                self.uses,
+                self.free,
+                self.blocks,
+                self.info,
+                self.prefix,
+                self.path,
+                self.per_row,
+            ) = outer
 
     def _free_of(self, v):
         return None if _jaxpr.is_literal(v) else self.free.get(v)
@@ -154,6 +198,19 @@ class _Interpreter:
             if scan is not None and i in scan[0].readers:  # the call reads its valid elements, moved
                 invals = [scan[1].get(v, p) for v, p in zip(eqn.invars, invals)]
                 frees = [None if v in scan[1] else f for v, f in zip(eqn.invars, frees)]
+            rows = self._rows_in(eqn, invals)
+            if rows and all(p.mask is None for p in invals):  # plain: computed per example too
+                for v, o in zip(eqn.outvars, self._plain_rows(eqn, invals, rows)):
+                    env[v] = o
+                    self.producer[v] = eqn
+                continue
+            self.eqn_rows = rows
+            if rows:
+                invals, special = self._placed(eqn, invals, rows)
+                if special:  # a dynamic slice or update at positions per example
+                    env[eqn.outvars[0]] = self._sliced_per_row(eqn, invals, special)
+                    self.producer[eqn.outvars[0]] = eqn
+                    continue
             if eqn.outvars and eqn.outvars[0] in constants:  # from literals alone, evaluated beforehand
                 literal.update(eqn.outvars)
                 env[eqn.outvars[0]] = Pair(constants[eqn.outvars[0]], None)
@@ -199,6 +256,11 @@ class _Interpreter:
             self.out_free = None
             outs = self.equation(eqn, invals, sized, minus, is_literal, frees if calls else None)
             outs = outs if prim.multiple_results else [outs]
+            if calls and self.out_rows is not None:
+                for v, r in zip(eqn.outvars, self.out_rows):
+                    if r is not None:
+                        self.per_row[v] = r
+                self.out_rows = None
             if calls and self.out_free is not None:
                 out_free = self.out_free
             elif any(f is not None for f in frees) and len(outs) == 1 and isinstance(first := outs[0], Pair):
@@ -232,6 +294,185 @@ class _Interpreter:
         if outs is not None:
             return resolved, [None] * len(frees), outs if eqn.primitive.multiple_results else [outs]
         return (moved, frees, None) if changed else None
+
+    # -- numbers that stand for a token axis's length -----------------------------------------------------
+    def _grows_inside(self):
+        """Whether a literal inside the equation being run stands for a token length (the call is
+        then interpreted, not bound: its numbers differ per example)."""
+        n = len(self.path)
+        return any(p[:n] == self.path and len(p) > n for p in self.positions.relativity.literals)
+
+    def _count(self, length):
+        """``(count, batch)``: the valid count of the function's masked inputs' token axis of
+        ``length`` per example (``(B,)``, or a scalar for one example), and ``B`` (or ``None``)."""
+        args, infos = self.top or ([], [])
+        for p, info in zip(args, infos):
+            if p.mask is None or info is None:
+                continue
+            for a, t in enumerate(info.axes):
+                if isinstance(t, _coords.Ragged) and np.shape(p.data)[a] == length:
+                    count = jnp.sum(_positions.pattern(p, info, a), axis=a, dtype=jnp.int32)
+                    after = [b for b in range(np.ndim(p.data)) if b != a]
+                    rows = next((b for b in after if info.axes[b] == _coords.ROWS), None)
+                    reduce = tuple(i for i, b in enumerate(after) if b != rows)
+                    count = jnp.max(count, axis=reduce) if reduce else count
+                    if rows is None:
+                        return count, None
+                    batch = np.shape(p.data)[rows]
+                    return jnp.broadcast_to(count, (batch,)), batch
+        return None, None
+
+    def _rows_in(self, eqn, invals):
+        """``{operand index: values per example}``: operands computed from a number that stands
+        for a token length, and literals that do (read off the second trace). For one example the
+        literal is replaced by its value, and nothing is per example."""
+        rows = {}
+        for k, v in enumerate(eqn.invars):
+            if _jaxpr.is_literal(v):
+                length = self.positions.relativity.length_of(self.path, k)
+                if length is None:
+                    continue
+                count, batch = self._count(length)
+                if count is None:
+                    continue
+                value = (jnp.asarray(v.val) + (count - length)).astype(np.asarray(v.val).dtype)
+                if batch is None:
+                    invals[k] = Pair(value, None)
+                else:
+                    rows[k] = value
+            elif v in self.per_row:
+                rows[k] = self.per_row[v]
+        return rows
+
+    def _plain_rows(self, eqn, invals, rows):
+        """The results of a plain ``eqn`` (as they are), with their values per example recorded; a
+        result with a batch axis takes each example's own values at once (its diagonal)."""
+        outs = _jaxpr.bind(eqn, [p.data for p in invals])
+        in_axes = [0 if k in rows else None for k in range(len(invals))]
+        args = [rows[k] if k in rows else p.data for k, p in enumerate(invals)]
+        per = jax.vmap(lambda *a: tuple(_jaxpr.bind(eqn, a)), in_axes=in_axes)(*args)
+        results = []
+        for v, o, r in zip(eqn.outvars, outs, per):
+            axis = self._rows_axis(v, np.shape(r)[0])
+            if axis is not None:
+                results.append(Pair(_diagonal(r, axis), None))
+            else:
+                self.per_row[v] = r
+                results.append(Pair(o, None))
+        return results
+
+    def _rows_axis(self, v, batch):
+        """The batch axis of variable ``v`` (its coordinates' rows) if it is ``batch`` long."""
+        info = self.info_of(v)
+        shape = getattr(v.aval, "shape", ())
+        return next((a for a, t in enumerate(info.axes) if t == _coords.ROWS and shape[a] == batch), None)
+
+    def _placed(self, eqn, invals, rows):
+        """Operands of a masked ``eqn`` with their values per example put along the batch axis
+        (of their own, or of the masked operands they meet entrywise)."""
+        invals = list(invals)
+        special = {}
+        for k, r in rows.items():
+            v = eqn.invars[k]
+            batch = np.shape(r)[0]
+            if eqn.primitive in _CALLS:  # the body takes them per example (see control)
+                continue
+            own = None if _jaxpr.is_literal(v) else self._rows_axis(v, batch)
+            if own is not None:
+                invals[k] = Pair(_diagonal(r, own), invals[k].mask)
+                continue
+            if _coords.entrywise(eqn.primitive):
+                n = np.ndim(invals[k].data)
+                axis = next(
+                    (
+                        a
+                        for j, w in enumerate(eqn.invars)
+                        if invals[j].mask is not None and not _jaxpr.is_literal(w)
+                        for a in [self._rows_axis(w, batch)]
+                        if a is not None and np.ndim(invals[j].data) == n
+                    ),
+                    None,
+                )
+                if axis is not None and np.shape(invals[k].data)[axis] in (1, batch):
+                    invals[k] = Pair(_placed_rows(r, axis), None)
+                    continue
+            if eqn.primitive in (P.dynamic_slice_p, P.dynamic_update_slice_p) and k >= (
+                1 if eqn.primitive is P.dynamic_slice_p else 2
+            ):
+                special[k] = r
+                continue
+            raise self._rows_error(eqn)
+        return invals, special
+
+    def _sliced_per_row(self, eqn, invals, special):
+        """``dynamic_slice`` / ``dynamic_update_slice`` whose start along an axis is a number per
+        example (``P + t``, counted among valid entries): each example's slice, at the place of
+        that number's valid entry where the example has it, else (past its valid entries: a new
+        entry, as a KV cache's next slot) at the padded place, which comes after the padding."""
+        prim = eqn.primitive
+        first = 1 if prim is P.dynamic_slice_p else 2
+        x = _free.resolved(invals[0], self._free_of(eqn.invars[0]))
+        info = self.info_of(eqn.invars[0])
+        batch = np.shape(next(iter(special.values())))[0]
+        axis = self._rows_axis(eqn.invars[0], batch)
+        if axis is None:
+            raise self._rows_error(eqn)
+        n = np.ndim(x.data)
+        starts = [p.data for p in invals[first:]]
+        per = {}
+        for k, r in special.items():
+            d = k - first
+            tag = info.axes[d]
+            if x.mask is not None and isinstance(tag, _coords.Ragged) and tag.layout == "P":
+                valid = _positions.pattern(x, info, d)
+                others = tuple(b for b in range(n) if b not in (axis, d) and np.shape(valid)[b] != 1)
+                valid = jnp.any(valid, axis=others, keepdims=True) if others else valid  # (an entry: a token)
+                rank, count, order = _positions.ranks(valid, d)
+                lay = tuple(batch if b == axis else 1 for b in range(n))
+                at = jnp.reshape(jnp.clip(r, 0, np.shape(x.data)[d] - 1), lay)
+                place = _positions.take(order, at, d)
+                place = jnp.reshape(jnp.moveaxis(place, axis, 0), (batch, -1))[:, 0]
+                inside = jnp.reshape(jnp.moveaxis(jnp.broadcast_to(count, lay), axis, 0), (batch,)) > r
+                per[d] = jnp.where(inside, place, jnp.asarray(starts[d]).astype(place.dtype))
+            else:
+                per[d] = jnp.broadcast_to(jnp.asarray(starts[d]), (batch,))
+        data = x.data
+        mask = materialize(x.mask, np.shape(data))
+        kept = [b for b in range(n) if b != axis]
+
+        def starts_of(b_starts):
+            return [b_starts[d] if d in b_starts else starts[d] for d in kept]
+
+        if prim is P.dynamic_slice_p:
+            sizes = [eqn.params["slice_sizes"][d] for d in kept]
+
+            def one(xd, xm, *ps):
+                st = starts_of(dict(zip(per, ps)))
+                return lax.dynamic_slice(xd, st, sizes), lax.dynamic_slice(xm, st, sizes)
+
+            d_out, m_out = jax.vmap(one, in_axes=(axis, axis, *[0] * len(per)), out_axes=axis)(
+                data, mask, *per.values()
+            )
+            return Pair(d_out, m_out)
+        u = invals[1]
+        u_mask = materialize(u.mask, np.shape(u.data))
+
+        def one_update(xd, xm, ud, um, *ps):
+            st = starts_of(dict(zip(per, ps)))
+            return lax.dynamic_update_slice(xd, ud, st), lax.dynamic_update_slice(xm, um, st)
+
+        d_out, m_out = jax.vmap(one_update, in_axes=(axis, axis, axis, axis, *[0] * len(per)), out_axes=axis)(
+            data, mask, u.data, u_mask, *per.values()
+        )
+        return Pair(d_out, m_out)
+
+    def _rows_error(self, eqn):
+        return MaskifyError(
+            f"maskify({self.fun_name}): a number computed from the length of a token axis (the padded "
+            f"length stands for each example's own) reaches '{eqn.primitive.name}', where maskify cannot "
+            "carry it per example. Pass the positions as an argument (for example "
+            "lengths + step), or compute them from the masked inputs."
+        )
 
     def _rule(self, prim):
         """``prim``'s masked rule with this call's facts: ``rule(prim, invals, **params)``."""
@@ -289,9 +530,12 @@ class _Interpreter:
             and (params.get("name") in primitives.NAMED or params.get("name") in primitives.UNSUPPORTED_CALLS)
         ):
             return _recognise.named_call(self, eqn, params, invals)
-        if (prim in _CALLS or prim in _LOOPS) and not unmasked:
+        if (prim in _CALLS or prim in _LOOPS) and (not unmasked or self._grows_inside()):
             self.ins = [self.info_of(v) for v in eqn.invars]  # what the bodies' arguments are
             self.subs = list(_jaxpr.nested_jaxprs(eqn.params.values()))
+            self.rows = [self.eqn_rows.get(k) for k in range(len(eqn.invars))]
+            if prim in _LOOPS and any(r is not None for r in self.rows):
+                raise self._rows_error(eqn)
             return self.control(prim, params, invals, is_literal, frees)
         if unmasked:
             if all(_is_concrete(p.data) for p in invals) and not prim.multiple_results:
@@ -354,13 +598,13 @@ class _Interpreter:
     def control(self, prim, params, invals, is_literal=None, frees=None):
         if prim in _CALLS:
             closed = params.get("jaxpr") or params.get("call_jaxpr") or params.get("fun_jaxpr")
-            ins = self.ins
+            ins, rows = self.ins, self.rows
             try:
                 if isinstance(closed, jcore.ClosedJaxpr):
                     return self.run(
-                        closed.jaxpr, closed.consts, invals, is_literal, frees, True, ins, self._sub(closed.jaxpr)
+                        closed.jaxpr, closed.consts, invals, is_literal, frees, True, ins, self._sub(closed.jaxpr), rows
                     )
-                return self.run(closed, (), invals, is_literal, frees, True, ins, self._sub(closed))
+                return self.run(closed, (), invals, is_literal, frees, True, ins, self._sub(closed), rows)
             except MaskifyError as err:
                 user = _public_name(params.get("name")) if prim is P.jit_p else None
                 if user is None:
@@ -498,6 +742,22 @@ class _Interpreter:
             step, carry, xs, length=params["length"], reverse=params["reverse"], unroll=params["unroll"]
         )
         return list(carry) + list(ys)
+
+
+def _diagonal(r, axis):
+    """Values per example ``r`` (a leading axis of examples) of a value whose ``axis`` is the batch:
+    each example's own row."""
+    moved = jnp.moveaxis(r, 0, -1)  # (..., batch@axis, ..., examples)
+    picked = jnp.diagonal(moved, axis1=axis, axis2=np.ndim(moved) - 1)  # (..., batch) with axis removed
+    return jnp.moveaxis(picked, -1, axis)
+
+
+def _placed_rows(r, axis):
+    """Values per example ``r`` of a value with no batch axis, laid along ``axis`` (where it has
+    size 1 or the batch's size)."""
+    if np.shape(r)[axis + 1] == 1:
+        return jnp.moveaxis(jnp.squeeze(r, axis + 1), 0, axis)
+    return _diagonal(r, axis)
 
 
 def _whole_rows(consts, carry, xs, body):
