@@ -169,17 +169,26 @@ def _relativity(closed, on_data, pairs) -> _positions.Relativity:
     if not lengths or not _positions.positional(closed.jaxpr, lengths):
         return _positions.Relativity()
     growth = _positions.growth(lengths)
-    structs = []
-    for p, a in zip(pairs, axes):
-        shape = list(np.shape(p.data))
-        if a is not None:
-            shape[a] += growth[shape[a]]
-        weak = bool(getattr(p.data, "weak_type", False))
-        structs.append(jax.ShapeDtypeStruct(tuple(shape), jnp.result_type(p.data), weak_type=weak))
-    try:
-        extended = jax.make_jaxpr(on_data)(*structs).jaxpr
-    except Exception:  # noqa: BLE001 - a program that does not trace at another length: nothing known
-        extended = None
+
+    def longer(plain_too):
+        structs = []
+        for p, a in zip(pairs, axes):
+            shape = list(np.shape(p.data))
+            if a is not None:
+                shape[a] += growth[shape[a]]
+            elif plain_too and p.mask is None:  # (labels of the tokens, given beside them)
+                shape = [n + growth[n] if n in growth else n for n in shape]
+            weak = bool(getattr(p.data, "weak_type", False))
+            structs.append(jax.ShapeDtypeStruct(tuple(shape), jnp.result_type(p.data), weak_type=weak))
+        return jax.make_jaxpr(on_data)(*structs).jaxpr
+
+    extended = None
+    for plain_too in (True, False):  # plain arrays as long as a token axis grow with it, if they can
+        try:
+            extended = longer(plain_too)
+            break
+        except Exception:  # noqa: BLE001, PERF203 - a program that does not trace at another length
+            continue
     return _positions.relativity(closed.jaxpr, extended, lengths)
 
 

@@ -39,6 +39,7 @@ from jax import lax
 
 from masked_jax import _jaxpr
 from masked_jax._maskify import _rules
+from masked_jax._maskify._scan import associative_scans
 
 
 class Ragged(NamedTuple):
@@ -227,11 +228,25 @@ def analyse(jaxpr, ins: list[Info | None], literal=frozenset(), tied=None, prefi
             return plain(np.ndim(v.val), number=True)
         return env.get(v) or plain(len(_shape(v)))
 
+    ends = {call.stop - 1: call for call in associative_scans(jaxpr).values()}
     for i, eqn in enumerate(jaxpr.eqns):
         outs = equation(eqn, [read(v) for v in eqn.invars], tied, prefix + (i,))
         for v, o in zip(eqn.outvars, outs):
             env[v] = o
+        if i in ends:  # a lax.associative_scan call runs on its elements where they stand
+            _scan_results(ends[i], env, read)
     return env
+
+
+def _scan_results(call, env, read):
+    """The results of a ``lax.associative_scan`` ``call`` share its elements' coordinates (its
+    levels' strided slices do not move them: see ``_recognise.associative_scan``)."""
+    elems = [read(v) for v in call.elems]
+    for v in call.outputs:
+        same = [e for e in elems if len(e.axes) == len(_shape(v))]
+        if same:
+            axes = tuple(merge(list(tags)) for tags in zip(*(e.axes for e in same)))
+            env[v] = Info(axes, masked=any(e.masked for e in same))
 
 
 def _shift(tied, path, k, length):
@@ -261,8 +276,8 @@ def equation(eqn, ins: list[Info], tied=None, path=()) -> list[Info]:
         (shape,) = out_shapes
         d = params["dimension"]
         tag = Ragged(("length", shape[d]), "U") if _shift(tied, path, d, shape[d]) == 1 else BUILT
-        axes = tuple(tag if i == d and shape[i] != 1 else None for i in range(len(shape)))
-        return [Info(axes, number=True, position=True)]
+        built = tuple(tag if i == d and shape[i] != 1 else None for i in range(len(shape)))
+        return [Info(built, number=True, position=True)]
     if prim in (P.convert_element_type_p, P.copy_p):
         return [ins[0]._replace(order=False)]
     if prim in (P.add_p, P.sub_p) and any(_is_zero(v) for v in eqn.invars[1 if prim is P.sub_p else 0 :]):
@@ -295,9 +310,9 @@ def equation(eqn, ins: list[Info], tied=None, path=()) -> list[Info]:
         return [x._replace(axes=tuple(t for i, t in enumerate(x.axes) if i not in params["dimensions"]))]
     if prim in _REDUCTIONS:
         reduced = tuple(params["axes"])
-        axes = tuple(t for i, t in enumerate(x.axes) if i not in reduced)
+        kept = tuple(t for i, t in enumerate(x.axes) if i not in reduced)
         number = prim in (P.argmax_p, P.argmin_p) and any(is_ragged(x.axes[a]) for a in reduced)
-        return [Info(axes, number=number or (x.number and prim is not P.reduce_sum_p), masked=masked)]
+        return [Info(kept, number=number or (x.number and prim is not P.reduce_sum_p), masked=masked)]
     if prim in _RUNNING:
         return [x._replace(order=False)]
     if prim is P.rev_p:
@@ -378,8 +393,8 @@ def equation(eqn, ins: list[Info], tied=None, path=()) -> list[Info]:
         return [Info(tuple(_tagged(t, n) for t, n in zip(axes, shape)), number=number, masked=masked)]
     if prim is P.dynamic_update_slice_p:  # the update's axes are the operand's
         u = ins[1]
-        axes = tuple(merge([t, s]) for t, s in zip(x.axes, u.axes))
-        return [Info(axes, number=x.number and u.number, masked=masked)]
+        merged = tuple(merge([t, s]) for t, s in zip(x.axes, u.axes))
+        return [Info(merged, number=x.number and u.number, masked=masked)]
     if prim in _rules.SCATTERS:  # the updates' window axes are the operand's axes they slice
         u = ins[2]
         dn = params["dimension_numbers"]

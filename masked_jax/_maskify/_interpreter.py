@@ -164,7 +164,7 @@ class _Interpreter:
         for v, a in zip(jaxpr.invars, args):
             env[v] = a
         constants = _literal_constants(jaxpr, literal, env)
-        ins = list(infos) if infos is not None else [None] * len(jaxpr.invars)
+        ins: list[_coords.Info | None] = list(infos) if infos is not None else [None] * len(jaxpr.invars)
         self.info = _coords.analyse(jaxpr, ins, frozenset(literal), self.positions.relativity, self.prefix)
         skip = set()
         scans, scan = associative_scans(jaxpr), None  # lax.associative_scan calls; the one running
@@ -377,12 +377,15 @@ class _Interpreter:
             batch = np.shape(r)[0]
             if eqn.primitive in _CALLS:  # the body takes them per example (see control)
                 continue
+            index = k >= {P.gather_p: 1, P.dynamic_slice_p: 1, P.dynamic_update_slice_p: 2}.get(eqn.primitive, 99)
+            if index and self.positions.relativity.get(self.path) is not None:
+                continue  # a constant index counted from the end: the positional rule reads it so
             own = None if _jaxpr.is_literal(v) else self._rows_axis(v, batch)
             if own is not None:
                 invals[k] = Pair(_diagonal(r, own), invals[k].mask)
                 continue
             if _coords.entrywise(eqn.primitive):
-                n = np.ndim(invals[k].data)
+                n = max(np.ndim(p.data) for p in invals)
                 axis = next(
                     (
                         a
@@ -393,7 +396,10 @@ class _Interpreter:
                     ),
                     None,
                 )
-                if axis is not None and np.shape(invals[k].data)[axis] in (1, batch):
+                if axis is not None and np.ndim(invals[k].data) == 0:  # a scalar: along the batch axis
+                    invals[k] = Pair(jnp.reshape(r, tuple(batch if a == axis else 1 for a in range(n))), None)
+                    continue
+                if axis is not None and np.ndim(invals[k].data) == n and np.shape(invals[k].data)[axis] in (1, batch):
                     invals[k] = Pair(_placed_rows(r, axis), None)
                     continue
             if eqn.primitive in (P.dynamic_slice_p, P.dynamic_update_slice_p) and k >= (
@@ -436,6 +442,7 @@ class _Interpreter:
                 per[d] = jnp.where(inside, place, jnp.asarray(starts[d]).astype(place.dtype))
             else:
                 per[d] = jnp.broadcast_to(jnp.asarray(starts[d]), (batch,))
+            per[d] = per[d].astype(jnp.result_type(starts[d]))  # (a slice's starts share one dtype)
         data = x.data
         mask = materialize(x.mask, np.shape(data))
         kept = [b for b in range(n) if b != axis]
@@ -479,6 +486,8 @@ class _Interpreter:
         rule = primitives.rule_for(prim)
 
         def run(p, invals, **params):
+            if rule is None:
+                raise MaskifyError(f"maskify({self.fun_name}): primitive '{p.name}' has no masked rule.")
             try:
                 return rule(p, invals, self.facts, **params)
             except primitives.NoMaskedRule as err:

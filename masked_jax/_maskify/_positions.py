@@ -29,6 +29,7 @@ from masked_jax import _jaxpr
 from masked_jax._maskify import _coords
 from masked_jax._maskify._coords import BUILT, Info, Ragged
 from masked_jax._maskify._errors import MaskifyError
+from masked_jax._validate import is_tracer
 from masked_jax.ops._base import Pair, ranked
 
 
@@ -229,13 +230,26 @@ def _known_inputs(eqn, inner, known, producers, jaxpr):
     return out
 
 
+def _matched(eqns, others):
+    """``(i, j)`` pairs of corresponding equations: the same primitives from the start, then from
+    the end (a part that depends on the length, such as ``lax.associative_scan``'s levels, may
+    differ in between)."""
+    pairs, n, m = [], len(eqns), len(others)
+    head = 0
+    while head < min(n, m) and eqns[head].primitive is others[head].primitive:
+        pairs.append((head, head))
+        head += 1
+    tail = 0
+    while tail < min(n, m) - head and eqns[n - 1 - tail].primitive is others[m - 1 - tail].primitive:
+        pairs.append((n - 1 - tail, m - 1 - tail))
+        tail += 1
+    return pairs
+
+
 def _walk(jaxpr, known, ext, ext_known, prefix, lengths, shifts, literals):
     prods, ext_prods = _producers(jaxpr), _producers(ext)
-    if len(jaxpr.eqns) != len(ext.eqns):
-        return
-    for i, (eqn, other) in enumerate(zip(jaxpr.eqns, ext.eqns)):
-        if eqn.primitive is not other.primitive:
-            return  # the traces differ from here on: nothing more is known
+    for i, j_ext in _matched(jaxpr.eqns, ext.eqns):
+        eqn, other = jaxpr.eqns[i], ext.eqns[j_ext]
         path = prefix + (i,)
         try:
             _read(eqn, other, jaxpr, ext, known, ext_known, prods, ext_prods, path, lengths, shifts)
@@ -289,10 +303,9 @@ def _read(eqn, other, jaxpr, ext, known, ext_known, prods, ext_prods, path, leng
         if a.shape == b.shape:
             shifts[path] = b - a
         return
-    index = (lambda e: e.invars[1]) if prim is P.gather_p else None
     if prim is P.gather_p:
-        ours = _value(jaxpr, index(eqn), known, prods)
-        theirs = _value(ext, index(other), ext_known, ext_prods)
+        ours = _value(jaxpr, eqn.invars[1], known, prods)
+        theirs = _value(ext, other.invars[1], ext_known, ext_prods)
     else:
         first = 1 if prim is P.dynamic_slice_p else 2
         ours = [_value(jaxpr, v, known, prods) for v in eqn.invars[first:]]
@@ -471,7 +484,7 @@ class Positions:
             return self.contract(eqn, invals, ins, rules)
         if prim in _coords.WINDOWS:
             return self._window(eqn, invals, ins, rules)
-        if prim in (P.sort_p, P.argmax_p, P.argmin_p, P.top_k_p, P.cumsum_p) and prim is not P.cumsum_p:
+        if prim in (P.sort_p, P.argmax_p, P.argmin_p, P.top_k_p):
             axis = {
                 P.sort_p: lambda: eqn.params["dimension"],
                 P.argmax_p: lambda: eqn.params["axes"][0],
@@ -558,7 +571,7 @@ class Positions:
         shifts = self._relative(path, list(shape))
         for d in ragged:
             start = idx[d].data
-            if shifts is None and not isinstance(start, jax.core.Tracer) and _ambiguous(int(start), shape[d]):
+            if shifts is None and not is_tracer(start) and _ambiguous(int(start), shape[d]):
                 raise self._unknown("a read at a constant position", [d])
             shift = 0 if shifts is None else int(np.ravel(shifts)[d])
             p = _read_ranks(p, info, d, start, sizes[d], 1, shift, shift)
@@ -581,13 +594,13 @@ class Positions:
         if x.mask is None or not ragged or not idx_info.number:
             return None
         shifts = self._relative(path, jnp.shape(x.data)[ragged[0]])
-        if shifts is None and not isinstance(idx.data, jax.core.Tracer):
+        if shifts is None and not is_tracer(idx.data):
             lengths = [jnp.shape(x.data)[d] for d in ragged]
             if any(_ambiguous(int(v), n) for v in np.ravel(idx.data) for n in lengths):
                 raise self._unknown("a read at constant positions", ragged)
         out = None
         for from_end in (False, True):
-            if shifts is not None and from_end and not np.any(shifts):
+            if from_end and (shifts is None or not np.any(shifts)):
                 continue
             if shifts is not None and not from_end and np.all(shifts):
                 continue
