@@ -5,7 +5,8 @@ values that are :class:`~masked_jax.ops._base.Pair` ``(data, mask)``: an equatio
 operands is masked binds its primitive as usual; otherwise the primitive's masked rule from
 :mod:`masked_jax._maskify._rules` runs (the same semantics as ``masked_jax.numpy``). Control flow
 (``jit``, ``cond``, ``while``, ``scan``, ``custom_jvp`` / ``custom_vjp`` calls, ``checkpoint``) is
-interpreted recursively, masks riding along in the carries.
+interpreted recursively, masks riding along in the carries; a custom call's derivative is its own
+rule (:mod:`masked_jax._maskify._custom`).
 
 **Means and variances.** ``jnp.mean`` and ``jnp.var`` divide a sum by the *static* number of
 elements it summed. ``maskify`` tracks how many elements each masked ``reduce_sum`` counted:
@@ -27,7 +28,7 @@ from jax import lax
 from jax.extend import core as jcore
 
 from masked_jax import _jaxpr
-from masked_jax._maskify import _calls, _free, _recognise, _rows
+from masked_jax._maskify import _calls, _custom, _free, _recognise, _rows
 from masked_jax._maskify import _rules as primitives
 from masked_jax._maskify._constants import (
     _as_constant,
@@ -42,6 +43,7 @@ from masked_jax._maskify._constants import (
 )
 from masked_jax._maskify._errors import MaskifyError, _inside_public_call, _public_name
 from masked_jax._maskify._scan import _scan_counts, associative_scans
+from masked_jax._validate import is_tracer
 from masked_jax.ops import _factors
 from masked_jax.ops._base import Pair, compact_or_ones, count_valid, fill, materialize, ranked, uniform_along
 
@@ -53,8 +55,11 @@ _LOOPS = frozenset((P.cond_p, P.while_p, P.scan_p))
 
 
 class _Interpreter:
-    def __init__(self, fun_name):
+    def __init__(self, fun_name, live=None):
         self.fun_name = fun_name
+        # the ids of the values traced outside the function that it closes over (the constants of
+        # the first jaxpr run that are tracers): custom derivative rules may read them
+        self.live = live
         # the static facts of this call (masks' factors, values under masks, a memo of fills),
         # handed to every rule as an argument
         self.facts = _factors.Facts()
@@ -67,6 +72,8 @@ class _Interpreter:
     def run(self, jaxpr, consts, args, literal_args=None, free_args=None, keep_free=False):
         """The outputs of ``jaxpr`` on ``args``. ``free_args``: the arguments' free positions; with
         ``keep_free`` the outputs keep theirs (in :attr:`out_free`), else they are masked there."""
+        if self.live is None:
+            self.live = frozenset(id(c) for c in consts if is_tracer(c))
         outer = (self.env, self.producer, self.uses, self.free, self.blocks)  # inner calls (jit, scan bodies) nest
         try:
             outs = self._run(jaxpr, consts, args, literal_args, free_args)
@@ -233,6 +240,8 @@ class _Interpreter:
                 # recognised the same way eagerly and under every transformation.
                 with jax.ensure_compile_time_eval():
                     out = prim.bind(*(p.data for p in invals), **params)
+            elif prim in _custom.CUSTOM:  # (bound with its rules, as jax.core.eval_jaxpr binds it)
+                out = _jaxpr.bind_primitive(prim, params, [p.data for p in invals])
             else:
                 out = prim.bind(*(p.data for p in invals), **params)
             self._track_literals(eqn, invals, out, minus)
@@ -289,8 +298,9 @@ class _Interpreter:
             closed = params.get("jaxpr") or params.get("call_jaxpr") or params.get("fun_jaxpr")
             try:
                 if isinstance(closed, jcore.ClosedJaxpr):
-                    return self.run(closed.jaxpr, closed.consts, invals, is_literal, frees, keep_free=True)
-                return self.run(closed, (), invals, is_literal, frees, keep_free=True)
+                    outs = self.run(closed.jaxpr, closed.consts, invals, is_literal, frees, keep_free=True)
+                else:
+                    outs = self.run(closed, (), invals, is_literal, frees, keep_free=True)
             except MaskifyError as err:
                 user = _public_name(params.get("name")) if prim is P.jit_p else None
                 if user is None:
@@ -298,6 +308,13 @@ class _Interpreter:
                 new = MaskifyError(_inside_public_call(self.fun_name, user, err))
                 new.detail = getattr(err, "detail", None) or str(err).split(": ", 1)[-1]  # the primitive's
                 raise new from None
+            if prim in _custom.CUSTOM:  # the primal as interpreted, the derivative the function's own rule
+                new = _custom.own_derivatives(
+                    self._derivative, self.live, self.fun_name, prim, params, invals, is_literal, outs
+                )
+                self.facts.same_values(zip(new, outs))
+                outs = new
+            return outs
         if prim is P.cond_p:
             index, *ops = invals
             if index.mask is not None:
@@ -311,6 +328,11 @@ class _Interpreter:
         if prim is P.while_p:
             return self._while(params, invals)
         return self._scan(params, invals)
+
+    def _derivative(self, jaxpr, consts, args, literal_args):
+        """A custom derivative rule's jaxpr on ``args``, by an interpreter of its own: the rule runs
+        when JAX differentiates, in a trace of its own."""
+        return _Interpreter(self.fun_name, self.live).run(jaxpr, consts, args, literal_args)
 
     def _branch(self, closed, ops):
         with self.facts.new_trace():
