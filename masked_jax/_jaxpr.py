@@ -50,13 +50,19 @@ def read(env: dict, v: Any) -> Any:
 def bind(eqn: Any, invals: Sequence[Any]) -> list:
     """The outputs of equation ``eqn`` on ``invals``, as a list, bound as ``jax.core.eval_jaxpr``
     binds it (older jax versions hand a call's sub-functions out of ``get_bind_params``)."""
-    params = eqn.primitive.get_bind_params(eqn.params)
+    return bind_primitive(eqn.primitive, eqn.params, invals)
+
+
+def bind_primitive(prim: Any, params: Any, invals: Sequence[Any]) -> list:
+    """The outputs of primitive ``prim`` with an equation's ``params`` on ``invals``, as
+    :func:`bind` binds an equation."""
+    params = prim.get_bind_params(params)
     if isinstance(params, tuple):
         subfuns, params = params
-        outs = eqn.primitive.bind(*subfuns, *invals, **params)
+        outs = prim.bind(*subfuns, *invals, **params)
     else:
-        outs = eqn.primitive.bind(*invals, **params)
-    return list(outs) if eqn.primitive.multiple_results else [outs]
+        outs = prim.bind(*invals, **params)
+    return list(outs) if prim.multiple_results else [outs]
 
 
 def call_body(eqn: Any) -> tuple[Any, Sequence[Any]] | None:

@@ -5,7 +5,8 @@ values that are :class:`~masked_jax.ops._base.Pair` ``(data, mask)``: an equatio
 operands is masked binds its primitive as usual; otherwise the primitive's masked rule from
 :mod:`masked_jax._maskify._rules` runs (the same semantics as ``masked_jax.numpy``). Control flow
 (``jit``, ``cond``, ``while``, ``scan``, ``custom_jvp`` / ``custom_vjp`` calls, ``checkpoint``) is
-interpreted recursively, masks riding along in the carries.
+interpreted recursively, masks riding along in the carries; a custom call's derivative is its own
+rule (:mod:`masked_jax._maskify._custom`).
 
 **Means and variances.** ``jnp.mean`` and ``jnp.var`` divide a sum by the *static* number of
 elements it summed. ``maskify`` tracks how many elements each masked ``reduce_sum`` counted:
@@ -27,7 +28,7 @@ from jax import lax
 from jax.extend import core as jcore
 
 from masked_jax import _jaxpr
-from masked_jax._maskify import _calls, _coords, _free, _positions, _recognise, _rows
+from masked_jax._maskify import _calls, _coords, _custom, _free, _positions, _recognise, _rows
 from masked_jax._maskify import _rules as primitives
 from masked_jax._maskify._constants import (
     _as_constant,
@@ -42,6 +43,7 @@ from masked_jax._maskify._constants import (
 )
 from masked_jax._maskify._errors import MaskifyError, _inside_public_call, _public_name
 from masked_jax._maskify._scan import _scan_counts, associative_scans
+from masked_jax._validate import is_tracer
 from masked_jax.ops import _factors
 from masked_jax.ops._base import Pair, compact_or_ones, count_valid, fill, materialize, ranked, uniform_along
 
@@ -53,8 +55,11 @@ _LOOPS = frozenset((P.cond_p, P.while_p, P.scan_p))
 
 
 class _Interpreter:
-    def __init__(self, fun_name, relativity: _positions.Relativity | None = None):
+    def __init__(self, fun_name, relativity: _positions.Relativity | None = None, live=None):
         self.fun_name = fun_name
+        # the ids of the values traced outside the function that it closes over (the constants of
+        # the first jaxpr run that are tracers): custom derivative rules may read them
+        self.live = live
         # where padding lives: each value's coordinates (see _coords), the positional rules (see
         # _positions), the path of the equation being run (its index, and those of the jaxprs
         # around it), for the static positions read off the extended trace
@@ -98,6 +103,8 @@ class _Interpreter:
         the index of ``jaxpr`` among the nested jaxprs of the equation being run; ``rows_in``: the
         arguments' values per example, where they stand for a token axis's length (see
         :attr:`per_row`); the outputs' are left in :attr:`out_rows`."""
+        if self.live is None:
+            self.live = frozenset(id(c) for c in consts if is_tracer(c))
         outer = (
             self.env,
             self.producer,
@@ -553,6 +560,8 @@ class _Interpreter:
                 # recognised the same way eagerly and under every transformation.
                 with jax.ensure_compile_time_eval():
                     out = prim.bind(*(p.data for p in invals), **params)
+            elif prim in _custom.CUSTOM:  # (bound with its rules, as jax.core.eval_jaxpr binds it)
+                out = _jaxpr.bind_primitive(prim, params, [p.data for p in invals])
             else:
                 out = prim.bind(*(p.data for p in invals), **params)
             self._track_literals(eqn, invals, out, minus)
@@ -610,10 +619,11 @@ class _Interpreter:
             ins, rows = self.ins, self.rows
             try:
                 if isinstance(closed, jcore.ClosedJaxpr):
-                    return self.run(
+                    outs = self.run(
                         closed.jaxpr, closed.consts, invals, is_literal, frees, True, ins, self._sub(closed.jaxpr), rows
                     )
-                return self.run(closed, (), invals, is_literal, frees, True, ins, self._sub(closed), rows)
+                else:
+                    outs = self.run(closed, (), invals, is_literal, frees, True, ins, self._sub(closed), rows)
             except MaskifyError as err:
                 user = _public_name(params.get("name")) if prim is P.jit_p else None
                 if user is None:
@@ -621,6 +631,13 @@ class _Interpreter:
                 new = MaskifyError(_inside_public_call(self.fun_name, user, err))
                 new.detail = getattr(err, "detail", None) or str(err).split(": ", 1)[-1]  # the primitive's
                 raise new from None
+            if prim in _custom.CUSTOM:  # the primal as interpreted, the derivative the function's own rule
+                new = _custom.own_derivatives(
+                    self._derivative, self.live, self.fun_name, prim, params, invals, is_literal, outs
+                )
+                self.facts.same_values(zip(new, outs))
+                outs = new
+            return outs
         if prim is P.cond_p:
             index, *ops = invals
             if index.mask is not None:
@@ -647,6 +664,11 @@ class _Interpreter:
             i if k < nconsts + ncarry else i._replace(axes=i.axes[1:], pad=None) if i.axes else i
             for k, i in enumerate(ins)
         ]
+
+    def _derivative(self, jaxpr, consts, args, literal_args):
+        """A custom derivative rule's jaxpr on ``args``, by an interpreter of its own: the rule runs
+        when JAX differentiates, in a trace of its own."""
+        return _Interpreter(self.fun_name, live=self.live).run(jaxpr, consts, args, literal_args)
 
     def _branch(self, closed, ins, sub, ops):
         with self.facts.new_trace():

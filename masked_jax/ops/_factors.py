@@ -257,6 +257,14 @@ class Facts:
             )
         return data
 
+    def same_values(self, pairs):
+        """For each ``(new, old)`` pair of values (``(data, mask)``): ``new``'s data hold what
+        ``old``'s hold under the same mask (an identity that only changes derivatives), so the
+        record of ``old``'s data, if any, holds for ``new``'s."""
+        for new, old in pairs:
+            if new[0] is not old[0] and id(old[0]) in self._values:
+                self._values[id(new[0])] = (new[0], self._values[id(old[0])][1])
+
     # -- traces --------------------------------------------------------------------------------------
     @contextlib.contextmanager
     def new_trace(self):
@@ -298,6 +306,9 @@ class _NoFacts(Facts):
 
     def record_value(self, data, mask, value, exact, conditional=False, along=None):
         return data
+
+    def same_values(self, pairs):
+        pass
 
     @contextlib.contextmanager
     def new_trace(self):
