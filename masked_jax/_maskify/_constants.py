@@ -158,6 +158,19 @@ def _concrete_scalar(x):
         return None
 
 
+def _uniform_scalar(x):
+    """The one value of every element of a concrete array (``jnp.ones_like(x).sum(1)``: the static
+    length, once per slice), or ``None``."""
+    if is_tracer(x) or np.size(x) == 0:
+        return None
+    try:
+        values = np.asarray(x)
+    except (TypeError, ValueError):
+        return None
+    first = values.reshape(-1)[0]
+    return float(first) if values.dtype != object and np.all(values == first) else None
+
+
 def _kept(table, key, make, limit):
     """``table[key]``, made by ``make()`` the first time; ``table`` is cleared when it holds
     ``limit`` programs (programs differ in their jaxprs and constants)."""

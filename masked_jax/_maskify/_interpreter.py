@@ -18,6 +18,7 @@ meaning; a sum divided by a number that is not its element count is left alone.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import jax
@@ -28,7 +29,7 @@ from jax import lax
 from jax.extend import core as jcore
 
 from masked_jax import _jaxpr
-from masked_jax._maskify import _calls, _coords, _custom, _free, _positions, _recognise, _rows
+from masked_jax._maskify import _calls, _coords, _custom, _free, _positions, _recognise, _rows, _spaces
 from masked_jax._maskify import _rules as primitives
 from masked_jax._maskify._constants import (
     _as_constant,
@@ -43,6 +44,7 @@ from masked_jax._maskify._constants import (
 )
 from masked_jax._maskify._errors import MaskifyError, _inside_public_call, _public_name
 from masked_jax._maskify._scan import _scan_counts, associative_scans
+from masked_jax._maskify._spaces import Spaces
 from masked_jax._validate import is_tracer
 from masked_jax.ops import _factors
 from masked_jax.ops._base import Pair, compact_or_ones, count_valid, fill, materialize, ranked, uniform_along
@@ -84,6 +86,11 @@ class _Interpreter:
         self.eqn_rows: dict = {}  # the values per example of the operands of the equation being run
         self.subs: list = []  # its nested jaxprs
         self.out_free = None  # the free positions of the outputs of the last call run with keep_free
+        self.spaces = Spaces()  # the id spaces of gathers and scatters (see _spaces)
+        # counts of constants with plain ids, and the function's arguments that say which of their
+        # updates are padding (see _spaces.counts); read when the function's jaxpr starts
+        self.counts: dict | None = None
+        self.args: list = []
 
     def run(
         self,
@@ -116,6 +123,8 @@ class _Interpreter:
             self.path,
             self.per_row,
         )
+        if self.counts is None:  # the function's own jaxpr
+            self.counts, self.args = _spaces.counts(jaxpr), list(args)
         if sub is not None:
             self.prefix = self.path + (sub,)
         if self.top is None:
@@ -128,7 +137,7 @@ class _Interpreter:
             if keep_free:
                 self.out_free = frees
                 return outs
-            return [_free.resolved(o, f) for o, f in zip(outs, frees)]
+            return [self.resolved(o, f) for o, f in zip(outs, frees)]
         finally:
             (
                 self.env,
@@ -150,6 +159,18 @@ class _Interpreter:
         if _jaxpr.is_literal(v):
             return _coords.plain(np.ndim(v.val), number=True)
         return self.info.get(v) or _coords.plain(len(getattr(v.aval, "shape", ())))
+
+    def resolved(self, p, free):
+        """``p`` with its free positions read as valid where their id space's entry is, else as
+        masked (:func:`masked_jax._maskify._free.resolved`)."""
+        return _free.resolved(p, free, self.spaces)
+
+    def _apart(self):
+        """A loop body's or a branch's trace: its fills and its id spaces stay inside it."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(self.facts.new_trace())
+        stack.enter_context(self.spaces.apart())
+        return stack
 
     def _run(self, jaxpr, consts, args, literal_args, free_args=None, infos=None):
         env, sized, minus = {}, {}, {}
@@ -186,7 +207,7 @@ class _Interpreter:
             if i in library:  # a whole library call, as its masked function
                 call = library[i]
                 operands, extras = (
-                    [_free.resolved(read(v), self._free_of(v)) for v in vs]
+                    [self.resolved(read(v), self._free_of(v)) for v in vs]
                     for vs in (call.operands, [v for _, v in call.extras])
                 )
                 out = _calls.run(call, operands, extras, self.facts)
@@ -197,7 +218,7 @@ class _Interpreter:
                     continue
             if i in scans:
                 call = scans[i]
-                elems = [_free.resolved(read(v), self._free_of(v)) for v in call.elems]
+                elems = [self.resolved(read(v), self._free_of(v)) for v in call.elems]
                 moved = _recognise.associative_scan(self, call, elems)
                 scan = None if moved is None else (call, *moved)
             invals = [read(v) for v in eqn.invars]
@@ -233,7 +254,10 @@ class _Interpreter:
                             env[v] = o
                             self.producer[v] = eqn
                         continue
-            whole = _recognise.softmax(self, jaxpr.eqns, i, invals)
+            if eqn.primitive is P.reduce_max_p and frees[0] is not None:  # (a softmax reads them resolved)
+                whole = _recognise.softmax(self, jaxpr.eqns, i, [self.resolved(invals[0], frees[0])])
+            else:
+                whole = _recognise.softmax(self, jaxpr.eqns, i, invals)
             if whole is not None:  # jax.nn.softmax, as one masked op
                 chain, out = whole
                 skip.update(chain)
@@ -243,6 +267,8 @@ class _Interpreter:
             if all(is_literal) and not eqn.effects:
                 literal.update(eqn.outvars)
             prim = eqn.primitive
+            if prim is P.scatter_add_p and id(eqn) in (self.counts or ()) and is_literal[2] and not is_literal[1]:
+                invals = [*invals[:2], self._counted(eqn, invals[2])]  # a count alongside masked data
             masked = any(p.mask is not None for p in invals)
             blocked = prim is P.dot_general_p and any(not _jaxpr.is_literal(v) and v in self.blocks for v in eqn.invars)
             if masked and (
@@ -253,11 +279,16 @@ class _Interpreter:
                     out, self.free[eqn.outvars[0]] = special
                     env[eqn.outvars[0]] = out
                     self.producer[eqn.outvars[0]] = eqn
+                    self.spaces.track(eqn, invals, frees, [out], [not lit for lit in is_literal])
                     continue
-            calls = prim in _CALLS and masked
+            calls = prim in _CALLS and masked and not _recognise.is_named_call(eqn)
             if any(f is not None for f in frees) and not (_free.keeps_free(prim) or calls):
-                invals = [_free.resolved(p, f) for p, f in zip(invals, frees)]  # read as masked
+                invals = [self.resolved(p, f) for p, f in zip(invals, frees)]  # read as their space says
                 frees = [None] * len(frees)
+            elif any(f is not None for f in frees[1:]) and not calls:  # (indices are read as they are)
+                kept = _free.carried(prim, len(frees))
+                invals = [p if k in kept else self.resolved(p, f) for k, (p, f) in enumerate(zip(invals, frees))]
+                frees = [f if k in kept else None for k, f in enumerate(frees)]
             if prim is P.select_n_p and masked:
                 invals = [_as_constant(p) if lit else p for p, lit in zip(invals, is_literal)]
             self.out_free = None
@@ -279,6 +310,8 @@ class _Interpreter:
                 self.producer[v] = eqn
                 if f is not None:
                     self.free[v] = f
+            if all(isinstance(o, Pair) for o in outs):
+                self.spaces.track(eqn, invals, frees, outs, [not lit for lit in is_literal])
         if scan is not None:
             self._scan_results(scan)
         return [read(v) for v in jaxpr.outvars]
@@ -296,7 +329,7 @@ class _Interpreter:
         changed = any(a is not b for a, b in zip(moved, invals))
         if changed:
             frees = [None if a is not b else f for a, b, f in zip(moved, invals, frees)]
-        resolved = [_free.resolved(p, f) for p, f in zip(moved, frees)]
+        resolved = [self.resolved(p, f) for p, f in zip(moved, frees)]
         outs = self.positions.rule(eqn, resolved, ins, self.path, self._rule)
         if outs is not None:
             return resolved, [None] * len(frees), outs if eqn.primitive.multiple_results else [outs]
@@ -424,7 +457,7 @@ class _Interpreter:
         entry, as a KV cache's next slot) at the padded place, which comes after the padding."""
         prim = eqn.primitive
         first = 1 if prim is P.dynamic_slice_p else 2
-        x = _free.resolved(invals[0], self._free_of(eqn.invars[0]))
+        x = self.resolved(invals[0], self._free_of(eqn.invars[0]))
         info = self.info_of(eqn.invars[0])
         batch = np.shape(next(iter(special.values())))[0]
         axis = self._rows_axis(eqn.invars[0], batch)
@@ -509,31 +542,53 @@ class _Interpreter:
         """At the end of a ``lax.associative_scan`` call run on moved elements: its results, moved
         back (:func:`masked_jax._maskify._recognise.scan_results`)."""
         call, _, state = scan
-        outs = [_free.resolved(self.env[v], self._free_of(v)) for v in call.outputs]
+        outs = [self.resolved(self.env[v], self._free_of(v)) for v in call.outputs]
         for v, o in zip(call.outputs, _recognise.scan_results(self, state, outs)):
             self.env[v] = o
             self.free.pop(v, None)
+
+    def _counted(self, eqn, upd):
+        """The constant updates of a count with plain ids (``segment_sum(ones_like(w), ids)``),
+        valid where an argument masked along the ids' axis is valid (:func:`_spaces.counts`)."""
+        known, options = (self.counts or {})[id(eqn)]
+        if known is not eqn or upd.mask is not None:
+            return upd
+        window = eqn.params["dimension_numbers"].update_window_dims
+        for k, at in options:
+            arg = self.args[k]
+            valid = None if arg.mask is None else _spaces.count_validity(jnp.shape(upd.data), window, arg, at)
+            if valid is not None:
+                return Pair(upd.data, valid)
+        return upd
 
     def _with_free(self, eqn, invals, frees, is_literal):
         """``(result, its free positions)`` of an equation that puts constants beside masked data
         (see :mod:`masked_jax._maskify._free`), or ``None`` (then the usual rule)."""
         prim, params = eqn.primitive, eqn.params
-        if prim is P.concatenate_p:
+        if prim is P.concatenate_p or prim is primitives.STACK_P:  # (a stack: pieces given a new axis)
             if all(p.mask is not None for p in invals) and all(f is None for f in frees):
                 return None
-            out, free, blocks = _free.concatenate(invals, frees, params["dimension"])
+            if prim is P.concatenate_p:
+                axis = params["dimension"]
+                out, free, blocks = _free.concatenate(invals, frees, axis)
+            else:
+                axis = params["axis"]
+                invals, out, free, blocks = _free.stack(invals, frees, axis)
             if blocks is not None:  # whole-row pieces: a contraction along the axis reads them by block
-                self.blocks[eqn.outvars[0]] = (params["dimension"], invals, blocks, free.axes if free else set())
+                self.blocks[eqn.outvars[0]] = (axis, invals, blocks, free)
             return out, free
         if prim is P.dot_general_p:
             for side, v in enumerate(eqn.invars):
                 if not _jaxpr.is_literal(v) and v in self.blocks:
-                    dimension, pieces, blocks, axes = self.blocks[v]
-                    out = _free.block_contraction(prim, params, invals, side, pieces, blocks, dimension, axes)
+                    dimension, pieces, blocks, joined = self.blocks[v]
+                    out = _free.block_contraction(prim, params, invals, side, pieces, blocks, dimension, joined)
                     if out is not None:
                         return out
             return _free.contraction(prim, params, invals, frees)
-        return _free.scatter(prim, params, invals, frees, bool(is_literal[0]))
+        x, idx, upd = invals
+        idx = self.resolved(idx, frees[1])  # (indices are read as they are)
+        frees = [frees[0], None, frees[2]]
+        return _free.scatter(prim, params, [x, idx, upd], frees, bool(is_literal[0]), self.spaces.ids(idx.data))
 
     # -- one equation ------------------------------------------------------------------------------
     def equation(self, eqn, invals, sized, minus, is_literal=None, frees=None):
@@ -671,7 +726,7 @@ class _Interpreter:
         return _Interpreter(self.fun_name, live=self.live).run(jaxpr, consts, args, literal_args)
 
     def _branch(self, closed, ins, sub, ops):
-        with self.facts.new_trace():
+        with self._apart():
             return _materialized(self.run(closed.jaxpr, closed.consts, ops, infos=ins, sub=sub))
 
     def _scan_whole_rows(self, params, consts, carry, xs, rows, ncarry):
@@ -684,7 +739,7 @@ class _Interpreter:
 
         def step(c, inp):
             x, valid = inp
-            with self.facts.new_trace():
+            with self._apart():
                 outs = self.run(
                     body.jaxpr,
                     body.consts,
@@ -725,12 +780,12 @@ class _Interpreter:
         c_sub, b_sub = self._sub(cj.jaxpr), self._sub(bj.jaxpr)
 
         def cond_fn(c):
-            with self.facts.new_trace():
+            with self._apart():
                 (p,) = self.run(cj.jaxpr, cj.consts, list(cconsts) + list(c), infos=c_ins, sub=c_sub)
             return p.data if p.mask is None else p.data & p.mask  # a masked predicate stops the loop
 
         def body_fn(c):
-            with self.facts.new_trace():
+            with self._apart():
                 return _materialized(self.run(bj.jaxpr, bj.consts, list(bconsts) + list(c), infos=b_ins, sub=b_sub))
 
         return lax.while_loop(cond_fn, body_fn, carry)
@@ -747,7 +802,7 @@ class _Interpreter:
         ins, sub = self._step_infos(self.ins, nconsts, ncarry), self._sub(body.jaxpr)
 
         def step(c, x):
-            with self.facts.new_trace():
+            with self._apart():
                 outs = self.run(body.jaxpr, body.consts, list(consts) + list(c) + list(x), infos=ins, sub=sub)
             # each carry's mask at the shape it came in with (a compact one stays compact)
             carry, ys = [_mask_shaped(o, np.shape(old.mask)) for o, old in zip(outs, c)], _materialized(outs[ncarry:])

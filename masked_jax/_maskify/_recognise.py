@@ -22,7 +22,7 @@ import numpy as np
 
 from masked_jax import _jaxpr
 from masked_jax._maskify import _rules as primitives
-from masked_jax._maskify._constants import _concrete_scalar, _known
+from masked_jax._maskify._constants import _concrete_scalar, _known, _uniform_scalar
 from masked_jax._maskify._errors import MaskifyError
 from masked_jax.ops import normalization
 from masked_jax.ops._base import Pair, and_masks, fill, materialize
@@ -50,6 +50,7 @@ def weighted_mean(interp, eqn, invals):
     if prod_eq is None or prod_eq.primitive is not P.mul_p or weights not in prod_eq.invars:
         return None
     product, w = interp.env[num_eq.invars[0]], interp.env[weights]
+    product = interp.resolved(product, interp.free.get(num_eq.invars[0]))  # (free slots read as their space says)
     if product.mask is None:
         return None
     if any(interp.uses[v] > 1 for v in [den_var, *(e.outvars[0] for e in den_chain)]):
@@ -209,6 +210,9 @@ def mean_like(interp, eqn, invals, sized, minus):
     if den.mask is not None:
         return None
     value = _concrete_scalar(den.data)
+    num_shape = np.shape(invals[0].data)
+    if value is None and np.broadcast_shapes(num_shape, np.shape(den.data)) == num_shape:
+        value = _uniform_scalar(den.data)  # the length once per slice: jnp.ones_like(x).sum(axis)
     if value is not None and value == s.n:
         ddof = 0
     elif _known(eqn.invars[1], minus) and minus[eqn.invars[1]][0] == s.n:
@@ -232,6 +236,13 @@ def mean_like(interp, eqn, invals, sized, minus):
     if mask is num.mask and interp.facts.holds_zero(num.data, num.mask):  # zero sums stay zero
         interp.facts.record_value(data, mask, 0, True)
     return Pair(data, mask)
+
+
+def is_named_call(eqn) -> bool:
+    """Is ``eqn`` a jax function's own named call that runs as its ``masked_jax.numpy`` op (or
+    raises)?"""
+    name = eqn.params.get("name")
+    return eqn.primitive is P.jit_p and (name in primitives.NAMED or name in primitives.UNSUPPORTED_CALLS)
 
 
 def named_call(interp, eqn, params, invals):

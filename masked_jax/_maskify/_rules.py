@@ -583,7 +583,7 @@ def _pure_callback(prim, invals, facts, result_avals, **params):
 
 
 _ONES = jax.ShapeDtypeStruct((4,), jnp.float32)  # (abstract: importing the library starts no XLA backend)
-_STACK_P = staged_primitive("stack", lambda a, b: jnp.stack([a, b]), _ONES, _ONES)
+STACK_P = _STACK_P = staged_primitive("stack", lambda a, b: jnp.stack([a, b]), _ONES, _ONES)
 SPLIT_P = _SPLIT_P = staged_primitive("split", lambda a: jnp.split(a, 2), _ONES)
 _TILE_P = staged_primitive("tile", lambda a: jnp.tile(a, 2), _ONES)
 _DEBUG_PRINT_P = staged_primitive("debug_print", lambda a: jax.debug.print("{}", a), _ONES)
