@@ -20,10 +20,12 @@ def _operand(draw, shape, dtype):
 
 
 def _reference(subscripts, *xs):
-    """Explicit masked contraction: data over jointly valid terms, valid iff any term exists."""
+    """Explicit masked contraction: data over jointly valid terms, valid iff a jointly valid term
+    exists, or no term at all (a zero-size contracted dim: a sum of nothing, 0)."""
     datas = [np.where(np.asarray(x.mask), np.asarray(x.data, np.float64), 0) for x in xs]
     ms = [np.asarray(x.mask).astype(np.float64) for x in xs]
-    return np.einsum(subscripts, *datas), np.einsum(subscripts, *ms) > 0
+    terms = np.einsum(subscripts, *(np.ones(x.shape) for x in xs))
+    return np.einsum(subscripts, *datas), (np.einsum(subscripts, *ms) > 0) | (terms == 0)
 
 
 @given(data=st.data())

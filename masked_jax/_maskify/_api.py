@@ -16,6 +16,7 @@ import numpy as np
 from masked_jax._core import MaskedArray, SparseMasked, from_pair
 from masked_jax._maskify import _coords, _positions
 from masked_jax._maskify._constants import _is_concrete, _kept
+from masked_jax._maskify._errors import MaskifyError
 from masked_jax._maskify._interpreter import _Interpreter
 from masked_jax.ops._base import Pair
 
@@ -25,7 +26,8 @@ def maskify(fun, *, positions: str = "unpadded"):
 
     ``fun`` is ordinary ``jax.numpy`` / ``jax.nn`` / ``lax`` code. Its arguments may be
     ``MaskedArray`` objects, sparse layouts (densified to ``MaskedArray``), arrays, and pytrees of them;
-    non-array arguments (Python numbers, strings) and keyword arguments are static. Outputs that
+    non-array arguments (Python numbers, strings) and keyword arguments are static, except the
+    masked arrays among the keyword arguments, which are operands as positional ones are. Outputs that
     depend on a masked input are ``MaskedArray`` objects; the others are plain arrays. Composes with
     ``jit``, ``vmap`` and ``mj.grad``; for ``static_argnums``-like use, close over the static
     values (``maskify(lambda x: f(x, axis))``).
@@ -71,13 +73,23 @@ def maskify(fun, *, positions: str = "unpadded"):
 
     @functools.wraps(fun)
     def wrapped(*args, **kwargs):
-        flat, tree = jax.tree_util.tree_flatten(args, is_leaf=_is_masked_leaf)
+        # masked arrays among the keyword arguments are operands too; their other values are static
+        flat, tree = jax.tree_util.tree_flatten((args, kwargs), is_leaf=_is_masked_leaf)
+        positional = len(jax.tree_util.tree_leaves(args, is_leaf=_is_masked_leaf))
         pairs, statics, dyn_pos = [], {}, []
         for i, leaf in enumerate(flat):
+            if i >= positional and not _is_masked_leaf(leaf):
+                statics[i] = leaf
+                continue
             if isinstance(leaf, SparseMasked):
                 leaf = leaf.todense()
             if isinstance(leaf, MaskedArray):
-                pairs.append(Pair(leaf.data, leaf.compact_mask))
+                mask = leaf.compact_mask
+                if mask is None and leaf.size == 0:
+                    # an empty masked array is masked, statically valid: a mean of nothing is masked
+                    # as in masked_jax.numpy, where a plain array's is jnp's NaN
+                    mask = np.ones((1,) * leaf.ndim, bool)
+                pairs.append(Pair(leaf.data, mask))
                 dyn_pos.append(i)
             elif isinstance(leaf, (jax.Array, np.ndarray, np.generic)):
                 pairs.append(Pair(jnp.asarray(leaf), None))
@@ -89,21 +101,26 @@ def maskify(fun, *, positions: str = "unpadded"):
             leaves = [statics.get(i) for i in range(len(flat))]
             for i, d in zip(dyn_pos, datas):
                 leaves[i] = d
-            return fun(*jax.tree_util.tree_unflatten(tree, leaves), **kwargs)
+            positional, keywords = jax.tree_util.tree_unflatten(tree, leaves)
+            return fun(*positional, **keywords)
 
         traces = _REUSED.get()
-        key = None if traces is None else _trace_key(wrapped, tree, pairs, statics, kwargs)
+        key = None if traces is None else _trace_key(wrapped, tree, pairs, statics)
         if traces is not None and key in traces:
             closed, out_tree, program, rel = traces[key]
         else:
-            closed, out_shape = jax.make_jaxpr(on_data, return_shape=True)(*(p.data for p in pairs))
+            closed, out_shape = _traced(name, on_data, pairs)
             out_tree = jax.tree_util.tree_structure(out_shape)
             rel = _relativity(closed, on_data, pairs) if unpadded else None
-            program = _eager_program(name, closed, out_tree, pairs, rel)
+            program = _eager_program(closed, out_tree, pairs, rel)
             if traces is not None and key is not None and program is not None:  # (eager, concrete constants)
                 traces[key] = (closed, out_tree, program, rel)
         if program is not None:
-            outs = program([p.data for p in pairs], [p.mask for p in pairs])
+            token = _CALLED.set(name)  # a program is shared by the functions that trace to it
+            try:
+                outs = program([p.data for p in pairs], [p.mask for p in pairs])
+            finally:
+                _CALLED.reset(token)
         else:
             outs = _interpret(name, closed, pairs, rel)
         return jax.tree_util.tree_unflatten(out_tree, outs)
@@ -131,7 +148,42 @@ def reusing_traces():
         _REUSED.reset(token)
 
 
-def _trace_key(fn, tree, pairs, statics, kwargs):
+def _traced(name, on_data, pairs):
+    """``jax.make_jaxpr(on_data, return_shape=True)`` on the arguments' data; the errors of code
+    that needs a concrete value, and of masked arrays reaching jax functions by closure, as a
+    :class:`MaskifyError` that says why and what to write instead."""
+    try:
+        return jax.make_jaxpr(on_data, return_shape=True)(*(p.data for p in pairs))
+    except _NEEDS_VALUE as err:
+        first = str(err).strip().splitlines()[0]
+        raise MaskifyError(
+            f"maskify({name}): {name} needs the value of an array while it is traced "
+            f"({type(err).__name__}: {first}). maskify traces the function on abstract arrays, as "
+            "jax.jit does, also when it is called eagerly: give data-dependent sizes statically "
+            "(size= of jnp.nonzero, jnp.argwhere, jnp.unique; jnp.where(mask, x, fill) instead of "
+            "x[mask]), use lax.cond or jnp.where instead of a Python if on an array, or compute the "
+            "value outside the function and pass it in."
+        ) from err
+    except TypeError as err:
+        if "MaskedArray" not in str(err) and "SparseMasked" not in str(err):
+            raise
+        raise MaskifyError(
+            f"maskify({name}): a masked array reached a jax function inside {name} without being an "
+            "argument of the maskify'd function (a closed-over value): jax functions do not take "
+            "masked arrays. Pass it as an argument (maskify(lambda x, m: ...)(x, m)), where maskify "
+            f"gives it its masked meaning. ({err})"
+        ) from err
+
+
+_NEEDS_VALUE = (
+    jax.errors.ConcretizationTypeError,
+    jax.errors.TracerIntegerConversionError,
+    jax.errors.TracerArrayConversionError,
+    jax.errors.NonConcreteBooleanIndexError,
+)
+
+
+def _trace_key(fn, tree, pairs, statics):
     """What a trace of ``fn`` depends on: the arguments' structure, each array's shape, dtype and
     weak type, each mask's shape and dtype, and the static values; ``None`` when a static value
     cannot be hashed or an argument is a tracer (a call inside a transformation)."""
@@ -141,7 +193,7 @@ def _trace_key(fn, tree, pairs, statics, kwargs):
             return None
         mask = None if p.mask is None else (np.shape(p.mask), str(jnp.result_type(p.mask)))
         parts.append((np.shape(p.data), str(jnp.result_type(p.data)), bool(getattr(p.data, "weak_type", False)), mask))
-    key = (fn, tree, tuple(parts), tuple(sorted(statics.items())), tuple(sorted(kwargs.items())))
+    key = (fn, tree, tuple(parts), tuple(sorted(statics.items())))
     try:
         hash(key)
     except TypeError:
@@ -194,10 +246,14 @@ def _relativity(closed, on_data, pairs) -> _positions.Relativity:
 
 _EAGER_PROGRAMS: dict = {}
 
+# The name of the function whose call runs an eager program: the program is traced (and raises its
+# errors) inside that call, and kept for every function that traces to the same jaxpr.
+_CALLED: contextvars.ContextVar[str] = contextvars.ContextVar("masked_jax_maskify_called", default="fun")
+
 _SMALL_CONSTANT = 4096  # bytes: constants up to this size are part of the key by value
 
 
-def _eager_program(name, closed, out_tree, pairs, rel):
+def _eager_program(closed, out_tree, pairs, rel):
     """For a call outside any trace (no argument is a tracer, or only eager autodiff's, see
     :func:`_eager`): the masked program of ``closed``,
     jitted, so that the call compiles one program instead of one per operation. Programs are kept
@@ -221,8 +277,8 @@ def _eager_program(name, closed, out_tree, pairs, rel):
     rel_key = None if rel is None else rel.key()
     key = (str(closed.jaxpr), tuple(consts), out_tree, masks, rel_key)  # (the name only enters error messages)
 
-    def run(datas, masks):
-        return _interpret(name, closed, [Pair(d, m) for d, m in zip(datas, masks)], rel)
+    def run(datas, masks):  # errors name the function being called, not the first one kept here
+        return _interpret(_CALLED.get(), closed, [Pair(d, m) for d, m in zip(datas, masks)], rel)
 
     return _kept(_EAGER_PROGRAMS, key, lambda: jax.jit(run), 256)
 

@@ -29,7 +29,7 @@ from jax import lax
 from jax.extend import core as jcore
 
 from masked_jax import _jaxpr
-from masked_jax._maskify import _calls, _coords, _custom, _free, _positions, _recognise, _rows, _spaces
+from masked_jax._maskify import _calls, _coords, _custom, _free, _positions, _recognise, _rows, _spaces, _unique
 from masked_jax._maskify import _rules as primitives
 from masked_jax._maskify._constants import (
     _as_constant,
@@ -197,6 +197,7 @@ class _Interpreter:
         skip = set()
         scans, scan = associative_scans(jaxpr), None  # lax.associative_scan calls; the one running
         library = _calls.library_calls(jaxpr)  # jax.nn.dot_product_attention, ...
+        uniques = _unique.unique_calls(jaxpr)  # jnp.unique(x, size=...)
         for i, eqn in enumerate(jaxpr.eqns):
             self.path = self.prefix + (i,)
             if scan is not None and i == scan[0].stop:
@@ -214,6 +215,16 @@ class _Interpreter:
                 if out is not None:
                     env[call.output] = out
                     self.producer[call.output] = jaxpr.eqns[call.stop - 1]
+                    skip.update(range(i + 1, call.stop))
+                    continue
+            if i in uniques:  # a whole jnp.unique call, over the valid elements
+                call = uniques[i]
+                fill = None if call.fill is None else read(call.fill)
+                results = _unique.run(self.fun_name, call, read(call.operand), fill)
+                if results is not None:
+                    for v, out in results:
+                        env[v] = out
+                        self.producer[v] = jaxpr.eqns[call.stop - 1]
                     skip.update(range(i + 1, call.stop))
                     continue
             if i in scans:
@@ -595,6 +606,8 @@ class _Interpreter:
         prim, params = eqn.primitive, dict(eqn.params)
         name = prim.name
         unmasked = all(p.mask is None for p in invals)
+        if prim is P.jit_p and not unmasked and params.get("name") == _unique.SORTED_MASK:
+            raise _unique.refuse(self.fun_name)  # jnp.unique's sort, outside a call taken whole
         if (
             prim is P.jit_p
             and not unmasked
@@ -647,7 +660,10 @@ class _Interpreter:
             n = int(np.prod([shape[a] for a in axes], dtype=np.int64))
             compact = compact_or_ones(x.mask, shape, self.facts)
             sized[eqn.outvars[0]] = _Sized(
-                n, lambda: count_valid(compact, shape, axes), uniform=n > 0 and uniform_along(compact, axes), any=True
+                n,
+                lambda: count_valid(compact, shape, axes),
+                uniform=n > 0 and uniform_along(compact, axes),
+                any=n > 0,  # (a sum of nothing is valid, with no valid element)
             )
         elif prim is P.reduce_window_sum_p:  # average pooling divides by the window size: a mean
             x = invals[0]
@@ -700,7 +716,7 @@ class _Interpreter:
                     f"maskify({self.fun_name}): the predicate of lax.cond is masked; a branch "
                     "cannot be chosen for a missing value."
                 )
-            ops = _materialized(ops)
+            ops = [p if p.mask is None else _materialized([p])[0] for p in ops]  # plain operands stay plain
             ins = self.ins[1:]
             branches = [functools.partial(self._branch, b, ins, self._sub(b.jaxpr)) for b in params["branches"]]
             return lax.switch(index.data, branches, ops)
@@ -729,10 +745,12 @@ class _Interpreter:
         with self._apart():
             return _materialized(self.run(closed.jaxpr, closed.consts, ops, infos=ins, sub=sub))
 
-    def _scan_whole_rows(self, params, consts, carry, xs, rows, ncarry):
+    def _scan_whole_rows(self, params, consts, carry, xs, whole, ncarry):
         """A scan whose steps are valid or missing by whole rows (see :func:`_whole_rows`), run as
-        the hand-written code runs it: the body on plain data (the padding filled with 0), the
-        carry of a missing row left as it was by one select, the outputs masked by the rows."""
+        the hand-written code runs it: the body on plain data (the padding filled with 0: no valid
+        row reads it), the carry of a missing row left as it was by one select, the outputs masked
+        by the rows."""
+        rows, carry_axes, ys_axes = whole
         body = params["jaxpr"]
         xs_data = [p.data if p.mask is None else fill(p.data, p.mask, 0, facts=self.facts) for p in xs]
         sub = self._sub(body.jaxpr)  # (plain operands: no coordinates inside)
@@ -750,7 +768,7 @@ class _Interpreter:
                 raise AssertionError("a scan body on plain operands gave a masked result")
             new, ys = [o.data for o in outs[:ncarry]], [o.data for o in outs[ncarry:]]
             missing = ~valid
-            return [jnp.where(_rows_like(missing, n), o, n) for o, n in zip(c, new)], ys
+            return [jnp.where(_rows_at(missing, n, a), o, n) for o, n, a in zip(c, new, carry_axes)], ys
 
         carry, ys = lax.scan(
             step,
@@ -762,10 +780,12 @@ class _Interpreter:
         )
         # the carry depends on the masked inputs: a masked value, valid everywhere (a compact mask)
         outs = [Pair(c, jnp.ones((1,) * np.ndim(c), bool)) for c in carry]
-        for y in ys:  # valid where the step's row is: (length, rows, 1, ...), or (length, 1, ...)
-            if np.ndim(rows) == 2 and np.ndim(y) >= 2 and np.shape(y)[1] == np.shape(rows)[1]:
-                m = jnp.reshape(rows, np.shape(rows) + (1,) * (np.ndim(y) - 2))
-            else:
+        for y, a in zip(ys, ys_axes):  # valid where the step's row is, along the step's row axis
+            if np.ndim(rows) == 2 and a is not None and np.shape(y)[a + 1] == np.shape(rows)[1]:
+                shape = [1] * np.ndim(y)
+                shape[0], shape[a + 1] = np.shape(rows)
+                m = jnp.reshape(rows, shape)
+            else:  # an output with no row axis: valid where some row is
                 valid = jnp.any(rows, axis=1) if np.ndim(rows) == 2 else rows
                 m = jnp.reshape(valid, (np.shape(y)[0],) + (1,) * (np.ndim(y) - 1))
             outs.append(Pair(y, m))
@@ -773,11 +793,14 @@ class _Interpreter:
 
     def _while(self, params, invals):
         nc, nb = params["cond_nconsts"], params["body_nconsts"]
-        cconsts, bconsts, carry = invals[:nc], invals[nc : nc + nb], _materialized(invals[nc + nb :])
+        cconsts, bconsts, carry = invals[:nc], invals[nc : nc + nb], invals[nc + nb :]
         cj, bj = params["cond_jaxpr"], params["body_jaxpr"]
         ins = self.ins
         c_ins, b_ins = ins[:nc] + ins[nc + nb :], ins[nc : nc + nb] + ins[nc + nb :]
         c_sub, b_sub = self._sub(cj.jaxpr), self._sub(bj.jaxpr)
+        # a carry no masked value reaches (a loop counter, a bound) stays plain: its value indexes
+        masked = _masked_carries(bj.jaxpr, [p.mask is not None for p in bconsts], carry, [])
+        carry = [_materialized([p])[0] if m else p for p, m in zip(carry, masked)]
 
         def cond_fn(c):
             with self._apart():
@@ -786,7 +809,8 @@ class _Interpreter:
 
         def body_fn(c):
             with self._apart():
-                return _materialized(self.run(bj.jaxpr, bj.consts, list(bconsts) + list(c), infos=b_ins, sub=b_sub))
+                outs = self.run(bj.jaxpr, bj.consts, list(bconsts) + list(c), infos=b_ins, sub=b_sub)
+            return [_materialized([o])[0] if m else _plain(o) for o, m in zip(outs, masked)]
 
         return lax.while_loop(cond_fn, body_fn, carry)
 
@@ -794,30 +818,42 @@ class _Interpreter:
         nconsts, ncarry = _scan_counts(params, len(invals))
         consts, carry_in, xs = invals[:nconsts], invals[nconsts : nconsts + ncarry], invals[nconsts + ncarry :]
         masked_xs = [p.mask is not None for p in xs]  # (plain inputs say nothing about padding)
-        rows = _whole_rows(consts, carry_in, xs, params["jaxpr"].jaxpr)
-        if rows is not None:
-            return self._scan_whole_rows(params, consts, carry_in, xs, rows, ncarry)
+        whole = _whole_rows(consts, carry_in, xs, params["jaxpr"].jaxpr, self.facts)
+        if whole is not None:
+            return self._scan_whole_rows(params, consts, carry_in, xs, whole, ncarry)
+        carry_axes, ys_axes = _loop_axes(consts, carry_in, xs, params["jaxpr"].jaxpr)
         xs = [p if p.mask is None else _materialized([p])[0] for p in xs]  # plain inputs stay plain
         body = params["jaxpr"]
         ins, sub = self._step_infos(self.ins, nconsts, ncarry), self._sub(body.jaxpr)
+        # a carry no masked value reaches (a loop counter: fori_loop's index) stays plain
+        masked = _masked_carries(body.jaxpr, [p.mask is not None for p in consts], carry_in, masked_xs)
 
         def step(c, x):
             with self._apart():
                 outs = self.run(body.jaxpr, body.consts, list(consts) + list(c) + list(x), infos=ins, sub=sub)
             # each carry's mask at the shape it came in with (a compact one stays compact)
-            carry, ys = [_mask_shaped(o, np.shape(old.mask)) for o, old in zip(outs, c)], _materialized(outs[ncarry:])
+            carry = [_mask_shaped(o, np.shape(old.mask)) if m else _plain(o) for o, old, m in zip(outs, c, masked)]
+            ys = _materialized(outs[ncarry:])
             missing = _missing_rows([p.mask for p, m in zip(x, masked_xs) if m])
             if missing is not None:  # a padded step: the carry is left as it was, the outputs masked
-                carry = [_where_rows(missing, old, new) for old, new in zip(c, carry)]
-                ys = [Pair(y.data, y.mask & ~_rows_like(missing, y.mask)) for y in ys]
+                carry = [
+                    _mask_shaped(_where_rows(missing, old, new, a), np.shape(old.mask))
+                    if m
+                    else Pair(jnp.where(_rows_at(missing, new.data, a), old.data, new.data), None)
+                    for old, new, a, m in zip(c, carry, carry_axes, masked)
+                ]
+                ys = [Pair(y.data, y.mask & ~_rows_at(missing, y.mask, a)) for y, a in zip(ys, ys_axes)]
             return carry, ys
 
         # The carries' masks keep their compact shapes where the body keeps them (a (B, L, 1) token
         # mask through stacked layers: the whole calls of the body see token masks), found by
         # tracing one step; else they are materialised at the data's shape.
-        carry = _materialized(carry_in)
-        compact = [Pair(p.data, compact_or_ones(p.mask, np.shape(p.data), self.facts)) for p in carry_in]
-        if any(np.shape(a.mask) != np.shape(b.mask) for a, b in zip(compact, carry)):
+        carry = [_materialized([p])[0] if m else p for p, m in zip(carry_in, masked)]
+        compact = [
+            Pair(p.data, compact_or_ones(p.mask, np.shape(p.data), self.facts)) if m else p
+            for p, m in zip(carry_in, masked)
+        ]
+        if any(a.mask is not None and np.shape(a.mask) != np.shape(b.mask) for a, b in zip(compact, carry)):
             one = [jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a)[1:], a.dtype), x) for x in xs]
             try:
                 jax.eval_shape(step, compact, one)
@@ -846,28 +882,97 @@ def _placed_rows(r, axis):
     return _diagonal(r, axis)
 
 
-def _whole_rows(consts, carry, xs, body):
+def _whole_rows(consts, carry, xs, body, facts):
     """For a scan whose constants and initial carry are plain, whose masked inputs are masked by
-    whole rows (each step's row all valid or all masked: a token mask) and whose ``body`` never
-    mixes the rows of those inputs (:func:`masked_jax._maskify._rows.row_axes`), the valid rows of
-    each step, (length, rows) (or (length,) when the steps have no row axis); else ``None``."""
+    whole rows (each step's row all valid or all masked: a token mask), all by the same rows (a
+    step where one input is masked and another valid is not missing, and reads its masked input as
+    masked: the body's masked rules must run), and whose ``body`` never mixes the rows of those
+    inputs (:func:`masked_jax._maskify._rows.scan_axes`): ``(the valid rows of each step, the
+    carries' row axes, the outputs' row axes)``, the rows (length, rows) (or (length,) when the
+    steps have no row axis); else ``None``."""
     if any(p.mask is not None for p in [*consts, *carry]):
         return None
-    masks = [ranked(p.mask, np.ndim(p.data)) for p in xs if p.mask is not None]
+    masks = [ranked(p.mask, np.ndim(p.data), facts) for p in xs if p.mask is not None]
     if not masks or any(np.ndim(m) < 1 or any(n != 1 for n in np.shape(m)[2:]) for m in masks):
+        return None
+    if not _same_rows(masks, facts):
         return None
     lead = {np.shape(p.data)[1] for p in xs if p.mask is not None and np.ndim(p.data) >= 2}
     length = np.shape(xs[0].data)[0]
     if len(lead) > 1 or (lead and any(np.ndim(p.data) < 2 for p in xs if p.mask is not None)):
         return None
+    carry_axes, ys_axes = [None] * len(carry), [None] * (len(body.outvars) - len(carry))
     if lead:  # a valid row's step must read no padded row
-        axes_in = [None] * (len(consts) + len(carry)) + [0 if p.mask is not None else None for p in xs]
-        outs = _rows.row_axes(body, axes_in, next(iter(lead)))
-        if outs is None or any(a not in (None, 0) for a in outs):
+        xs_in = [0 if p.mask is not None else None for p in xs]
+        found = _rows.scan_axes(body, [None] * len(consts), carry_axes, xs_in, next(iter(lead)))
+        if found is None or any(a not in (None, 0) for a in found[0] + found[1]):
             return None
+        carry_axes, ys_axes = found
     shape = (length, *lead)
-    valid = [jnp.broadcast_to(jnp.reshape(m, np.shape(m)[: len(shape)]), shape) for m in masks]
-    return functools.reduce(jnp.logical_or, valid)
+    return jnp.broadcast_to(jnp.reshape(masks[0], np.shape(masks[0])[: len(shape)]), shape), carry_axes, ys_axes
+
+
+def _same_rows(masks, facts) -> bool:
+    """Whether the (length, rows, 1, ...) masks of a scan's inputs are known, when traced, to hold
+    the same values: the same array, or masks recorded as the same factors (one token mask seen
+    through the same moves)."""
+    first = masks[0]
+    if all(m is first for m in masks):
+        return True
+
+    def rows(m):
+        return frozenset(_factors.Factor(f.root, f.axes[:2]) for f in _factors.without_implied(facts.factors(m)))
+
+    return len({rows(m) for m in masks}) == 1
+
+
+def _loop_axes(consts, carry, xs, body):
+    """``(carries' row axes, outputs' row axes)`` of a scan run through the masked rules: the rows
+    are those of :func:`_missing_rows` (the leading axis of every masked input's step), a carry's
+    row axis is where its initial mask varies along the rows or where the body puts the rows
+    (:func:`masked_jax._maskify._rows.scan_axes`, reading through what mixes rows); ``None`` for a
+    value with no row axis (a step counter, a total over the rows), whatever its size."""
+    lead = {np.shape(p.data)[1] if np.ndim(p.data) >= 2 else -1 for p in xs if p.mask is not None}
+    nys = len(body.outvars) - len(carry)
+    n = lead.pop() if len(lead) == 1 else -1
+    if n < 0:  # the steps have no rows: one flag per step
+        return [None] * len(carry), [None] * nys
+    masks = [ranked(p.mask, np.ndim(p.data)) for p in carry]
+    carry_in = [0 if m is not None and np.ndim(m) >= 1 and np.shape(m)[0] == n > 1 else None for m in masks]
+    xs_in = [0 if p.mask is not None else None for p in xs]
+    found = _rows.scan_axes(body, [None] * len(consts), carry_in, xs_in, n, lenient=True)
+    return found if found is not None else ([None] * len(carry), [None] * nys)
+
+
+def _masked_carries(body, consts_masked, carry, xs_masked):
+    """Which carries of a loop ``body`` (a jaxpr of constants, carries, then inputs) may be masked:
+    those whose initial value is masked, and those whose new value the body computes from a masked
+    value (a masked constant, input or carry), to a fixed point. Every other carry holds values
+    no masked input reaches (a loop counter, a bound, a key): it is plain, and stays plain, so a
+    ``fori_loop``'s index reads ``x[:, i]`` as a plain index."""
+    masked = [p.mask is not None for p in carry]
+    while True:
+        reached = _reached(body, [*consts_masked, *masked, *xs_masked])
+        new = [m or r for m, r in zip(masked, reached)]
+        if new == masked:
+            return masked
+        masked = new
+
+
+def _reached(jaxpr, tainted):
+    """Which outputs of ``jaxpr`` are computed from an input marked in ``tainted``."""
+    taint = {v for v, t in zip(jaxpr.invars, tainted) if t}
+    for eqn in jaxpr.eqns:
+        if any(not _jaxpr.is_literal(v) and v in taint for v in eqn.invars):
+            taint.update(eqn.outvars)
+    return [not _jaxpr.is_literal(v) and v in taint for v in jaxpr.outvars]
+
+
+def _plain(p: Pair) -> Pair:
+    """A loop carry that no masked value reaches (see :func:`_masked_carries`): plain, as it came in."""
+    if p.mask is not None:  # an equation with plain operands only gives a plain result
+        raise AssertionError("a loop carry computed from plain values alone came out masked")
+    return p
 
 
 class _GrowingMask(Exception):
@@ -898,15 +1003,20 @@ def _missing_rows(masks):
     return ~functools.reduce(jnp.logical_or, valid)
 
 
-def _rows_like(missing, x):
-    """``missing`` (rows, or one flag) laid along the leading axis of ``x`` when ``x`` has those
-    rows; otherwise the step is missing for ``x`` only where it is missing for every row."""
-    if np.ndim(missing) and np.ndim(x) and np.shape(x)[0] == np.shape(missing)[0]:
-        return jnp.reshape(missing, np.shape(missing) + (1,) * (np.ndim(x) - 1))
-    return jnp.all(missing)
+def _rows_at(missing, x, axis):
+    """``missing`` (rows, or one flag) laid along ``axis`` of ``x``, the row axis the scan's body
+    gives ``x`` (see :func:`_loop_axes`); for a value with no row axis (``None``: a step counter,
+    a total), the step is missing only where it is missing for every row."""
+    if not np.ndim(missing):
+        return missing
+    if axis is None or np.ndim(x) <= axis or np.shape(x)[axis] != np.shape(missing)[0]:
+        return jnp.all(missing)
+    shape = [1] * np.ndim(x)
+    shape[axis] = np.shape(missing)[0]
+    return jnp.reshape(missing, shape)
 
 
-def _where_rows(missing, old: Pair, new: Pair) -> Pair:
+def _where_rows(missing, old: Pair, new: Pair, axis) -> Pair:
     """The carry after a step: ``old`` in the missing rows, ``new`` elsewhere (data and mask)."""
-    m = _rows_like(missing, new.data)
+    m = _rows_at(missing, new.data, axis)
     return Pair(jnp.where(m, old.data, new.data), jnp.where(m, old.mask, new.mask))

@@ -42,16 +42,40 @@ class Mixed(Exception):
     """The jaxpr mixes rows (or does something the analysis does not follow)."""
 
 
-def row_axes(jaxpr, axes_in, rows):
+def row_axes(jaxpr, axes_in, rows, lenient=False):
     """The row axis of each output of ``jaxpr`` given ``axes_in`` (the row axis of each input, or
-    ``None``), where the rows are ``rows`` long; ``None`` when some equation mixes rows."""
+    ``None``), where the rows are ``rows`` long; ``None`` when some equation mixes rows. With
+    ``lenient``, an equation that mixes rows (or that the analysis does not follow) gives values
+    with no row axis instead: the layout of each value, whatever its body reads."""
     try:
-        return _run(jaxpr, axes_in, rows)
+        return _run(jaxpr, axes_in, rows, lenient)
     except Mixed:
         return None
 
 
-def _run(jaxpr, axes_in, rows):
+def scan_axes(body, consts_in, carry_in, xs_in, rows, lenient=False):
+    """``(carries' row axes, outputs' row axes)`` of a scan ``body`` whose inputs have the row axes
+    ``consts_in``, ``xs_in`` (one step's) and, to begin with, ``carry_in``; ``None`` where the body
+    mixes rows (see :func:`row_axes`). A carry's row axis is the one the body gives it, decided
+    from the structure (which values it is computed from), not from its size: it is read until
+    the carries' axes come back as they went in. A carry that does not settle has none."""
+    carry = list(carry_in)
+    for _ in range(len(carry) + 2):
+        outs = row_axes(body, [*consts_in, *carry, *xs_in], rows, lenient)
+        if outs is None:
+            return None
+        new, ys = list(outs[: len(carry)]), list(outs[len(carry) :])
+        if new == carry:
+            return carry, ys
+        carry = new
+    if not lenient:
+        return None
+    settled = [NONE] * len(carry)
+    outs = row_axes(body, [*consts_in, *settled, *xs_in], rows, lenient) or []
+    return settled, list(outs[len(carry) :])
+
+
+def _run(jaxpr, axes_in, rows, lenient=False):
     env = {}
 
     def read(v):
@@ -64,7 +88,12 @@ def _run(jaxpr, axes_in, rows):
         if all(a is NONE for a in ins):
             outs = [NONE] * len(eqn.outvars)
         else:
-            outs = _equation(eqn, ins, rows)
+            try:
+                outs = _equation(eqn, ins, rows, lenient)
+            except Mixed:
+                if not lenient:
+                    raise
+                outs = [NONE] * len(eqn.outvars)
         for v, a in zip(eqn.outvars, outs):
             env[v] = a
     return [read(v) for v in jaxpr.outvars]
@@ -74,11 +103,11 @@ def _shape(v):
     return tuple(v.aval.shape)
 
 
-def _equation(eqn, ins, rows):
+def _equation(eqn, ins, rows, lenient=False):
     prim, params = eqn.primitive, eqn.params
     body = _jaxpr.call_body(eqn)
     if body is not None:
-        return _run(body[0], ins, rows)
+        return _run(body[0], ins, rows, lenient)
     out_shapes = [_shape(v) for v in eqn.outvars]
     if _free.entrywise(prim) or prim in _SAME:
         axes = {a for a in ins if a is not NONE}

@@ -125,6 +125,8 @@ def _linalg(spec):
 def _reductions(spec):
     def rule(prim, invals, facts, **params):
         (x,) = invals
+        if prim in OVER_NOTHING and reductions.empty_slices(jnp.shape(x.data), params["axes"]):
+            return over_nothing(prim, x, params)
         if "reverse" in params:  # cumsum_p, cumprod_p: the op's running rule, the primitive's data
             fn = lambda d, axis=None: prim.bind(d, axis=axis, reverse=params["reverse"])  # noqa: E731
             identity = {"cumsum": 0, "cumprod": 1}[spec.name]
@@ -137,6 +139,23 @@ def _reductions(spec):
         return Pair(out.data if spec.name in ("any", "all") else out.data.astype(dtype), out.mask)
 
     return rule
+
+
+# reductions with a value over a zero-size slice: their identity (lax's own value there)
+OVER_NOTHING = frozenset(
+    (P.reduce_sum_p, P.reduce_prod_p, P.reduce_max_p, P.reduce_min_p, P.reduce_or_p, P.reduce_and_p, P.reduce_xor_p)
+)
+
+
+def over_nothing(prim, x: Pair, params) -> Pair:
+    """A reduction whose slices have no element at all (a zero-size axis among ``axes``): its
+    identity, valid, as ``masked_jax.numpy`` gives it (a sum 0, a product 1, ``any`` False, ``all``
+    True; a maximum ``-inf``, the value lax gives it: ``jnp.max`` refuses an empty slice before it
+    reaches the primitive, and ``jax.nn.logsumexp`` of nothing reads it to give ``-inf``). No
+    element is masked there, so no mask decides. The mask is an all-valid array, not ``None``: a
+    mean of nothing (this sum over its element count, 0) is still recognised, and masked."""
+    data = prim.bind(x.data, **params)
+    return Pair(data, jnp.ones((1,) * np.ndim(data), bool))
 
 
 ADAPTERS = {"elementwise": _elementwise, "binary": _binary, "linalg": _linalg, "reductions": _reductions}
@@ -427,6 +446,8 @@ def _same_value(prim, invals, facts, **params):
 
 def _reduce_xor(prim, invals, facts, axes, **params):
     (x,) = invals
+    if reductions.empty_slices(jnp.shape(x.data), axes):
+        return over_nothing(prim, x, dict(params, axes=axes))
     m = materialize(x.mask, jnp.shape(x.data))
     return Pair(prim.bind(fill(x.data, m, 0), axes=axes, **params), jnp.any(m, axis=tuple(axes)))
 

@@ -5,14 +5,17 @@ size depends on the data, so they need concrete inputs, as in ``jax.numpy``.
 from __future__ import annotations
 
 import builtins
+import operator
 from typing import Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from masked_jax._core import MaskedArray, from_pair
 from masked_jax.numpy._common import as_dense_masked
+from masked_jax.ops._base import Pair
 
 
 def valid_values(x):
@@ -144,22 +147,94 @@ def unique(
     axis: int | None = None,
     *,
     equal_nan: bool = True,
+    size: int | None = None,
+    fill_value=None,
 ):
     """The sorted distinct valid values of ``ar`` (and, as in ``numpy.unique``, the first indices,
-    the inverse and the counts, over the flattened array). Needs concrete arrays.
+    the inverse and the counts, over the flattened array). Needs concrete arrays, unless ``size``
+    is given.
+
+    With ``size`` (``jax.numpy.unique``'s form for ``jit``), the result has ``size`` entries: the
+    distinct valid values in order, then fill entries, as ``jnp.unique`` gives for the valid
+    entries alone: ``fill_value``, or the smallest valid value where it is ``None``. The fill
+    entries are valid (they are the result's own values, not padding); where ``ar`` has no valid
+    entry and ``fill_value`` is ``None`` there is no value to fill with, and they are masked. The
+    first indices (positions in ``ar``, flattened) are then a masked array too, valid where ``ar``
+    has a valid entry; the counts of fill entries are 0.
 
     Examples:
         >>> import jax.numpy as jnp, masked_jax as mj, masked_jax.numpy as mnp
-        >>> mnp.unique(mj.masked_array(jnp.array([3, 1, 3, 8]), jnp.array([True, True, True, False])))
+        >>> x = mj.masked_array(jnp.array([3, 1, 3, 8]), jnp.array([True, True, True, False]))
+        >>> mnp.unique(x)
         MaskedArray([1 3], dtype=int32)
+        >>> mnp.unique(x, size=4, fill_value=0)
+        MaskedArray([1 3 0 0], dtype=int32)
     """
     if axis is not None:
         raise ValueError(
             "unique: axis= has no masked meaning (rows with masked entries are not values); pass axis=None"
         )
+    if size is not None:
+        x = as_dense_masked(ar)
+        values, first, inverse, counts = sized_unique(
+            x.data, x.compact_mask, size=size, fill_value=fill_value, equal_nan=equal_nan
+        )
+        extra = [from_pair(*first)] * return_index + [from_pair(*inverse)] * return_inverse
+        extra += [counts.data] * return_counts
+        return (from_pair(*values), *extra) if extra else from_pair(*values)
     r = unique_of_valid(ar, equal_nan=equal_nan, index=return_index, inverse=return_inverse, counts=return_counts)
     extra = [r.indices] * return_index + [r.inverse_indices] * return_inverse + [r.counts] * return_counts
     return (r.values, *extra) if extra else r.values
+
+
+def sized_unique(data, mask, *, size: int, fill_value=None, equal_nan: builtins.bool = True):
+    """``jnp.unique(data, size=size, fill_value=fill_value, equal_nan=equal_nan)`` over the valid
+    entries of the flattened ``data`` (``mask``: broadcastable to it, ``None`` for all valid), as
+    ``(values, first indices, inverse, counts)``, each a :class:`~masked_jax.ops._base.Pair` (see
+    :func:`unique`; the inverse is masked where ``data`` is, the counts are always valid). Traceable:
+    one sort with the masked entries last, then ``jnp.unique``'s own steps on the valid ones."""
+    size = operator.index(size)
+    shape = jnp.shape(data)
+    flat = jnp.ravel(data)
+    n = flat.shape[0]
+    valid = jnp.ones((n,), bool) if mask is None else jnp.ravel(jnp.broadcast_to(mask, shape))
+    if n == 0 and size and fill_value is None:
+        raise ValueError("unique: for zero-sized input with nonzero size argument, fill_value must be specified")
+    if jnp.issubdtype(flat.dtype, jnp.complexfloating):  # as jnp.unique: any NaN part is one NaN
+        flat = jnp.where(jnp.isnan(flat), jnp.array(jnp.nan, flat.dtype), flat)
+    index_dtype = jax.dtypes.canonicalize_dtype(int)
+    masked_first, aux, order = lax.sort(
+        (~valid, flat, lax.iota(index_dtype, n)), dimension=0, is_stable=True, num_keys=2
+    )  # the valid entries first, sorted; then the masked ones
+    if n:
+        same = aux[1:] == aux[:-1]
+        if equal_nan and jnp.issubdtype(flat.dtype, jnp.inexact):
+            same = same | (jnp.isnan(aux[1:]) & jnp.isnan(aux[:-1]))
+        first = ~masked_first & jnp.concatenate([jnp.ones((1,), bool), ~same])
+    else:
+        first = jnp.zeros((0,), bool)
+    num, num_valid = jnp.sum(first), jnp.sum(valid)
+    anything = jnp.reshape(num > 0, (1,))
+    if n:
+        ind = jnp.nonzero(first, size=size, fill_value=0)[0]
+        values, starts = aux[ind], order[ind]
+    else:
+        values, starts = jnp.zeros((size,), flat.dtype), jnp.zeros((size,), index_dtype)
+    if fill_value is not None:
+        fill = jnp.asarray(fill_value).astype(values.dtype)
+        values = jnp.where(jnp.arange(size) < num, values, fill)
+    values_valid = jnp.ones((1,), bool) if fill_value is not None else anything
+    rank = jnp.cumsum(first, dtype=index_dtype) - 1
+    inverse = jnp.zeros((n,), index_dtype).at[order].set(rank).reshape(shape)
+    idx = jnp.nonzero(first, size=size + 1, fill_value=0)[0] if n else jnp.zeros((size + 1,), index_dtype)
+    idx = idx.at[1:].set(jnp.where(idx[1:], idx[1:], num_valid))
+    counts = jnp.diff(idx).astype(index_dtype)
+    return (
+        Pair(values, values_valid),
+        Pair(starts.astype(index_dtype), anything),
+        Pair(inverse, mask),
+        Pair(counts, None),
+    )
 
 
 __all__ = ["unique_all", "unique_counts", "unique_inverse", "unique_values", "isin", "unique"]

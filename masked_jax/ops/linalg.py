@@ -1,7 +1,8 @@
 """Contractions (matmul, dot, einsum, ...) over the indices where both operands are valid.
 
 ``out[i, j] = sum_k a[i, k] b[k, j]`` over the ``k`` where ``a[i, k]`` and
-``b[k, j]`` are both valid; ``out[i, j]`` is valid iff one such ``k`` exists.
+``b[k, j]`` are both valid; ``out[i, j]`` is valid iff one such ``k`` exists, or iff there is no
+``k`` at all (a zero-size contracted dim: a sum of nothing, 0).
 Because masked-out entries are replaced by 0 before contracting, the data is
 the contraction of the filled operands, and the mask is the same contraction
 applied to the masks as 0/1 numbers, compared with 0.
@@ -42,6 +43,10 @@ def contraction(fn):
             return Pair(fn(*(o.data for o in operands), **kwargs), None)
         valid = [jnp.broadcast_to(True if o.mask is None else o.mask, jnp.shape(o.data)) for o in operands]
         mask = fn(*(v.astype(jnp.float32) for v in valid), **kwargs) > 0
+        if any(np.size(o.data) == 0 for o in operands):
+            # an output with no term at all (a zero-size contracted dim) is a sum of nothing: 0, valid
+            terms = fn(*(jnp.ones(jnp.shape(o.data), jnp.float32) for o in operands), **kwargs)
+            mask = mask | (terms == 0)
         return Pair(_contract_data(fn, operands, **kwargs), mask)
 
     rule.__name__ = getattr(fn, "__name__", "contraction")
@@ -128,6 +133,9 @@ def dot_general(bind, a: Pair, b: Pair, dimension_numbers, facts: Facts = NO_FAC
     ma, mb = ranked(a.mask, nda, facts), ranked(b.mask, ndb, facts)
     if ma is None and mb is None:
         return Pair(bind(a.data, b.data), None)
+    if any(jnp.shape(a.data)[d] == 0 for d in lc):  # no term at all: a sum of nothing, 0 and valid
+        out = bind(a.data, b.data)
+        return Pair(out, jnp.ones((1,) * np.ndim(out), bool))
     const_a = ma is None or uniform_along(ma, lc)
     const_b = mb is None or uniform_along(mb, rc)
     if not (const_a and const_b or _same_along_contraction(ma, mb, nda, ndb, lc, rc, lb, rb, facts)):
@@ -226,8 +234,6 @@ def _compact_mask_contraction(ma, mb, shape_a, shape_b, lc, rc, lb, rb):
             mb = any_valid(mb, mb.shape, (db,), keepdims=True)
         elif mb.shape[db] == 1 and ma.shape[da] != 1:
             ma = any_valid(ma, ma.shape, (da,), keepdims=True)
-        if shape_a[da] == 0:  # nothing to contract: no term at all
-            ma = jnp.zeros_like(ma)
     for da, db in zip(lb, rb):
         size = max(ma.shape[da], mb.shape[db])
         ma = jnp.broadcast_to(ma, ma.shape[:da] + (size,) + ma.shape[da + 1 :])
