@@ -232,7 +232,7 @@ def _relativity(closed, on_data, pairs) -> _positions.Relativity:
                 shape = [n + growth[n] if n in growth else n for n in shape]
             weak = bool(getattr(p.data, "weak_type", False))
             structs.append(jax.ShapeDtypeStruct(tuple(shape), jnp.result_type(p.data), weak_type=weak))
-        return jax.make_jaxpr(on_data)(*structs).jaxpr
+        return jax.make_jaxpr(on_data)(*structs)
 
     extended = None
     for plain_too in (True, False):  # plain arrays as long as a token axis grow with it, if they can
@@ -241,7 +241,7 @@ def _relativity(closed, on_data, pairs) -> _positions.Relativity:
             break
         except Exception:  # noqa: BLE001, PERF203 - a program that does not trace at another length
             continue
-    return _positions.relativity(closed.jaxpr, extended, lengths)
+    return _positions.relativity(closed, extended, lengths)
 
 
 _EAGER_PROGRAMS: dict = {}

@@ -378,10 +378,15 @@ class _Interpreter:
         for a token length, and literals that do (read off the second trace). For one example the
         literal is replaced by its value, and nothing is per example."""
         rows = {}
+        # arithmetic of a length with an array the user gave (``seq_lengths - 1 + L``, a negative
+        # index normalised) stays in padded coordinates, as the given array is
+        given = _coords.entrywise(eqn.primitive) and any(
+            not _jaxpr.is_literal(v) and v not in self.per_row and not self.info_of(v).number for v in eqn.invars
+        )
         for k, v in enumerate(eqn.invars):
             if _jaxpr.is_literal(v):
                 length = self.positions.relativity.length_of(self.path, k)
-                if length is None:
+                if length is None or given:
                     continue
                 count, batch = self._count(length)
                 if count is None:

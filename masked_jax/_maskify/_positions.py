@@ -162,14 +162,15 @@ def growth(lengths) -> dict:
     return {n: i + 1 for i, n in enumerate(sorted(lengths))}
 
 
-def relativity(jaxpr, extended, lengths) -> Relativity:
-    """The :class:`Relativity` of ``jaxpr`` given the ``extended`` one (see there); ``lengths``: the
-    ragged axes' lengths (positional equations on other axes are not read)."""
+def relativity(closed, extended, lengths) -> Relativity:
+    """The :class:`Relativity` of the closed jaxpr ``closed`` given the ``extended`` one (see
+    there); ``lengths``: the ragged axes' lengths (positional equations on other axes are not
+    read)."""
     if extended is None or not lengths:
         return Relativity()
     shifts: dict = {}
     literals: dict = {}
-    _walk(jaxpr, {}, extended, {}, (), lengths, shifts, literals)
+    _walk(closed.jaxpr, _consts(closed), extended.jaxpr, _consts(extended), (), lengths, shifts, literals)
     return Relativity(shifts, literals, growth(lengths))
 
 
@@ -184,6 +185,11 @@ def positional(jaxpr, lengths) -> bool:
             if any(n in lengths for n in getattr(eqn.invars[0].aval, "shape", ())):
                 return True
     return False
+
+
+def _consts(closed):
+    """The concrete constants of ``closed`` by variable (index arrays the program holds)."""
+    return {v: np.asarray(c) for v, c in zip(closed.jaxpr.constvars, closed.consts) if not is_tracer(c)}
 
 
 _POSITIONAL = frozenset((P.slice_p, P.dynamic_slice_p, P.gather_p, P.dynamic_update_slice_p, P.iota_p))
