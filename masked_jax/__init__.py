@@ -21,6 +21,8 @@ from masked_jax._core import is_masked_leaf as is_masked_leaf
 from masked_jax._core import masked_array as masked_array
 from masked_jax._core import tree_map_data as tree_map_data
 from masked_jax._maskify import MaskifyError as MaskifyError
+from masked_jax._maskify import lengths as lengths
+from masked_jax._maskify import mask_of as mask_of
 from masked_jax._maskify import maskify as maskify
 from masked_jax.checking import InvarianceError as InvarianceError
 from masked_jax.checking import InvarianceReport as InvarianceReport

@@ -539,10 +539,12 @@ def test_one_program_per_class(name):
 
 def _positional(structure):
     """Does the program read positions along the tokens? Where their meaning cannot be carried,
-    a ``MaskifyError`` is the contract's answer; the custom rules, segments over ids read from the
-    data, casts and ``unique`` must run."""
+    a ``MaskifyError`` is the contract's answer (also for ``jnp.unique`` under ``vmap``, which the
+    docs list as raising); the custom rules, segments over ids read from the data and casts must
+    run."""
     *steps, pool = structure
-    return pool in ("first", "last") or any(
+    # jnp.unique under vmap raises, as docs/maskify.md says (call it directly, or masked_jax.numpy's)
+    return pool in ("first", "last", "unique") or any(
         kind in ("causal_conv", "pad", "concat_token", "position", "slice", "sort")
         or (kind == "segment" and arg[1] == "pairs")
         for kind, arg in steps

@@ -11,11 +11,14 @@ Layer 4, beside :mod:`masked_jax.embeddings`: it reads the op registry's semanti
 * ``_scan``: the ``lax.associative_scan`` calls of a jaxpr, found by their equations' source;
 * ``_calls``: library calls found the same way (``jax.nn.dot_product_attention``, flax's), run as
   their masked function;
+* ``_ask``: :func:`mask_of` and :func:`lengths`, the mask read inside the function;
 * ``_errors``: :class:`MaskifyError` and its messages.
 """
 
 from masked_jax._maskify._api import maskify as maskify
 from masked_jax._maskify._api import reusing_traces as reusing_traces  # for the checkers
+from masked_jax._maskify._ask import lengths as lengths
+from masked_jax._maskify._ask import mask_of as mask_of
 from masked_jax._maskify._errors import MaskifyError as MaskifyError
 
-__all__ = ["MaskifyError", "maskify"]
+__all__ = ["MaskifyError", "lengths", "mask_of", "maskify"]

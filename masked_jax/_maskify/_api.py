@@ -62,7 +62,7 @@ def maskify(fun, *, positions: str = "unpadded"):
         >>> mj.maskify(jax.nn.softmax)(x).mask
         Array([ True,  True, False], dtype=bool)
         >>> mj.maskify(lambda v: v[-1])(x)  # the last valid entry
-        Array(2., dtype=float32)
+        MaskedArray(2.0, dtype=float32)
     """
     if not callable(fun):
         raise TypeError(f"maskify: fun must be callable; got {type(fun).__name__}.")

@@ -65,6 +65,9 @@ class Info(NamedTuple):
     masked: bool = False
     pad: tuple | None = None  # per axis, the (lo, hi) of a pad that made this value, or None
     position: bool = False  # an ``arange``'s values as they are (moved, converted, plus 0)
+    # plain, and computed over every entry of an axis built as long as a token axis (a sum or a
+    # segment count over ``arange(L)``): its value depends on the padded length
+    spans: bool = False
 
 
 def plain(ndim: int, number: bool = False) -> Info:
@@ -256,9 +259,28 @@ def _shift(tied, path, k, length):
     return 0 if s is None or k >= np.size(s) else int(np.ravel(s)[k])
 
 
+def _tied(t) -> bool:
+    return isinstance(t, Ragged) and t.layout == "U" and t.space[0] == "length"
+
+
+_SPANNING = _REDUCTIONS | frozenset(_rules.SCATTERS) | {P.dot_general_p, P.sort_p}
+
+
 def equation(eqn, ins: list[Info], tied=None, path=()) -> list[Info]:
     """The :class:`Info` of each result of ``eqn`` from its operands' (``tied``, ``path``: see
     :func:`analyse`)."""
+    outs = _equation(eqn, ins, tied, path)
+    if _jaxpr.call_body(eqn) is not None:  # (the call's own equations tell)
+        return outs
+    spans = any(i.spans for i in ins)
+    if not spans and eqn.primitive in _SPANNING and not any(i.masked for i in ins):
+        before = {t.space for i in ins for t in i.axes if _tied(t)}
+        after = {t.space for o in outs for t in o.axes if _tied(t)}
+        spans = bool(before - after) or (eqn.primitive is P.sort_p and bool(before))
+    return [o._replace(spans=True) for o in outs] if spans else outs
+
+
+def _equation(eqn, ins: list[Info], tied=None, path=()) -> list[Info]:
     prim, params = eqn.primitive, eqn.params
     out_shapes = [_shape(v) for v in eqn.outvars]
     in_shapes = [_shape(v) if not _jaxpr.is_literal(v) else np.shape(v.val) for v in eqn.invars]

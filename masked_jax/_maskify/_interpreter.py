@@ -29,7 +29,7 @@ from jax import lax
 from jax.extend import core as jcore
 
 from masked_jax import _jaxpr
-from masked_jax._maskify import _calls, _coords, _custom, _free, _positions, _recognise, _rows, _spaces, _unique
+from masked_jax._maskify import _ask, _calls, _coords, _custom, _free, _positions, _recognise, _rows, _spaces, _unique
 from masked_jax._maskify import _rules as primitives
 from masked_jax._maskify._constants import (
     _as_constant,
@@ -125,13 +125,23 @@ class _Interpreter:
         )
         if self.counts is None:  # the function's own jaxpr
             self.counts, self.args = _spaces.counts(jaxpr), list(args)
+            self.spaces.lengths = {
+                n
+                for p in args
+                if p.mask is not None
+                for n, m in zip(np.shape(p.data), np.shape(ranked(p.mask, np.ndim(p.data))))
+                if m > 1
+            }
         if sub is not None:
             self.prefix = self.path + (sub,)
-        if self.top is None:
+        outermost = self.top is None
+        if outermost:
             self.top = (list(args), list(infos) if infos is not None else [None] * len(args))
         self.per_row = {v: r for v, r in zip(jaxpr.invars, rows_in or ()) if r is not None}
         try:
             outs = self._run(jaxpr, consts, args, literal_args, free_args, infos)
+            if outermost:
+                outs = [o if _jaxpr.is_literal(v) else self._existing(v, o) for v, o in zip(jaxpr.outvars, outs)]
             self.out_rows = [None if _jaxpr.is_literal(v) else self.per_row.get(v) for v in jaxpr.outvars]
             frees = [self._free_of(v) for v in jaxpr.outvars]
             if keep_free:
@@ -237,6 +247,11 @@ class _Interpreter:
             if scan is not None and i in scan[0].readers:  # the call reads its valid elements, moved
                 invals = [scan[1].get(v, p) for v, p in zip(eqn.invars, invals)]
                 frees = [None if v in scan[1] else f for v, f in zip(eqn.invars, frees)]
+            if eqn.primitive is P.jit_p and eqn.params.get("name") == _ask.NAME:  # mj.mask_of
+                p = self.resolved(invals[0], frees[0])
+                env[eqn.outvars[0]] = Pair(materialize(p.mask, np.shape(p.data)), None)
+                self.producer[eqn.outvars[0]] = eqn
+                continue
             rows = self._rows_in(eqn, invals)
             if rows and all(p.mask is None for p in invals):  # plain: computed per example too
                 for v, o in zip(eqn.outvars, self._plain_rows(eqn, invals, rows)):
@@ -257,6 +272,8 @@ class _Interpreter:
                 self._track_literals(eqn, invals, constants[eqn.outvars[0]], minus)
                 continue
             if any(p.mask is not None for p in invals):
+                if any(p.mask is None and self.info_of(v).spans for v, p in zip(eqn.invars, invals)):
+                    raise self._spans_error(eqn)
                 moved = self._positional(eqn, invals, frees)
                 if moved is not None:
                     invals, frees, outs = moved
@@ -337,6 +354,10 @@ class _Interpreter:
         if not any(isinstance(t, _coords.Ragged) for i in ins for t in i.axes):
             return None
         moved = self.positions.meet(eqn, invals, ins, out) if out is not None else invals
+        if eqn.primitive in primitives.SCATTERS:
+            moved = self.positions.scattered(eqn, moved, ins)
+            if any((isinstance(t, _coords.Ragged) and t.layout == "U") or t is _coords.BUILT for t in ins[1].axes):
+                self.spaces.grows(self.spaces.ids(invals[1].data))  # ids made of positions
         changed = any(a is not b for a, b in zip(moved, invals))
         if changed:
             frees = [None if a is not b else f for a, b, f in zip(moved, invals, frees)]
@@ -352,6 +373,28 @@ class _Interpreter:
         then interpreted, not bound: its numbers differ per example)."""
         n = len(self.path)
         return any(p[:n] == self.path and len(p) > n for p in self.positions.relativity.literals)
+
+    def _existing(self, v, p):
+        """A result of the function with the entries of each axis built as long as a token axis
+        (``arange(L)``, ids made of it) that lie past the example's valid count masked: the
+        unpadded example has no such entry."""
+        info = self.info_of(v)
+        n = np.ndim(p.data)
+        if len(info.axes) != n:
+            return p
+        rows = next((a for a, t in enumerate(info.axes) if t == _coords.ROWS), None)
+        for a, t in enumerate(info.axes):
+            if not (isinstance(t, _coords.Ragged) and t.layout == "U" and t.space[0] == "length"):
+                continue
+            count, batch = self._count(t.space[1])
+            if count is None or (batch is not None and rows is None):
+                continue
+            lay = tuple(np.shape(p.data)[b] if b == rows else 1 for b in range(n))
+            exists = lax.broadcasted_iota(jnp.int32, tuple(np.shape(p.data)[a] if b == a else 1 for b in range(n)), a)
+            exists = exists < jnp.reshape(count, lay)
+            mask = exists if p.mask is None else ranked(p.mask, n) & exists
+            p = Pair(p.data, jnp.broadcast_to(mask, np.shape(p.data)) if p.mask is None else mask)
+        return p
 
     def _count(self, length):
         """``(count, batch)``: the valid count of the function's masked inputs' token axis of
@@ -535,6 +578,15 @@ class _Interpreter:
             f"length stands for each example's own) reaches '{eqn.primitive.name}', where maskify cannot "
             "carry it per example. Pass the positions as an argument (for example "
             "lengths + step), or compute them from the masked inputs."
+        )
+
+    def _spans_error(self, eqn):
+        return MaskifyError(
+            f"maskify({self.fun_name}): a value computed over every position of an axis built as long "
+            f"as a token axis (a sum, sort or segment count over jnp.arange(L) or ids made from it) "
+            f"meets masked data at '{eqn.primitive.name}'; it counts the padded positions, which the "
+            "unpadded example does not have. Compute it from the masked inputs (a count as a sum "
+            "of x * 0 + 1), or pass it in as an argument."
         )
 
     def _rule(self, prim):

@@ -26,7 +26,7 @@ import numpy as np
 from jax import lax
 
 from masked_jax import _jaxpr
-from masked_jax._maskify import _coords
+from masked_jax._maskify import _coords, _rules
 from masked_jax._maskify._coords import BUILT, Info, Ragged
 from masked_jax._maskify._errors import MaskifyError
 from masked_jax._validate import is_tracer
@@ -409,6 +409,28 @@ class Positions:
                         "function from the masked inputs."
                     )
         return invals
+
+    def scattered(self, eqn, invals, ins: list[Info]):
+        """A scatter's operands with its updates moved to its ids' coordinates: where the ids along
+        an update's scatter axis are positions in the unpadded example (``arange(L) // 2``) and the
+        masked updates are in padded coordinates, the updates' valid entries go first, in order
+        (token ``r`` of the example goes where ``ids[r]`` says)."""
+        if eqn.primitive not in _rules.SCATTERS or len(invals) != 3:
+            return invals
+        x, idx, upd = invals
+        if upd.mask is None:
+            return invals
+        dn = eqn.params["dimension_numbers"]
+        scatter_dims = [d for d in range(np.ndim(upd.data)) if d not in dn.update_window_dims]
+        idx_dims = [d for d in range(np.ndim(idx.data)) if d != np.ndim(idx.data) - 1]
+        moved = upd
+        for u, i in zip(scatter_dims, idx_dims):
+            t_idx = ins[1].axes[i] if i < len(ins[1].axes) else None
+            t_upd = ins[2].axes[u] if u < len(ins[2].axes) else None
+            built = t_idx is BUILT or (isinstance(t_idx, Ragged) and t_idx.layout == "U")
+            if built and isinstance(t_upd, Ragged) and t_upd.layout == "P":
+                moved = to_unpadded(moved, ins[2], u)
+        return invals if moved is upd else [x, idx, moved]
 
     def contract(self, eqn, invals, ins: list[Info], rules):
         """A contraction along a token axis between values in different coordinates (``tril(ones)

@@ -18,7 +18,10 @@ receives nothing) and masked where they are padding. The ids tell the space:
 
 A scatter result itself anchors nothing: its mask says which slots a valid update reached, not
 which entries of the space exist. Where no anchor is known when a free slot is read, the slot is
-masked (the rule with no array of the space in sight).
+masked (the rule with no array of the space in sight), unless the space is as long as no axis
+along which the function's masked inputs vary: then it is a fixed set of segments
+(``segment_sum(x, sign, 2)``), every one present in the unpadded example, and its free slots are
+valid.
 
 Each space is kept per batch: the anchor of a gather with batching dims (a ``vmap``) is its
 validity over ``(batching dims..., the indexed dim)``, flattened; a scatter's free slots hold
@@ -222,6 +225,18 @@ class Spaces:
         self._parent: dict[int, Any] = {}  # id(ids) -> ids it is joined to
         self._anchors: dict[int, tuple[tuple, Any]] = {}  # id(representative ids) -> (sizes, validity)
         self._alive: list = []  # the ids keyed by identity above, kept alive for the call (no id reused)
+        # the lengths of the axes along which the function's masked inputs vary: a space of
+        # another length (``segment_sum(x, ids, 2)``) is a fixed set of segments, all of them
+        # present in every example
+        self.lengths: set = set()
+        self._grows: set = set()  # id(representative ids) of ids made of token positions
+
+    def grows(self, ids):
+        """``ids`` are made of positions along a token axis (``arange(L) // 2``): their space grows
+        with the example, its unreached slots are masked."""
+        ids = self._find(ids)
+        self._alive.append(ids)
+        self._grows.add(id(ids))
 
     @contextlib.contextmanager
     def apart(self):
@@ -258,6 +273,9 @@ class Spaces:
         array of the space is in sight (or its layout differs)."""
         ids, sizes = space
         hit = self._anchors.get(id(self._find(ids)))
+        fixed = sizes and sizes[-1] not in self.lengths and id(self._find(ids)) not in self._grows
+        if hit is None and fixed:  # a fixed set of segments
+            return jnp.ones((int(np.prod(sizes)),), bool)
         if hit is None or hit[0] != tuple(sizes):
             return None
         return hit[1]
