@@ -57,13 +57,13 @@ test: $(STAMP)
 # renderings, the real models, the second half of the sampled sweeps, the sparse-storage sweep of
 # every op on every layout), then the full jnp oracle:
 # every registered op and public function against jax.numpy in every dtype, value set, mask,
-# poison and eager/jit case (MJ_ORACLE=full), then the maskify program fuzzer with 120 examples
-# (8 in `make test`).
+# poison and eager/jit case (MJ_ORACLE=full), then the maskify program fuzzer with 40 examples
+# (3 in `make test`; each example compiles several programs, about 15 s on 2 cores).
 test-slow: $(STAMP) browser
 	JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(PY) -m pytest tests -m slow -n $${MJ_TEST_WORKERS:-auto} --dist worksteal
 	MJ_ORACLE=full JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(PY) -m pytest tests/test_conformance.py \
 		-k "oracle or equals_jnp" -n $${MJ_TEST_WORKERS:-auto} --dist worksteal
-	MJ_FUZZ_EXAMPLES=$${MJ_FUZZ_EXAMPLES:-120} JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(PY) -m pytest -q \
+	MJ_FUZZ_EXAMPLES=$${MJ_FUZZ_EXAMPLES:-40} JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(PY) -m pytest -q \
 		tests/test_program_fuzz.py -k random_program
 
 # The heavier sweeps: every (op, dtype, value set, mask, eager/jit) case of the jnp oracle, and

@@ -70,7 +70,7 @@ import masked_jax as mj
 
 B, L, F = 3, 5, 3
 RTOL = 2e-4
-EXAMPLES = int(os.environ.get("MJ_FUZZ_EXAMPLES", "8"))
+EXAMPLES = int(os.environ.get("MJ_FUZZ_EXAMPLES", "3"))
 # each example compiles several programs: shrinking a failure takes minutes, so it is asked for
 PHASES = tuple(Phase) if os.environ.get("MJ_FUZZ_SHRINK") == "1" else (Phase.explicit, Phase.reuse, Phase.generate)
 PADDINGS = ("right", "left", "holes", "rows")
