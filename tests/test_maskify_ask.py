@@ -96,8 +96,10 @@ def test_outside_maskify_the_answers_are_the_arrays_own():
     assert bool(mj.mask_of(jnp.asarray(X)).all())
     np.testing.assert_array_equal(np.asarray(jax.jit(mj.lengths)(jnp.asarray(X))), np.full(B, L))
     np.testing.assert_array_equal(np.asarray(mj.lengths(jnp.asarray(X), axis=-1)), np.full((B, L), D))
-    with pytest.raises(ValueError, match="out of range"):
+    with pytest.raises(ValueError, match="axis 3 is out of range"):
         mj.lengths(jnp.asarray(X), axis=3)
+    with pytest.raises(TypeError, match="axis must be an int"):
+        mj.lengths(jnp.asarray(X), axis=1.0)
 
 
 def test_the_data_hand_off_counts_the_padding_and_the_masked_mean_does_not():

@@ -72,6 +72,8 @@ def lengths(x, axis: int = 1) -> jax.Array:
         >>> mj.lengths(jnp.ones((2, 3, 4)))
         Array([3, 3], dtype=int32)
     """
+    if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)):
+        raise TypeError(f"lengths: axis must be an int, got {type(axis).__name__} {axis!r}.")
     m = mask_of(x)
     n = np.ndim(m)
     if not -n <= axis < n:

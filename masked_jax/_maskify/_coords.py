@@ -39,6 +39,7 @@ from jax import lax
 
 from masked_jax import _jaxpr
 from masked_jax._maskify import _rules
+from masked_jax._maskify._rows import REDUCTIONS, RUNNING
 from masked_jax._maskify._scan import associative_scans
 
 
@@ -147,20 +148,6 @@ _LOGIC = frozenset((P.and_p, P.or_p, P.not_p, P.xor_p, P.select_n_p))
 _NUMERIC = frozenset(
     (P.add_p, P.sub_p, P.mul_p, P.neg_p, P.max_p, P.min_p, P.clamp_p, P.convert_element_type_p, P.select_n_p)
 ) | frozenset((P.div_p, P.rem_p, P.abs_p, P.sign_p, P.copy_p, P.floor_p, P.ceil_p, P.round_p))
-_REDUCTIONS = frozenset(
-    (
-        P.reduce_sum_p,
-        P.reduce_max_p,
-        P.reduce_min_p,
-        P.reduce_prod_p,
-        P.reduce_and_p,
-        P.reduce_or_p,
-        P.reduce_xor_p,
-        P.argmax_p,
-        P.argmin_p,
-    )
-)
-_RUNNING = frozenset((P.cumsum_p, P.cumprod_p, P.cummax_p, P.cummin_p, P.cumlogsumexp_p))
 WINDOWS = frozenset((P.conv_general_dilated_p, P.reduce_window_sum_p, P.reduce_window_max_p, P.reduce_window_min_p))
 
 
@@ -263,7 +250,7 @@ def _tied(t) -> bool:
     return isinstance(t, Ragged) and t.layout == "U" and t.space[0] == "length"
 
 
-_SPANNING = _REDUCTIONS | frozenset(_rules.SCATTERS) | {P.dot_general_p, P.sort_p}
+_SPANNING = REDUCTIONS | frozenset(_rules.SCATTERS) | {P.dot_general_p, P.sort_p}
 
 
 def equation(eqn, ins: list[Info], tied=None, path=()) -> list[Info]:
@@ -330,12 +317,12 @@ def _equation(eqn, ins: list[Info], tied=None, path=()) -> list[Info]:
         return [x._replace(axes=tuple(x.axes[p] for p in params["permutation"]))]
     if prim is P.squeeze_p:
         return [x._replace(axes=tuple(t for i, t in enumerate(x.axes) if i not in params["dimensions"]))]
-    if prim in _REDUCTIONS:
+    if prim in REDUCTIONS:
         reduced = tuple(params["axes"])
         kept = tuple(t for i, t in enumerate(x.axes) if i not in reduced)
         number = prim in (P.argmax_p, P.argmin_p) and any(is_ragged(x.axes[a]) for a in reduced)
         return [Info(kept, number=number or (x.number and prim is not P.reduce_sum_p), masked=masked)]
-    if prim in _RUNNING:
+    if prim in RUNNING:
         return [x._replace(order=False)]
     if prim is P.rev_p:
         return [x]

@@ -56,6 +56,10 @@ _CALLS = _jaxpr.CALL_PRIMITIVES
 _LOOPS = frozenset((P.cond_p, P.while_p, P.scan_p))
 
 
+# what one jaxpr's run holds, saved and restored around the run of a nested one
+_FRAME = ("env", "producer", "uses", "free", "blocks", "info", "prefix", "path", "per_row")
+
+
 class _Interpreter:
     def __init__(self, fun_name, relativity: _positions.Relativity | None = None, live=None):
         self.fun_name = fun_name
@@ -112,17 +116,7 @@ class _Interpreter:
         :attr:`per_row`); the outputs' are left in :attr:`out_rows`."""
         if self.live is None:
             self.live = frozenset(id(c) for c in consts if is_tracer(c))
-        outer = (
-            self.env,
-            self.producer,
-            self.uses,
-            self.free,
-            self.blocks,
-            self.info,
-            self.prefix,
-            self.path,
-            self.per_row,
-        )
+        outer = {name: getattr(self, name) for name in _FRAME}  # inner calls (jit, loop bodies) nest
         if self.counts is None:  # the function's own jaxpr
             self.counts, self.args = _spaces.counts(jaxpr), list(args)
             self.spaces.lengths = {
@@ -149,17 +143,8 @@ class _Interpreter:
                 return outs
             return [self.resolved(o, f) for o, f in zip(outs, frees)]
         finally:
-            (
-                self.env,
-                self.producer,
-                self.uses,
-                self.free,
-                self.blocks,
-                self.info,
-                self.prefix,
-                self.path,
-                self.per_row,
-            ) = outer
+            for name, value in outer.items():
+                setattr(self, name, value)
 
     def _free_of(self, v):
         return None if _jaxpr.is_literal(v) else self.free.get(v)

@@ -20,7 +20,8 @@ from jax import lax
 from masked_jax import _jaxpr
 from masked_jax._maskify import _free, _rules
 
-_REDUCTIONS = frozenset(
+# reductions along some axes, and running ones along one (their axes are told by their params)
+REDUCTIONS = frozenset(
     (
         P.reduce_sum_p,
         P.reduce_max_p,
@@ -28,11 +29,12 @@ _REDUCTIONS = frozenset(
         P.reduce_prod_p,
         P.reduce_and_p,
         P.reduce_or_p,
+        P.reduce_xor_p,
         P.argmax_p,
         P.argmin_p,
     )
 )
-_RUNNING = frozenset((P.cumsum_p, P.cumprod_p, P.cummax_p, P.cummin_p, P.cumlogsumexp_p))
+RUNNING = frozenset((P.cumsum_p, P.cumprod_p, P.cummax_p, P.cummin_p, P.cumlogsumexp_p))
 _SAME = frozenset((P.copy_p, P.stop_gradient_p, P.reduce_precision_p, lax.optimization_barrier_p))
 
 NONE = None  # a value that does not depend on the rows (a parameter, a constant)
@@ -148,11 +150,11 @@ def _equation(eqn, ins, rows, lenient=False):
         if params["dimension"] in {x for x in ins if x is not NONE} or len({x for x in ins if x is not NONE}) != 1:
             raise Mixed
         return [a]
-    if prim in _REDUCTIONS or prim in _RUNNING:
+    if prim in REDUCTIONS or prim in RUNNING:
         axes = tuple(params["axes"]) if "axes" in params else (params["axis"],)
         if a in axes:
             raise Mixed
-        return [a if prim in _RUNNING else a - sum(d < a for d in axes)]
+        return [a if prim in RUNNING else a - sum(d < a for d in axes)]
     if prim is _rules.SPLIT_P and prim is not None:
         if params["axis"] == a:
             raise Mixed
