@@ -89,26 +89,97 @@ def _mask_along(p: Pair, axis):
     return m
 
 
+def right_padded(valid, axis):
+    """Whether every slice of the pattern ``valid`` holds its valid entries first (right padding,
+    the usual batch): then padded and unpadded coordinates agree on the valid entries, and a move
+    between them is no move."""
+    n = np.shape(valid)[axis]
+    if n < 2:
+        return jnp.array(True)
+    head = lax.slice_in_dim(valid, 0, n - 1, axis=axis)
+    tail = lax.slice_in_dim(valid, 1, n, axis=axis)
+    return jnp.all(head | ~tail)
+
+
+def _moved(valid, axis, same, general, *operands):
+    """``general(*operands)``, a move along ``axis`` by the pattern ``valid`` (gathers by rank), or
+    ``same(*operands)`` where the pattern is right padded, where the move is the identity on the
+    valid entries: a conditional, so the usual batch runs no gather (nor, in the gradient, the
+    gathers' scatters). ``same`` returns what ``general`` does, up to the masked entries' data."""
+    return lax.cond(right_padded(valid, axis), same, general, *operands)
+
+
+def _fit(x, length, axis, shape):
+    """``x`` cut or extended (by its last entry: masked places only) to ``length`` along ``axis``,
+    broadcast to ``shape``: entry ``j`` of ``x`` stays at ``j``."""
+    n = np.shape(x)[axis]
+    if n > length:
+        x = lax.slice_in_dim(x, 0, length, axis=axis)
+    elif n < length:
+        widths = [(0, length - n if a == axis else 0) for a in range(np.ndim(x))]
+        x = jnp.pad(x, widths, mode="edge")
+    return jnp.broadcast_to(x, shape)
+
+
+def gathered_shape(x, idx, axis):
+    """The shape of :func:`take`'s result: ``x`` and ``idx`` broadcast, ``idx``'s length along ``axis``."""
+    return tuple(
+        np.shape(idx)[axis] if a == axis else s
+        for a, s in enumerate(
+            np.broadcast_shapes(
+                tuple(1 if a == axis else s for a, s in enumerate(np.shape(x))),
+                tuple(1 if a == axis else s for a, s in enumerate(np.shape(idx))),
+            )
+        )
+    )
+
+
 def to_unpadded(p: Pair, info: Info, axis: int) -> Pair:
     """``p`` in unpadded coordinates along ``axis``: the valid entries first, in order."""
-    _, _, order = ranks(pattern(p, info, axis), axis)
-    return Pair(take(p.data, order, axis), take(_mask_along(p, axis), order, axis))
+    valid = pattern(p, info, axis)
+    mask = _mask_along(p, axis)
+    shapes = (gathered_shape(p.data, valid, axis), gathered_shape(mask, valid, axis))
+
+    def general(data, mask):
+        _, _, order = ranks(valid, axis)
+        return take(data, order, axis), take(mask, order, axis)
+
+    def same(data, mask):
+        return jnp.broadcast_to(data, shapes[0]), jnp.broadcast_to(mask, shapes[1])
+
+    return Pair(*_moved(valid, axis, same, general, p.data, mask))
 
 
 def to_padded(u: Pair, valid, axis: int) -> Pair:
     """``u`` (in unpadded coordinates along ``axis``) with its entry ``j`` at the ``j``-th valid place
     of the pattern ``valid``; the pattern's masked places are masked."""
-    rank, _, _ = ranks(valid, axis)
-    at = jnp.clip(rank, 0, jnp.shape(u.data)[axis] - 1)
-    mask = valid & take(_mask_along(u, axis), at, axis)
-    return Pair(take(u.data, at, axis), mask)
+    mask = _mask_along(u, axis)
+    length = np.shape(valid)[axis]
+    shapes = (gathered_shape(u.data, valid, axis), gathered_shape(mask, valid, axis))
+
+    def general(data, mask):
+        rank, _, _ = ranks(valid, axis)
+        at = jnp.clip(rank, 0, np.shape(data)[axis] - 1)
+        return take(data, at, axis), take(mask, at, axis)
+
+    def same(data, mask):
+        return _fit(data, length, axis, shapes[0]), _fit(mask, length, axis, shapes[1])
+
+    data, mask = _moved(valid, axis, same, general, jnp.asarray(u.data), mask)
+    return Pair(data, valid & mask)
 
 
 def built_to_padded(x, valid, axis):
     """A plain value holding at entry ``j`` what belongs to position ``j`` of the unpadded example
     (``pos_emb[jnp.arange(L)]``), read at each valid place's rank."""
-    rank, _, _ = ranks(valid, axis)
-    return take(x, jnp.clip(rank, 0, jnp.shape(x)[axis] - 1), axis)
+    length = np.shape(valid)[axis]
+    shape = gathered_shape(x, valid, axis)
+
+    def general(x):
+        rank, _, _ = ranks(valid, axis)
+        return take(x, jnp.clip(rank, 0, np.shape(x)[axis] - 1), axis)
+
+    return _moved(valid, axis, lambda x: _fit(x, length, axis, shape), general, jnp.asarray(x))
 
 
 # -- which bounds count from the end ---------------------------------------------------------------
@@ -223,16 +294,40 @@ def _producers(jaxpr):
     return {v: e for e in jaxpr.eqns for v in e.outvars}
 
 
+class _Lazy(dict):
+    """Values computed on first read: ``{var: thunk}``; reading one runs its thunk once (a value
+    that cannot be computed raises :class:`_Unknown`, every time). Most inputs of a call's body are
+    never read by a positional rule, and computing one at trace time runs (and compiles) its ops."""
+
+    def __getitem__(self, var):
+        value = super().__getitem__(var)
+        if isinstance(value, _Thunk):
+            value = value()
+            super().__setitem__(var, value)
+        return value
+
+
+class _Thunk:
+    def __init__(self, fn):
+        self.fn, self.failed = fn, False
+
+    def __call__(self):
+        if self.failed:
+            raise _Unknown
+        try:
+            return self.fn()
+        except _Unknown:
+            self.failed = True
+            raise
+
+
 def _known_inputs(eqn, inner, known, producers, jaxpr):
-    """The inputs of a call's body computed from literals in the caller."""
-    out = {}
+    """The inputs of a call's body computed from literals in the caller, each when first read."""
+    out = _Lazy()
     if _jaxpr.call_body(eqn) is None:
         return out
     for v, outer in zip(inner.invars, eqn.invars):
-        try:
-            out[v] = _value(jaxpr, outer, known, producers)
-        except _Unknown:
-            pass
+        out[v] = _Thunk(lambda outer=outer: _value(jaxpr, outer, known, producers))
     return out
 
 

@@ -21,11 +21,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from masked_jax import _jaxpr
+from masked_jax._maskify import _positions
 from masked_jax._maskify import _rules as primitives
 from masked_jax._maskify._constants import _concrete_scalar, _known, _uniform_scalar
 from masked_jax._maskify._errors import MaskifyError
 from masked_jax.ops import normalization
-from masked_jax.ops._base import Pair, and_masks, fill, materialize
+from masked_jax.ops._base import Pair, and_masks, fill, materialize, ranked
 
 
 def weighted_mean(interp, eqn, invals):
@@ -298,40 +299,59 @@ def associative_scan(interp, call, elems):
             "all its leaves are."
         )
     shape, axis = shapes.pop(), call.axis
-    valid = materialize(and_masks(*(p.mask for p in elems), facts=interp.facts), shape)
     n = shape[axis]
+    valid = ranked(and_masks(*(p.mask for p in elems), facts=interp.facts), len(shape))
+    if valid is None:
+        valid = jnp.ones((1,) * len(shape), bool)
+    valid = jnp.broadcast_to(valid, tuple(n if a == axis else s for a, s in enumerate(np.shape(valid))))
     count = jnp.sum(valid, axis=axis, keepdims=True, dtype=jnp.int32)
-    place = jax.lax.broadcasted_iota(jnp.int32, shape, axis)
-    # the valid elements' positions first (last with reverse), each row's order kept
-    order = jnp.argsort(valid if call.reverse else ~valid, axis=axis, stable=True)
     first = n - count  # with reverse, where the valid elements begin
-    source = jnp.clip(place, first, n - 1) if call.reverse else jnp.minimum(place, jnp.maximum(count - 1, 0))
-    source = jnp.take_along_axis(order, source, axis=axis)
-    moved = {
-        v: Pair(jnp.take_along_axis(fill(p.data, valid, 0, facts=interp.facts), source, axis=axis), None)
-        for v, p in zip(call.elems, elems)
-    }
-    rank = jnp.cumsum(valid, axis=axis, dtype=jnp.int32) - 1
-    back = jnp.clip(rank + first if call.reverse else rank, 0, n - 1)
-    return moved, (valid, back, axis)
+    # no move where the valid elements already stand where the scan wants them: first (last with
+    # reverse) in every row, as in the usual right- (left-) padded batch
+    in_place = _positions.right_padded(jnp.flip(valid, axis) if call.reverse else valid, axis)
+    datas = [fill(p.data, valid, 0, facts=interp.facts) for p in elems]
+
+    def general(*datas):
+        place = jax.lax.broadcasted_iota(jnp.int32, np.shape(valid), axis)
+        # the valid elements' positions first (last with reverse), each row's order kept
+        order = jnp.argsort(valid if call.reverse else ~valid, axis=axis, stable=True)
+        source = jnp.clip(place, first, n - 1) if call.reverse else jnp.minimum(place, jnp.maximum(count - 1, 0))
+        source = jnp.take_along_axis(order, source, axis=axis)
+        return [_positions.take(d, source, axis) for d in datas]
+
+    def same(*datas):  # the masked places hold a copy of the nearest valid element
+        edge = jnp.minimum(first, n - 1) if call.reverse else jnp.maximum(count - 1, 0)
+        return [jnp.where(valid, d, _positions.take(d, edge, axis)) for d in datas]
+
+    moved = dict(zip(call.elems, (Pair(d, None) for d in jax.lax.cond(in_place, same, general, *datas))))
+    return moved, (valid, in_place, first if call.reverse else None, shape, axis)
 
 
 def scan_results(interp, state, outs):
     """The results of an :func:`associative_scan` call, moved back to the valid elements' places and
     masked where the elements are (or where ``fn`` made a result masked)."""
-    valid, back, axis = state
+    valid, in_place, first, shape, axis = state
+    n = shape[axis]
     results = []
     for p in outs:
-        if jnp.shape(p.data) != valid.shape:
+        if jnp.shape(p.data) != shape:
             raise MaskifyError(
                 f"maskify({interp.fun_name}): a result of lax.associative_scan has shape "
-                f"{jnp.shape(p.data)}, not its elements' {valid.shape}; a scan over masked elements "
+                f"{jnp.shape(p.data)}, not its elements' {shape}; a scan over masked elements "
                 "needs results shaped like them."
             )
-        data = jnp.take_along_axis(p.data, back, axis=axis)
-        mask = valid
-        if p.mask is not None:
-            mask = valid & jnp.take_along_axis(materialize(p.mask, valid.shape), back, axis=axis)
+        inner = jnp.ones((1,) * len(shape), bool) if p.mask is None else ranked(p.mask, len(shape))
+
+        def general(data, inner):
+            rank = jnp.cumsum(valid, axis=axis, dtype=jnp.int32) - 1
+            back = jnp.clip(rank + first if first is not None else rank, 0, n - 1)
+            return _positions.take(data, back, axis), _positions.take(inner, back, axis)
+
+        def same(data, inner):
+            return data, jnp.broadcast_to(inner, _positions.gathered_shape(inner, valid, axis))
+
+        data, inner = jax.lax.cond(in_place, same, general, p.data, inner)
+        mask = valid if p.mask is None else valid & inner
         results.append(Pair(fill(data, mask, 0, facts=interp.facts), mask))
     return results
 
