@@ -25,6 +25,7 @@ import contextlib
 from typing import Any, NamedTuple
 
 import jax
+import jax.extend.core.primitives as P
 import jax.numpy as jnp
 import numpy as np
 
@@ -344,6 +345,55 @@ def evaluate(fn, values, dtypes, derivatives=True):
     cache_key = None if key is None else (key, tuple(values), tuple(str(d) for d in dtypes), derivatives)
     if cache_key is not None and cache_key in _SAFE_CACHE:
         return _SAFE_CACHE[cache_key]
+    host = None if key is None else _scalar_on_host(key[0], values, dtypes, derivatives)
+    if host is not None:
+        result = host
+    else:
+        result = _evaluated(fn, values, dtypes, derivatives)
+    if cache_key is not None:
+        if len(_SAFE_CACHE) >= 8192:  # bounded: programs differ in their ops and values
+            _SAFE_CACHE.clear()
+        _SAFE_CACHE[cache_key] = result
+    return result
+
+
+def _scalar_on_host(prim, values, dtypes, derivatives):
+    """:func:`evaluate` by numpy for the arithmetic whose value and partial derivatives it computes
+    as XLA does (one IEEE operation each: ``+ - * /``, ``max``, ``min`` on float16/32/64 scalars),
+    with no program compiled; ``None`` for anything else."""
+    if not isinstance(prim, jax.extend.core.Primitive) or prim not in _HOST_ARITHMETIC or len(values) != 2:
+        return None
+    dts = [np.dtype(jax.dtypes.canonicalize_dtype(d)) for d in dtypes]  # float64 is float32 without x64
+    if any(d not in (np.float16, np.float32, np.float64) for d in dts) or dts[0] != dts[1]:
+        return None
+    with np.errstate(all="ignore"):
+        a, b = (np.asarray(v, d)[()] for v, d in zip(values, dts))
+        out = _HOST_ARITHMETIC[prim](a, b)
+        partials = []
+        if derivatives:
+            if prim is P.mul_p:
+                partials = [b, a]
+            elif prim is P.div_p:
+                partials = [np.divide(np.ones_like(b), b), np.negative(a) * np.divide(np.ones_like(b), b * b)]
+    tiny = np.finfo(dts[0]).tiny
+    if any(0 < abs(float(x)) < tiny for x in (a, b, out, *partials)):
+        return None  # XLA on the CPU flushes subnormals to zero; numpy keeps them
+    finite = bool(np.isfinite(out)) and all(bool(np.isfinite(d)) for d in partials)
+    return (out.item(), finite)
+
+
+_HOST_ARITHMETIC = {
+    P.add_p: np.add,
+    P.sub_p: np.subtract,
+    P.mul_p: np.multiply,
+    P.div_p: np.divide,
+    P.max_p: np.maximum,
+    P.min_p: np.minimum,
+}
+
+
+def _evaluated(fn, values, dtypes, derivatives):
+    """:func:`evaluate`'s result computed by jax (each scalar op compiled once per process)."""
     try:
         with jax.ensure_compile_time_eval(), _on_host():
             args = [jnp.asarray(v, d) for v, d in zip(values, dtypes)]
@@ -364,8 +414,4 @@ def evaluate(fn, values, dtypes, derivatives=True):
                 result = (out.item(), finite)
     except Exception:  # noqa: BLE001 - an op that does not take scalars: nothing known
         result = (None, False)
-    if cache_key is not None:
-        if len(_SAFE_CACHE) >= 8192:  # bounded: programs differ in their ops and values
-            _SAFE_CACHE.clear()
-        _SAFE_CACHE[cache_key] = result
     return result
