@@ -4,9 +4,9 @@
 * a move between padded and unpadded coordinates, and ``lax.associative_scan``'s moves, skip their
   gathers where the batch is right padded (left padded for a reverse scan): both branches give the
   per-row unpadded results, values and gradients, with NaN in the padding;
-* the constants a program computes from literals, and the scalar arithmetic maskify evaluates to
-  know whether a masked operand needs sanitising, are computed on the host, exactly as XLA computes
-  them, so tracing a maskify'd function compiles nothing.
+* the scalar arithmetic maskify evaluates to know whether a masked operand needs sanitising
+  (``x / sqrt(d)``, ``2 * x - 1``) is computed on the host, exactly as XLA computes it, so tracing
+  such a function compiles nothing.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import pytest
 from jax import lax
 
 import masked_jax as mj
-from masked_jax._maskify import _constants, _positions
+from masked_jax._maskify import _positions
 from masked_jax.ops import _factors
 
 PATTERNS = {
@@ -84,46 +84,7 @@ def test_associative_scan_equals_each_row_alone_on_every_padding(padding, revers
     assert np.isfinite(np.asarray(g_m.filled(0))).all() and np.isfinite(np.asarray(g_c.filled(0))).all()
 
 
-# -- constants on the host -------------------------------------------------------------------------------
-CONSTANTS = {
-    "tril": lambda: jnp.tril(jnp.ones((5, 5), jnp.float32)),
-    "arange <= t": lambda: jnp.arange(7) <= 3,
-    "iota grid": lambda: lax.broadcasted_iota(jnp.int32, (3, 4), 1) * 2 - lax.broadcasted_iota(jnp.int32, (3, 4), 0),
-    "concat, slice, flip": lambda: jnp.flip(jnp.concatenate([jnp.arange(4), jnp.arange(3) + 10])[1:6:2]),
-    "transpose, reshape": lambda: jnp.reshape(jnp.transpose(jnp.arange(6, dtype=jnp.int8).reshape(2, 3)), (6,)),
-    "int to float": lambda: (jnp.arange(5) * 3 - 7).astype(jnp.float32),
-    "select": lambda: jnp.where(jnp.arange(6) % 2 == 0, jnp.float32(-jnp.inf), jnp.float32(2.5)),
-    "max, min, neg, not": lambda: (~(jnp.maximum(-jnp.arange(5), -2) < jnp.minimum(jnp.arange(5), 3))),
-    "int overflow": lambda: jnp.full((3,), 2**30, jnp.int32) * 4 + jnp.arange(3, dtype=jnp.int32),
-    "float to bool": lambda: jnp.asarray([0.0, -0.0, jnp.nan, 1.0], jnp.float32).astype(bool),
-    "comparisons with NaN": lambda: jnp.asarray([jnp.nan, 1.0, -jnp.inf], jnp.float32) >= jnp.float32(1.0),
-}
-
-
-@pytest.mark.parametrize("name", list(CONSTANTS))
-def test_constants_on_the_host_equal_the_compiled_ones(name):
-    with jax.disable_jit():  # jnp's inner jits inlined: one level of equations, as the interpreter sees each
-        closed = jax.make_jaxpr(CONSTANTS[name])()
-    group = [e for e in closed.jaxpr.eqns if not e.primitive.multiple_results]
-    assert len(group) == len(closed.jaxpr.eqns)
-    literals = [v.val for e in group for v in e.invars if isinstance(v, jax.extend.core.Literal)]
-    consts = dict(zip(closed.jaxpr.constvars, closed.consts))
-    want = jax.core.eval_jaxpr(closed.jaxpr, closed.consts)
-    got = _constants._on_host(group, consts, literals)
-    if got is None:  # a weakly typed output or an inexact operation: left to the compiled program
-        pytest.fail(f"{name}: expected every equation of {[e.primitive for e in group]} on the host")
-    for v, w in zip(closed.jaxpr.outvars, want):
-        np.testing.assert_array_equal(np.asarray(got[v]), np.asarray(w))
-        assert got[v].dtype == w.dtype and got[v].shape == w.shape
-
-
-def test_inexact_constants_stay_with_the_compiled_program():
-    with jax.disable_jit():
-        closed = jax.make_jaxpr(lambda: jnp.exp(jnp.arange(3, dtype=jnp.float32)) + jnp.float32(1.5))()
-    literals = [v.val for e in closed.jaxpr.eqns for v in e.invars if isinstance(v, jax.extend.core.Literal)]
-    assert _constants._on_host(closed.jaxpr.eqns, {}, literals) is None
-
-
+# -- scalar arithmetic on the host --------------------------------------------------------------------
 SPECIAL = [0.0, -0.0, 1.0, -2.5, 3e-39, 1e38, 65504.0, math.inf, -math.inf, math.nan]
 ARITHMETIC = [P.add_p, P.sub_p, P.mul_p, P.div_p, P.max_p, P.min_p]
 
@@ -159,20 +120,19 @@ def _compare_scalar_arithmetic(prim, dtype):
 
 
 def test_tracing_a_maskified_function_compiles_nothing(caplog):
-    """Constants (``tril``, ``arange(L) <= t``) and scalar arithmetic (``/ sqrt(d)``) are known
-    without compiling a program, so a trace after a cleared cache compiles nothing of its own."""
+    """Scalar arithmetic with a masked operand (``/ sqrt(d)``, ``* 2.0 - 1.0``) is known to need no
+    sanitising without compiling a program, so a trace after a cleared cache compiles nothing."""
 
-    def attend(x):
-        n = x.shape[1]
+    def scaled(x):
         s = jnp.einsum("bqd,bkd->bqk", x, x) / math.sqrt(x.shape[-1])
-        s = jnp.where(jnp.tril(jnp.ones((n, n), bool)) & (jnp.arange(n) <= n - 2), s, -jnp.inf)
         return jnp.einsum("bqk,bkd->bqd", jax.nn.softmax(s, -1), x * 2.0 - 1.0)
 
     valid = jnp.asarray(PATTERNS["holes"][:3])
     x = mj.masked_array(jnp.ones((3, 6, 4)), valid[..., None])
-    jax.jit(mj.maskify(attend)).trace(x)  # the first trace in this process may fill caches
+    jax.jit(mj.maskify(scaled)).trace(x)  # the first trace in this process may fill caches
     jax.clear_caches()
+    _factors._SAFE_CACHE.clear()  # (what maskify learned about the scalars, kept per process)
     with caplog.at_level(logging.WARNING), jax.log_compiles(True):
-        jax.jit(mj.maskify(attend)).trace(x)
+        jax.jit(mj.maskify(scaled)).trace(x)
     compiles = [r.getMessage() for r in caplog.records if "Compiling" in r.getMessage()]
     assert compiles == []

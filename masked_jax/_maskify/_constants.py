@@ -88,9 +88,6 @@ def _literal_constants(jaxpr, literal, env):
         hash(key)
     except TypeError:  # a parameter that is not hashable: one equation at a time
         return {}
-    exact = _on_host(group, dict(zip(inputs, values[: len(inputs)])), values[len(inputs) :])
-    if exact is not None:
-        return exact
     program = _kept(
         _CONSTANT_PROGRAMS, key, lambda: jax.jit(functools.partial(_run_constants, structure, len(inputs))), 1024
     )
@@ -104,125 +101,6 @@ def _literal_constants(jaxpr, literal, env):
     if any(jax.typeof(o) != e.outvars[0].aval for o, e in zip(outs, group)):
         return {}
     return {e.outvars[0]: o for e, o in zip(group, outs)}
-
-
-def _broadcast_in_dim(x, shape, broadcast_dimensions, sharding=None):
-    del sharding
-    kept = [1] * len(shape)
-    for d, n in zip(broadcast_dimensions, np.shape(x)):
-        kept[d] = n
-    return np.broadcast_to(np.reshape(x, kept), shape)
-
-
-def _iota(dtype, shape, dimension, sharding=None):
-    del sharding
-    at = [1] * len(shape)
-    at[dimension] = shape[dimension]
-    return np.broadcast_to(np.arange(shape[dimension], dtype=dtype).reshape(at), shape)
-
-
-def _slice(x, start_indices, limit_indices, strides=None):
-    strides = strides or (1,) * len(start_indices)
-    return x[tuple(slice(a, b, c) for a, b, c in zip(start_indices, limit_indices, strides))]
-
-
-def _convert(x, new_dtype):
-    """``x.astype(new_dtype)`` where numpy converts as XLA does (integers and booleans to anything,
-    floats to floats or booleans), else ``None`` (a float to an integer saturates in XLA)."""
-    new = np.dtype(new_dtype)
-    if x.dtype.kind in "biu" or (x.dtype.kind == "f" and new.kind in "fb"):
-        return x.astype(new)
-    return None
-
-
-def _int_div(a, b, remainder):
-    """XLA's integer ``div`` (rounds toward zero) or ``rem`` (the dividend's sign), where no divisor
-    is 0 and no quotient overflows, else ``None``."""
-    a, b = np.broadcast_arrays(a, b)
-    if np.any(b == 0) or (a.dtype.kind == "i" and np.any((a == np.iinfo(a.dtype).min) & (b == -1))):
-        return None
-    if remainder:
-        return np.fmod(a, b)
-    q = np.abs(a) // np.abs(b)
-    return np.where((a < 0) != (b < 0), -q, q).astype(a.dtype) if a.dtype.kind == "i" else q
-
-
-def _select_n(which, *cases):
-    return np.choose(np.asarray(which, np.int32), np.broadcast_arrays(*cases))
-
-
-# Primitives whose value numpy computes exactly as XLA does (layout, comparisons, logic, and the
-# arithmetic of integers): for these, the constants of a program are computed on the host, with no
-# program compiled. ``None`` for anything else.
-_INTS = "biu"
-_EXACT = {
-    P.iota_p: (lambda p: lambda: _iota(p["dtype"], p["shape"], p["dimension"]), None),
-    P.broadcast_in_dim_p: (lambda p: lambda x: _broadcast_in_dim(x, p["shape"], p["broadcast_dimensions"]), None),
-    P.reshape_p: (lambda p: lambda x: np.reshape(x, p["new_sizes"]) if p.get("dimensions") is None else None, None),
-    P.squeeze_p: (lambda p: lambda x: np.squeeze(x, tuple(p["dimensions"])), None),
-    P.transpose_p: (lambda p: lambda x: np.transpose(x, p["permutation"]), None),
-    P.concatenate_p: (lambda p: lambda *xs: np.concatenate(xs, p["dimension"]), None),
-    P.slice_p: (lambda p: lambda x: _slice(x, p["start_indices"], p["limit_indices"], p["strides"]), None),
-    P.rev_p: (lambda p: lambda x: np.flip(x, tuple(p["dimensions"])), None),
-    P.select_n_p: (lambda p: _select_n, None),
-    P.convert_element_type_p: (lambda p: lambda x: _convert(x, p["new_dtype"]), None),
-    P.lt_p: (lambda p: np.less, None),
-    P.le_p: (lambda p: np.less_equal, None),
-    P.gt_p: (lambda p: np.greater, None),
-    P.ge_p: (lambda p: np.greater_equal, None),
-    P.eq_p: (lambda p: np.equal, None),
-    P.ne_p: (lambda p: np.not_equal, None),
-    P.and_p: (lambda p: np.bitwise_and, _INTS),
-    P.or_p: (lambda p: np.bitwise_or, _INTS),
-    P.not_p: (lambda p: lambda x: np.logical_not(x) if x.dtype == bool else np.invert(x), _INTS),
-    P.add_p: (lambda p: np.add, _INTS),
-    P.sub_p: (lambda p: np.subtract, _INTS),
-    P.mul_p: (lambda p: np.multiply, _INTS),
-    P.max_p: (lambda p: np.maximum, _INTS),
-    P.min_p: (lambda p: np.minimum, _INTS),
-    P.neg_p: (lambda p: np.negative, _INTS),
-    P.div_p: (lambda p: lambda a, b: _int_div(a, b, False), "iu"),
-    P.rem_p: (lambda p: lambda a, b: _int_div(a, b, True), "iu"),
-}
-
-
-def _exact_on_host(eqn, args):
-    """``eqn``'s value computed by numpy when it is one of :data:`_EXACT` on operands of the kinds
-    it is exact for, else ``None``."""
-    entry = _EXACT.get(eqn.primitive)
-    aval = eqn.outvars[0].aval
-    if entry is None or not hasattr(aval, "dtype"):
-        return None
-    make, kinds = entry
-    if kinds is not None and any(np.asarray(a).dtype.kind not in kinds for a in args):
-        return None
-    with np.errstate(all="ignore"):
-        out = make(eqn.params)(*args)
-    if out is None:
-        return None
-    out = np.asarray(out)
-    if out.shape != tuple(aval.shape) or out.dtype != aval.dtype:
-        out = out.astype(aval.dtype) if out.shape == tuple(aval.shape) and kinds is not None else None
-    return out
-
-
-def _on_host(group, inputs, literals):
-    """The values of a :func:`_literal_constants` group (``inputs``: its inputs' values by variable,
-    ``literals``: its literals' values in order) computed on the host by numpy, where every equation
-    is one numpy computes exactly (:func:`_exact_on_host`) and no output is weakly typed (a host
-    array carries no weak type), else ``None``."""
-    if any(getattr(e.outvars[0].aval, "weak_type", True) for e in group):
-        return None
-    known = {v: np.asarray(x) for v, x in inputs.items()}
-    literal = iter(literals)
-    out = {}
-    for e in group:
-        args = [np.asarray(next(literal), v.aval.dtype) if _jaxpr.is_literal(v) else known[v] for v in e.invars]
-        value = _exact_on_host(e, args)
-        if value is None:
-            return None
-        known[e.outvars[0]] = out[e.outvars[0]] = value
-    return {v: jnp.asarray(x) for v, x in out.items()}
 
 
 def _run_constants(structure, n_inputs, *values):

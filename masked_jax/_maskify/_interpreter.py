@@ -517,11 +517,14 @@ class _Interpreter:
                 valid = _positions.pattern(x, info, d)
                 others = tuple(b for b in range(n) if b not in (axis, d) and np.shape(valid)[b] != 1)
                 valid = jnp.any(valid, axis=others, keepdims=True) if others else valid  # (an entry: a token)
-                rank, count, order = _positions.ranks(valid, d)
                 lay = tuple(batch if b == axis else 1 for b in range(n))
                 at = jnp.reshape(jnp.clip(r, 0, np.shape(x.data)[d] - 1), lay)
-                place = _positions.take(order, at, d)
-                place = jnp.reshape(jnp.moveaxis(place, axis, 0), (batch, -1))[:, 0]
+                # the place of valid entry number r: the number of places with at most r valid
+                # entries up to and including them (no sort)
+                seen = jnp.cumsum(valid.astype(jnp.int32), axis=d, dtype=jnp.int32)
+                count = lax.slice_in_dim(seen, np.shape(seen)[d] - 1, np.shape(seen)[d], axis=d)
+                place = jnp.sum(seen <= at, axis=d, keepdims=True, dtype=jnp.int32)
+                place = jnp.reshape(jnp.moveaxis(jnp.broadcast_to(place, lay), axis, 0), (batch,))
                 inside = jnp.reshape(jnp.moveaxis(jnp.broadcast_to(count, lay), axis, 0), (batch,)) > r
                 per[d] = jnp.where(inside, place, jnp.asarray(starts[d]).astype(place.dtype))
             else:
