@@ -714,3 +714,60 @@ def test_sorted_totals_equal_segment_sums(dtype, shape):
         g_sorted = jax.grad(lambda v: jnp.sum(sorted_totals(v, segments, 6) * w))(values)
         g_segment = jax.grad(lambda v: jnp.sum(segment_total(v, segments, 6) * w))(values)
         np.testing.assert_allclose(np.asarray(g_sorted), np.asarray(g_segment))
+
+
+# -- reads of reads: a read's result carries only flags that are true of it ---------------------
+def _read_layouts():
+    """Every layout, with duplicate, unsorted and promised-unique unsorted rows among them."""
+    out = dict(layouts())
+    data = jnp.array([[1.0, 1.0], [2.0, 2.0], [3.0, 3.0], [4.0, 5.0]])
+    out["row_sparse_unsorted"] = mj.row_sparse(data[:3], jnp.array([4, 1, 5]), (6, 2))
+    out["row_sparse_promised"] = mj.row_sparse(data[:3], jnp.array([5, 4, 1]), (6, 2), unique_indices=True)
+    out["row_sparse_duplicates"] = mj.row_sparse(data, jnp.array([5, 1, 5, 6]), (6, 2))
+    out["bcoo_duplicates"] = mj.from_bcoo(sparse.BCOO((data, jnp.array([[5], [1], [5], [3]])), shape=(6, 2)))
+    return out
+
+
+READ_CHAINS = {  # each: reads applied in turn (1-d id arrays, repeated, unsorted, negative, ints, slices)
+    "ids_then_ids": (jnp.array([5, 4, 0, 1]), jnp.array([3, 0, 3, 1])),
+    "ids_then_negative": (jnp.array([1, 4, 2, 0]), jnp.array([-1, -4, 2])),
+    "ids_three_times": (jnp.array([5, 1, 4, 1, 0]), jnp.array([4, 3, 1, 2, 0]), jnp.array([1, 0, 4])),
+    "ids_then_int": (jnp.array([4, 1, 0]), 1),
+    "ids_then_slice": (jnp.array([5, 4, 1, 0]), slice(1, None)),
+    "slice_then_ids": (slice(1, 6), jnp.array([3, 0, 3])),
+}
+
+
+@pytest.mark.parametrize("kind", list(_read_layouts()))
+@pytest.mark.parametrize("chain", list(READ_CHAINS))
+@pytest.mark.parametrize("dtype", ["float32", "int32"])
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "jit"])
+def test_a_read_of_a_read_equals_the_same_reads_of_the_dense_array(kind, chain, dtype, compile):
+    """Each read of a layout (integer ids, repeated, unsorted or negative; ints; slices), and each
+    read of its result, equals the same read of ``todense()``: a read's result carries only the
+    flags (unique, sorted) that are true of it."""
+    x = _read_layouts()[kind].astype(dtype)
+    dense = _dense_of(x)
+    reads = READ_CHAINS[chain]
+
+    def run(v):
+        for r in reads:
+            v = v[r]
+        return _dense_of(v)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", mj.StorageFallbackWarning)
+        got = jax.jit(run)(x) if compile else run(x)
+    want = run(dense)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    np.testing.assert_array_equal(np.asarray(got.mask), np.asarray(want.mask))
+    np.testing.assert_array_equal(np.asarray(got.filled(0)), np.asarray(want.filled(0)))
+
+
+def test_a_row_read_of_a_read_finds_every_valid_row():
+    """The stored rows of a read are unique but unsorted (padding in the middle): a second read
+    still finds each of them."""
+    rs = mj.row_sparse(jnp.array([[1.0, 1.0], [2.0, 2.0], [3.0, 3.0]]), jnp.array([4, 1, 7]), (10, 2))
+    a = rs[jnp.array([7, 4, 0, 1])]
+    np.testing.assert_array_equal(np.asarray(a[jnp.array([3])].todense().filled(0)), [[2.0, 2.0]])
+    np.testing.assert_array_equal(np.asarray(a.coalesce().todense().filled(0)), np.asarray(a.todense().filled(0)))

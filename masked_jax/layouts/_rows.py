@@ -107,7 +107,8 @@ class RowSparseArray(SparseMasked, storage="row_sparse"):
         """Sum duplicate rows; indices become sorted and unique, padding (index N) last. Static K.
 
         A no-op when the indices are known to be unique (``unique_indices``: set by
-        ``coalesce`` itself, by conversions, or promised to :func:`row_sparse`).
+        ``coalesce`` itself, by conversions and reads, or promised to :func:`row_sparse`); such
+        indices keep their order, which need not be sorted.
 
         Examples:
             >>> import jax.numpy as jnp, masked_jax as mj
@@ -206,7 +207,7 @@ class RowSparseArray(SparseMasked, storage="row_sparse"):
             if bad.size:
                 raise IndexError(f"index {int(bad[0])} is out of bounds for axis 0 with size {n}.")
         ids = jnp.where(ids < 0, ids + n, ids)
-        x = self.coalesce()  # unique rows, sorted, padding (index n) last
+        x = self.coalesce()  # unique rows; sorted unless they were already unique
         if x.nse == 0:
             return rows_from_parts(
                 (ids.shape[0],) + self.shape[1:],
@@ -215,7 +216,11 @@ class RowSparseArray(SparseMasked, storage="row_sparse"):
                 True,
             )
         stored = x.clean_indices()
-        at = jnp.clip(sorted_search(stored, ids), 0, x.nse - 1)
+        if self.unique_indices:  # unique already (a read, a conversion, a promise): in any order, so sort them
+            order = jnp.argsort(stored)
+            at = order[jnp.clip(sorted_search(stored[order], ids), 0, x.nse - 1)]
+        else:  # coalesced: sorted, padding (index n) last
+            at = jnp.clip(sorted_search(stored, ids), 0, x.nse - 1)
         hit = (stored[at] == ids) & valid & (ids >= 0) & (ids < n)
         m = ids.shape[0]
         rows = jnp.where(hit, jnp.arange(m), m).astype(jnp.int32)
