@@ -454,7 +454,8 @@ class MaskedArray(ArrayMethods):
             return f"MaskedArray(tangent={np.asarray(self._data)!r})"
         body = format_values(np.asarray(self._data), np.asarray(self.mask))
         body = body.replace("\n", "\n" + " " * len("MaskedArray("))
-        return f"MaskedArray({body}, dtype={self.dtype})"
+        shape = f"shape={self.shape}, " if self.size == 0 else ""  # as jax.Array: [] alone has no shape
+        return f"MaskedArray({body}, {shape}dtype={self.dtype})"
 
     __str__ = __repr__
 
