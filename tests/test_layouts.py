@@ -771,3 +771,104 @@ def test_a_row_read_of_a_read_finds_every_valid_row():
     a = rs[jnp.array([7, 4, 0, 1])]
     np.testing.assert_array_equal(np.asarray(a[jnp.array([3])].todense().filled(0)), [[2.0, 2.0]])
     np.testing.assert_array_equal(np.asarray(a.coalesce().todense().filled(0)), np.asarray(a.todense().filled(0)))
+
+
+# -- ids out of range: IndexError when known, a masked row under a trace, never another row --------
+def _id_layouts():
+    out = dict(layouts())
+    out["dense_maskless"] = mj.as_masked(jnp.asarray(np.random.default_rng(2).uniform(0.5, 2.0, (6, 3))))
+    return out
+
+
+OUT_OF_RANGE_IDS = {  # 6 rows: -1 is the last row, -6 the first, -7 and 6 are out of range
+    "past_end": [6, 0],
+    "far_past_end": [1, 1000],
+    "below_minus_n": [-7, 2],
+    "negative_in_range": [-1, -6, 3],
+}
+
+
+def _id_forms(ids):
+    """The forms ids come in: a jax array, a numpy array, an all-valid MaskedArray."""
+    a = jnp.asarray(ids, jnp.int32)
+    return {
+        "jax": a,
+        "numpy": np.asarray(ids),
+        "masked_all_valid": mj.masked_array(a, jnp.ones(a.shape, bool)),
+    }
+
+
+def _expected_rows(dense, ids):
+    """numpy's ``x[ids]`` with every id out of ``[-n, n)`` a masked row (the traced result)."""
+    n = dense.shape[0]
+    ids = np.asarray(ids)
+    ok = (ids >= -n) & (ids < n)
+    at = np.where(ok, ids % n, 0)
+    data, mask = np.asarray(dense.filled(0))[at], np.asarray(dense.mask)[at] & ok[:, None]
+    return np.where(mask, data, 0), mask
+
+
+@pytest.mark.parametrize("kind", list(_id_layouts()))
+@pytest.mark.parametrize("case", list(OUT_OF_RANGE_IDS))
+@pytest.mark.parametrize("form", ["jax", "numpy", "masked_all_valid"])
+@pytest.mark.parametrize("dtype", ["float32", "int32", "bool"])
+def test_ids_out_of_range_raise_eagerly_and_read_masked_rows_under_jit_and_vmap(kind, case, form, dtype):
+    """``x[ids]`` for every layout and every form of ids: negative ids in ``[-n, 0)`` count from the
+    end (as numpy); an id out of range raises ``IndexError`` when the ids are known, and reads a
+    masked row under ``jit`` and ``vmap`` (never the clamped last row). Apart from the error, eager
+    and traced reads agree. ``take`` and ``take_along_axis`` (jnp's default ``"fill"`` mode) read
+    masked rows for ids out of range, eagerly too."""
+    x = _id_layouts()[kind].astype(dtype)
+    dense = _dense_of(x)
+    raw = OUT_OF_RANGE_IDS[case]
+    ids = _id_forms(raw)[form]
+    want_data, want_mask = _expected_rows(dense, raw)
+    in_range = all(-6 <= i < 6 for i in raw)
+
+    def read(v, i):
+        return _dense_of(v[i])
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", mj.StorageFallbackWarning)
+        if in_range:
+            eager = read(x, ids)
+        else:
+            with pytest.raises(IndexError, match="out of bounds for axis 0 with size 6"):
+                read(x, ids)
+        traced_ids = _id_forms(raw)["jax" if form == "numpy" else form]
+        jitted = jax.jit(read)(x, traced_ids)
+        batched = jax.vmap(read, in_axes=(None, 0))(x, jax.tree.map(lambda a: jnp.stack([a, a[::-1]]), traced_ids))
+        # take and take_along_axis in jnp's default "fill" mode: masked rows eagerly and traced alike
+        plain = jnp.asarray(raw, jnp.int32)
+        taken = [
+            _dense_of(mnp.take(x, plain, axis=0)),
+            _dense_of(jax.jit(lambda v, i: mnp.take(v, i, axis=0))(x, plain)),
+        ]
+        along = jnp.broadcast_to(plain[:, None], (len(raw), 3))
+        taken.append(_dense_of(mnp.take_along_axis(x, along, axis=0)))
+    outs = [jitted, jax.tree.map(lambda a: a[0], batched), *taken]
+    if in_range:
+        outs.append(eager)
+    for got in outs:
+        np.testing.assert_array_equal(np.asarray(got.mask), want_mask)
+        np.testing.assert_array_equal(np.asarray(got.filled(0)), want_data.astype(dtype))
+    np.testing.assert_array_equal(np.asarray(batched.mask[1]), want_mask[::-1])
+
+
+@pytest.mark.parametrize("kind", ["dense", "dense_maskless", "bcoo"])
+def test_ids_out_of_range_along_a_later_axis_and_in_several_parts(kind):
+    """``x[:, ids]`` and ``x[ids0, ids1]`` (ids along two axes): the same rules on each axis."""
+    x = _id_layouts()[kind]
+    dense = _dense_of(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", mj.StorageFallbackWarning)
+        with pytest.raises(IndexError, match="index 3 is out of bounds for axis 1 with size 3"):
+            x[:, jnp.array([0, 3])]
+        with pytest.raises(IndexError, match="index -4 is out of bounds for axis 1 with size 3"):
+            x[jnp.array([0, 1]), jnp.array([-4, 2])]
+        cols = _dense_of(jax.jit(lambda v, i: v[:, i])(x, jnp.array([3, -1, -4])))
+        pairs = _dense_of(jax.jit(lambda v, i, j: v[i, j])(x, jnp.array([6, 5, -1]), jnp.array([0, -1, 9])))
+    np.testing.assert_array_equal(np.asarray(cols.mask[:, [0, 2]]), np.zeros((6, 2), bool))
+    np.testing.assert_array_equal(np.asarray(cols.mask[:, 1]), np.asarray(dense.mask[:, 2]))
+    np.testing.assert_array_equal(np.asarray(cols.filled(0)[:, 1]), np.asarray(dense.filled(0)[:, 2]))
+    np.testing.assert_array_equal(np.asarray(pairs.mask), [False, bool(dense.mask[5, 2]), False])
