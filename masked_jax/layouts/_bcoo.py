@@ -18,7 +18,7 @@ import numpy as np
 from jax.experimental import sparse as jsparse
 
 from masked_jax._core import STATE, MaskedArray, SparseMasked, check_index, from_pair, is_tracer
-from masked_jax.layouts._segments import segment_total, tuple_ids, unique_ids
+from masked_jax.layouts._segments import first_copies, segment_total, tuple_ids, unique_ids
 from masked_jax.ops._base import Pair, accumulation_dtype, widened_indices
 
 DATA_KEY, INDICES_KEY = jax.tree_util.GetAttrKey("data"), jax.tree_util.GetAttrKey("indices")
@@ -113,6 +113,30 @@ class BCOOMaskedArray(SparseMasked, storage="bcoo"):
         sparse_shape = jnp.array(self.shape[self.n_batch : self.n_batch + self.n_sparse])
         ok = (self.indices >= 0) & (self.indices < sparse_shape)
         return jnp.all(ok, axis=-1)
+
+    def first_copies(self):
+        """Per stored entry (batch..., nse): True at the first stored copy of its index tuple
+        (within its batch element), False at later duplicates and at padding entries. A gradient
+        keeps each element's cotangent in its first copy only, so that the duplicates, summed,
+        read as the dense gradient once.
+
+        Examples:
+            >>> import jax.numpy as jnp, masked_jax as mj
+            >>> from jax.experimental import sparse
+            >>> b = sparse.BCOO((jnp.ones(3), jnp.array([[1, 0], [0, 1], [1, 0]])), shape=(2, 2))
+            >>> mj.from_bcoo(b).first_copies()
+            Array([ True,  True, False], dtype=bool)
+        """
+        sparse_shape = self.shape[self.n_batch : self.n_batch + self.n_sparse]
+        valid = self.entry_valid()
+        indices = jnp.broadcast_to(self.indices, valid.shape + (self.n_sparse,))
+
+        def one(idx, ok):  # one batch element: (nse, n_sparse) index tuples
+            return first_copies(tuple_ids(idx, sparse_shape, ok)[0]) & ok
+
+        for _ in range(self.n_batch):
+            one = jax.vmap(one)
+        return one(indices, valid)
 
     def block(self) -> Pair:
         """Stored values as a dense masked block (batch..., nse, dense...): rules run on this."""

@@ -20,7 +20,7 @@ from jax.experimental import sparse as jsparse
 from masked_jax import _validate
 from masked_jax._core import MaskedArray, SparseMasked, check_data, from_pair, is_tracer
 from masked_jax.layouts._bcoo import DATA_KEY, INDICES_KEY, BCOOMaskedArray, basic_index
-from masked_jax.layouts._segments import distinct_ids, row_totals, sorted_search, unique_ids
+from masked_jax.layouts._segments import distinct_ids, first_copies, row_totals, sorted_search, unique_ids
 from masked_jax.ops._base import Pair, accumulation_dtype, widened_indices
 
 
@@ -102,6 +102,18 @@ class RowSparseArray(SparseMasked, storage="row_sparse"):
         rows = jnp.zeros(self.shape[0], bool).at[idx].set(True, mode="drop")
         mask = jnp.broadcast_to(rows.reshape((-1,) + (1,) * (self.ndim - 1)), self.shape)
         return from_pair(data, mask)
+
+    def first_copies(self):
+        """Per stored row: True at the first stored copy of its row, False at later duplicates
+        and at padding rows. A gradient keeps each row's cotangent in its first copy only, so that
+        the duplicates, summed, read as the dense gradient once.
+
+        Examples:
+            >>> import jax.numpy as jnp, masked_jax as mj
+            >>> mj.row_sparse(jnp.ones((4, 1)), jnp.array([2, 0, 2, 5]), (5, 1)).first_copies()
+            Array([ True,  True, False, False], dtype=bool)
+        """
+        return first_copies(self.clean_indices()) & self.row_valid()
 
     def coalesce(self) -> RowSparseArray:
         """Sum duplicate rows; indices become sorted and unique, padding (index N) last. Static K.

@@ -165,6 +165,23 @@ def tuple_ids(coords, shape, valid):
     return ids, k, lambda u: table[jnp.minimum(u, k)]
 
 
+def first_copies(ids):
+    """Per position: True where ``ids`` holds its value for the first time (by position), False at
+    the later copies of a value. A stable sort of the ``k`` ids, O(k log k).
+
+    >>> import jax.numpy as jnp
+    >>> first_copies(jnp.array([3, 1, 3, 3, 1]))
+    Array([ True,  True, False, False, False], dtype=bool)
+    """
+    k = ids.shape[0]
+    if k == 0:
+        return jnp.zeros(0, bool)
+    order = jnp.argsort(ids, stable=True)
+    ordered = ids[order]
+    first = jnp.concatenate([jnp.ones(1, bool), ordered[1:] != ordered[:-1]])
+    return jnp.zeros(k, bool).at[order].set(first, unique_indices=True)
+
+
 def distinct_ids(ids, sentinel: int):
     """``(uniq, seg)`` as :func:`unique_ids`, in whatever order is fastest: the distinct values of
     ``ids`` first (sorted or in order of first appearance), then ``sentinel`` padding up to
