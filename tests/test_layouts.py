@@ -872,3 +872,70 @@ def test_ids_out_of_range_along_a_later_axis_and_in_several_parts(kind):
     np.testing.assert_array_equal(np.asarray(cols.mask[:, 1]), np.asarray(dense.mask[:, 2]))
     np.testing.assert_array_equal(np.asarray(cols.filled(0)[:, 1]), np.asarray(dense.filled(0)[:, 2]))
     np.testing.assert_array_equal(np.asarray(pairs.mask), [False, bool(dense.mask[5, 2]), False])
+
+
+# -- a dimension longer than int32 counts ---------------------------------------------------------
+_WIDE = (2, 2**31 + 10)  # the padding index of the long axis (its length) is past int32
+_WIDE_INDICES = np.array([[0, 5], [1, 2**31 + 5], [1, 7], [0, 2**31 + 5], [1, 7]], np.uint32)
+_WIDE_OPS = {  # name: (op, the axes it reduces)
+    "sum(axis=0)": (lambda x: mnp.sum(x, axis=0), (0,)),
+    "sum(axis=1)": (lambda x: mnp.sum(x, axis=1), (1,)),
+    "max(axis=0)": (lambda x: mnp.max(x, axis=0), (0,)),
+    "mean(axis=1)": (lambda x: mnp.mean(x, axis=1), (1,)),
+    "sum(axis=0, keepdims)": (lambda x: mnp.sum(x, axis=0, keepdims=True), ()),
+    "softmax(axis=1)": (lambda x: mnn.softmax(x, axis=1), ()),
+    "x * x": (lambda x: x * x, ()),
+    "exp": (mnp.exp, ()),
+    "coalesce": (lambda x: x.coalesce(), ()),
+    "x[1]": (lambda x: x[1].coalesce(), (0,)),  # coalesced: duplicates summed on both sides
+}
+
+
+@pytest.mark.parametrize("x64", [False, True], ids=["x64_off", "x64_on"])
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("op", list(_WIDE_OPS))
+def test_sparse_ops_on_a_dimension_longer_than_int32_equal_them_on_the_compressed_array(op, jit, x64):
+    """A BCOO-backed (2, 2**31 + 10) array whose stored indices fit 32 bits: its padding index (the
+    length) does not fit int32, so the indices are kept in a dtype that holds it (uint32 with x64
+    off, int64 with it on); reductions along either axis, elementwise and binary ops, softmax,
+    coalescing and reads give the values the same entries give in the small array that keeps each
+    axis's distinct coordinates in order."""
+    with jax.enable_x64(x64):
+        _wide_op_equals_it_on_the_compressed_array(op, jit)
+
+
+def _wide_op_equals_it_on_the_compressed_array(op, jit):
+    values = np.arange(1.0, 6.0, dtype=np.float32)
+    ranks = [np.unique(_WIDE_INDICES[:, a], return_inverse=True) for a in range(2)]
+    small_idx = np.stack([inv for _, inv in ranks], -1).astype(np.int32)
+    small_shape = tuple(len(u) for u, _ in ranks)
+    wide = mj.from_bcoo(sparse.BCOO((jnp.asarray(values), jnp.asarray(_WIDE_INDICES)), shape=_WIDE))
+    small = mj.from_bcoo(sparse.BCOO((jnp.asarray(values), jnp.asarray(small_idx)), shape=small_shape))
+    fn, reduced = _WIDE_OPS[op]
+    got, want = (jax.jit(fn) if jit else fn)(wide), fn(small)
+    kept = [a for a in range(2) if a not in reduced]
+    if op == "sum(axis=0, keepdims)":
+        kept = [0, 1]
+        ranks[0] = (np.zeros(1, np.int64), None)
+    assert got.shape == tuple(1 if op.endswith("keepdims)") and a == 0 else _WIDE[a] for a in kept)
+    back = {tuple(int(ranks[a][0][c]) for a, c in zip(kept, i)): v for i, v in _entries(want).items()}
+    have = _entries(got)
+    assert have.keys() == back.keys()
+    for key, v in back.items():
+        np.testing.assert_allclose(have[key], v, rtol=1e-6, err_msg=str(key))
+
+
+def test_a_dimension_no_index_dtype_holds_is_a_clear_error():
+    """Past 2**32 - 1 with x64 off no index dtype holds the padding index: a ValueError says to
+    enable x64; a row-sparse array of more rows than int32 counts says to use a BCOO-backed one.
+    An array with no entries and a long axis converts to BCOO storage."""
+    with jax.enable_x64(False):
+        b = sparse.BCOO((jnp.ones(1), jnp.zeros((1, 1), jnp.int32)), shape=(2**32 + 3,))
+        with pytest.raises(ValueError, match="enable jax_enable_x64"):
+            mj.from_bcoo(b)
+    assert mj.from_bcoo(b).indices.dtype == jnp.int64  # with x64 on
+    with jax.enable_x64(False):  # no entries at all: the padding index of the long axis still fits
+        empty = mj.masked_array(jnp.zeros((0, 2**31 + 10)), jnp.zeros((0, 2**31 + 10), bool)).tostype("bcoo")
+        assert empty.indices.dtype == jnp.uint32 and mnp.exp(empty).shape == (0, 2**31 + 10)
+    with pytest.raises(ValueError, match="BCOO-backed"):
+        mj.row_sparse(jnp.ones((1, 2)), jnp.array([3]), (2**31 + 10, 2))

@@ -370,6 +370,12 @@ def row_sparse(data, indices, shape, *, unique_indices: bool = False) -> RowSpar
         raise ValueError(f"indices must be 1-D (one row index per stored row); got shape {indices.shape}.")
     if not shape:
         raise ValueError("shape must have at least one dimension (the rows).")
+    if shape[0] > np.iinfo(np.int32).max:
+        raise ValueError(
+            f"a row-sparse array holds at most {np.iinfo(np.int32).max} rows (int32 row indices, the "
+            f"padding index {shape[0]} included); got {shape[0]}. Use a BCOO-backed array (mj.from_bcoo), "
+            "whose indices widen to hold any length."
+        )
     if data.shape != (indices.shape[0],) + shape[1:]:
         raise ValueError(
             f"data must have shape {(indices.shape[0],) + shape[1:]} (K={indices.shape[0]} rows of "

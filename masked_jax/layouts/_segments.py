@@ -212,6 +212,7 @@ class Segments:
 
     def __init__(self, x, keep: tuple[int, ...]):
         self.valid = x.entry_valid()
+        self.index_dtype = x.indices.dtype
         self.k = x.nse
         self.out_shape = tuple(x.shape[a] for a in keep)
         coords = x.indices[:, list(keep)]
@@ -270,7 +271,7 @@ class Segments:
         cols = self.decode(jnp.where(self.out_valid, self.uniq, 0))
         for a in keepdims_axes:  # a size-1 dimension: index 0 (axes ascending)
             cols = jnp.insert(cols, a, 0, axis=1)
-        return cols.astype(jnp.int32)
+        return cols.astype(self.index_dtype)
 
 
 def flat(x):
@@ -293,7 +294,7 @@ def reduce(spec, x, axis=None, keepdims=False, **kwargs):
     valid = g.out_valid if extra is None else g.out_valid & extra
     shape = tuple(1 if a in axes else d for a, d in enumerate(x.shape) if keepdims or a not in axes)
     indices = g.output_indices(axes if keepdims else ())
-    end = jnp.array(shape, jnp.int32)  # padding: one past the end in every dimension
+    end = jnp.array(shape, indices.dtype)  # padding: one past the end in every dimension
     data = jnp.where(valid, out, jnp.zeros((), out.dtype))
     return type(x).tree_unflatten(shape, (data, jnp.where(valid[:, None], indices, end)))
 
