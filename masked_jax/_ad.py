@@ -70,7 +70,11 @@ def _as_gradient(g, meta):
         return MaskedArray.tree_unflatten(None, (g, None))
     zero = jnp.zeros((), g.dtype)
     if isinstance(meta, SparseMasked):
-        return meta.with_data(jnp.where(meta.block().mask, g, zero))
+        # Duplicates are one logical entry: its cotangent is kept in its first stored copy and the
+        # later copies hold 0, so the gradient read as an array (duplicates summed) is the dense one.
+        first = meta.first_copies()
+        first = jnp.broadcast_to(first.reshape(first.shape + (1,) * (g.ndim - first.ndim)), g.shape)
+        return meta.with_data(jnp.where(meta.block().mask & first, g, zero))
     return MaskedArray.tree_unflatten(None, (jnp.where(jnp.broadcast_to(meta, g.shape), g, zero), meta))
 
 

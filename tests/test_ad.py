@@ -363,3 +363,68 @@ def test_other_ops_jacobians(name):
     fd = _fd_jacobian(lambda d: masked_fn(mj.masked_array(d, jnp.asarray(mask))).filled(0), poisoned, mask)
     restricted = got.reshape(fd.shape[:-1] + (-1,))[..., np.flatnonzero(mask.ravel())]
     np.testing.assert_allclose(restricted, fd, rtol=1e-5, atol=1e-6)
+
+
+# -- gradients of layouts with duplicate stored entries ------------------------------------------
+def _duplicate_layouts():
+    """Layouts storing some logical entries more than once (unsorted, beside padding), and the same
+    logical array without duplicates."""
+    from jax.experimental import sparse
+
+    rows = jnp.array([[1.0, 2.0], [5.0, 6.0], [0.5, -1.0], [3.0, 4.0], [9.0, 9.0]])
+    return {
+        "row_sparse": mj.row_sparse(rows, jnp.array([3, 1, 3, 0, 4]), (4, 2)),  # row 4: padding
+        "row_sparse_three_copies": mj.row_sparse(rows[:3], jnp.array([1, 1, 1]), (3, 2)),
+        "row_sparse_unique": mj.row_sparse(rows[:3], jnp.array([2, 0, 1]), (3, 2)),
+        "bcoo": mj.from_bcoo(
+            sparse.BCOO(
+                (jnp.array([1.0, 2.0, 3.0, 4.0, 7.0]), jnp.array([[1, 0], [0, 2], [1, 0], [1, 0], [3, 0]])),
+                shape=(3, 3),
+            )
+        ),
+        "bcoo_hybrid": mj.from_bcoo(sparse.BCOO((rows[:4], jnp.array([[2], [0], [2], [9]])), shape=(3, 2))),
+        "bcoo_batch": mj.from_bcoo(
+            sparse.BCOO(
+                (jnp.array([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]]), jnp.array([[[1], [1], [0]], [[2], [0], [2]]])),
+                shape=(2, 3),
+            )
+        ),
+    }
+
+
+_WEIGHTS = jnp.array([[0.5, -2.0, 3.0], [1.5, 0.25, -1.0], [2.0, 1.0, 4.0], [-3.0, 0.5, 1.0]])
+DUPLICATE_LOSSES = {
+    "sum": mnp.sum,
+    "mean": mnp.mean,
+    "weighted_sum": lambda v: mnp.sum(v * _WEIGHTS[: v.shape[0], : v.shape[1]]),
+    "nonlinear": lambda v: mnp.sum(mnp.sin(v) * mnp.exp(0.1 * v)) + mnp.logsumexp(v) ** 2,
+    "sum_of_squares": lambda v: mnp.sum(mnp.square(v)),
+}
+
+
+@pytest.mark.parametrize("kind", list(_duplicate_layouts()))
+@pytest.mark.parametrize("loss", list(DUPLICATE_LOSSES))
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.filterwarnings("ignore::masked_jax.StorageFallbackWarning")
+def test_gradient_of_a_layout_with_duplicates_reads_as_the_dense_gradient(kind, loss, jit):
+    """Duplicates are one logical entry (summed): the gradient with respect to a layout, read as an
+    array (``todense()``, duplicates summed), is the gradient with respect to its dense array,
+    for every layout and for linear and nonlinear losses; ``value_and_grad`` agrees."""
+    x = _duplicate_layouts()[kind]
+    f = DUPLICATE_LOSSES[loss]
+    grad = jax.jit(mj.grad(f)) if jit else mj.grad(f)
+    got, want = grad(x), grad(x.todense())
+    assert type(got) is type(x) and got.shape == x.shape
+    np.testing.assert_array_equal(np.asarray(got.todense().mask), np.asarray(want.mask))
+    np.testing.assert_allclose(np.asarray(got.todense().filled(0)), np.asarray(want.filled(0)), rtol=1e-5, atol=1e-6)
+    value, again = mj.value_and_grad(f)(x)
+    np.testing.assert_allclose(float(value), float(f(x.todense())), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(again.todense().filled(0)), np.asarray(want.filled(0)), rtol=1e-5, atol=1e-6)
+
+
+def test_gradient_of_duplicates_sits_in_the_first_stored_copy():
+    """The rule: each logical entry's cotangent in its first stored copy, 0 in the later ones."""
+    r = mj.row_sparse(jnp.array([[1.0, 2.0], [5.0, 6.0], [7.0, 8.0]]), jnp.array([1, 0, 1]), (3, 2))
+    g = mj.grad(lambda v: mnp.sum(v * jnp.array([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]])))(r)
+    np.testing.assert_array_equal(np.asarray(g.data), [[3.0, 4.0], [1.0, 2.0], [0.0, 0.0]])
+    np.testing.assert_array_equal(np.asarray(g.indices), np.asarray(r.indices))

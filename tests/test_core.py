@@ -116,6 +116,21 @@ def test_repr_concrete_and_traced():
     assert "..." in repr(mj.as_masked(jnp.zeros((100, 100))))  # summarised as numpy.ma (tests/test_tree.py)
 
 
+@pytest.mark.parametrize("shape", [(0,), (0, 3), (3, 0), (2, 0, 4)], ids=str)
+@pytest.mark.parametrize("dtype", ["float32", "int32", "bool", "bfloat16"])
+def test_repr_of_an_empty_array_shows_its_shape_in_every_layout(shape, dtype):
+    """An array with no elements prints its shape, as ``jax.Array`` does (``[]`` alone has none), in
+    every layout: the dense one as jax prints the data, the sparse ones in their summary line."""
+    data = jnp.zeros(shape, dtype)
+    x = mj.masked_array(data, jnp.zeros(shape, bool))
+    assert repr(x) == str(x) == repr(data).replace("Array(", "MaskedArray(", 1)
+    assert repr(mj.as_masked(data)) == repr(x)  # a statically valid array: the same text
+    dims = ", ".join(str(d) for d in shape)
+    for storage in ("bcoo", "row_sparse"):
+        y = x.tostype(storage)
+        assert f"{dtype}[{dims}]" in repr(y) and repr(y.todense()) == repr(x)
+
+
 def test_numpy_ma_round_trip_inverts_mask():
     a = np.ma.masked_array([1.0, 2.0, 3.0], mask=[False, True, False])
     x = mj.from_numpy_ma(a)

@@ -714,3 +714,228 @@ def test_sorted_totals_equal_segment_sums(dtype, shape):
         g_sorted = jax.grad(lambda v: jnp.sum(sorted_totals(v, segments, 6) * w))(values)
         g_segment = jax.grad(lambda v: jnp.sum(segment_total(v, segments, 6) * w))(values)
         np.testing.assert_allclose(np.asarray(g_sorted), np.asarray(g_segment))
+
+
+# -- reads of reads: a read's result carries only flags that are true of it ---------------------
+def _read_layouts():
+    """Every layout, with duplicate, unsorted and promised-unique unsorted rows among them."""
+    out = dict(layouts())
+    data = jnp.array([[1.0, 1.0], [2.0, 2.0], [3.0, 3.0], [4.0, 5.0]])
+    out["row_sparse_unsorted"] = mj.row_sparse(data[:3], jnp.array([4, 1, 5]), (6, 2))
+    out["row_sparse_promised"] = mj.row_sparse(data[:3], jnp.array([5, 4, 1]), (6, 2), unique_indices=True)
+    out["row_sparse_duplicates"] = mj.row_sparse(data, jnp.array([5, 1, 5, 6]), (6, 2))
+    out["bcoo_duplicates"] = mj.from_bcoo(sparse.BCOO((data, jnp.array([[5], [1], [5], [3]])), shape=(6, 2)))
+    return out
+
+
+READ_CHAINS = {  # each: reads applied in turn (1-d id arrays, repeated, unsorted, negative, ints, slices)
+    "ids_then_ids": (jnp.array([5, 4, 0, 1]), jnp.array([3, 0, 3, 1])),
+    "ids_then_negative": (jnp.array([1, 4, 2, 0]), jnp.array([-1, -4, 2])),
+    "ids_three_times": (jnp.array([5, 1, 4, 1, 0]), jnp.array([4, 3, 1, 2, 0]), jnp.array([1, 0, 4])),
+    "ids_then_int": (jnp.array([4, 1, 0]), 1),
+    "ids_then_slice": (jnp.array([5, 4, 1, 0]), slice(1, None)),
+    "slice_then_ids": (slice(1, 6), jnp.array([3, 0, 3])),
+}
+
+
+@pytest.mark.parametrize("kind", list(_read_layouts()))
+@pytest.mark.parametrize("chain", list(READ_CHAINS))
+@pytest.mark.parametrize("dtype", ["float32", "int32"])
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "jit"])
+def test_a_read_of_a_read_equals_the_same_reads_of_the_dense_array(kind, chain, dtype, compile):
+    """Each read of a layout (integer ids, repeated, unsorted or negative; ints; slices), and each
+    read of its result, equals the same read of ``todense()``: a read's result carries only the
+    flags (unique, sorted) that are true of it."""
+    x = _read_layouts()[kind].astype(dtype)
+    dense = _dense_of(x)
+    reads = READ_CHAINS[chain]
+
+    def run(v):
+        for r in reads:
+            v = v[r]
+        return _dense_of(v)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", mj.StorageFallbackWarning)
+        got = jax.jit(run)(x) if compile else run(x)
+    want = run(dense)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    np.testing.assert_array_equal(np.asarray(got.mask), np.asarray(want.mask))
+    np.testing.assert_array_equal(np.asarray(got.filled(0)), np.asarray(want.filled(0)))
+
+
+def test_a_row_read_of_a_read_finds_every_valid_row():
+    """The stored rows of a read are unique but unsorted (padding in the middle): a second read
+    still finds each of them."""
+    rs = mj.row_sparse(jnp.array([[1.0, 1.0], [2.0, 2.0], [3.0, 3.0]]), jnp.array([4, 1, 7]), (10, 2))
+    a = rs[jnp.array([7, 4, 0, 1])]
+    np.testing.assert_array_equal(np.asarray(a[jnp.array([3])].todense().filled(0)), [[2.0, 2.0]])
+    np.testing.assert_array_equal(np.asarray(a.coalesce().todense().filled(0)), np.asarray(a.todense().filled(0)))
+
+
+# -- ids out of range: IndexError when known, a masked row under a trace, never another row --------
+def _id_layouts():
+    out = dict(layouts())
+    out["dense_maskless"] = mj.as_masked(jnp.asarray(np.random.default_rng(2).uniform(0.5, 2.0, (6, 3))))
+    return out
+
+
+OUT_OF_RANGE_IDS = {  # 6 rows: -1 is the last row, -6 the first, -7 and 6 are out of range
+    "past_end": [6, 0],
+    "far_past_end": [1, 1000],
+    "below_minus_n": [-7, 2],
+    "negative_in_range": [-1, -6, 3],
+}
+
+
+def _id_forms(ids):
+    """The forms ids come in: a jax array, a numpy array, an all-valid MaskedArray."""
+    a = jnp.asarray(ids, jnp.int32)
+    return {
+        "jax": a,
+        "numpy": np.asarray(ids),
+        "masked_all_valid": mj.masked_array(a, jnp.ones(a.shape, bool)),
+    }
+
+
+def _expected_rows(dense, ids):
+    """numpy's ``x[ids]`` with every id out of ``[-n, n)`` a masked row (the traced result)."""
+    n = dense.shape[0]
+    ids = np.asarray(ids)
+    ok = (ids >= -n) & (ids < n)
+    at = np.where(ok, ids % n, 0)
+    data, mask = np.asarray(dense.filled(0))[at], np.asarray(dense.mask)[at] & ok[:, None]
+    return np.where(mask, data, 0), mask
+
+
+@pytest.mark.parametrize("kind", list(_id_layouts()))
+@pytest.mark.parametrize("case", list(OUT_OF_RANGE_IDS))
+@pytest.mark.parametrize("form", ["jax", "numpy", "masked_all_valid"])
+@pytest.mark.parametrize("dtype", ["float32", "int32", "bool"])
+def test_ids_out_of_range_raise_eagerly_and_read_masked_rows_under_jit_and_vmap(kind, case, form, dtype):
+    """``x[ids]`` for every layout and every form of ids: negative ids in ``[-n, 0)`` count from the
+    end (as numpy); an id out of range raises ``IndexError`` when the ids are known, and reads a
+    masked row under ``jit`` and ``vmap`` (never the clamped last row). Apart from the error, eager
+    and traced reads agree. ``take`` and ``take_along_axis`` (jnp's default ``"fill"`` mode) read
+    masked rows for ids out of range, eagerly too."""
+    x = _id_layouts()[kind].astype(dtype)
+    dense = _dense_of(x)
+    raw = OUT_OF_RANGE_IDS[case]
+    ids = _id_forms(raw)[form]
+    want_data, want_mask = _expected_rows(dense, raw)
+    in_range = all(-6 <= i < 6 for i in raw)
+
+    def read(v, i):
+        return _dense_of(v[i])
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", mj.StorageFallbackWarning)
+        if in_range:
+            eager = read(x, ids)
+        else:
+            with pytest.raises(IndexError, match="out of bounds for axis 0 with size 6"):
+                read(x, ids)
+        traced_ids = _id_forms(raw)["jax" if form == "numpy" else form]
+        jitted = jax.jit(read)(x, traced_ids)
+        batched = jax.vmap(read, in_axes=(None, 0))(x, jax.tree.map(lambda a: jnp.stack([a, a[::-1]]), traced_ids))
+        # take and take_along_axis in jnp's default "fill" mode: masked rows eagerly and traced alike
+        plain = jnp.asarray(raw, jnp.int32)
+        taken = [
+            _dense_of(mnp.take(x, plain, axis=0)),
+            _dense_of(jax.jit(lambda v, i: mnp.take(v, i, axis=0))(x, plain)),
+        ]
+        along = jnp.broadcast_to(plain[:, None], (len(raw), 3))
+        taken.append(_dense_of(mnp.take_along_axis(x, along, axis=0)))
+    outs = [jitted, jax.tree.map(lambda a: a[0], batched), *taken]
+    if in_range:
+        outs.append(eager)
+    for got in outs:
+        np.testing.assert_array_equal(np.asarray(got.mask), want_mask)
+        np.testing.assert_array_equal(np.asarray(got.filled(0)), want_data.astype(dtype))
+    np.testing.assert_array_equal(np.asarray(batched.mask[1]), want_mask[::-1])
+
+
+@pytest.mark.parametrize("kind", ["dense", "dense_maskless", "bcoo"])
+def test_ids_out_of_range_along_a_later_axis_and_in_several_parts(kind):
+    """``x[:, ids]`` and ``x[ids0, ids1]`` (ids along two axes): the same rules on each axis."""
+    x = _id_layouts()[kind]
+    dense = _dense_of(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", mj.StorageFallbackWarning)
+        with pytest.raises(IndexError, match="index 3 is out of bounds for axis 1 with size 3"):
+            x[:, jnp.array([0, 3])]
+        with pytest.raises(IndexError, match="index -4 is out of bounds for axis 1 with size 3"):
+            x[jnp.array([0, 1]), jnp.array([-4, 2])]
+        cols = _dense_of(jax.jit(lambda v, i: v[:, i])(x, jnp.array([3, -1, -4])))
+        pairs = _dense_of(jax.jit(lambda v, i, j: v[i, j])(x, jnp.array([6, 5, -1]), jnp.array([0, -1, 9])))
+    np.testing.assert_array_equal(np.asarray(cols.mask[:, [0, 2]]), np.zeros((6, 2), bool))
+    np.testing.assert_array_equal(np.asarray(cols.mask[:, 1]), np.asarray(dense.mask[:, 2]))
+    np.testing.assert_array_equal(np.asarray(cols.filled(0)[:, 1]), np.asarray(dense.filled(0)[:, 2]))
+    np.testing.assert_array_equal(np.asarray(pairs.mask), [False, bool(dense.mask[5, 2]), False])
+
+
+# -- a dimension longer than int32 counts ---------------------------------------------------------
+_WIDE = (2, 2**31 + 10)  # the padding index of the long axis (its length) is past int32
+_WIDE_INDICES = np.array([[0, 5], [1, 2**31 + 5], [1, 7], [0, 2**31 + 5], [1, 7]], np.uint32)
+_WIDE_OPS = {  # name: (op, the axes it reduces)
+    "sum(axis=0)": (lambda x: mnp.sum(x, axis=0), (0,)),
+    "sum(axis=1)": (lambda x: mnp.sum(x, axis=1), (1,)),
+    "max(axis=0)": (lambda x: mnp.max(x, axis=0), (0,)),
+    "mean(axis=1)": (lambda x: mnp.mean(x, axis=1), (1,)),
+    "sum(axis=0, keepdims)": (lambda x: mnp.sum(x, axis=0, keepdims=True), ()),
+    "softmax(axis=1)": (lambda x: mnn.softmax(x, axis=1), ()),
+    "x * x": (lambda x: x * x, ()),
+    "exp": (mnp.exp, ()),
+    "coalesce": (lambda x: x.coalesce(), ()),
+    "x[1]": (lambda x: x[1].coalesce(), (0,)),  # coalesced: duplicates summed on both sides
+}
+
+
+@pytest.mark.parametrize("x64", [False, True], ids=["x64_off", "x64_on"])
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("op", list(_WIDE_OPS))
+def test_sparse_ops_on_a_dimension_longer_than_int32_equal_them_on_the_compressed_array(op, jit, x64):
+    """A BCOO-backed (2, 2**31 + 10) array whose stored indices fit 32 bits: its padding index (the
+    length) does not fit int32, so the indices are kept in a dtype that holds it (uint32 with x64
+    off, int64 with it on); reductions along either axis, elementwise and binary ops, softmax,
+    coalescing and reads give the values the same entries give in the small array that keeps each
+    axis's distinct coordinates in order."""
+    with jax.enable_x64(x64):
+        _wide_op_equals_it_on_the_compressed_array(op, jit)
+
+
+def _wide_op_equals_it_on_the_compressed_array(op, jit):
+    values = np.arange(1.0, 6.0, dtype=np.float32)
+    ranks = [np.unique(_WIDE_INDICES[:, a], return_inverse=True) for a in range(2)]
+    small_idx = np.stack([inv for _, inv in ranks], -1).astype(np.int32)
+    small_shape = tuple(len(u) for u, _ in ranks)
+    wide = mj.from_bcoo(sparse.BCOO((jnp.asarray(values), jnp.asarray(_WIDE_INDICES)), shape=_WIDE))
+    small = mj.from_bcoo(sparse.BCOO((jnp.asarray(values), jnp.asarray(small_idx)), shape=small_shape))
+    fn, reduced = _WIDE_OPS[op]
+    got, want = (jax.jit(fn) if jit else fn)(wide), fn(small)
+    kept = [a for a in range(2) if a not in reduced]
+    if op == "sum(axis=0, keepdims)":
+        kept = [0, 1]
+        ranks[0] = (np.zeros(1, np.int64), None)
+    assert got.shape == tuple(1 if op.endswith("keepdims)") and a == 0 else _WIDE[a] for a in kept)
+    back = {tuple(int(ranks[a][0][c]) for a, c in zip(kept, i)): v for i, v in _entries(want).items()}
+    have = _entries(got)
+    assert have.keys() == back.keys()
+    for key, v in back.items():
+        np.testing.assert_allclose(have[key], v, rtol=1e-6, err_msg=str(key))
+
+
+def test_a_dimension_no_index_dtype_holds_is_a_clear_error():
+    """Past 2**32 - 1 with x64 off no index dtype holds the padding index: a ValueError says to
+    enable x64; a row-sparse array of more rows than int32 counts says to use a BCOO-backed one.
+    An array with no entries and a long axis converts to BCOO storage."""
+    with jax.enable_x64(False):
+        b = sparse.BCOO((jnp.ones(1), jnp.zeros((1, 1), jnp.int32)), shape=(2**32 + 3,))
+        with pytest.raises(ValueError, match="enable jax_enable_x64"):
+            mj.from_bcoo(b)
+    assert mj.from_bcoo(b).indices.dtype == jnp.int64  # with x64 on
+    with jax.enable_x64(False):  # no entries at all: the padding index of the long axis still fits
+        empty = mj.masked_array(jnp.zeros((0, 2**31 + 10)), jnp.zeros((0, 2**31 + 10), bool)).tostype("bcoo")
+        assert empty.indices.dtype == jnp.uint32 and mnp.exp(empty).shape == (0, 2**31 + 10)
+    with pytest.raises(ValueError, match="BCOO-backed"):
+        mj.row_sparse(jnp.ones((1, 2)), jnp.array([3]), (2**31 + 10, 2))

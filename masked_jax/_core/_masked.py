@@ -454,7 +454,8 @@ class MaskedArray(ArrayMethods):
             return f"MaskedArray(tangent={np.asarray(self._data)!r})"
         body = format_values(np.asarray(self._data), np.asarray(self.mask))
         body = body.replace("\n", "\n" + " " * len("MaskedArray("))
-        return f"MaskedArray({body}, dtype={self.dtype})"
+        shape = f"shape={self.shape}, " if self.size == 0 else ""  # as jax.Array: [] alone has no shape
+        return f"MaskedArray({body}, {shape}dtype={self.dtype})"
 
     __str__ = __repr__
 
@@ -644,8 +645,9 @@ def _masked_ids(x, index):
 
 def check_index(index, shape=None):
     """Refuse masked indices (a fully valid concrete MaskedArray index is its data), and static
-    integer indices out of range (as numpy does; jax would clamp them and return valid data from
-    another position). Returns the index with plain arrays for masked ones."""
+    integer indices and concrete integer arrays of ids out of range (as numpy does; jax would clamp
+    them and return valid data from another position; traced ids out of range read masked
+    elements, see the ``getitem`` rule). Returns the index with plain arrays for masked ones."""
     parts = index if isinstance(index, tuple) else (index,)
     parts = tuple(_plain_index(p) for p in parts)
     index = parts if isinstance(index, tuple) else parts[0]
@@ -665,6 +667,12 @@ def check_index(index, shape=None):
         if isinstance(p, (int, np.integer)) and not isinstance(p, (bool, np.bool_)) and dim < len(shape):
             if not -shape[dim] <= p < shape[dim]:
                 raise IndexError(f"index {int(p)} is out of bounds for axis {dim} with size {shape[dim]}.")
+        elif dim < len(shape) and ops.shape.gathers(p) and not is_tracer(p):
+            # known ids out of range: an error, as numpy (jax would clamp them; traced ones are masked)
+            ids = np.asarray(p)
+            bad = ids[(ids < -shape[dim]) | (ids >= shape[dim])]
+            if bad.size:
+                raise IndexError(f"index {int(bad.flat[0])} is out of bounds for axis {dim} with size {shape[dim]}.")
         dim += 1
     return index
 

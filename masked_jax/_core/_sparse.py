@@ -159,6 +159,11 @@ class SparseMasked(ArrayMethods, abc.ABC):
         """Duplicates summed; the static number of slots unchanged (freed slots become padding)."""
 
     @abc.abstractmethod
+    def first_copies(self) -> Any:
+        """Per stored slot: True at the first stored copy of its logical entry, False at later
+        duplicates and at padding slots (the slot axes of :meth:`block`'s mask)."""
+
+    @abc.abstractmethod
     def todense(self) -> MaskedArray:
         """The dense-storage ``MaskedArray`` with the same valid entries."""
 

@@ -305,6 +305,10 @@ class _LookupRows(RowSparseArray):
     def as_row_sparse(self) -> RowSparseArray:
         return rows_from_parts(self.shape, self.data, self.indices, False)
 
+    def first_copies(self):
+        """Every stored row counts: each is one read of the table, whose gradients add up."""
+        return self.row_valid()
+
 
 def _flags(spec, arg):
     """Per-leaf bools from ``spec`` (True, a prefix tree of bools, or a callable on ``arg``)."""

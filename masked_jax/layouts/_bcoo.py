@@ -18,7 +18,7 @@ import numpy as np
 from jax.experimental import sparse as jsparse
 
 from masked_jax._core import STATE, MaskedArray, SparseMasked, check_index, from_pair, is_tracer
-from masked_jax.layouts._segments import segment_total, tuple_ids, unique_ids
+from masked_jax.layouts._segments import first_copies, segment_total, tuple_ids, unique_ids
 from masked_jax.ops._base import Pair, accumulation_dtype, widened_indices
 
 DATA_KEY, INDICES_KEY = jax.tree_util.GetAttrKey("data"), jax.tree_util.GetAttrKey("indices")
@@ -87,7 +87,8 @@ class BCOOMaskedArray(SparseMasked, storage="bcoo"):
     def from_bcoo(cls, bcoo: jsparse.BCOO) -> BCOOMaskedArray:
         if not isinstance(bcoo, jsparse.BCOO):
             raise TypeError(f"from_bcoo needs a jax.experimental.sparse.BCOO; got {type(bcoo).__name__}.")
-        return cls.tree_unflatten(bcoo.shape, (bcoo.data, widened_indices(bcoo.indices)))
+        indices = holding_shape(widened_indices(bcoo.indices), bcoo.shape[bcoo.n_batch : bcoo.n_batch + bcoo.n_sparse])
+        return cls.tree_unflatten(bcoo.shape, (bcoo.data, indices))
 
     def to_bcoo(self) -> jsparse.BCOO:
         """The storage as a plain BCOO (dense semantics: unspecified entries read as 0).
@@ -110,9 +111,33 @@ class BCOOMaskedArray(SparseMasked, storage="bcoo"):
 
     def entry_valid(self):
         """Per stored entry: True unless it is padding (an index out of range)."""
-        sparse_shape = jnp.array(self.shape[self.n_batch : self.n_batch + self.n_sparse])
+        sparse_shape = jnp.array(self.shape[self.n_batch : self.n_batch + self.n_sparse], self.indices.dtype)
         ok = (self.indices >= 0) & (self.indices < sparse_shape)
         return jnp.all(ok, axis=-1)
+
+    def first_copies(self):
+        """Per stored entry (batch..., nse): True at the first stored copy of its index tuple
+        (within its batch element), False at later duplicates and at padding entries. A gradient
+        keeps each element's cotangent in its first copy only, so that the duplicates, summed,
+        read as the dense gradient once.
+
+        Examples:
+            >>> import jax.numpy as jnp, masked_jax as mj
+            >>> from jax.experimental import sparse
+            >>> b = sparse.BCOO((jnp.ones(3), jnp.array([[1, 0], [0, 1], [1, 0]])), shape=(2, 2))
+            >>> mj.from_bcoo(b).first_copies()
+            Array([ True,  True, False], dtype=bool)
+        """
+        sparse_shape = self.shape[self.n_batch : self.n_batch + self.n_sparse]
+        valid = self.entry_valid()
+        indices = jnp.broadcast_to(self.indices, valid.shape + (self.n_sparse,))
+
+        def one(idx, ok):  # one batch element: (nse, n_sparse) index tuples
+            return first_copies(tuple_ids(idx, sparse_shape, ok)[0]) & ok
+
+        for _ in range(self.n_batch):
+            one = jax.vmap(one)
+        return one(indices, valid)
 
     def block(self) -> Pair:
         """Stored values as a dense masked block (batch..., nse, dense...): rules run on this."""
@@ -159,7 +184,7 @@ class BCOOMaskedArray(SparseMasked, storage="bcoo"):
             values = jnp.where(self.entry_valid(), self.data, jnp.zeros((), self.dtype))
             merge = jax.ops.segment_max if boolean else segment_total
             data = merge(values, seg, self.nse)
-            indices = jnp.where((uniq < bound)[:, None], decode(uniq), jnp.array(self.shape)).astype(self.indices.dtype)
+            indices = jnp.where((uniq < bound)[:, None], decode(uniq), jnp.array(self.shape, self.indices.dtype))
             return BCOOMaskedArray.tree_unflatten(self.shape, (data, indices))
         x = self.with_data(self.data.astype(jnp.int32)) if boolean else self
         summed = jsparse.bcoo_sum_duplicates(x.to_bcoo(), nse=self.nse)
@@ -191,7 +216,7 @@ class BCOOMaskedArray(SparseMasked, storage="bcoo"):
     def to_row_sparse(self):
         """Row-sparse view when the layout is one sparse dimension + dense ones; else via dense."""
         rows = SparseMasked.LAYOUTS["row_sparse"]
-        if self.n_batch == 0 and self.n_sparse == 1:
+        if self.n_batch == 0 and self.n_sparse == 1 and self.shape[0] <= np.iinfo(np.int32).max:
             return rows.tree_unflatten((tuple(self.shape), False), (self.data, self.indices[:, 0]))
         return rows.from_masked(self.todense())
 
@@ -202,7 +227,8 @@ class BCOOMaskedArray(SparseMasked, storage="bcoo"):
         n_sparse = len(shape) - n_batch - n_dense
         batch, block = shape[:n_batch], shape[len(shape) - n_dense :]
         data = jnp.zeros(batch + (nse,) + block, dense.dtype)
-        indices = jnp.broadcast_to(jnp.array(shape[n_batch : n_batch + n_sparse], jnp.int32), batch + (nse, n_sparse))
+        dtype = holding_shape(jnp.zeros(0, jnp.int32), shape[n_batch : n_batch + n_sparse]).dtype
+        indices = jnp.broadcast_to(jnp.array(shape[n_batch : n_batch + n_sparse], dtype), batch + (nse, n_sparse))
         return cls.tree_unflatten(shape, (data, indices))
 
     @classmethod
@@ -238,6 +264,23 @@ class BCOOMaskedArray(SparseMasked, storage="bcoo"):
                 )
         data = jsparse.bcoo_extract(pattern, dense.data).data
         return cls.tree_unflatten(dense.shape, (data, pattern.indices))
+
+
+def holding_shape(indices, sparse_shape):
+    """``indices`` in an integer dtype that holds every sparse dimension's length, the padding
+    index (one past the end): their own, else uint32 (lengths up to 2**32 - 1 with
+    ``jax_enable_x64`` off) or int64. A ``ValueError`` says to enable x64 where no dtype holds it."""
+    longest = max(sparse_shape, default=0)
+    if longest <= np.iinfo(indices.dtype).max:
+        return indices
+    if jax.config.read("jax_enable_x64"):
+        return indices.astype(jnp.int64)
+    if longest <= np.iinfo(np.uint32).max:
+        return indices.astype(jnp.uint32)
+    raise ValueError(
+        f"a sparse dimension of length {longest} needs 64-bit indices (its padding index, the length "
+        "itself, must fit them); enable jax_enable_x64 (jax.config.update('jax_enable_x64', True))."
+    )
 
 
 def basic_index(x, bcoo: jsparse.BCOO, index) -> BCOOMaskedArray | MaskedArray:

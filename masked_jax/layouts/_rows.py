@@ -20,7 +20,7 @@ from jax.experimental import sparse as jsparse
 from masked_jax import _validate
 from masked_jax._core import MaskedArray, SparseMasked, check_data, from_pair, is_tracer
 from masked_jax.layouts._bcoo import DATA_KEY, INDICES_KEY, BCOOMaskedArray, basic_index
-from masked_jax.layouts._segments import distinct_ids, row_totals, sorted_search, unique_ids
+from masked_jax.layouts._segments import distinct_ids, first_copies, row_totals, sorted_search, unique_ids
 from masked_jax.ops._base import Pair, accumulation_dtype, widened_indices
 
 
@@ -103,11 +103,24 @@ class RowSparseArray(SparseMasked, storage="row_sparse"):
         mask = jnp.broadcast_to(rows.reshape((-1,) + (1,) * (self.ndim - 1)), self.shape)
         return from_pair(data, mask)
 
+    def first_copies(self):
+        """Per stored row: True at the first stored copy of its row, False at later duplicates
+        and at padding rows. A gradient keeps each row's cotangent in its first copy only, so that
+        the duplicates, summed, read as the dense gradient once.
+
+        Examples:
+            >>> import jax.numpy as jnp, masked_jax as mj
+            >>> mj.row_sparse(jnp.ones((4, 1)), jnp.array([2, 0, 2, 5]), (5, 1)).first_copies()
+            Array([ True,  True, False, False], dtype=bool)
+        """
+        return first_copies(self.clean_indices()) & self.row_valid()
+
     def coalesce(self) -> RowSparseArray:
         """Sum duplicate rows; indices become sorted and unique, padding (index N) last. Static K.
 
         A no-op when the indices are known to be unique (``unique_indices``: set by
-        ``coalesce`` itself, by conversions, or promised to :func:`row_sparse`).
+        ``coalesce`` itself, by conversions and reads, or promised to :func:`row_sparse`); such
+        indices keep their order, which need not be sorted.
 
         Examples:
             >>> import jax.numpy as jnp, masked_jax as mj
@@ -206,7 +219,7 @@ class RowSparseArray(SparseMasked, storage="row_sparse"):
             if bad.size:
                 raise IndexError(f"index {int(bad[0])} is out of bounds for axis 0 with size {n}.")
         ids = jnp.where(ids < 0, ids + n, ids)
-        x = self.coalesce()  # unique rows, sorted, padding (index n) last
+        x = self.coalesce()  # unique rows; sorted unless they were already unique
         if x.nse == 0:
             return rows_from_parts(
                 (ids.shape[0],) + self.shape[1:],
@@ -215,7 +228,11 @@ class RowSparseArray(SparseMasked, storage="row_sparse"):
                 True,
             )
         stored = x.clean_indices()
-        at = jnp.clip(sorted_search(stored, ids), 0, x.nse - 1)
+        if self.unique_indices:  # unique already (a read, a conversion, a promise): in any order, so sort them
+            order = jnp.argsort(stored)
+            at = order[jnp.clip(sorted_search(stored[order], ids), 0, x.nse - 1)]
+        else:  # coalesced: sorted, padding (index n) last
+            at = jnp.clip(sorted_search(stored, ids), 0, x.nse - 1)
         hit = (stored[at] == ids) & valid & (ids >= 0) & (ids < n)
         m = ids.shape[0]
         rows = jnp.where(hit, jnp.arange(m), m).astype(jnp.int32)
@@ -353,6 +370,12 @@ def row_sparse(data, indices, shape, *, unique_indices: bool = False) -> RowSpar
         raise ValueError(f"indices must be 1-D (one row index per stored row); got shape {indices.shape}.")
     if not shape:
         raise ValueError("shape must have at least one dimension (the rows).")
+    if shape[0] > np.iinfo(np.int32).max:
+        raise ValueError(
+            f"a row-sparse array holds at most {np.iinfo(np.int32).max} rows (int32 row indices, the "
+            f"padding index {shape[0]} included); got {shape[0]}. Use a BCOO-backed array (mj.from_bcoo), "
+            "whose indices widen to hold any length."
+        )
     if data.shape != (indices.shape[0],) + shape[1:]:
         raise ValueError(
             f"data must have shape {(indices.shape[0],) + shape[1:]} (K={indices.shape[0]} rows of "

@@ -165,6 +165,23 @@ def tuple_ids(coords, shape, valid):
     return ids, k, lambda u: table[jnp.minimum(u, k)]
 
 
+def first_copies(ids):
+    """Per position: True where ``ids`` holds its value for the first time (by position), False at
+    the later copies of a value. A stable sort of the ``k`` ids, O(k log k).
+
+    >>> import jax.numpy as jnp
+    >>> first_copies(jnp.array([3, 1, 3, 3, 1]))
+    Array([ True,  True, False, False, False], dtype=bool)
+    """
+    k = ids.shape[0]
+    if k == 0:
+        return jnp.zeros(0, bool)
+    order = jnp.argsort(ids, stable=True)
+    ordered = ids[order]
+    first = jnp.concatenate([jnp.ones(1, bool), ordered[1:] != ordered[:-1]])
+    return jnp.zeros(k, bool).at[order].set(first, unique_indices=True)
+
+
 def distinct_ids(ids, sentinel: int):
     """``(uniq, seg)`` as :func:`unique_ids`, in whatever order is fastest: the distinct values of
     ``ids`` first (sorted or in order of first appearance), then ``sentinel`` padding up to
@@ -195,6 +212,7 @@ class Segments:
 
     def __init__(self, x, keep: tuple[int, ...]):
         self.valid = x.entry_valid()
+        self.index_dtype = x.indices.dtype
         self.k = x.nse
         self.out_shape = tuple(x.shape[a] for a in keep)
         coords = x.indices[:, list(keep)]
@@ -253,7 +271,7 @@ class Segments:
         cols = self.decode(jnp.where(self.out_valid, self.uniq, 0))
         for a in keepdims_axes:  # a size-1 dimension: index 0 (axes ascending)
             cols = jnp.insert(cols, a, 0, axis=1)
-        return cols.astype(jnp.int32)
+        return cols.astype(self.index_dtype)
 
 
 def flat(x):
@@ -276,7 +294,7 @@ def reduce(spec, x, axis=None, keepdims=False, **kwargs):
     valid = g.out_valid if extra is None else g.out_valid & extra
     shape = tuple(1 if a in axes else d for a, d in enumerate(x.shape) if keepdims or a not in axes)
     indices = g.output_indices(axes if keepdims else ())
-    end = jnp.array(shape, jnp.int32)  # padding: one past the end in every dimension
+    end = jnp.array(shape, indices.dtype)  # padding: one past the end in every dimension
     data = jnp.where(valid, out, jnp.zeros((), out.dtype))
     return type(x).tree_unflatten(shape, (data, jnp.where(valid[:, None], indices, end)))
 

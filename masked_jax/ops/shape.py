@@ -199,8 +199,26 @@ def argpartition(x: Pair, kth, axis=-1):
 
 
 def getitem(x: Pair, index) -> Pair:
+    """``x[index]``. Integer array parts gather: an id out of range (which jax would clamp to the
+    last row) gives a masked element, and the result has a mask. The caller raises
+    ``IndexError`` for ids out of range that it can see (concrete ones)."""
     m = _full(x)
-    return Pair(jnp.asarray(x.data)[index], None if m is None else m[index])
+    data = jnp.asarray(x.data)
+    if not gathers(index):
+        return Pair(data[index], None if m is None else m[index])
+    m = jnp.ones(data.shape, bool) if m is None else m
+    return Pair(data.at[index].get(mode="fill", fill_value=0), m.at[index].get(mode="fill", fill_value=False))
+
+
+def gathers(index) -> bool:
+    """Whether ``index`` has an integer array part (a gather, which jax clamps out of range)."""
+    parts = index if isinstance(index, tuple) else (index,)
+    return any(_is_int_array(p) for p in parts)
+
+
+def _is_int_array(p) -> bool:
+    """An integer array index part (0-d included; a Python int is static, not an array)."""
+    return isinstance(p, (jax.Array, np.ndarray)) and jnp.issubdtype(p.dtype, jnp.integer)
 
 
 _AT_FILL = {"add": 0, "multiply": 1, "min": None, "max": None}
