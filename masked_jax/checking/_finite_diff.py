@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from masked_jax.checking._batch import Batch, batch_dtype, richardson_error, split, starts_of
-from masked_jax.checking._probes import _leak_map, analytic_pattern, probe_rows
+from masked_jax.checking._probes import _leak, _leak_map, analytic_pattern, probe_rows
 from masked_jax.checking._projections import projection_rows, projection_sets
 
 
@@ -49,8 +49,9 @@ def _run(
     """
     n = len(leaves)
     specs = [jnp.asarray(leaf.spec) for leaf in leaves] if specs is None else [jnp.asarray(s) for s in specs]
+    given = [v.astype(leaf.dtype).ravel() for leaf, v in zip(leaves, vals)]  # the user's data under the masks
     # the dense-semantics point: unspecified elements 0 (a masked input's data, as given, may hold anything)
-    vals = [jnp.where(s, v.astype(leaf.dtype).ravel(), 0) for leaf, v, s in zip(leaves, vals, specs)]
+    vals = [jnp.where(s, v, 0) for v, s in zip(given, specs)]
     fills = _random_fills(specs, vals, draws["fill"])  # masked semantics: data under masks is random
     alts = _random_fills(specs, vals, draws["alt"])  # ... and different: valid outputs must not move
     out = {}
@@ -68,7 +69,10 @@ def _run(
     if leak_map == "only":  # at the fills, as in the whole check (the same draws)
         base = [e[0] for e in jax.vmap(lambda vs: outputs(vs, [None] * n))([f[None] for f in fills])]
         return {"leak_map": [_leak_map(outputs, specs, fills, base, modes, i) if owns[i] else None for i in range(n)]}
-    points = [fills] if specified else [fills, alts] + ([vals] if "dense" in sems else [])
+    # masked semantics: the valid outputs at the fills must be those at the other random fills, at
+    # the user's own data under the masks and at zeros there (the dense point, last): a function
+    # that finds its padding by a sentinel value (``v.data != 0``) moves between them
+    points = [fills] if specified else [fills, alts, given, vals]
     out_size = sum(int(np.prod(shape)) for _, shape in names)
     with_probes = "masked" in sems and probes and not specified
     if fast:
@@ -137,18 +141,33 @@ def _run(
     return out
 
 
+# the leak each point after the first shows (see :func:`_run`), as the report names it
+POINT_LEAKS = (
+    "valid outputs vs masked-out data",  # the other random fills
+    "valid outputs vs the given masked-out data",  # the user's own data under the masks
+    "valid outputs vs masked-out zeros",
+)
+
+
 def _point_results(evals, count, sems):
     """What the check reads from ``f``'s ``(filled, raw, mask)`` outputs at its ``count`` points
-    (the fills, the other random fills, the dense point; the fills alone when every element is
-    specified): the output mask, the outputs' magnitudes (for the rounding tolerance), how far
-    the valid outputs and the mask move with the data under the masks."""
-    base, alt = ([e[min(j, count - 1)] for e in evals] for j in (0, 1))
+    (the fills, the other random fills, the given data, the dense point; the fills alone when
+    every element is specified): the output mask, the outputs' magnitudes (for the rounding
+    tolerance), how far the valid outputs (``value_leak``, one row per point after the first: NaN
+    or infinite where one of them is and they differ) and the mask move with the data under the
+    masks."""
+    base = [e[0] for e in evals]
+    if count == 1:  # every element specified: nothing under a mask
+        others = [e[:0] for e in evals]
+    else:
+        others = [e[1:count] for e in evals]
+    both = base[2][None] & others[2]
     return {
         "valid": base[2],
         "scale/masked": jnp.abs(base[0]),
-        "scale/dense": jnp.abs(evals[0][-1] if "dense" in sems else base[0]),
-        "value_leak": jnp.where(base[2] & alt[2], jnp.abs(base[0] - alt[0]), 0),
-        "mask_changed": jnp.any(base[2] != alt[2]),
+        "scale/dense": jnp.abs(evals[0][count - 1] if "dense" in sems else base[0]),
+        "value_leak": jnp.where(both, _leak(others[0], base[0][None]), 0),
+        "mask_changed": jnp.any(base[2][None] != others[2], axis=-1),
     }
 
 
