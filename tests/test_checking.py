@@ -198,7 +198,8 @@ def test_fast_mode_catches_a_wrong_derivative_and_is_chosen_by_size():
 def test_the_check_program_holds_f_a_fixed_number_of_times_however_many_inputs(fast, monkeypatch):
     """The compiled check holds ``f`` (its evaluation, JVP and VJP) as often for six parameter
     leaves as for one: fast mode twice (a JVP and a VJP batch, the points and probes among their
-    rows), full tables four times. A wrong check of a leaf (a leak, a wrong derivative) is still
+    rows), full tables three times (the points and perturbations, the JVP of jacfwd, the probes'
+    VJP batch with jacrev's cotangents among its rows). A wrong check of a leaf (a leak, a wrong derivative) is still
     found in the batch."""
     from masked_jax import _jaxpr
     from masked_jax.checking import _compile
@@ -230,7 +231,7 @@ def test_the_check_program_holds_f_a_fixed_number_of_times_however_many_inputs(f
             raise_exception=False,
         )
         assert not leaky and any(not c.passed and c.input == "args[1]" for c in leaky.checks)
-    assert copies[1] == copies[6] == (2 if fast else 4), copies
+    assert copies[1] == copies[6] == (2 if fast else 3), copies
 
 
 def test_float32_defaults_and_report_content():
@@ -617,6 +618,38 @@ def _entry_of(f, args, **kw):
 
     mj.check_jacobian(f, args, **kw)
     return next(entry for key, (entry, _) in reversed(_check._CACHE.items()) if not any(key[-2:]))
+
+
+def test_the_first_check_of_new_code_compiles_its_own_program_alone():
+    """A first check pays for one XLA compile, its program's: nothing of its set-up (the inputs'
+    patterns, their flattening, the random draws) runs as an eager op, each of which compiles a
+    program of its own for every new shape (a tenth of a tiny model's first check)."""
+    import logging
+
+    compiled = []
+
+    class Compiles(logging.Handler):
+        def emit(self, record):
+            message = record.getMessage()
+            if message.startswith("Finished XLA compilation of"):
+                compiled.append(message.split(" of ")[1].split(" in ")[0])
+
+    rng = np.random.default_rng(11)
+    params = {"w": jnp.asarray(rng.normal(size=(5, 3))), "b": jnp.asarray(rng.normal(size=3))}
+    tokens = jnp.arange(9)[None, :, None] < jnp.array([9, 4])[:, None, None]  # shapes no other test uses
+    x = mj.masked_array(jnp.asarray(rng.normal(size=(2, 9, 5))), tokens)
+    handler = Compiles()
+    logging.getLogger("jax").addHandler(handler)
+    jax.config.update("jax_log_compiles", True)
+    try:
+        report = mj.check_jacobian(
+            lambda p, v: mnp.sum(mnp.tanh(v @ p["w"]), axis=1) + p["b"], (params, x), compile=True
+        )
+    finally:
+        jax.config.update("jax_log_compiles", False)
+        logging.getLogger("jax").removeHandler(handler)
+    assert report.satisfies == ("masked",)
+    assert compiled == ["jit(run)"], compiled
 
 
 def test_a_new_function_with_the_same_code_finds_the_compiled_check():

@@ -101,20 +101,29 @@ def _run(
         evals = jax.vmap(lambda vs: outputs(vs, [None] * n))([jnp.stack(p) for p in zip(*points)])  # one batch
     out.update(_point_results(evals, len(points), sems))
     base_m = [e[0] for e in evals]
+    same = specified and plain[0] and "dense" in sems  # the two semantics: one check
+    keep = not same and _shares_tables(leaves[0], sems, False, probes)
+    rev = None  # the joint tables' reverse-mode Jacobian, as rows of the probes' VJP batch
     if with_probes:
         batch = Batch(outputs, leaves, "vjp" if "rev" in modes else "jvp", out_size)
         finish = probe_rows(batch, leaves, specs, fills, modes, draws)
+        if joint_ok and batch.kind == "vjp":
+            # one cotangent per output at the dense point: the rows of jacrev, without a VJP of f of
+            # their own in the program (one VJP of f however many rows)
+            x0 = jnp.concatenate([v.astype(batch_dtype(vals)) for v in vals])
+            eye = jnp.eye(out_size, dtype=x0.dtype)
+            rev = batch.add(jnp.broadcast_to(x0, (out_size, x0.shape[0])), None, eye, keep)
         batch.run()
         out["probes"] = finish(base_m)
+        if rev is not None:
+            rev = batch[rev][1]
         if leak_map:
             out["leak_map"] = [
                 _leak_map(outputs, specs, fills, base_m, modes, i) if owns[i] else None for i in range(n)
             ]
-    same = specified and plain[0] and "dense" in sems  # the two semantics: one check
     joint = None
     if joint_ok:  # every input's dense tables from one batch of evaluations over all inputs at once
-        keep = not same and _shares_tables(leaves[0], sems, False, probes)
-        joint = _joint_tables(outputs, leaves, vals, modes, eps, perturbed, evals[2][-1], richardson, keep)
+        joint = _joint_tables(outputs, leaves, vals, modes, eps, perturbed, evals[2][-1], richardson, keep, rev)
     for i, leaf in enumerate(leaves):
         for sem in sems:
             base = vals if sem == "dense" else fills
@@ -301,12 +310,14 @@ def _joint_evaluations(outputs, leaves, vals, eps, richardson, points):
     return evals[0][:cut], tuple(e[cut:] for e in evals)
 
 
-def _joint_tables(outputs, leaves, vals, modes, eps, evals, valid, richardson=False, keep_raw=False):
+def _joint_tables(outputs, leaves, vals, modes, eps, evals, valid, richardson=False, keep_raw=False, rev=None):
     """:func:`_tables` under dense semantics for every input at once, as a list of their results:
     central differences of ``evals`` (:func:`_joint_evaluations`), and ``jacfwd`` / ``jacrev`` of
     the outputs in all the inputs' elements, split into each input's columns. One evaluation of
     ``f``, one JVP and one VJP in the program, however many inputs (pytree leaves) ``f`` takes.
-    ``valid``: the output mask at ``vals`` (with ``keep_raw``), from the caller's evaluations."""
+    ``valid``: the output mask at ``vals`` (with ``keep_raw``), from the caller's evaluations.
+    ``rev``: the reverse-mode Jacobian (outputs x every input's elements, of the raw outputs with
+    ``keep_raw``), when the caller took it as rows of a VJP batch; ``None``: ``jacrev`` here."""
     n = len(leaves)
     sizes = [leaf.size for leaf in leaves]
     starts = starts_of(sizes)
@@ -324,7 +335,7 @@ def _joint_tables(outputs, leaves, vals, modes, eps, evals, valid, richardson=Fa
     valid = valid[:, None] if keep_raw else None
     for mode, jac in (("fwd", jax.jacfwd), ("rev", jax.jacrev)):
         if mode in modes:
-            table = jac(g)(x0)
+            table = rev if mode == "rev" and rev is not None else jac(g)(x0)
             for r, a, s in zip(res, starts, sizes):
                 r[mode] = table[:, a : a + s]
                 if valid is not None:  # keep_raw
