@@ -25,8 +25,15 @@ median of 3), **repeat** the same function again (median of 3). Prints the table
 see what a script sees: ``MJ_CHECK_BACKGROUND`` unset (``check_jacobian`` compiles nothing in the
 background; ``check_invariance`` compiles its padded lengths side by side).
 
+``--tiny``: the first check of the tiny model alone (the flax MLP: 4 -> 8 -> 3, tanh, per token, a
+masked mean over 4 x 6 tokens, float64), as a notebook user meets it, against the first call of
+``check_grads`` and torch's ``gradcheck``: each checker's first check in a fresh process (after one
+check of an unrelated small function; the model is built before the clock starts), ``--rounds``
+processes per checker, interleaved; the table gives the median, the spread (min - max) and the
+ratios of the medians.
+
 Run: ``.venv/bin/python benchmarks/jacobian_models.py`` (``--only NAME`` for models whose names
-contain it, ``--quick`` for the flax MLP alone).
+contain it, ``--quick`` for the flax MLP alone, ``--tiny`` for the first-call table).
 """
 
 from __future__ import annotations
@@ -115,9 +122,12 @@ def _checker(name, model):
 
     state = {}
 
+    def build(seed):
+        state["args"] = _build(model, seed)
+
     def check(seed):
         if seed is not None:
-            state["args"] = _build(model, seed)
+            build(seed)
         f, params, x = state["args"]
         if name == "check_jacobian":
             assert mj.check_jacobian(f, (params, x))
@@ -134,6 +144,7 @@ def _checker(name, model):
             check_grads(loss, (params, x.filled(0.0)), order=1, modes=["rev"])
         jax.effects_barrier()
 
+    check.build = build
     return check
 
 
@@ -187,6 +198,52 @@ def _torch(model, seeds):
     return times
 
 
+TINY = "flax MLP"
+TINY_CHECKERS = ("check_jacobian", "check_grads", "torch gradcheck")
+
+
+def first_worker(model, name):
+    """The first check of ``model`` by ``name`` in this process: seconds, the model built beforehand."""
+    if name == "torch gradcheck":
+        return _torch(model, [0])[0]
+    import jax
+
+    jax.config.update("jax_enable_x64", True)
+    _warm(name)
+    check = _checker(name, model)
+    check.build(0)
+    t0 = time.perf_counter()
+    check(None)
+    return time.perf_counter() - t0
+
+
+def tiny(rounds, env):
+    """``{checker: [first-check seconds, one per fresh process]}`` for the tiny model."""
+    times: dict = {name: [] for name in TINY_CHECKERS}
+    for _ in range(rounds):
+        for name in TINY_CHECKERS:  # interleaved: the machine's load falls on every checker alike
+            out = subprocess.run(
+                [sys.executable, __file__, "--first-worker", TINY, name], capture_output=True, text=True, env=env
+            )
+            if out.returncode:
+                raise RuntimeError(f"{TINY} / {name} failed:\n{out.stderr[-3000:]}")
+            times[name].append(json.loads(out.stdout.strip().splitlines()[-1])["first"])
+    return times
+
+
+def _print_tiny(times):
+    med = {name: statistics.median(t) for name, t in times.items()}
+    print(
+        f"\nfirst check of the tiny model ({TINY}, 4 x 6 tokens, float64), seconds, {len(times['check_grads'])} fresh processes each"
+    )
+    print(f"{'checker':18s} {'median':>8s} {'min':>8s} {'max':>8s} {'/ check_grads':>14s} {'/ gradcheck':>12s}")
+    for name, t in times.items():
+        print(
+            f"{name:18s} {med[name]:8.3f} {min(t):8.3f} {max(t):8.3f} "
+            f"{med[name] / med['check_grads']:13.2f}x {med[name] / med['torch gradcheck']:11.1f}x"
+        )
+
+
 def worker(model, name):
     seeds = [0, 1, 2, 3, None, None, None]  # first, three re-runs, three repeats
     if name == "torch gradcheck":
@@ -211,10 +268,18 @@ def main(argv=None):
     parser = argparse.ArgumentParser()
     parser.add_argument("--only", nargs="*", help="models whose names contain one of these")
     parser.add_argument("--quick", action="store_true", help="the flax MLP alone (a smoke run)")
+    parser.add_argument(
+        "--tiny", action="store_true", help="the first check of the tiny model, against check_grads and gradcheck"
+    )
+    parser.add_argument("--rounds", type=int, default=5, help="fresh processes per checker with --tiny")
     parser.add_argument("--worker", nargs=2, metavar=("MODEL", "CHECKER"), help=argparse.SUPPRESS)
+    parser.add_argument("--first-worker", nargs=2, metavar=("MODEL", "CHECKER"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         worker(*args.worker)
+        return None
+    if args.first_worker:
+        print(json.dumps({"first": first_worker(*args.first_worker)}))
         return None
     models = [m for m in MODELS if not args.only or any(o in m for o in args.only)][: 1 if args.quick else None]
     rows = {}
@@ -222,6 +287,10 @@ def main(argv=None):
     # padded lengths compile side by side)
     env = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))
     env.pop("MJ_CHECK_BACKGROUND", None)
+    if args.tiny:
+        times = tiny(args.rounds, env)
+        _print_tiny(times)
+        return times
     for model in models:
         for name in CHECKERS:
             if name == "torch gradcheck" and "MLP" not in model:

@@ -72,6 +72,7 @@ def dot_product_attention(
     key_value_seq_lengths: Any = None,
     local_window_size: Any = None,
     implementation: Any = None,
+    return_residual: bool = False,
 ) -> Any:
     """``jax.nn.dot_product_attention`` of masked queries, keys and values (``(B, T, N, H)`` and
     ``(B, S, K, H)``, grouped-query heads included; ``(T, N, H)`` without a batch).
@@ -102,7 +103,13 @@ def dot_product_attention(
 
     Sequence lengths given as arguments mask the tokens past them, as jax does. The queries'
     padding is not passed on: their outputs are masked here, and a query mask would add to the
-    call's ``T x S`` work.
+    call's ``T x S`` work. A ``bias`` at a masked output's row or a padded key's column goes to
+    jax's call as 0: a -inf or NaN there (``where(q_valid & k_valid, 0, -inf)``) sends no NaN into
+    the gradients of the valid tokens, which equal the unpadded run's.
+
+    ``return_residual=True`` returns ``(output, residual)`` as jax does: the residual is the
+    logsumexp of each query's logits over the keys it sees, ``(B, T, N)`` (``(T, N)`` without a
+    batch), masked where the output is (data 0).
 
     Examples:
         >>> import jax, jax.numpy as jnp, masked_jax as mj, masked_jax.nn as mnn
@@ -135,12 +142,12 @@ def dot_product_attention(
         q_valid = _both(q_valid, jnp.arange(t) < _lengths(query_seq_lengths, b, "query_seq_lengths")[:, None])
     if key_value_seq_lengths is not None:
         kv_valid = _both(kv_valid, jnp.arange(s) < _lengths(key_value_seq_lengths, b, "key_value_seq_lengths")[:, None])
-    options = {"scale": scale, "implementation": implementation}
+    options = {"scale": scale, "implementation": implementation, "return_residual": bool(return_residual)}
     if q_valid is None and kv_valid is None:  # nothing masked: jax's call as it is
         out = jax.nn.dot_product_attention(
             q, k, v, bias, mask, is_causal=is_causal, local_window_size=local_window_size, **options
         )
-        return out[0] if unbatched else out
+        return jax.tree_util.tree_map(lambda a: a[0], out) if unbatched else out
     q_valid = jnp.ones((b, t), bool) if q_valid is None else q_valid
     kv_valid = jnp.ones((b, s), bool) if kv_valid is None else kv_valid
     # one token mask for queries and keys (self-attention): moving the tokens keeps causal order
@@ -151,6 +158,26 @@ def dot_product_attention(
         and (not isinstance(value, MaskedArray) or value.compact_mask is None or _same_tokens(key, value))
     )
     fused = implementation == "cudnn" and bias is None and mask is None and local_window_size is None
+
+    # a query attends to something: a valid key that the call lets it see (jax would spread an
+    # unseeing query's weights evenly over every key, the padding included)
+    if mask is not None or local_window_size is not None:
+        valid = q_valid[:, :, None, None] & _seen(kv_valid, mask, is_causal, local_window_size, t, s)
+    else:
+        if is_causal:
+            cs = jnp.cumsum(kv_valid, axis=1)
+            reach = cs[:, jnp.minimum(jnp.arange(t), s - 1)] > 0 if s else jnp.zeros((b, t), bool)
+        else:
+            reach = jnp.broadcast_to(jnp.any(kv_valid, axis=1, keepdims=True), (b, t))
+        valid = (q_valid & reach)[:, :, None, None]  # a (B, T, 1, 1) token mask
+    if bias is not None:
+        # The bias of a masked output's row and of a padded key's column reaches nothing the
+        # unpadded run computes, but a -inf or NaN there (a bias built as ``where(q_valid &
+        # k_valid, 0, -inf)``) makes that row's softmax NaN, and its backward pass sends the NaN to
+        # every key and value: those entries go as 0 (no gradient reaches them either).
+        bias = jnp.asarray(bias)
+        seen = jnp.swapaxes(valid, 1, 2) & kv_valid[:, None, None, :]  # (B, N or 1, T, S)
+        bias = jnp.where(seen, bias, jnp.zeros((), bias.dtype))
 
     def by_position():  # the keys' padding as a (B, 1, 1, S) mask beside the user's
         pad = kv_valid[:, None, None, :]
@@ -170,7 +197,10 @@ def dot_product_attention(
             key_value_seq_lengths=jnp.sum(kv_valid, axis=1, dtype=jnp.int32),
             **options,
         )
-        return _gather(moved, jnp.argsort(kv_order, axis=1)) if is_causal else moved  # back in place
+        if not is_causal:
+            return moved
+        back = jnp.argsort(kv_order, axis=1)  # back in place
+        return jax.tree_util.tree_map(lambda a: _gather(a, back), moved)
 
     if not fused or (is_causal and not shared and t != s):
         out = by_position()
@@ -178,18 +208,13 @@ def dot_product_attention(
         out = by_lengths()
     else:  # causal, queries and keys masked by separate arrays: by lengths where they are one mask
         out = jax.lax.cond(jnp.array_equal(q_valid, kv_valid), by_lengths, by_position)
-    # a query attends to something: a valid key that the call lets it see (jax would spread an
-    # unseeing query's weights evenly over every key, the padding included)
-    if mask is not None or local_window_size is not None:
-        valid = q_valid[:, :, None, None] & _seen(kv_valid, mask, is_causal, local_window_size, t, s)
-    else:
-        if is_causal:
-            cs = jnp.cumsum(kv_valid, axis=1)
-            reach = cs[:, jnp.minimum(jnp.arange(t), s - 1)] > 0 if s else jnp.zeros((b, t), bool)
-        else:
-            reach = jnp.broadcast_to(jnp.any(kv_valid, axis=1, keepdims=True), (b, t))
-        valid = (q_valid & reach)[:, :, None, None]  # a (B, T, 1, 1) token mask
+    if return_residual:
+        out, residual = out
+        res_valid = jnp.broadcast_to(valid[..., 0], residual.shape)  # (B, T, N): where the output is valid
+        residual = wrap(ops.Pair(jnp.where(res_valid, residual, jnp.zeros((), residual.dtype)), res_valid))
     out = wrap(ops.Pair(jnp.where(valid, out, jnp.zeros((), out.dtype)), valid))
+    if return_residual:
+        return (out[0], residual[0]) if unbatched else (out, residual)
     return out[0] if unbatched else out
 
 

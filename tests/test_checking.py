@@ -198,7 +198,8 @@ def test_fast_mode_catches_a_wrong_derivative_and_is_chosen_by_size():
 def test_the_check_program_holds_f_a_fixed_number_of_times_however_many_inputs(fast, monkeypatch):
     """The compiled check holds ``f`` (its evaluation, JVP and VJP) as often for six parameter
     leaves as for one: fast mode twice (a JVP and a VJP batch, the points and probes among their
-    rows), full tables four times. A wrong check of a leaf (a leak, a wrong derivative) is still
+    rows), full tables three times (the points and perturbations, the JVP of jacfwd, the probes'
+    VJP batch with jacrev's cotangents among its rows). A wrong check of a leaf (a leak, a wrong derivative) is still
     found in the batch."""
     from masked_jax import _jaxpr
     from masked_jax.checking import _compile
@@ -230,7 +231,7 @@ def test_the_check_program_holds_f_a_fixed_number_of_times_however_many_inputs(f
             raise_exception=False,
         )
         assert not leaky and any(not c.passed and c.input == "args[1]" for c in leaky.checks)
-    assert copies[1] == copies[6] == (2 if fast else 4), copies
+    assert copies[1] == copies[6] == (2 if fast else 3), copies
 
 
 def test_float32_defaults_and_report_content():
@@ -619,6 +620,38 @@ def _entry_of(f, args, **kw):
     return next(entry for key, (entry, _) in reversed(_check._CACHE.items()) if not any(key[-2:]))
 
 
+def test_the_first_check_of_new_code_compiles_its_own_program_alone():
+    """A first check pays for one XLA compile, its program's: nothing of its set-up (the inputs'
+    patterns, their flattening, the random draws) runs as an eager op, each of which compiles a
+    program of its own for every new shape (a tenth of a tiny model's first check)."""
+    import logging
+
+    compiled = []
+
+    class Compiles(logging.Handler):
+        def emit(self, record):
+            message = record.getMessage()
+            if message.startswith("Finished XLA compilation of"):
+                compiled.append(message.split(" of ")[1].split(" in ")[0])
+
+    rng = np.random.default_rng(11)
+    params = {"w": jnp.asarray(rng.normal(size=(5, 3))), "b": jnp.asarray(rng.normal(size=3))}
+    tokens = jnp.arange(9)[None, :, None] < jnp.array([9, 4])[:, None, None]  # shapes no other test uses
+    x = mj.masked_array(jnp.asarray(rng.normal(size=(2, 9, 5))), tokens)
+    handler = Compiles()
+    logging.getLogger("jax").addHandler(handler)
+    jax.config.update("jax_log_compiles", True)
+    try:
+        report = mj.check_jacobian(
+            lambda p, v: mnp.sum(mnp.tanh(v @ p["w"]), axis=1) + p["b"], (params, x), compile=True
+        )
+    finally:
+        jax.config.update("jax_log_compiles", False)
+        logging.getLogger("jax").removeHandler(handler)
+    assert report.satisfies == ("masked",)
+    assert compiled == ["jit(run)"], compiled
+
+
 def test_a_new_function_with_the_same_code_finds_the_compiled_check():
     """A re-run cell, other captured arrays and numbers, another mask of the same shapes: one compiled
     check, run on each function's own constants and mask (its tables are that function's)."""
@@ -915,3 +948,61 @@ def test_tables_judged_on_the_host_and_by_a_compiled_program_agree(monkeypatch, 
     for a, b in zip(host.checks, program.checks):
         np.testing.assert_allclose(a.max_abs, b.max_abs, rtol=1e-6, atol=1e-12)
     assert bool(host) is bool(program) is (name == "correct")
+
+
+# Padding found by a sentinel value: the user pads with PAD, the function counts what is not PAD.
+# No random fill and no probe value (NaN, +-inf, a huge value) is PAD, so only the user's own data
+# under the masks (and zeros there) show that the valid outputs move with the masked-out data.
+SENTINEL_MASK = jnp.array([[True, True, False, False], [True, True, True, False]])
+
+
+def _sentinel_input(pad):
+    data = jnp.where(SENTINEL_MASK, jnp.array([[1.0, 2.0, 0, 0], [0.5, -1.5, 3.0, 0]]), pad)
+    return mj.masked_array(data, SENTINEL_MASK)
+
+
+SENTINELS = {  # name: (the user's padding, f)
+    "zero_padding_nonzero_count": (0.0, lambda v: mnp.sum(v, axis=1) / jnp.sum(v.data != 0, axis=1)),
+    "minus_one_padding": (-1.0, lambda v: mnp.sum(v, axis=1) * jnp.sum(v.data == -1, axis=1)),
+    "zero_padding_where": (0.0, lambda v: mnp.sum(v * 2.0, axis=1) + jnp.sum(jnp.where(v.data == 0, 1.0, 0.0), axis=1)),
+}
+
+
+@pytest.mark.parametrize("semantics", ["masked", "both"])
+@pytest.mark.parametrize("fast", [False, True], ids=["tables", "projections"])
+@pytest.mark.parametrize("name", SENTINELS)
+def test_sentinel_padding_fails_masked_semantics(name, fast, semantics):
+    pad, f = SENTINELS[name]
+    report = mj.check_jacobian(f, (_sentinel_input(pad),), semantics=semantics, fast=fast, raise_exception=False)
+    assert "masked" not in report.satisfies
+    failing = {k for c in report.checks for k, v in c.leaks.items() if not (np.isfinite(v) and v <= 1e-6)}
+    assert "valid outputs vs the given masked-out data" in failing, failing
+    assert "valid outputs vs the given masked-out data" in repr(report)
+
+
+def test_sentinel_padding_fails_assert_jacobian_with_parameters():
+    """The notebook's case: parameters and a zero-padded input, the count of tokens taken by ``!= 0``."""
+    from masked_jax.testing import assert_jacobian
+
+    params = {"w": jnp.array([0.3, -0.7]), "b": jnp.array(0.1)}
+    x = _sentinel_input(0.0)
+
+    def loss(p, v):
+        return (mnp.sum(v, axis=1) * p["w"] + p["b"]) / jnp.sum(v.data != 0, axis=1)
+
+    with pytest.raises(mj.JacobianError, match="the given masked-out data"):
+        assert_jacobian(loss, (params, x))
+    # the same model counting its tokens by the mask passes
+    assert_jacobian(lambda p, v: (mnp.sum(v, axis=1) * p["w"] + p["b"]) / jnp.sum(v.mask, axis=1), (params, x))
+
+
+@pytest.mark.parametrize("fast", [False, True], ids=["tables", "projections"])
+def test_masked_function_passes_with_any_given_data_under_the_masks(fast):
+    """The user's data under the masks may hold anything (NaN, inf, the valid values again): a
+    function with masked semantics still passes."""
+    data = jnp.where(
+        SENTINEL_MASK, jnp.array([[1.0, 2.0, 0, 0], [0.5, -1.5, 3.0, 0]]), jnp.array([jnp.nan, jnp.inf, -jnp.inf, 7.0])
+    )
+    x = mj.masked_array(data, SENTINEL_MASK)
+    report = mj.check_jacobian(lambda v: mnn.softmax(v, axis=1), (x,), semantics="masked", fast=fast)
+    assert report.satisfies == ("masked",)

@@ -220,6 +220,230 @@ def test_attention_gradients_stay_off_the_padding():
     assert report.satisfies == ("masked",)
 
 
+# Gradients w.r.t. the query, key, value and bias: the per-sequence unpadded call's, whatever the
+# bias or mask holds at the padded queries' rows (-inf, NaN: rows the unpadded run never reads).
+def _hand_bias(q_tokens, k_tokens, fill, heads):
+    """A random bias of ``(B, heads, T, S)`` holding ``fill`` wherever a query or a key is padding."""
+    rng = np.random.default_rng(5)
+    bias = rng.normal(size=(ATT_B, heads, ATT_T, ATT_T))
+    both = q_tokens[:, None, :, None] & k_tokens[:, None, None, :]
+    return np.where(both, bias, fill)
+
+
+GRAD_TOL = {"rtol": 1e-4, "atol": 1e-6}  # jax's attention takes its logits in float32, float64 inputs too
+
+GRAD_CASES = {  # name: (keyword arguments (bias/mask: built from the tokens), one token mask)
+    "bias -inf": ({"bias": ("hand", -np.inf, 1)}, False),  # where(q_valid & k_valid, b, -inf)
+    "bias -inf per head": ({"bias": ("hand", -np.inf, ATT_N)}, False),
+    "bias nan": ({"bias": ("hand", np.nan, ATT_N)}, False),
+    "bias broadcast over the batch": ({"bias": ("shared", None, ATT_N)}, False),
+    "bias -inf self": ({"bias": ("hand", -np.inf, 1)}, True),
+    "mask": ({"mask": "hand"}, False),
+    "mask and bias -inf": ({"mask": "hand", "bias": ("hand", -np.inf, 1)}, False),
+    "causal bias -inf": ({"is_causal": True, "bias": ("hand", -np.inf, 1)}, True),
+    "causal bias nan cross": ({"is_causal": True, "bias": ("hand", np.nan, ATT_N)}, False),
+    "causal": ({"is_causal": True}, True),
+    "window bias -inf": ({"local_window_size": (2, 1), "bias": ("hand", -np.inf, 1)}, True),
+}
+
+
+# keys of cross-attention: the first sequence's are all valid, so a padded query's row of a -inf
+# bias is -inf throughout (nothing of the keys' padding masks it)
+GRAD_K_TOKENS = np.array([[1, 1, 1, 1, 1, 1], [1, 1, 0, 1, 1, 0], [1, 0, 1, 0, 1, 1]], bool)
+
+
+def _grad_inputs(same):
+    """``[(data, tokens)]`` of the query, key and value, float64, NaN at the padding."""
+    rng = np.random.default_rng(0)
+    k_tokens = Q_TOKENS if same else GRAD_K_TOKENS
+    parts = []
+    for heads, tokens in ((ATT_N, Q_TOKENS), (ATT_K, k_tokens), (ATT_K, k_tokens)):
+        x = rng.normal(size=(ATT_B, ATT_T, heads, ATT_H))
+        parts.append((np.where(tokens[:, :, None, None], x, np.nan), tokens))
+    return parts
+
+
+def _grad_case(case, same):
+    kwargs, _ = GRAD_CASES[case]
+    k_tokens = Q_TOKENS if same else GRAD_K_TOKENS
+    out = dict(kwargs)
+    if "bias" in kwargs:
+        how, fill, heads = kwargs["bias"]
+        if how == "hand":
+            out["bias"] = jnp.asarray(_hand_bias(Q_TOKENS, k_tokens, fill, heads))
+        else:  # one bias for every sequence, finite
+            out["bias"] = jnp.asarray(np.random.default_rng(6).normal(size=(1, heads, ATT_T, ATT_T)))
+    if kwargs.get("mask") == "hand":
+        out["mask"] = jnp.asarray(Q_TOKENS[:, None, :, None] & k_tokens[:, None, None, :])
+    return out, k_tokens
+
+
+def _attention_reference_grads(parts, k_tokens, kwargs, weights):
+    """The gradients of ``sum(weights * out)`` over the valid queries that see a key, each sequence
+    run alone without its padding by ``jax.nn.dot_product_attention``, scattered back in place."""
+    grads = [np.zeros(p[0].shape) for p in parts]
+    bias = kwargs.get("bias")
+    g_bias = None if bias is None else np.zeros((ATT_B,) + np.shape(bias)[1:])
+    for b in range(ATT_B):
+        qi, ki = np.flatnonzero(Q_TOKENS[b]), np.flatnonzero(k_tokens[b])
+        allowed = np.ones((len(qi), len(ki)), bool)
+        if kwargs.get("is_causal"):
+            allowed &= ki[None, :] <= qi[:, None]
+        if "local_window_size" in kwargs:
+            before, after = kwargs["local_window_size"]
+            allowed &= (ki[None, :] >= qi[:, None] - before) & (ki[None, :] <= qi[:, None] + after)
+        reach = allowed.any(axis=1)
+        if not reach.any():
+            continue
+        w = weights[b : b + 1, qi] * reach[None, :, None, None]
+
+        def loss(q, k, v, bb):
+            out = jax.nn.dot_product_attention(q, k, v, bb, jnp.asarray(allowed)[None, None])
+            return jnp.sum(out * w)
+
+        sub_bias = (
+            None if bias is None else jnp.asarray(np.asarray(bias)[min(b, bias.shape[0] - 1)][None][:, :, qi][..., ki])
+        )
+        args = (parts[0][0][b : b + 1, qi], parts[1][0][b : b + 1, ki], parts[2][0][b : b + 1, ki], sub_bias)
+        got = jax.grad(loss, argnums=(0, 1, 2) if bias is None else (0, 1, 2, 3))(
+            *map(lambda a: None if a is None else jnp.asarray(a), args)
+        )
+        grads[0][b, qi] = got[0][0]
+        grads[1][b, ki] = got[1][0]
+        grads[2][b, ki] = got[2][0]
+        if bias is not None:
+            g_bias[b][np.ix_(np.arange(g_bias.shape[1]), qi, ki)] = got[3][0]
+    if g_bias is not None and np.shape(bias)[0] == 1:
+        g_bias = g_bias.sum(axis=0, keepdims=True)
+    return grads, g_bias
+
+
+@pytest.mark.parametrize("case", list(GRAD_CASES))
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_attention_gradients_equal_each_sequence_without_its_padding(case, jit):
+    """A -inf or NaN bias (or a mask) at a padded query's row, which the unpadded run never reads,
+    sends nothing into the gradients: those of the query, key, value and bias are the per-sequence
+    unpadded call's, 0 at the padding, never NaN."""
+    same = GRAD_CASES[case][1]
+    parts = _grad_inputs(same)
+    kwargs, k_tokens = _grad_case(case, same)
+    weights = np.random.default_rng(7).normal(size=parts[0][0].shape)
+    q_mask = jnp.asarray(Q_TOKENS)[:, :, None, None]
+    k_mask = jnp.asarray(k_tokens)[:, :, None, None]
+
+    def loss(q, k, v, bias):
+        options = dict(kwargs) if bias is None else {**kwargs, "bias": bias}
+        out = mnn.dot_product_attention(
+            mj.masked_array(q, q_mask), mj.masked_array(k, k_mask), mj.masked_array(v, k_mask), **options
+        )
+        return jnp.sum(jnp.where(out.mask, out.data * weights, 0))
+
+    bias = kwargs.get("bias")
+    argnums = (0, 1, 2) if bias is None else (0, 1, 2, 3)
+    grad = jax.grad(loss, argnums=argnums)
+    grad = jax.jit(grad) if jit else grad
+    got = grad(*(jnp.asarray(p[0]) for p in parts), bias)
+    want, want_bias = _attention_reference_grads(parts, k_tokens, kwargs, weights)
+    for g, w in zip(got[:3], want):
+        assert np.isfinite(np.asarray(g)).all()
+        np.testing.assert_allclose(np.asarray(g), w, **GRAD_TOL)
+    if bias is not None:
+        assert np.isfinite(np.asarray(got[3])).all()
+        np.testing.assert_allclose(np.asarray(got[3]), want_bias, **GRAD_TOL)
+
+
+@pytest.mark.parametrize("fill", [-np.inf, np.nan], ids=["-inf", "nan"])
+def test_maskified_attention_gradients_ignore_the_padded_queries_bias_rows(fill):
+    """``maskify(jax.nn.dot_product_attention)`` with a hand-built bias: the same gradients as the
+    per-sequence unpadded call."""
+    parts = _grad_inputs(False)
+    bias = jnp.asarray(_hand_bias(Q_TOKENS, GRAD_K_TOKENS, fill, 1))
+    weights = np.random.default_rng(7).normal(size=parts[0][0].shape)
+    q_mask = jnp.asarray(Q_TOKENS)[:, :, None, None]
+    k_mask = jnp.asarray(GRAD_K_TOKENS)[:, :, None, None]
+    attention = mj.maskify(lambda q, k, v, b: jax.nn.dot_product_attention(q, k, v, b))
+
+    def loss(q, k, v, b):
+        out = attention(mj.masked_array(q, q_mask), mj.masked_array(k, k_mask), mj.masked_array(v, k_mask), b)
+        return jnp.sum(jnp.where(out.mask, out.data * weights, 0))
+
+    got = jax.grad(loss, argnums=(0, 1, 2, 3))(*(jnp.asarray(p[0]) for p in parts), bias)
+    want, want_bias = _attention_reference_grads(parts, GRAD_K_TOKENS, {"bias": bias}, weights)
+    for g, w in zip(got, [*want, want_bias]):
+        assert np.isfinite(np.asarray(g)).all()
+        np.testing.assert_allclose(np.asarray(g), w, **GRAD_TOL)
+
+
+RESIDUAL_CASES = {
+    "cross": {},
+    "causal": {"is_causal": True},
+    "window": {"local_window_size": (2, 1)},
+    "bias": {"bias": "bias"},
+    "mask": {"mask": "mask"},
+}
+
+
+@pytest.mark.parametrize("case", list(RESIDUAL_CASES))
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_attention_return_residual_equals_each_sequence_without_its_padding(case, jit):
+    """``return_residual=True``: ``(output, residual)`` as jax returns them, the residual (each
+    query's logsumexp, ``(B, T, N)``) that of the per-sequence unpadded call, masked where the
+    output is."""
+    q, k, v, parts = _attention_inputs("float64", np.nan, False)
+    kwargs = dict(RESIDUAL_CASES[case])
+    if kwargs.get("bias") == "bias":
+        kwargs["bias"] = jnp.asarray(np.random.default_rng(1).normal(size=(ATT_B, ATT_N, ATT_T, ATT_T)))
+    if kwargs.get("mask") == "mask":
+        kwargs["mask"] = jnp.asarray(np.random.default_rng(2).random((ATT_B, 1, ATT_T, ATT_T)) < 0.6)
+    run = lambda a, b, c: mnn.dot_product_attention(a, b, c, return_residual=True, **kwargs)  # noqa: E731
+    out, residual = jax.jit(run)(q, k, v) if jit else run(q, k, v)
+    plain = mnn.dot_product_attention(q, k, v, **kwargs)
+    np.testing.assert_array_equal(np.asarray(out.data), np.asarray(plain.data))
+    assert isinstance(residual, mj.MaskedArray) and residual.shape == (ATT_B, ATT_T, ATT_N)
+    data, valid = np.asarray(residual.data), np.asarray(residual.mask)
+    np.testing.assert_array_equal(valid, np.broadcast_to(np.asarray(out.mask)[..., 0], valid.shape))
+    assert np.isfinite(data).all() and (data[~valid] == 0).all()
+    k_tokens = parts[1][1]
+    for b in range(ATT_B):
+        qi, ki = np.flatnonzero(Q_TOKENS[b]), np.flatnonzero(k_tokens[b])
+        if not len(ki):
+            continue
+        allowed = np.ones((len(qi), len(ki)), bool)
+        if kwargs.get("is_causal"):
+            allowed &= ki[None, :] <= qi[:, None]
+        if "local_window_size" in kwargs:
+            before, after = kwargs["local_window_size"]
+            allowed &= (ki[None, :] >= qi[:, None] - before) & (ki[None, :] <= qi[:, None] + after)
+        if "mask" in kwargs:
+            allowed &= np.asarray(kwargs["mask"])[b, 0][np.ix_(qi, ki)]
+        bias = None if "bias" not in kwargs else jnp.asarray(np.asarray(kwargs["bias"])[b : b + 1][:, :, qi][..., ki])
+        _, ref = jax.nn.dot_product_attention(
+            jnp.asarray(parts[0][0][b : b + 1, qi]),
+            jnp.asarray(parts[1][0][b : b + 1, ki]),
+            jnp.asarray(parts[2][0][b : b + 1, ki]),
+            bias,
+            jnp.asarray(allowed)[None, None],
+            return_residual=True,
+        )
+        reach = allowed.any(axis=1)
+        np.testing.assert_array_equal(valid[b, qi, 0], reach)
+        np.testing.assert_allclose(data[b, qi][reach], np.asarray(ref)[0][reach], rtol=1e-6)
+
+
+def test_attention_return_residual_without_masks_and_unbatched_is_jax():
+    x = jnp.asarray(np.random.default_rng(2).normal(size=(2, 5, 2, 4)), jnp.float32)
+    got = mnn.dot_product_attention(x, x, x, is_causal=True, return_residual=True)
+    want = jax.nn.dot_product_attention(x, x, x, is_causal=True, return_residual=True)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    tokens = jnp.array([True, True, False, True, True])[:, None, None]
+    out, residual = mnn.dot_product_attention(mj.masked_array(x[0], tokens), x[0], x[0], return_residual=True)
+    assert out.shape == (5, 2, 4) and residual.shape == (5, 2)
+    np.testing.assert_array_equal(np.asarray(residual.mask), np.broadcast_to(np.asarray(tokens)[:, :, 0], (5, 2)))
+    _, ref = jax.nn.dot_product_attention(x[0], x[0], x[0], return_residual=True)
+    np.testing.assert_allclose(np.asarray(residual.data)[[0, 1, 3, 4]], np.asarray(ref)[[0, 1, 3, 4]], rtol=1e-6)
+
+
 def test_attention_without_masks_is_jax_and_rejects_bad_shapes():
     x = jnp.asarray(np.random.default_rng(2).normal(size=(2, 5, 2, 4)), jnp.float32)
     np.testing.assert_array_equal(

@@ -104,7 +104,40 @@ def test_the_plugin_writes_the_report_of_each_failing_check(pytester, tmp_path):
     assert "Jacobian check FAILED" in (out / want["test_leak"]).read_text()
     assert "Invariance check FAILED" in (out / want["test_padded_mean"]).read_text()
     assert "Jacobian check FAILED" in (out / want["test_raised_by_the_check_itself"]).read_text()
-    result.stdout.fnmatch_lines(["*check report written to*test_suite.py_test_leak.html*"])
+    result.stdout.fnmatch_lines(["*check report written to*test_suite.py_test_leak-*.html*"])
+
+
+_LONG_IDS = """
+import jax.numpy as jnp
+import pytest
+import masked_jax as mj
+from masked_jax.testing import assert_jacobian
+
+X = mj.masked_array(jnp.array([0.5, 1.0, 2.0]), jnp.array([True, True, False]))
+
+# ids past any file name's length, and ids that differ only in punctuation
+IDS = ["a" * 300, "a" * 299 + "b", "x.y", "x-y", "x/y", "x y"]
+@pytest.mark.parametrize("name", IDS, ids=IDS)
+def test_leak(name):
+    assert_jacobian(lambda v: jnp.sum(jnp.sin(v.data)), (X,))
+"""
+
+
+def test_the_plugin_writes_one_bounded_file_per_test_id(pytester, tmp_path):
+    """A test id of hundreds of characters does not abort the session (the file name is bounded),
+    and ids that differ only in punctuation, or only past the readable part, get files of their own."""
+    pytester.makepyfile(test_suite=_LONG_IDS)
+    out = tmp_path / "reports"
+    result = pytester.runpytest("--mj-report", str(out), "-p", "no:cacheprovider")
+    result.assert_outcomes(failed=6)
+    assert "INTERNALERROR" not in result.stdout.str()
+    written = sorted(out.iterdir())
+    assert len(written) == 6  # one page per test, none overwritten
+    assert all(len(p.name) <= 128 for p in written)
+    assert all("Jacobian check FAILED" in p.read_text() for p in written)
+    ids = [f"test_suite.py::test_leak[{n}]" for n in ("a" * 300, "a" * 299 + "b", "x.y", "x-y", "x/y", "x y")]
+    assert sorted(p.name for p in written) == sorted(report_path(out, i).name for i in ids)
+    assert report_path(out, ids[2]).name.startswith("test_suite.py_test_leak_x.y-")  # readable
 
 
 def test_without_the_option_the_plugin_writes_nothing(pytester):

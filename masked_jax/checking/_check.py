@@ -13,8 +13,9 @@ Masked semantics: an unspecified element does not exist. Only specified elements
 perturbed and only valid outputs compared, and the check also verifies that the function *has*
 masked semantics, so that a function reading masked-out data cannot pass by accident:
 
-* the data under an input's mask is replaced by random values (twice, differently): the valid
-  outputs and the output mask must not change;
+* the data under an input's mask is replaced by random values (twice, differently), by the data
+  the user passed and by zeros: the valid outputs and the output mask must not change (a function
+  that finds its padding by a sentinel value, ``v.data != 0``, moves between them);
 * leak probes: the data under every mask is set to NaN, +inf, -inf and a huge value in turn; the
   valid outputs, the output mask and the VJP to valid inputs must stay what they are at a
   finite fill, and the VJP to masked-out inputs must stay 0 (with ``modes=("fwd",)``, the JVP of

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from masked_jax.checking._batch import Batch, batch_dtype, richardson_error, split, starts_of
-from masked_jax.checking._probes import _leak_map, analytic_pattern, probe_rows
+from masked_jax.checking._probes import _leak, _leak_map, analytic_pattern, probe_rows
 from masked_jax.checking._projections import projection_rows, projection_sets
 
 
@@ -49,8 +49,9 @@ def _run(
     """
     n = len(leaves)
     specs = [jnp.asarray(leaf.spec) for leaf in leaves] if specs is None else [jnp.asarray(s) for s in specs]
+    given = [v.astype(leaf.dtype).ravel() for leaf, v in zip(leaves, vals)]  # the user's data under the masks
     # the dense-semantics point: unspecified elements 0 (a masked input's data, as given, may hold anything)
-    vals = [jnp.where(s, v.astype(leaf.dtype).ravel(), 0) for leaf, v, s in zip(leaves, vals, specs)]
+    vals = [jnp.where(s, v, 0) for v, s in zip(given, specs)]
     fills = _random_fills(specs, vals, draws["fill"])  # masked semantics: data under masks is random
     alts = _random_fills(specs, vals, draws["alt"])  # ... and different: valid outputs must not move
     out = {}
@@ -68,7 +69,10 @@ def _run(
     if leak_map == "only":  # at the fills, as in the whole check (the same draws)
         base = [e[0] for e in jax.vmap(lambda vs: outputs(vs, [None] * n))([f[None] for f in fills])]
         return {"leak_map": [_leak_map(outputs, specs, fills, base, modes, i) if owns[i] else None for i in range(n)]}
-    points = [fills] if specified else [fills, alts] + ([vals] if "dense" in sems else [])
+    # masked semantics: the valid outputs at the fills must be those at the other random fills, at
+    # the user's own data under the masks and at zeros there (the dense point, last): a function
+    # that finds its padding by a sentinel value (``v.data != 0``) moves between them
+    points = [fills] if specified else [fills, alts, given, vals]
     out_size = sum(int(np.prod(shape)) for _, shape in names)
     with_probes = "masked" in sems and probes and not specified
     if fast:
@@ -97,20 +101,29 @@ def _run(
         evals = jax.vmap(lambda vs: outputs(vs, [None] * n))([jnp.stack(p) for p in zip(*points)])  # one batch
     out.update(_point_results(evals, len(points), sems))
     base_m = [e[0] for e in evals]
+    same = specified and plain[0] and "dense" in sems  # the two semantics: one check
+    keep = not same and _shares_tables(leaves[0], sems, False, probes)
+    rev = None  # the joint tables' reverse-mode Jacobian, as rows of the probes' VJP batch
     if with_probes:
         batch = Batch(outputs, leaves, "vjp" if "rev" in modes else "jvp", out_size)
         finish = probe_rows(batch, leaves, specs, fills, modes, draws)
+        if joint_ok and batch.kind == "vjp":
+            # one cotangent per output at the dense point: the rows of jacrev, without a VJP of f of
+            # their own in the program (one VJP of f however many rows)
+            x0 = jnp.concatenate([v.astype(batch_dtype(vals)) for v in vals])
+            eye = jnp.eye(out_size, dtype=x0.dtype)
+            rev = batch.add(jnp.broadcast_to(x0, (out_size, x0.shape[0])), None, eye, keep)
         batch.run()
         out["probes"] = finish(base_m)
+        if rev is not None:
+            rev = batch[rev][1]
         if leak_map:
             out["leak_map"] = [
                 _leak_map(outputs, specs, fills, base_m, modes, i) if owns[i] else None for i in range(n)
             ]
-    same = specified and plain[0] and "dense" in sems  # the two semantics: one check
     joint = None
     if joint_ok:  # every input's dense tables from one batch of evaluations over all inputs at once
-        keep = not same and _shares_tables(leaves[0], sems, False, probes)
-        joint = _joint_tables(outputs, leaves, vals, modes, eps, perturbed, evals[2][-1], richardson, keep)
+        joint = _joint_tables(outputs, leaves, vals, modes, eps, perturbed, evals[2][-1], richardson, keep, rev)
     for i, leaf in enumerate(leaves):
         for sem in sems:
             base = vals if sem == "dense" else fills
@@ -137,18 +150,33 @@ def _run(
     return out
 
 
+# the leak each point after the first shows (see :func:`_run`), as the report names it
+POINT_LEAKS = (
+    "valid outputs vs masked-out data",  # the other random fills
+    "valid outputs vs the given masked-out data",  # the user's own data under the masks
+    "valid outputs vs masked-out zeros",
+)
+
+
 def _point_results(evals, count, sems):
     """What the check reads from ``f``'s ``(filled, raw, mask)`` outputs at its ``count`` points
-    (the fills, the other random fills, the dense point; the fills alone when every element is
-    specified): the output mask, the outputs' magnitudes (for the rounding tolerance), how far
-    the valid outputs and the mask move with the data under the masks."""
-    base, alt = ([e[min(j, count - 1)] for e in evals] for j in (0, 1))
+    (the fills, the other random fills, the given data, the dense point; the fills alone when
+    every element is specified): the output mask, the outputs' magnitudes (for the rounding
+    tolerance), how far the valid outputs (``value_leak``, one row per point after the first: NaN
+    or infinite where one of them is and they differ) and the mask move with the data under the
+    masks."""
+    base = [e[0] for e in evals]
+    if count == 1:  # every element specified: nothing under a mask
+        others = [e[:0] for e in evals]
+    else:
+        others = [e[1:count] for e in evals]
+    both = base[2][None] & others[2]
     return {
         "valid": base[2],
         "scale/masked": jnp.abs(base[0]),
-        "scale/dense": jnp.abs(evals[0][-1] if "dense" in sems else base[0]),
-        "value_leak": jnp.where(base[2] & alt[2], jnp.abs(base[0] - alt[0]), 0),
-        "mask_changed": jnp.any(base[2] != alt[2]),
+        "scale/dense": jnp.abs(evals[0][count - 1] if "dense" in sems else base[0]),
+        "value_leak": jnp.where(both, _leak(others[0], base[0][None]), 0),
+        "mask_changed": jnp.any(base[2][None] != others[2], axis=-1),
     }
 
 
@@ -282,12 +310,14 @@ def _joint_evaluations(outputs, leaves, vals, eps, richardson, points):
     return evals[0][:cut], tuple(e[cut:] for e in evals)
 
 
-def _joint_tables(outputs, leaves, vals, modes, eps, evals, valid, richardson=False, keep_raw=False):
+def _joint_tables(outputs, leaves, vals, modes, eps, evals, valid, richardson=False, keep_raw=False, rev=None):
     """:func:`_tables` under dense semantics for every input at once, as a list of their results:
     central differences of ``evals`` (:func:`_joint_evaluations`), and ``jacfwd`` / ``jacrev`` of
     the outputs in all the inputs' elements, split into each input's columns. One evaluation of
     ``f``, one JVP and one VJP in the program, however many inputs (pytree leaves) ``f`` takes.
-    ``valid``: the output mask at ``vals`` (with ``keep_raw``), from the caller's evaluations."""
+    ``valid``: the output mask at ``vals`` (with ``keep_raw``), from the caller's evaluations.
+    ``rev``: the reverse-mode Jacobian (outputs x every input's elements, of the raw outputs with
+    ``keep_raw``), when the caller took it as rows of a VJP batch; ``None``: ``jacrev`` here."""
     n = len(leaves)
     sizes = [leaf.size for leaf in leaves]
     starts = starts_of(sizes)
@@ -305,7 +335,7 @@ def _joint_tables(outputs, leaves, vals, modes, eps, evals, valid, richardson=Fa
     valid = valid[:, None] if keep_raw else None
     for mode, jac in (("fwd", jax.jacfwd), ("rev", jax.jacrev)):
         if mode in modes:
-            table = jac(g)(x0)
+            table = rev if mode == "rev" and rev is not None else jac(g)(x0)
             for r, a, s in zip(res, starts, sizes):
                 r[mode] = table[:, a : a + s]
                 if valid is not None:  # keep_raw

@@ -52,7 +52,8 @@ def random_draws(seed, sizes, out_size, fast):
 def _draws(seed, sizes, out_size, fast):
     rng = np.random.default_rng(seed)
     total = sum(sizes)
-    uniform = lambda shape, lo=-1.0, hi=1.0: jnp.asarray(rng.uniform(lo, hi, shape).astype(np.float32))  # noqa: E731
+    # (a transfer: ``jnp.asarray`` would compile a program for each new shape)
+    uniform = lambda shape, lo=-1.0, hi=1.0: jax.device_put(rng.uniform(lo, hi, shape).astype(np.float32))  # noqa: E731
     draws = {
         "fill": uniform(total, 0.5, 1.5),
         "alt": uniform(total, -2.0, -1.0),
@@ -170,7 +171,10 @@ def describe(name: str, x, dtype):
     point inside its compiled program: no eager select per call).
     """
     if isinstance(x, MaskedArray):
-        kind, values, spec = "masked", x.data, x.mask
+        # the pattern on the host (broadcasting the compact mask eagerly would compile a program)
+        compact = x.compact_mask
+        spec = np.ones(x.shape, bool) if compact is None else np.broadcast_to(np.asarray(compact), x.shape)
+        kind, values = "masked", x.data
     elif isinstance(x, RowSparseArray):
         dense = x.coalesce().todense()
         kind, values, spec = "row_sparse", dense.filled(0), dense.mask

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from masked_jax.checking._compile import fast_jit
-from masked_jax.checking._finite_diff import _shares_tables
+from masked_jax.checking._finite_diff import POINT_LEAKS, _shares_tables
 from masked_jax.checking._inputs import NEAR_MISS, SPARSE_KINDS
 from masked_jax.checking._probes import PROBE_NAMES, _leak_cells, _leak_entries, _leak_passed, _unravel
 from masked_jax.checking._report import Check
@@ -159,8 +159,10 @@ def _compare(raw, leaves, names, sems, modes, fast, atol, rtol, roundoff=0.0, pr
                 owns = not bool(np.all(spec))
                 if sem == "masked":
                     if owns:
-                        leaks["valid outputs vs masked-out data"] = float(np.max(value_leak[rows], initial=0))
-                        if raw["mask_changed"]:
+                        # the random fills against the other points' data under the masks
+                        for moved, key in zip(value_leak, POINT_LEAKS):
+                            leaks[key] = float(np.max(moved[rows], initial=0))
+                        if np.any(raw["mask_changed"]):
                             leaks["output mask depends on masked-out data"] = float("inf")
                     probes = raw.get("probes") or {}
                     for p, pname in enumerate(PROBE_NAMES if probes else ()):
