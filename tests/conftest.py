@@ -26,10 +26,10 @@ if _CACHE_ON:
     for _name, _value in _CACHE_OPTIONS.items():
         os.environ.setdefault(_name.upper(), str(_value))
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-from hypothesis import HealthCheck, settings  # noqa: E402
+import jax
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, settings
 
 if _CACHE_ON:  # the same again, in case jax was imported before this file (by a plugin)
     for _name, _value in _CACHE_OPTIONS.items():

@@ -127,7 +127,7 @@ def test_only_valid_entries_change(name):
         u, new_state = inner.update({"emb": dense.filled(0), "b": g["b"]}, state, params)
         m = dense.mask
         state = jax.tree_util.tree_map(
-            lambda old, new: jnp.where(m, new, old) if np.shape(old) == (N, D) else new, state, new_state
+            lambda old, new, m=m: jnp.where(m, new, old) if np.shape(old) == (N, D) else new, state, new_state
         )
         params = {"emb": jnp.where(m, params["emb"] + u["emb"], params["emb"]), "b": params["b"] + u["b"]}
     p_rows, s_rows = _run(optim.lazy(inner), grads)
@@ -404,7 +404,7 @@ def test_statically_valid_parameters_stay_mask_less_through_steps(make):
     a lax.scan over steps carries it."""
     params = {"w": mj.as_masked(jnp.array([1.0, -2.0, 3.0])), "b": jnp.zeros(())}
     opt = make()
-    loss = lambda p: mj.numpy.sum(p["w"] ** 2).data + p["b"] ** 2  # noqa: E731
+    loss = lambda p: mj.numpy.sum(p["w"] ** 2).data + p["b"] ** 2
     traces = []
 
     @jax.jit
@@ -817,7 +817,7 @@ def test_lazy_multisteps_equals_dense_multisteps_when_every_row_is_touched():
 def test_lazy_multisteps_passes_extra_arguments_to_the_inner_update(capacity):
     """``update(..., value=loss)`` reaches the inner transformation, as in ``optax.MultiSteps``:
     Polyak's step size reads the loss; every row touched, the trajectory is optax's."""
-    inner = lambda: optax.chain(optax.scale_by_polyak(max_learning_rate=0.5), optax.scale(-1.0))  # noqa: E731
+    inner = lambda: optax.chain(optax.scale_by_polyak(max_learning_rate=0.5), optax.scale(-1.0))
     opt_l = optim.lazy(optax.MultiSteps(inner(), 2), capacity=capacity)
     opt_d = optax.MultiSteps(inner(), 2)
     p_l = p_d = _CPARAMS
