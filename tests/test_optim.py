@@ -38,6 +38,12 @@ OPTIMIZERS = {
 N, D = 12, 3
 
 
+def _tiered(names, quick):
+    """The parameters ``names``: ``make test`` runs those in ``quick`` (one of each kind of state),
+    the slow tier (``make test-slow``) the others."""
+    return [pytest.param(n, marks=() if n in quick else pytest.mark.slow) for n in names]
+
+
 def _params():
     rng = np.random.default_rng(0)
     return {
@@ -1171,7 +1177,9 @@ def _two_table_loss(p, a_ids, b_ids):
     return jnp.sum(jnp.tanh(rows) ** 2) + jnp.sum(jnp.cos(mj.lookup(p["b"], b_ids)) * p["w"])
 
 
-@pytest.mark.parametrize("name", OPTIMIZERS)
+# stateless, per-entry moments, reading the parameters, hyperparameters in the state, and one that
+# combines entries (kept in the one-call update); the other optimizers: `make test-slow`
+@pytest.mark.parametrize("name", _tiered(OPTIMIZERS, ("sgd", "adam", "decay_sgd", "inject_adam", "clip_adam")))
 def test_chunked_table_updates_equal_the_one_call_update(name):
     """``make_train_step`` updates row-sparse tables in chunks of rows (on the CPU) when the inner
     transformation works entry by entry, read off its jaxpr; the result is the one-call update's
@@ -1243,7 +1251,8 @@ def test_rowwise_adagrad_tables_in_chunks_equal_the_one_call_update(lr, eps_plac
         np.testing.assert_array_equal(np.asarray(results[chunk][1][0].sum_of_squares["a"][30:]), np.float32(0.1))
 
 
-@pytest.mark.parametrize("name", CATCH_UP)
+# a momentum, an accumulator, and no closed form (adam); the other optimizers: `make test-slow`
+@pytest.mark.parametrize("name", _tiered(CATCH_UP, ("sgd_momentum", "adagrad", "adam")))
 def test_chunked_catch_up_equals_the_one_call_update(name):
     """With ``catch_up``, rows read now and then over five steps: the chunked tables (counters,
     caught-up state and parameters) equal the one-call update's, up to rounding."""
