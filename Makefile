@@ -39,14 +39,14 @@ browser:
 		{ SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); $$SUDO apt-get update -qq && \
 		  DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium >/dev/null; }
 
-# ruff's lint and format check, pyright (basic) on the package, and the layers contract (no import
-# cycle, imports point down the layers, docs/architecture.md lists every module). The same hooks:
-# .pre-commit-config.yaml.
+# ruff's lint and format check, pyright (basic) on the package, the layers contract (no import
+# cycle, imports point down the layers of docs/architecture.md, which lists every module) and the
+# docs against the code (tests/test_docs_agree.py). The same hooks: .pre-commit-config.yaml.
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/pyright --pythonpath $(PY) masked_jax
-	JAX_PLATFORMS=cpu $(PY) -m pytest -q -p no:cacheprovider tests/test_layers.py
+	JAX_PLATFORMS=cpu $(PY) -m pytest -q -p no:cacheprovider tests/test_layers.py tests/test_docs_agree.py
 
 # The test loop: every test but the heavy tier (marker `slow`, declared in pyproject.toml).
 test: $(STAMP)

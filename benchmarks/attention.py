@@ -26,10 +26,10 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _timing import interleaved_medians, result_path  # noqa: E402
+from _timing import interleaved_medians, result_path
 
-import masked_jax as mj  # noqa: E402
-import masked_jax.nn as mnn  # noqa: E402
+import masked_jax as mj
+import masked_jax.nn as mnn
 
 
 def _case(length, gpu):

@@ -45,14 +45,14 @@ from jax.experimental import topologies
 from jax.sharding import NamedSharding, PartitionSpec
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import maskify_models as mm  # noqa: E402
-from _timing import RESULTS  # noqa: E402
-from optim import fused_step, update_step  # noqa: E402
+import maskify_models as mm
+from _timing import RESULTS
+from optim import fused_step, update_step
 
-import masked_jax as mj  # noqa: E402
-from masked_jax import optim  # noqa: E402
-from masked_jax.optim._fused import fusable  # noqa: E402
-from masked_jax.optim._state import lazy_inner  # noqa: E402
+import masked_jax as mj
+from masked_jax import optim
+from masked_jax.optim._fused import fusable
+from masked_jax.optim._state import lazy_inner
 
 _DEVICE = """
 gpu_device_info {{

@@ -54,16 +54,16 @@ os.environ.setdefault("MJ_CHECK_BACKGROUND", "1")  # as in a notebook (see the l
 import jax
 
 jax.config.update("jax_enable_x64", True)
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from jax.test_util import check_grads  # noqa: E402
+import jax.numpy as jnp
+import numpy as np
+from jax.test_util import check_grads
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _timing import interleaved_medians, progress, result_path, save_bar_plot, torch_device  # noqa: E402
+from _timing import interleaved_medians, progress, result_path, save_bar_plot, torch_device
 
-import masked_jax as mj  # noqa: E402
-import masked_jax.numpy as mnp  # noqa: E402
-from masked_jax.checking import _compile as _check  # noqa: E402
+import masked_jax as mj
+import masked_jax.numpy as mnp
+from masked_jax.checking import _compile as _check
 
 
 def functions(n, rng):
@@ -107,8 +107,8 @@ def main(argv=None):
         for name, (fj, ft) in functions(n, rng).items():
             x = jnp.asarray(rng.uniform(-1.0, 1.0, n))
             xt = torch.tensor(np.asarray(x), requires_grad=True, device=torch_device())
-            full = lambda: mj.check_jacobian(fj, (x,), semantics="dense", modes=("rev",), fast=False)  # noqa: E731
-            fast = lambda: mj.check_jacobian(fj, (x,), semantics="dense", modes=("rev",), fast=True)  # noqa: E731
+            full = lambda fj=fj, x=x: mj.check_jacobian(fj, (x,), semantics="dense", modes=("rev",), fast=False)  # noqa: E731
+            fast = lambda fj=fj, x=x: mj.check_jacobian(fj, (x,), semantics="dense", modes=("rev",), fast=True)  # noqa: E731
             _check._CACHE.clear()
             t0 = time.perf_counter()
             assert full()
@@ -120,9 +120,9 @@ def main(argv=None):
             impls = {
                 "masked_jax": full,
                 "masked_jax fast": fast,
-                "torch gradcheck": lambda: torch.autograd.gradcheck(ft, (xt,)),
-                "torch fast_mode": lambda: torch.autograd.gradcheck(ft, (xt,), fast_mode=True),
-                "jax check_grads": lambda: check_grads(fj, (x,), order=1, modes=["rev"]),
+                "torch gradcheck": lambda ft=ft, xt=xt: torch.autograd.gradcheck(ft, (xt,)),
+                "torch fast_mode": lambda ft=ft, xt=xt: torch.autograd.gradcheck(ft, (xt,), fast_mode=True),
+                "jax check_grads": lambda fj=fj, x=x: check_grads(fj, (x,), order=1, modes=["rev"]),
             }
             rounds = 8 if n >= 400 else 5  # n = 400: the headline ratio, more samples (torch ~0.1 s a call)
             res = interleaved_medians(
@@ -214,10 +214,12 @@ def latency(sizes, trials):
             fj_dense = f if kind != KINDS[2] else (lambda v, m=a[0].mask, f=f: f(mj.masked_array(v, m)).data)
             timed = interleaved_medians(
                 {
-                    "masked_jax repeat": lambda: mj.check_jacobian(f, a) and None,
-                    "torch gradcheck": lambda: torch.autograd.gradcheck(ft, (xt,)) and None,
-                    "torch fast_mode": lambda: torch.autograd.gradcheck(ft, (xt,), fast_mode=True) and None,
-                    "jax check_grads": lambda: check_grads(
+                    "masked_jax repeat": lambda f=f, a=a: mj.check_jacobian(f, a) and None,
+                    "torch gradcheck": lambda ft=ft, xt=xt: torch.autograd.gradcheck(ft, (xt,)) and None,
+                    "torch fast_mode": lambda ft=ft, xt=xt: (
+                        torch.autograd.gradcheck(ft, (xt,), fast_mode=True) and None
+                    ),
+                    "jax check_grads": lambda fj_dense=fj_dense, a=a: check_grads(
                         fj_dense, (a[0].data if hasattr(a[0], "data") else a[0],), order=1, modes=["rev"]
                     ),
                 },

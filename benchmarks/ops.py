@@ -22,11 +22,11 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _timing import RESULTS, interleaved_medians, print_table, progress, save_bar_plot  # noqa: E402
+from _timing import RESULTS, interleaved_medians, print_table, progress, save_bar_plot
 
-import masked_jax as mj  # noqa: E402
-import masked_jax.nn as mnn  # noqa: E402
-import masked_jax.numpy as mnp  # noqa: E402
+import masked_jax as mj
+import masked_jax.nn as mnn
+import masked_jax.numpy as mnp
 
 
 # -- hand-written jnp.where baselines (what a careful user writes today) ---------------------------

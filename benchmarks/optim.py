@@ -45,11 +45,11 @@ import numpy as np
 import optax
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _timing import interleaved_medians, progress, result_path, torch_device  # noqa: E402
+from _timing import interleaved_medians, progress, result_path, torch_device
 
-import masked_jax as mj  # noqa: E402
-from masked_jax import optim  # noqa: E402
-from masked_jax.optim._fused import KernelConfig, fused_update  # noqa: E402
+import masked_jax as mj
+from masked_jax import optim
+from masked_jax.optim._fused import DEFAULT_CONFIG, fused_update
 
 DIM = 64
 LR = 1e-2
@@ -171,7 +171,7 @@ def update_step(opt):
     return step
 
 
-def fused_step(opt, config=KernelConfig()):
+def fused_step(opt, config=DEFAULT_CONFIG):
     """``(p, s, g) -> (p, s)``: the fused update of ``make_train_step(..., fused_rows=True)`` on a
     CUDA GPU, its kernel cut by ``config``."""
     return lambda p, s, g: fused_update(opt, g, s, p, optim.apply_updates, config=config)

@@ -60,23 +60,23 @@ import numpy as np
 import optax
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _timing import interleaved_medians, print_table, result_path, save_bar_plot, torch_device  # noqa: E402
+from _timing import interleaved_medians, print_table, result_path, save_bar_plot, torch_device
 from optim import (
     LR,
     Stepper,
     adam_rows,
     copy_bandwidth,
     fused_step,
-    hand_lazy_adam_step,  # noqa: E402
+    hand_lazy_adam_step,
     optax_stepper,
     reusing_memory,
     update_step,
 )
 
-import masked_jax as mj  # noqa: E402
-from masked_jax import optim  # noqa: E402
-from masked_jax.optim._chunked import chunked_update  # noqa: E402
-from masked_jax.optim._fused import KernelConfig  # noqa: E402
+import masked_jax as mj
+from masked_jax import optim
+from masked_jax.optim._chunked import chunked_update
+from masked_jax.optim._fused import KernelConfig
 
 ROWS = (1_000_000, 500_000, 200_000, 100_000, 50_000, 20_000, 10_000, 5_000)
 DIM, MAX_BAG, HIDDEN = 32, 20, (128, 64)

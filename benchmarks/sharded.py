@@ -81,7 +81,7 @@ def child(n_rows: int, devices: int) -> dict:
     for name, (update, step) in variants.items():
         box = {"u": fresh()}
 
-        def run_update():
+        def run_update(box=box, update=update):
             box["u"] = update(*box["u"], grads)
             return box["u"]
 
@@ -89,7 +89,7 @@ def child(n_rows: int, devices: int) -> dict:
         params, state = box.pop("u")
         box["s"] = (params, state)
 
-        def run_step():
+        def run_step(box=box, step=step):
             p, s, value = step(*box["s"], ids, y)
             box["s"] = (p, s)
             return value

@@ -25,11 +25,11 @@ import numpy as np
 from jax.experimental import sparse as jsparse
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _timing import RESULTS, interleaved_medians, progress  # noqa: E402
+from _timing import RESULTS, interleaved_medians, progress
 
-import masked_jax as mj  # noqa: E402
-import masked_jax.nn as mnn  # noqa: E402
-import masked_jax.numpy as mnp  # noqa: E402
+import masked_jax as mj
+import masked_jax.nn as mnn
+import masked_jax.numpy as mnp
 
 OPS = {
     "exp": lambda x: mnp.exp(x),

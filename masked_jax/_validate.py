@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-import jax.numpy  # noqa: F401 (jax.numpy.dtype)
+import jax.numpy  # jax.numpy.dtype
 import numpy as np
 from jax import core as jax_core
 

@@ -26,10 +26,10 @@ if _CACHE_ON:
     for _name, _value in _CACHE_OPTIONS.items():
         os.environ.setdefault(_name.upper(), str(_value))
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-from hypothesis import HealthCheck, settings  # noqa: E402
+import jax
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, settings
 
 if _CACHE_ON:  # the same again, in case jax was imported before this file (by a plugin)
     for _name, _value in _CACHE_OPTIONS.items():
@@ -110,9 +110,10 @@ def rng():
 # Two tiers. `make test` runs every test but those marked slow, which `make test-slow` runs (CI
 # runs both): the docs site build (it executes the notebooks) and the docs pages' code blocks, the
 # demo, pyright on a user script, the public Array API suite, the 8-device suite, headless Chromium
-# renderings, the real models, a registration through every layer, and the second half of three
+# renderings, the real models, a registration through every layer, the second half of three
 # sampled sweeps (the conformance harness's layouts and compact checks, the maskify coverage of
-# jax functions, the layouts' differential test: parametrised with the slow mark). Every module
+# jax functions, the layouts' differential test: parametrised with the slow mark), and the
+# optimizers beyond one of each kind of state in tests/test_optim.py's chunked-update tests. Every module
 # and every registered op is still touched by `make test`; MJ_ORACLE=full runs every case
 # (`make test-full`).
 _SLOW_FILES = {

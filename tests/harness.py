@@ -130,7 +130,7 @@ def operands(name, dtype, masks=(MASK_A, MASK_B), seed=0):
     rng = np.random.default_rng(seed)
     if row.make is not None:
         return row.make(rng, dtype, masks)
-    domain = lambda i: row.domain[min(i, len(row.domain) - 1)]  # noqa: E731
+    domain = lambda i: row.domain[min(i, len(row.domain) - 1)]
     n = 2 if spec.family == "binary" else 1
     return [masked(rng, dtype, masks[i], domain(i)) for i in range(n)]
 
@@ -242,11 +242,11 @@ def check_transforms(name):
     dtype = row.dtypes[0]
     ops, ops2 = operands(name, dtype), operands(name, dtype, masks=(MASK_B, MASK_A))
     for case in row.cases:
-        f = lambda *o: call(name, public(name), o, case)  # noqa: E731
+        f = lambda *o, case=case: call(name, public(name), o, case)
         eager, eager2 = f(*ops), f(*ops2)
         traces = []
 
-        def counted(*o):
+        def counted(*o, f=f, traces=traces):
             traces.append(1)
             return f(*o)
 
@@ -255,7 +255,7 @@ def check_transforms(name):
         assert_same(jf(*ops2), eager2, row.rtol, f"{name} jit, other masks")
         assert len(traces) == 1, f"{name}: jit retraced when only mask values changed"
         batch = _stack([ops, ops2])
-        vm, sc = jax.jit(lambda b: (jax.vmap(f)(*b), jax.lax.scan(lambda c, o: (c, f(*o)), 0, b)[1]))(batch)
+        vm, sc = jax.jit(lambda b, f=f: (jax.vmap(f)(*b), jax.lax.scan(lambda c, o: (c, f(*o)), 0, b)[1]))(batch)
         for i, want in enumerate((eager, eager2)):
             assert_same(_index(vm, i), want, row.rtol, f"{name} vmap[{i}]")
             assert_same(_index(sc, i), want, row.rtol, f"{name} scan[{i}]")
@@ -277,9 +277,9 @@ def check_jacobians(name):
     pos = diff_position(ops)
     x = ops[pos]
     for case in row.cases:
-        whole = lambda v: call(name, public(name), _replace(ops, pos, v), case)  # noqa: E731
+        whole = lambda v, case=case: call(name, public(name), _replace(ops, pos, v), case)
         for k in range(len(_parts(whole(x)))):  # each result of a multi-result op (modf) in turn
-            _check_jacobian_of(name, lambda v, k=k: _parts(whole(v))[k], x, row, case)
+            _check_jacobian_of(name, lambda v, k=k, whole=whole: _parts(whole(v))[k], x, row, case)
 
 
 def _parts(out):
@@ -349,7 +349,7 @@ def check_poison(name):
         pos = diff_position(clean) if grads else None
         shape = [np.shape(_dense(p).data) for p in _parts(want)] if grads else None
 
-        def run(*o):
+        def run(*o, case=case, shape=shape, pos=pos, grads=grads):
             out = call(name, public(name), o, case)
             return (out, mj.grad(_loss(name, case, list(o), shape, pos))(o[pos])) if grads else (out, None)
 
@@ -466,7 +466,9 @@ def check_layouts(name):
             grads = grads and pos in sparse_pos
             shape = [np.shape(_dense(p).data) for p in _parts(want)] if grads else None
 
-            def values_and_grads(ls):  # every layout, values and gradients: one program
+            def values_and_grads(
+                ls, case=case, shape=shape, pos=pos, grads=grads
+            ):  # every layout, values and gradients: one program
                 vals = {k: call(name, public(name), v, case) for k, v in ls.items()}
                 return vals, {
                     k: mj.grad(_loss(name, case, v, shape, pos))(v[pos]) for k, v in ls.items()
@@ -479,9 +481,9 @@ def check_layouts(name):
             for kind, got in jitted.items():
                 assert_same(got, want, row.rtol, f"{name} on {kind} under jit ({case})")
             if c == 0 and vmaps_layouts(name):  # vmap over a batch of a layout (in), its layout out: one program
-                batched = jax.jit(jax.vmap(lambda ls: {k: call(name, public(name), v, case) for k, v in ls.items()}))(
-                    _stack([{k: lays[k] for k in VMAP_LAYOUTS}] * 2)
-                )
+                batched = jax.jit(
+                    jax.vmap(lambda ls, case=case: {k: call(name, public(name), v, case) for k, v in ls.items()})
+                )(_stack([{k: lays[k] for k in VMAP_LAYOUTS}] * 2))
                 for kind, got in batched.items():
                     for i in range(2):
                         assert_same(_index(got, i), want, row.rtol, f"{name} on {kind} under vmap[{i}] ({case})")
@@ -593,7 +595,7 @@ def check_compact(name):
             if c:
                 continue
             assert_same(
-                jax.jit(lambda o: call(name, public(name), o, case))(small),
+                jax.jit(lambda o, case=case: call(name, public(name), o, case))(small),
                 want,
                 row.rtol,
                 f"{name} with compact masks under jit ({case})",
@@ -623,7 +625,7 @@ def check_compact(name):
             call(name, public(name), bare, case), want, row.rtol, f"{name} with statically valid operands ({case})"
         )
         assert_same(
-            jax.jit(lambda o: call(name, public(name), o, case))(bare),
+            jax.jit(lambda o, case=case: call(name, public(name), o, case))(bare),
             want,
             row.rtol,
             f"{name} with statically valid operands under jit ({case})",
@@ -647,7 +649,7 @@ def check_maskify(name):
     ops = operands(name, dtype)
     for case in row.cases:
         want = call(name, public(name), ops, case)
-        plain = _maskify(name, lambda *o: call(name, fn, o, case))
+        plain = _maskify(name, lambda *o, case=case: call(name, fn, o, case))
         assert_same(plain(*ops), want, row.rtol, f"maskify({name}) ({case})")
         assert_same(jax.jit(plain)(*ops), want, row.rtol, f"jit(maskify({name})) ({case})")
         _check_maskify_scan(name, fn, ops, operands(name, dtype, masks=(MASK_B, MASK_A)), case, row.rtol)
@@ -668,13 +670,13 @@ def _check_maskify_scan(name, fn, ops, ops2, case, rtol):
         return
     steps = [ops, _all_masked(ops), ops2, _all_masked(ops2)]
     xs = _stack([[o[None] if hasattr(o, "shape") else o for o in step] for step in steps])
-    on_data = lambda *o: call(name, fn, o, case)  # noqa: E731
+    on_data = lambda *o: call(name, fn, o, case)
     shapes = jax.eval_shape(on_data, *(o.data if isinstance(o, mj.MaskedArray) else o for o in ops))
     init = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
     wants = [call(name, public(name), o, case) for o in (ops, ops2)]
     for reverse in (False, True):
 
-        def scanned(*xs):
+        def scanned(*xs, reverse=reverse):
             def body(carry, x):
                 y = call(name, fn, [v[0] for v in x], case)
                 return y, y
@@ -753,7 +755,7 @@ def cuda_squares(text, length):
 def backend_compiles(call):
     """``(call(), number of programs XLA compiled while it ran)``."""
     events = []
-    listener = lambda event, duration, **kw: events.append(event)  # noqa: E731
+    listener = lambda event, duration, **kw: events.append(event)
     jax.monitoring.register_event_duration_secs_listener(listener)
     try:
         out = call()

@@ -13,7 +13,7 @@ import dataclasses
 from collections.abc import Callable
 
 import numpy as np
-from conformance_table import quiet  # noqa: F401  (re-exported for the numpy.ma tests)
+from conformance_table import quiet  # re-exported for the numpy.ma tests
 from hypothesis import strategies as st
 from strategies import ALL, FLOATS, NUMERIC, axes
 

@@ -334,7 +334,7 @@ def operands(name, dtype, values, *, full, poison=np.nan, scalar=False):
     masks = (np.ones(SHAPE, bool),) * 2 if full else (MASK, MASK2)
     if o is not None and o.make is not None:
         return o.make(dtype, values, masks, poison)
-    domain = lambda i: row.domain[min(i, len(row.domain) - 1)]  # noqa: E731
+    domain = lambda i: row.domain[min(i, len(row.domain) - 1)]
     n = 2 if spec.family == "binary" else 1
     ops = [draw(dtype, values, masks[i], domain(i), seed=i, poison=poison) for i in range(n)]
     if scalar:
@@ -605,7 +605,7 @@ def passthrough(name, ops, case):
     x = ops[0]
     want = call(name, fn, [x.data] + list(ops[1:]), case)
     mask = call(name, fn, [x.mask] + list(ops[1:]), case)
-    as_list = lambda v: list(v) if isinstance(v, (list, tuple)) else [v]  # noqa: E731
+    as_list = lambda v: list(v) if isinstance(v, (list, tuple)) else [v]
     return want, [np.asarray(v) for v in as_list(mask)]
 
 
@@ -684,7 +684,7 @@ def scalar_accepted(name, dtype, case):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             jax.block_until_ready(call(name, jnp_fn(name), _plain(ops), case))
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 (jnp refuses a scalar operand: any error)
         return False
     return True
 
@@ -728,7 +728,7 @@ def _one(f):
     return lambda m, x, y: f(m, x)
 
 
-_SORTED = lambda m, x: m.sort(x.ravel())  # noqa: E731
+_SORTED = lambda m, x: m.sort(x.ravel())
 FUNCTIONS = {
     **{
         f"nan{r}": (_one(lambda m, x, r=r: getattr(m, f"nan{r}")(x, axis=1)), _nan_undefined)
@@ -923,7 +923,7 @@ def check_function(name, dtype, values, jit=False):
 class MaskedArrayLike(mj.MaskedArray):
     """One output leaf of a masked function, as a masked array for the comparison."""
 
-    def __init__(self, data, mask):  # noqa: D107 (no validation: a result already)
+    def __init__(self, data, mask):  # no validation: a result already
         self._data, self._mask = data, (jnp.ones(jnp.shape(data), bool) if mask is None else mask)
 
 

@@ -89,7 +89,7 @@ VALUE_CASES = [(c, w, f, j) for c, w in POOLINGS for f in FORMS for j in (False,
 @pytest.mark.parametrize("combiner, weighted, form, jit", VALUE_CASES)
 def test_bags_equal_numpy_reference(combiner, weighted, form, jit):
     kw, bags, bag_w = _bags(form, weighted)
-    fn = lambda table, kw: mj.embedding_bag(table, combiner=combiner, **kw)  # noqa: E731
+    fn = lambda table, kw: mj.embedding_bag(table, combiner=combiner, **kw)
     out = (jax.jit(fn) if jit else fn)(TABLE, kw)
     ref = _reference(TABLE, bags, bag_w, combiner)
     assert out.shape == (4, D)
@@ -112,10 +112,10 @@ def _loop_loss(table, bags, bag_w, combiner):
         rows = jnp.stack([table[i] for i, _ in keep])
         ws = jnp.array([wi for _, wi in keep], jnp.float32)[:, None]
         pooled = {
-            "max": lambda: rows.max(0),
-            "sum": lambda: (ws * rows).sum(0),
-            "mean": lambda: (ws * rows).sum(0) / ws.sum(),
-            "sqrtn": lambda: (ws * rows).sum(0) / jnp.sqrt((ws**2).sum()),
+            "max": lambda rows=rows: rows.max(0),
+            "sum": lambda rows=rows, ws=ws: (ws * rows).sum(0),
+            "mean": lambda rows=rows, ws=ws: (ws * rows).sum(0) / ws.sum(),
+            "sqrtn": lambda rows=rows, ws=ws: (ws * rows).sum(0) / jnp.sqrt((ws**2).sum()),
         }[combiner]()
         total = total + jnp.sum(jnp.sin(pooled) * (b + 1))
     return total
@@ -262,7 +262,7 @@ def test_bags_in_flax_and_equinox_models_train_row_sparse():
     ids = mj.masked_array(jnp.asarray(IDS), jnp.asarray(MASK))
     w, y = jnp.asarray(WEIGHTS), jnp.array([1.0, -1.0, 0.5, 0.0])
     params = Tower().init(jax.random.key(0), ids, w)["params"]
-    loss = lambda p, ids, w, y: jnp.mean((Tower().apply({"params": p}, ids, w) - y) ** 2)  # noqa: E731
+    loss = lambda p, ids, w, y: jnp.mean((Tower().apply({"params": p}, ids, w) - y) ** 2)
     sparse = {"table": True, "Dense_0": False}
     g = mj.grad(loss, row_sparse=sparse)(params, ids, w, y)
     np.testing.assert_allclose(
@@ -287,7 +287,7 @@ def test_bags_in_flax_and_equinox_models_train_row_sparse():
 
     model = EqxTower(TABLE, eqx.nn.Linear(D, 1, key=jax.random.key(2)))
     flat, lengths = jnp.array([1, 5, 5, 0, 2]), jnp.array([3, 0, 2])
-    eqx_loss = lambda m: jnp.sum(m(flat, lengths) ** 2)  # noqa: E731
+    eqx_loss = lambda m: jnp.sum(m(flat, lengths) ** 2)
     g = mj.grad(eqx_loss, row_sparse=lambda m: EqxTower(True, jax.tree_util.tree_map(lambda _: False, m.head)))(model)
     np.testing.assert_allclose(
         np.asarray(g.table.todense().filled(0)), np.asarray(jax.grad(eqx_loss)(model).table), rtol=1e-5, atol=1e-8

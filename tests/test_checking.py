@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -41,7 +43,7 @@ def test_correct_masked_function_passes_masked_and_reports_it():
 
 
 def test_reading_masked_out_data_passes_dense_and_fails_masked():
-    f = lambda v: jnp.sum(v.data**2)  # noqa: E731  (reads the data under the mask)
+    f = lambda v: jnp.sum(v.data**2)  # reads the data under the mask
     r = mj.check_jacobian(f, (X,), raise_exception=False)
     assert r.satisfies == ("dense",)
     failed = [c for c in r.checks if not c.passed]
@@ -75,7 +77,7 @@ def test_seed_001_sparse_mm_example_is_masked_only_and_the_fix_passes():
     np.testing.assert_array_equal(an[:, 0], 0.0)  # no tangent for the unspecified x[0, 0]
     # the fix: the function masks its (dense) input itself, so perturbing x[0, 0] changes nothing
     t_mask = jnp.array([[False, True], [True, True]])
-    fixed = lambda d: seed_foo(mj.masked_array(d, t_mask))  # noqa: E731
+    fixed = lambda d: seed_foo(mj.masked_array(d, t_mask))
     assert mj.check_jacobian(fixed, (SEED_T.todense(),)).satisfies == ("dense", "masked")
 
 
@@ -108,7 +110,7 @@ def test_largest_and_unravel_helpers_match_numpy(values, k, shape, i):
     before = a.copy()
     picks = _largest(a, k)
     np.testing.assert_array_equal(a, before)  # searched in place, restored
-    key = lambda p: (0, 0, p) if np.isnan(a[p]) else (1, -a[p], p)  # noqa: E731  NaN first, then largest, ties by position
+    key = lambda p: (0, 0, p) if np.isnan(a[p]) else (1, -a[p], p)  # NaN first, then largest, ties by position
     ranked = sorted(range(a.size), key=key)[:k]
     above_marker = [p for p in ranked if a[p] != -np.inf]  # -inf entries tie with the picked ones' marker
     assert picks[: len(above_marker)] == above_marker and len(picks) == min(k, a.size)
@@ -162,7 +164,7 @@ def test_layouts_and_modes(layout, fast):
         "row_sparse": x.tostype("row_sparse"),
         "bcoo_batch": mj.BCOOMaskedArray.from_masked(x, nse=3, n_batch=1),
     }[layout]
-    f = lambda v: mnp.sum(mnp.log1p(v) * 2.0, axis=1)  # noqa: E731
+    f = lambda v: mnp.sum(mnp.log1p(v) * 2.0, axis=1)
     r = mj.check_jacobian(f, (arg,), fast=fast, raise_exception=False)
     assert r.fast == fast
     assert "masked" in r.satisfies, repr(r)
@@ -172,7 +174,7 @@ def test_layouts_and_modes(layout, fast):
 def test_jax_bcoo_inputs_have_dense_semantics_and_pytrees_of_inputs_and_outputs():
     w = jnp.array([[1.0, -2.0], [0.5, 0.3], [2.0, 1.0]])
     b = sparse.BCOO.fromdense(jnp.array([[0.0, 1.5, 0.0], [2.0, 0.0, -1.0]]))
-    f = lambda p: {"y": jnp.tanh(p["b"] @ p["w"]), "n": jnp.sum(p["w"] ** 2)}  # noqa: E731
+    f = lambda p: {"y": jnp.tanh(p["b"] @ p["w"]), "n": jnp.sum(p["w"] ** 2)}
     r = mj.check_jacobian(f, ({"b": b, "w": w},), semantics="dense")
     assert {(c.input, c.output) for c in r.checks} >= {("args[0]['b']", "out['y']"), ("args[0]['w']", "out['n']")}
     # the product ignores unspecified entries analytically but dense semantics counts them: BCOO's own
@@ -296,7 +298,7 @@ def test_bad_input_errors():
     with pytest.raises(ValueError, match="modes must be"):
         mj.check_jacobian(jnp.sin, (jnp.ones(2),), modes=("backward",))
     # a function whose output pytree depends on the input's storage pattern
-    shifty = lambda b: {"y": b.data} if b.nse == 2 else {"z": b.data}  # noqa: E731
+    shifty = lambda b: {"y": b.data} if b.nse == 2 else {"z": b.data}
     with pytest.raises(TypeError, match="changed structure"):
         mj.check_jacobian(shifty, (sparse.BCOO.fromdense(jnp.array([0.0, 1.0, 2.0])),), semantics="dense")
     with pytest.raises(TypeError, match="must be callable"):
@@ -326,7 +328,7 @@ def _op_table():
     domains = {op.name: op.domain for op in REDUCTIONS}
     for name, fn in MASKED_REDUCE.items():
         kw = {} if name in ("quantile", "percentile") else {"axis": 1}
-        table[f"{name}_axis1"] = ((lambda fn, kw: lambda x: fn(x, **kw))(fn, kw), 1, domains.get(name, (0.5, 1.5)))
+        table[f"{name}_axis1"] = (functools.partial(fn, **kw), 1, domains.get(name, (0.5, 1.5)))
     for name, (fn, _) in OTHER_OPS.items():  # shape, indexing, contraction and cumulative ops
         table[name] = (fn, 1, (0.5, 1.5))
     return table
@@ -674,7 +676,7 @@ def test_a_new_function_with_the_same_code_finds_the_compiled_check():
             np.asarray(report.checks[0].analytical)[np.ix_(keep, keep)], expected[np.ix_(keep, keep)], rtol=1e-12
         )
     # a leak that only the other captured value exposes: the shared check still finds it
-    leaky = lambda k: lambda v: mnp.sin(v) + jnp.sum(jnp.where(jnp.arange(4) < k, v.data, 0))  # noqa: E731
+    leaky = lambda k: lambda v: mnp.sin(v) + jnp.sum(jnp.where(jnp.arange(4) < k, v.data, 0))
     assert mj.check_jacobian(leaky(0), (x,), raise_exception=False).satisfies == ("masked",)
     assert _entry_of(leaky(4), (x,), raise_exception=False) is _entry_of(leaky(0), (x,))
     assert "masked" not in mj.check_jacobian(leaky(4), (x,), raise_exception=False).satisfies
@@ -748,7 +750,7 @@ def test_eager_compiled_and_background_checks_agree(monkeypatch):
     from masked_jax.checking import _compile as _check
 
     x = mj.masked_array(jnp.array([[0.5, 1.0, 2.0], [3.0, -1.0, 0.2]]), jnp.array([[1, 0, 1], [1, 1, 0]], bool))
-    make = lambda op: lambda v: mnp.sum(op(v) * 1.5, axis=1)  # noqa: E731  (each op: new code)
+    make = lambda op: lambda v: mnp.sum(op(v) * 1.5, axis=1)  # each op: new code
     eager = mj.check_jacobian(make(mnp.negative), (x,), compile=False)
     compiled = mj.check_jacobian(make(mnp.negative), (x,), compile=True)
     assert eager.satisfies == compiled.satisfies == ("masked",)
@@ -802,7 +804,7 @@ def test_all_valid_inputs_still_check_masked_outputs():
 # -- second order (gradgradcheck) -----------------------------------------------------------------
 def test_second_order_checks_agree_with_jax_hessian():
     x = jnp.array([0.3, -0.8, 1.2, 0.5])
-    f = lambda v: jnp.sum(jnp.sin(v) * v**2) + jnp.prod(v)  # noqa: E731
+    f = lambda v: jnp.sum(jnp.sin(v) * v**2) + jnp.prod(v)
     report = mj.check_jacobian(f, (x,), semantics="dense", order=2)
     assert report.notes[0].startswith("second order")
     hess = np.asarray(jax.hessian(f)(x))
@@ -812,7 +814,7 @@ def test_second_order_checks_agree_with_jax_hessian():
         np.testing.assert_allclose(np.asarray(c.numerical), np.asarray(c.analytical), rtol=1e-4, atol=1e-6)
     # masked semantics: the Hessian of the valid entries alone; masked-out entries are no one's
     xm = mj.masked_array(x, jnp.array([True, False, True, True]))
-    g = lambda v: mnp.sum(mnp.exp(v) * v) + mnp.logsumexp(v)  # noqa: E731
+    g = lambda v: mnp.sum(mnp.exp(v) * v) + mnp.logsumexp(v)
     masked = mj.check_jacobian(g, (xm,), order=2)
     assert masked.satisfies == ("masked",)
     valid = np.array([0, 2, 3])
@@ -844,7 +846,7 @@ def test_richardson_error_estimate_decides_what_counts_as_a_mismatch():
     past rtol: the estimated error (from eps and 2 eps) keeps the right derivative passing while a
     derivative 5% off still fails, and the failure says why."""
     x = jnp.array([0.1, 0.4, 0.7])
-    f = lambda v: jnp.sin(10.0 * v)  # noqa: E731
+    f = lambda v: jnp.sin(10.0 * v)
     coarse = mj.check_jacobian(f, (x,), semantics="dense", eps=1e-2)
     c = coarse.checks[0]
     truncation = np.max(np.abs(np.asarray(c.numerical) - np.diag(10 * np.cos(10 * np.asarray(x)))))

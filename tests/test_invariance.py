@@ -72,7 +72,7 @@ def test_padding_bugs_are_caught_and_named():
     assert bad and all(c.padding.endswith(("nan content", "inf content")) for c in bad)
     assert np.isnan(bad[0].first[3])
     # the jnp.where trap: the value is right, the parameter gradient is NaN
-    trap = lambda w, v: jnp.sum(jnp.where(v.mask, jnp.log(jnp.abs(v.data @ w[:, None]) + 1), 0))  # noqa: E731
+    trap = lambda w, v: jnp.sum(jnp.where(v.mask, jnp.log(jnp.abs(v.data @ w[:, None]) + 1), 0))
     r = mj.check_invariance(trap, (w, x), axis=1, params=(0,), raise_exception=False)
     assert not r
     assert r.first_failure.first[0].startswith("grad args[0]")
@@ -87,7 +87,7 @@ def test_positions_matter_for_lengths_based_code():
     def last_token(v, lengths):  # hand-masked: the last valid token by length
         return jnp.take_along_axis(v, (lengths - 1)[:, None, None], axis=1)[:, 0]
 
-    f = lambda v: last_token(v.data, v.mask[..., 0].sum(1))  # noqa: E731
+    f = lambda v: last_token(v.data, v.mask[..., 0].sum(1))
     right = tokens(shape=(2, 6, 3))
     keep = np.asarray(right.mask[..., 0])
     order = np.argsort(~keep, axis=1, kind="stable")  # the same tokens, right-padded
@@ -100,7 +100,7 @@ def test_positions_matter_for_lengths_based_code():
 
 def test_plain_array_outputs_are_compacted_along_out_axis():
     x = tokens()
-    hand = lambda v: jnp.where(v.mask, v.data * 2.0, 0.0)  # noqa: E731 - a hand-masked (B, L, D) output
+    hand = lambda v: jnp.where(v.mask, v.data * 2.0, 0.0)  # a hand-masked (B, L, D) output
     assert mj.check_invariance(hand, (x,), axis=1, out_axis=1)
     r = mj.check_invariance(hand, (x,), axis=1, raise_exception=False)  # compared whole: the length changes
     assert not r and r.first_failure.first[1] == "shape"
@@ -169,7 +169,7 @@ class EqxPool(eqx.Module):
 def test_equinox_model(masked_mean):
     x = tokens()
     model = EqxPool(jax.random.PRNGKey(1), masked_mean)
-    f = lambda m, t: jax.vmap(m)(t.data, t.mask[..., 0])  # noqa: E731
+    f = lambda m, t: jax.vmap(m)(t.data, t.mask[..., 0])
     report = mj.check_invariance(f, (model, x), axis=1, params=(0,), raise_exception=False)
     assert bool(report) == masked_mean, report
     if not masked_mean:
@@ -241,8 +241,9 @@ def test_a_re_run_with_the_same_code_reuses_the_compiled_programs():
     assert n_first > 0 and n_again == 0, (n_first, n_again)
     # a captured constant that breaks invariance is this function's, not the cached one's
     for c, ok in ((0.0, True), (1.0, False), (0.0, True)):  # c times a sum over the padded length / its size
+        model = _token_model(2.0)
 
-        def f(p, v, c=c, model=_token_model(2.0)):
+        def f(p, v, c=c, model=model):
             return model(p, v) + c * jnp.sum(v.filled(0.0)) / v.shape[1]
 
         report = mj.check_invariance(f, (other, x), axis=1, params=(0,), raise_exception=False)

@@ -1,8 +1,11 @@
 """The package's layers, as docs/architecture.md draws them, kept by its imports.
 
+The layers are read from the page's picture (its ``layer N`` lines), so the page is the one list.
 Every import is counted, also one inside a function. A module imports only from its own layer or
-below, never from a sibling package of its layer, and the module graph has no cycle. An import
-inside a function is allowed only where a comment on that line or the line above says why.
+below, never from a sibling package of its layer, no import points up, and the module graph has
+no cycle. An import inside a function is allowed only where a comment on that line or the line
+above says why. The layer numbers the page's module tree (``L3``) and the package docstrings
+(``Layer 3``) give agree with the picture.
 """
 
 from __future__ import annotations
@@ -15,25 +18,32 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "masked_jax"
+PAGE = (ROOT / "docs" / "architecture.md").read_text()
+
+
+def _module_named(token: str) -> str:
+    """``ops/`` -> ``masked_jax.ops``, ``_ad.py`` -> ``masked_jax._ad``, ``__init__.py`` -> ``masked_jax``."""
+    if token == "__init__.py":
+        return "masked_jax"
+    return "masked_jax." + token.removesuffix("/").removesuffix(".py")
+
+
+def layers_of_the_page(text: str) -> list[list[str]]:
+    """The layers, low to high, from the page's first code block: each line ``layer N`` names the
+    modules and packages (``ops/``, ``_ad.py``) of layer N."""
+    picture = text.split("```", 2)[1]
+    layers: dict[int, list[str]] = {}
+    for line in picture.splitlines():
+        m = re.match(r"\s*layer (\d+)\s(.*)", line)
+        if m:
+            tokens = re.findall(r"(?<![\w./])(\w+/|\w+\.py)(?!\w)", m.group(2))
+            layers[int(m.group(1))] = [_module_named(t) for t in tokens]
+    assert sorted(layers) == list(range(len(layers))), f"docs/architecture.md: layers {sorted(layers)}"
+    return [layers[i] for i in range(len(layers))]
+
 
 # low to high; siblings in one layer must not import each other
-LAYERS = [
-    ["masked_jax._validate", "masked_jax._jaxpr"],
-    ["masked_jax.ops"],
-    ["masked_jax._core"],
-    ["masked_jax.layouts"],
-    ["masked_jax.numpy"],
-    ["masked_jax.nn"],
-    ["masked_jax.embeddings", "masked_jax._maskify"],
-    ["masked_jax._ad"],
-    ["masked_jax.optim", "masked_jax.checking"],
-    ["masked_jax._serialization", "masked_jax.testing"],
-    ["masked_jax"],  # the public facade: re-exports only
-    ["masked_jax._stubgen", "masked_jax.demo"],  # tools written against the public API
-]
-# the one import that points up, as jax's does: an array's __array_namespace__ is the numpy
-# package, which is built on the array types
-UPWARD = {("masked_jax._core._masked", "masked_jax.numpy")}
+LAYERS = layers_of_the_page(PAGE)
 
 
 def _modules() -> dict[str, pathlib.Path]:
@@ -108,8 +118,6 @@ GRAPH = {m: sorted({t for t, _, _ in _imports(m, p) if t != m}) for m, p in MODU
 def test_imports_point_down_the_layers(module):
     level, home = _layer(module)
     for target in GRAPH[module]:
-        if (module, target) in UPWARD:
-            continue
         t_level, t_home = _layer(target)
         assert t_level < level or t_home == home, (
             f"{module} (layer {level}, {home}) imports {target} (layer {t_level}, {t_home}): "
@@ -118,7 +126,7 @@ def test_imports_point_down_the_layers(module):
 
 
 def test_the_module_graph_has_no_cycle():
-    edges = {m: [t for t in ts if (m, t) not in UPWARD] for m, ts in GRAPH.items()}
+    edges = GRAPH
     state: dict[str, int] = {}
     stack: list[str] = []
 
@@ -182,3 +190,43 @@ def test_the_architecture_page_lists_every_module():
     assert not missing, f"docs/architecture.md does not list: {missing}"
     stale = sorted(listed - files)
     assert not stale, f"docs/architecture.md lists modules that do not exist: {stale}"
+
+
+def test_the_picture_names_modules_that_exist():
+    named = [m for layer in LAYERS for m in layer]
+    assert len(LAYERS) > 5 and "masked_jax.ops" in LAYERS[1], LAYERS
+    stale = [m for m in named if m not in MODULES]
+    assert not stale, f"docs/architecture.md's picture names modules that do not exist: {stale}"
+    twice = sorted({m for m in named if named.count(m) > 1})
+    assert not twice, f"docs/architecture.md's picture puts modules in two layers: {twice}"
+
+
+def _layer_of_package(name: str) -> int:
+    return next(i for i, layer in enumerate(LAYERS) if name in layer)
+
+
+def test_the_module_tree_gives_the_layers_of_the_picture():
+    """A folder or module line of the page's tree may say ``L<n>``: the picture's layer."""
+    block = PAGE.split("```\nmasked_jax/\n", 1)[1].split("```", 1)[0]
+    said = {}
+    for line in block.splitlines():
+        m = re.match(r"  (\w+/|\w+\.py)\s+L(\d+)\b", line)
+        if m:
+            said[_module_named(m.group(1))] = int(m.group(2))
+    assert len(said) > 5, said
+    wrong = {m: (n, _layer_of_package(m)) for m, n in said.items() if n != _layer_of_package(m)}
+    assert not wrong, f"docs/architecture.md's tree gives layers (said, pictured): {wrong}"
+
+
+def test_package_docstrings_give_the_layers_of_the_picture():
+    """A package docstring that names its layer (``Layer 3``) names the picture's."""
+    checked, wrong = 0, {}
+    for init in sorted(PACKAGE.glob("*/__init__.py")):
+        name = f"masked_jax.{init.parent.name}"
+        doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+        for n in re.findall(r"\bLayer (\d+)\b", doc):
+            checked += 1
+            if int(n) != _layer_of_package(name):
+                wrong[name] = (int(n), _layer_of_package(name))
+    assert checked >= 4, "the package docstrings name no layer"
+    assert not wrong, f"package docstrings give layers (said, pictured): {wrong}"

@@ -169,7 +169,7 @@ def test_vmap_over_a_batch_of_sparse_arrays(op, layout):
         warnings.simplefilter("ignore", mj.StorageFallbackWarning)
         out = jax.vmap(lambda v: _dense_of(fn(v)))(batch)
     for i, x in enumerate(xs):
-        _same(jax.tree_util.tree_map(lambda leaf: leaf[i], out), fn(x))
+        _same(jax.tree_util.tree_map(lambda leaf, i=i: leaf[i], out), fn(x))
 
 
 # -- semantics, conversions and edge cases -------------------------------------------------------
@@ -523,7 +523,7 @@ def test_bcoo_reductions_and_softmax_along_axes_stay_sparse_in_3d(layout):
         "bcoo_hybrid": lambda: mj.BCOOMaskedArray.from_masked(x, nse=20, n_dense=1),
     }
     b = build[layout]()
-    run_all = lambda v: {name: fn(v) for name, fn in AXIS_OPS_3D.items()}  # noqa: E731  (one compile)
+    run_all = lambda v: {name: fn(v) for name, fn in AXIS_OPS_3D.items()}  # one compile
     with mj.strict_storage():  # no op may densify (checked while tracing)
         got_all = jax.jit(run_all)(b)
         want_all = run_all(x)
@@ -532,7 +532,7 @@ def test_bcoo_reductions_and_softmax_along_axes_stay_sparse_in_3d(layout):
             assert got.data.size <= b.data.size, name  # O(stored entries), never the dense size
             _same(got, want_all[name])
         _same(mnp.var(b, axis=1), mnp.var(x, axis=1))  # and eagerly
-        loss = lambda v: mnp.sum(mnn.log_softmax(v, axis=1) ** 2) + mnp.sum(mnp.var(v, axis=1))  # noqa: E731
+        loss = lambda v: mnp.sum(mnn.log_softmax(v, axis=1) ** 2) + mnp.sum(mnp.var(v, axis=1))
         g = mj.grad(loss)(b)
         assert type(g) is type(b) and bool(jnp.all(jnp.isfinite(g.data)))
         _same(g.todense(), mj.grad(loss)(x))

@@ -121,7 +121,7 @@ def test_the_exact_value_conditional_stays_a_conditional_under_vmap():
     assert "cond" in str(jax.make_jaxpr(mm)(a, b))
     same(mm(a, b), want)
     same(jax.jit(mm)(a, b), want)
-    split = lambda x: mj.masked_array(x.data.reshape((2, 2) + x.shape[1:]), x.mask.reshape((2, 2) + x.shape[1:]))  # noqa: E731
+    split = lambda x: mj.masked_array(x.data.reshape((2, 2) + x.shape[1:]), x.mask.reshape((2, 2) + x.shape[1:]))
     nested = jax.vmap(jax.vmap(mnp.matmul))
     assert "cond" in str(jax.make_jaxpr(nested)(split(a), split(b)))
     out = jax.jit(nested)(split(a), split(b))
@@ -130,7 +130,7 @@ def test_the_exact_value_conditional_stays_a_conditional_under_vmap():
     same(jax.jit(jax.vmap(lambda y: mnp.matmul(a[0], y)))(b), mnp.matmul(a[0], b))  # unbatched left
     same(jax.jit(lambda x, y: jax.lax.scan(lambda c, xy: (c, mnp.matmul(*xy)), 0.0, (x, y))[1])(a, b), want)
     finite = mj.masked_array(jnp.where(jnp.isinf(a.data), 1.0, a.data), a.mask)
-    loss = lambda f: lambda x: mnp.sum(f(x, b) ** 2).data  # noqa: E731
+    loss = lambda f: lambda x: mnp.sum(f(x, b) ** 2).data
     np.testing.assert_allclose(
         jax.jit(mj.grad(loss(mm)))(finite).filled(0), mj.grad(loss(mnp.matmul))(finite).filled(0), rtol=1e-12
     )

@@ -127,7 +127,7 @@ CASES = [
 def test_row_sparse_gradient_of_every_read_in_every_transform(read, where):
     """Every read form inside every transform gives the dense gradient, eagerly (the plain case)
     and under jit; the rows read are the only rows stored."""
-    loss = lambda t, ids: WHERE[where](t, ids, READS[read])  # noqa: E731
+    loss = lambda t, ids: WHERE[where](t, ids, READS[read])
     g = _check(loss, jit=True)
     if where in ("plain", "scan"):
         _check(loss, jit=False)
@@ -211,7 +211,7 @@ def test_maskified_model_with_masked_ids_under_row_sparse():
         pooled = jnp.mean(jnp.tanh(x), axis=1)
         return jnp.sum(jnp.log1p(jnp.exp(pooled @ head)))
 
-    loss = lambda t, ids: mj.maskify(model)(t, ids)  # noqa: E731
+    loss = lambda t, ids: mj.maskify(model)(t, ids)
     value, g = jax.jit(mj.value_and_grad(loss, row_sparse=True))(TABLE, ids)
 
     def unpadded(t):
@@ -238,7 +238,7 @@ def test_flax_embed_and_equinox_embedding_read_rows():
 
     ids = jnp.array([[3, 1], [3, 8]])
     params = Model().init(jax.random.key(0), ids)["params"]
-    loss = lambda p, ids: Model().apply({"params": p}, ids)  # noqa: E731
+    loss = lambda p, ids: Model().apply({"params": p}, ids)
     only_embed = {"Embed_0": True, "Dense_0": False}
     g = jax.jit(mj.grad(loss, row_sparse=only_embed))(params, ids)
     ref = jax.grad(loss)(params, ids)
@@ -278,7 +278,7 @@ def test_flax_nnx_embed_reads_rows():
             return jnp.sum(jnp.tanh(self.head(self.embed(ids))))
 
     graphdef, params = nnx.split(Model(nnx.Rngs(0)), nnx.Param)
-    loss = lambda p, ids: nnx.merge(graphdef, p)(ids)  # noqa: E731
+    loss = lambda p, ids: nnx.merge(graphdef, p)(ids)
     ids = jnp.array([[2, 9, 9], [0, 3, 2]])
     only_embed = jax.tree_util.tree_map_with_path(lambda path, _: "embed" in jax.tree_util.keystr(path), params)
     g = jax.jit(mj.grad(loss, row_sparse=only_embed))(params, ids)

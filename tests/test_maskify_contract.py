@@ -261,7 +261,7 @@ def test_a_carry_as_long_as_the_batch_with_no_row_axis_is_not_read_as_rows(mode)
     _same(got, jnp.full(B, np.sum(np.where(valid[..., None], x, 0)), jnp.float32))
 
     def counted(v):  # a per-row state beside a (B,) step counter: the body never mixes rows
-        step = lambda c, xt: ((c[0] + xt.sum(-1), c[1] + 1.0), None)  # noqa: E731
+        step = lambda c, xt: ((c[0] + xt.sum(-1), c[1] + 1.0), None)
         return jax.lax.scan(step, (jnp.zeros(B, jnp.float32), jnp.zeros(B, jnp.float32)), _time_major(v))[0]
 
     state, steps = _run(counted, mode, xm)
@@ -321,7 +321,7 @@ def test_inputs_with_one_token_mask_still_skip_padded_steps(mode):
 
     def run(x):
         x = _time_major(x)
-        step = lambda c, inp: (c * 0.5 + (inp[0] - inp[1]).sum(-1), inp[0] * inp[1])  # noqa: E731
+        step = lambda c, inp: (c * 0.5 + (inp[0] - inp[1]).sum(-1), inp[0] * inp[1])
         return jax.lax.scan(step, jnp.zeros(x.shape[1]), (x, 2 * x))
 
     carry, ys = _run(run, mode, am)

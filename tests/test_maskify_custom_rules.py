@@ -76,12 +76,13 @@ def test_custom_rules_of_jax_functions_match_the_plain_functions_on_the_valid_en
     x = mj.masked_array(jnp.array([0.0, 6.0, 3.0, -1.0, np.nan]), jnp.array([True, True, True, True, False]))
     valid = x.data[:4]
     for fn in (jax.nn.relu6, jax.nn.softplus, lambda v: jnp.logaddexp(v, 0.5 * v), jnp.sinc):
-        f = mj.maskify(lambda v: jnp.sum(fn(v) ** 2))
+        loss = lambda v, fn=fn: jnp.sum(fn(v) ** 2)
+        f = mj.maskify(loss)
         g = jax.jit(mj.grad(f))(x)
-        _close(g.data[:4], jax.grad(lambda v: jnp.sum(fn(v) ** 2))(valid), f"{fn}: gradient")
+        _close(g.data[:4], jax.grad(loss)(valid), f"{fn}: gradient")
         assert float(g.data[4]) == 0.0 and not bool(g.mask[4])
-        h = jax.hessian(lambda d: f(mj.masked_array(d, x.mask)).data)(x.data)
-        _close(h[:4, :4], jax.hessian(lambda v: jnp.sum(fn(v) ** 2))(valid), f"{fn}: hessian")
+        h = jax.hessian(lambda d, f=f: f(mj.masked_array(d, x.mask)).data)(x.data)
+        _close(h[:4, :4], jax.hessian(loss)(valid), f"{fn}: hessian")
         assert not np.asarray(h[4]).any() and not np.asarray(h[:, 4]).any()
 
 
@@ -161,7 +162,7 @@ def test_nan_safe_rules_stay_finite_and_equal_the_unpadded_rows(name, jit):
     for r in range(3):
         row = jnp.asarray(ROWS[r][ROW_MASK[r]])
         _close(out.data[r], fn(w, row), f"row {r}: value")
-        rw, rx = jax.grad(lambda w, v: fn(w, v) * (r + 1.0), argnums=(0, 1))(w, row)
+        rw, rx = jax.grad(lambda w, v, r=r: fn(w, v) * (r + 1.0), argnums=(0, 1))(w, row)
         _finite((rw, rx), f"the unpadded row {r}")
         _close(gx[r][ROW_MASK[r]], rx, f"row {r}: input gradient")
         assert not np.asarray(gx[r][~ROW_MASK[r]]).any()
@@ -287,7 +288,7 @@ def test_a_set_of_one_has_the_gradients_of_the_unpadded_runs(model, padding):
     for label, grad in (("eager", jax.grad(masked_loss)), ("jit", jax.jit(jax.grad(masked_loss)))):
         got = grad(params)
         _finite(got, label)
-        jax.tree.map(lambda a, b: _close(a, b, f"{label}: parameter gradient"), got, want)
+        jax.tree.map(lambda a, b, label=label: _close(a, b, f"{label}: parameter gradient"), got, want)
 
 
 def test_a_set_of_one_under_vmap_of_the_maskified_function():

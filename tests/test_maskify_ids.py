@@ -137,7 +137,7 @@ def _check_gradients(masked_loss, ref_loss, params):
     for label, grad in (("eager", jax.grad(masked_loss)), ("jit", jax.jit(jax.grad(masked_loss)))):
         got = grad(params)
         assert all(bool(jnp.isfinite(g).all()) for g in jax.tree.leaves(got)), f"{label}: NaN in the gradients"
-        jax.tree.map(lambda a, b: _close(a, b, f"{label}: parameter gradient"), got, want)
+        jax.tree.map(lambda a, b, label=label: _close(a, b, f"{label}: parameter gradient"), got, want)
 
 
 @pytest.mark.parametrize("model,edges", CASES)
@@ -289,7 +289,7 @@ def test_node_features_masked_entry_by_entry_name_their_nodes():
     valid = np.array([True, True, True, False])[:, None] & np.ones((1, 2), bool)
     hm = mj.masked_array(jnp.asarray(h), jnp.asarray(valid))
     r = jnp.array([0, 0, 2, 3])  # the last edge points at the padding node
-    fn = lambda x: jnp.mean(jax.ops.segment_sum(x[r], r, x.shape[0]), axis=0)  # noqa: E731
+    fn = lambda x: jnp.mean(jax.ops.segment_sum(x[r], r, x.shape[0]), axis=0)
     want = fn(jnp.asarray(h[:3]))  # (the padded edge reads a padded row: dropped)
     for label, f in (("eager", mj.maskify(fn)), ("jit", jax.jit(mj.maskify(fn)))):
         got = f(hm)
@@ -305,13 +305,13 @@ def test_a_reshape_and_a_roll_carry_unreached_slots_with_the_data():
     # two graphs of 3 nodes flattened; the second's node 2 is padding; nodes 1, 2 and 4 receive nothing
     h = mj.masked_array(jnp.array([1.0, 2.0, 3.0, 4.0, 5.0, jnp.nan]), jnp.array([1, 1, 1, 1, 1, 0], bool))
     r = jnp.array([0, 0, 3, 3])
-    seg = lambda x: jax.ops.segment_sum(x[r], r, 6)  # noqa: E731  [2, 0, 0, 8, 0, --]
+    seg = lambda x: jax.ops.segment_sum(x[r], r, 6)
+    ids = jnp.array([[0, 0], [0, 0]])  # (each graph its own ids)
+    graphs = lambda x: jax.vmap(lambda a, i: jax.ops.segment_sum(a[i], i, 3))(x.reshape(2, 3), ids)
     for label, f in (("eager", mj.maskify), ("jit", lambda g: jax.jit(mj.maskify(g)))):
         split = f(lambda x: seg(x).reshape(2, 3).mean(1))(h)  # each graph's mean over its nodes
         np.testing.assert_array_equal(np.asarray(split.mask), [True, True], label)
         _close(split.data, [2.0 / 3.0, 4.0], label)
-        ids = jnp.array([[0, 0], [0, 0]])  # (each graph its own ids)
-        graphs = lambda x: jax.vmap(lambda a, i: jax.ops.segment_sum(a[i], i, 3))(x.reshape(2, 3), ids)  # noqa: E731
         merged = f(lambda x: graphs(x).reshape(6))(h)
         np.testing.assert_array_equal(np.asarray(merged.mask), [1, 1, 1, 1, 1, 0], label)
         _close(merged.data[:5], [2.0, 0.0, 0.0, 8.0, 0.0], label)

@@ -135,7 +135,7 @@ def _check_rnn(apply, params, valid, seed=0):
     for label, grad in (("eager", jax.grad(masked_loss)), ("jit", jax.jit(jax.grad(masked_loss)))):
         got = grad(params)
         assert all(bool(jnp.isfinite(g).all()) for g in jax.tree.leaves(got)), f"{label}: NaN in the gradients"
-        jax.tree.map(lambda a, b: _close(a, b, f"{label}: parameter gradient"), got, want)
+        jax.tree.map(lambda a, b, label=label: _close(a, b, f"{label}: parameter gradient"), got, want)
 
 
 # the test loop runs a linen GRU and a hand-written scan over holes (padding anywhere); right and
@@ -291,7 +291,7 @@ def test_message_passing_equals_each_graph_alone(update, kind):
     for label, grad in (("eager", jax.grad(masked_loss)), ("jit", jax.jit(jax.grad(masked_loss)))):
         got = grad(params)
         assert all(bool(jnp.isfinite(g).all()) for g in jax.tree.leaves(got)), f"{label}: NaN in the gradients"
-        jax.tree.map(lambda a, b: _close(a, b, f"{label}: parameter gradient"), got, want)
+        jax.tree.map(lambda a, b, label=label: _close(a, b, f"{label}: parameter gradient"), got, want)
 
 
 def test_segment_reductions_follow_the_reduction_rules():
@@ -447,7 +447,7 @@ def test_attention_equals_unpadded_runs_and_runs_as_one_masked_call(name, paddin
 
     want = jax.grad(ref_loss)(params)
     for label, grad in (("eager", jax.grad(masked_loss)), ("jit", jax.jit(jax.grad(masked_loss)))):
-        jax.tree.map(lambda a, b: _close(a, b, f"{label}: parameter gradient"), grad(params), want)
+        jax.tree.map(lambda a, b, label=label: _close(a, b, f"{label}: parameter gradient"), grad(params), want)
 
 
 @pytest.mark.parametrize("padding", ["right", "holes"])

@@ -167,7 +167,7 @@ def test_attention_equals_each_sequence_without_its_padding(case, dtype, fill, j
         user = np.random.default_rng(2).random((ATT_B, 1, ATT_T, ATT_T)) < 0.6
         user[0, 0, 1] = False
         kwargs = {"mask": jnp.asarray(user)}
-    run = lambda a, b, c: mnn.dot_product_attention(a, b, c, **kwargs)  # noqa: E731
+    run = lambda a, b, c: mnn.dot_product_attention(a, b, c, **kwargs)
     out = jax.jit(run)(q, k, v) if jit else run(q, k, v)
     assert out.shape == q.shape and out.dtype == q.dtype
     data, valid = np.asarray(out.data), np.asarray(out.mask)[:, :, 0, 0]

@@ -38,6 +38,12 @@ OPTIMIZERS = {
 N, D = 12, 3
 
 
+def _tiered(names, quick):
+    """The parameters ``names``: ``make test`` runs those in ``quick`` (one of each kind of state),
+    the slow tier (``make test-slow``) the others."""
+    return [pytest.param(n, marks=() if n in quick else pytest.mark.slow) for n in names]
+
+
 def _params():
     rng = np.random.default_rng(0)
     return {
@@ -127,7 +133,7 @@ def test_only_valid_entries_change(name):
         u, new_state = inner.update({"emb": dense.filled(0), "b": g["b"]}, state, params)
         m = dense.mask
         state = jax.tree_util.tree_map(
-            lambda old, new: jnp.where(m, new, old) if np.shape(old) == (N, D) else new, state, new_state
+            lambda old, new, m=m: jnp.where(m, new, old) if np.shape(old) == (N, D) else new, state, new_state
         )
         params = {"emb": jnp.where(m, params["emb"] + u["emb"], params["emb"]), "b": params["b"] + u["b"]}
     p_rows, s_rows = _run(optim.lazy(inner), grads)
@@ -404,7 +410,7 @@ def test_statically_valid_parameters_stay_mask_less_through_steps(make):
     a lax.scan over steps carries it."""
     params = {"w": mj.as_masked(jnp.array([1.0, -2.0, 3.0])), "b": jnp.zeros(())}
     opt = make()
-    loss = lambda p: mj.numpy.sum(p["w"] ** 2).data + p["b"] ** 2  # noqa: E731
+    loss = lambda p: mj.numpy.sum(p["w"] ** 2).data + p["b"] ** 2
     traces = []
 
     @jax.jit
@@ -817,7 +823,7 @@ def test_lazy_multisteps_equals_dense_multisteps_when_every_row_is_touched():
 def test_lazy_multisteps_passes_extra_arguments_to_the_inner_update(capacity):
     """``update(..., value=loss)`` reaches the inner transformation, as in ``optax.MultiSteps``:
     Polyak's step size reads the loss; every row touched, the trajectory is optax's."""
-    inner = lambda: optax.chain(optax.scale_by_polyak(max_learning_rate=0.5), optax.scale(-1.0))  # noqa: E731
+    inner = lambda: optax.chain(optax.scale_by_polyak(max_learning_rate=0.5), optax.scale(-1.0))
     opt_l = optim.lazy(optax.MultiSteps(inner(), 2), capacity=capacity)
     opt_d = optax.MultiSteps(inner(), 2)
     p_l = p_d = _CPARAMS
@@ -1171,7 +1177,9 @@ def _two_table_loss(p, a_ids, b_ids):
     return jnp.sum(jnp.tanh(rows) ** 2) + jnp.sum(jnp.cos(mj.lookup(p["b"], b_ids)) * p["w"])
 
 
-@pytest.mark.parametrize("name", OPTIMIZERS)
+# stateless, per-entry moments, reading the parameters, hyperparameters in the state, and one that
+# combines entries (kept in the one-call update); the other optimizers: `make test-slow`
+@pytest.mark.parametrize("name", _tiered(OPTIMIZERS, ("sgd", "adam", "decay_sgd", "inject_adam", "clip_adam")))
 def test_chunked_table_updates_equal_the_one_call_update(name):
     """``make_train_step`` updates row-sparse tables in chunks of rows (on the CPU) when the inner
     transformation works entry by entry, read off its jaxpr; the result is the one-call update's
@@ -1243,7 +1251,8 @@ def test_rowwise_adagrad_tables_in_chunks_equal_the_one_call_update(lr, eps_plac
         np.testing.assert_array_equal(np.asarray(results[chunk][1][0].sum_of_squares["a"][30:]), np.float32(0.1))
 
 
-@pytest.mark.parametrize("name", CATCH_UP)
+# a momentum, an accumulator, and no closed form (adam); the other optimizers: `make test-slow`
+@pytest.mark.parametrize("name", _tiered(CATCH_UP, ("sgd_momentum", "adagrad", "adam")))
 def test_chunked_catch_up_equals_the_one_call_update(name):
     """With ``catch_up``, rows read now and then over five steps: the chunked tables (counters,
     caught-up state and parameters) equal the one-call update's, up to rounding."""

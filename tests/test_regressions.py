@@ -69,7 +69,7 @@ def test_gradients_of_sparse_binary_ops_at_unshared_rows_are_zero():
 
 def test_at_multiply_into_a_masked_nan_has_a_finite_gradient():
     x = mj.masked_array(jnp.array([1.0, jnp.nan, 3.0]), jnp.array([True, False, True]))
-    loss = lambda v: mnp.sum(x.at[1].multiply(v)).filled(0)  # noqa: E731
+    loss = lambda v: mnp.sum(x.at[1].multiply(v)).filled(0)
     assert float(jax.grad(loss)(2.0)) == 0.0
     assert float(mj.grad(lambda v: mnp.sum(x.at[1].multiply(v)))(jnp.float64(2.0))) == 0.0
     m = mj.maskify(lambda a, v: jnp.sum(a.at[1].multiply(v)))

@@ -40,7 +40,7 @@ def test_assert_jacobian_raises_an_assertion_error_carrying_the_report():
 def test_assert_jacobian_checks_masked_semantics_by_default():
     """A function that reads the data under the mask has dense semantics: check_jacobian's default
     ("both") accepts it, the assertion (masked, by default) does not, unless asked for dense."""
-    leaky = lambda v: jnp.sum(v.data**2)  # noqa: E731
+    leaky = lambda v: jnp.sum(v.data**2)
     assert bool(mj.check_jacobian(leaky, (X,), raise_exception=False))
     with pytest.raises(mj.JacobianError):
         assert_jacobian(leaky, (X,))

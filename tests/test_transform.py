@@ -330,7 +330,9 @@ def test_scan_rnn_and_cond_inside_the_function():
     assert bool(jnp.all(h_last.mask))
     np.testing.assert_array_equal(np.asarray(ys.mask), PAD.T)  # padded steps stay masked
     for flag in (True, False):
-        got = mj.maskify(lambda x: jax.lax.cond(flag, lambda v: jnp.sin(v) * 2, lambda v: jnp.mean(v, 0) + v, x))(X)
+        got = mj.maskify(
+            lambda x, flag=flag: jax.lax.cond(flag, lambda v: jnp.sin(v) * 2, lambda v: jnp.mean(v, 0) + v, x)
+        )(X)
         _same(got, mnp.sin(X) * 2 if flag else mnp.mean(X, axis=0) + X)
     count = mj.maskify(lambda x: jax.lax.fori_loop(0, 3, lambda i, v: v * 2.0, x))(X)
     _same(count, X * 8.0)
@@ -534,7 +536,7 @@ def _windows(a, k):
 
 
 def test_pooling_is_over_valid_elements_and_average_pooling_is_a_masked_mean():
-    window = lambda op, init: lambda v: jax.lax.reduce_window(v, init, op, (1, 2, 2, 1), (1, 2, 2, 1), "VALID")  # noqa: E731
+    window = lambda op, init: lambda v: jax.lax.reduce_window(v, init, op, (1, 2, 2, 1), (1, 2, 2, 1), "VALID")
     data, valid = _windows(np.asarray(IMG.data), 2), _windows(IMG_MASK, 2)
     ma = np.ma.masked_array(data, ~valid)
     for fun, ref in (
@@ -573,7 +575,7 @@ def test_convolution_equals_the_per_sequence_unpadded_run(k, stride, dil, paddin
         w,
         (stride,),
         padding,
-        rhs_dilation=(dil,),  # noqa: E731
+        rhs_dilation=(dil,),
         dimension_numbers=("NWC", "WIO", "NWC"),
     )
     x = rng.normal(size=(len(lengths), width, c)).astype(np.float32)
@@ -582,14 +584,16 @@ def test_convolution_equals_the_per_sequence_unpadded_run(k, stride, dil, paddin
     cot = jnp.asarray(rng.normal(size=np.shape(conv(jnp.asarray(x)))), jnp.float32)
     for f_ in (mj.maskify(conv), jax.jit(mj.maskify(conv))):
         out = f_(xm)
-        g = jax.grad(lambda d: jnp.sum(f_(mj.masked_array(d, xm.compact_mask)).filled(0.0) * cot))(xm.data)
+        g = jax.grad(lambda d, f_=f_: jnp.sum(f_(mj.masked_array(d, xm.compact_mask)).filled(0.0) * cot))(xm.data)
         for b, n in enumerate(lengths):
             ref = np.asarray(conv(jnp.asarray(x[b : b + 1, :n])))[0]  # (0 outputs when the window is longer)
             m = np.asarray(out.mask)[b, :, 0]
             n_out = ref.shape[0]
             assert m[:n_out].all() and not m[n_out:].any(), (b, m, n_out)
             np.testing.assert_allclose(np.asarray(out.data)[b, :n_out], ref, rtol=1e-5, atol=1e-5)
-            g_ref = jax.grad(lambda u: jnp.sum(conv(u)[0] * cot[b, :n_out]))(jnp.asarray(x[b : b + 1, :n]))
+            g_ref = jax.grad(lambda u, b=b, n_out=n_out: jnp.sum(conv(u)[0] * cot[b, :n_out]))(
+                jnp.asarray(x[b : b + 1, :n])
+            )
             np.testing.assert_allclose(np.asarray(g)[b, :n], np.asarray(g_ref)[0], rtol=1e-5, atol=1e-5)
             assert not np.asarray(g)[b, n:].any()
 
@@ -600,7 +604,7 @@ def test_a_masked_kernel_keeps_the_partial_convolution_rule():
         v,
         k,
         (1, 1),
-        "SAME",  # noqa: E731
+        "SAME",
         dimension_numbers=("NHWC", "HWIO", "NHWC"),
     )
     out = mj.maskify(conv)(IMG, w)
@@ -625,7 +629,7 @@ def test_a_masked_index_gives_a_masked_row():
 
 
 def test_checkpoint_and_barriers_are_interpreted():
-    f = lambda v: jnp.mean(jnp.tanh(v) * 2, axis=1)  # noqa: E731
+    f = lambda v: jnp.mean(jnp.tanh(v) * 2, axis=1)
     _same(mj.maskify(jax.checkpoint(f))(X), mj.maskify(f, positions="padded")(X))
     _same(mj.maskify(lambda v: jax.lax.optimization_barrier(v) + 1.0)(X), X + 1.0)
     g = mj.grad(mj.maskify(lambda v: jnp.sum(jax.checkpoint(f)(v))))(X)
@@ -746,7 +750,7 @@ def test_associative_scan_runs_over_valid_elements_only(jit, reverse):
     )
     m = rng.uniform(0.5, 1.5, mask.shape).astype(np.float32)
     c = rng.normal(size=mask.shape).astype(np.float32)
-    poison = lambda a: mj.masked_array(jnp.asarray(np.where(mask, a, np.nan)), jnp.asarray(mask))  # noqa: E731
+    poison = lambda a: mj.masked_array(jnp.asarray(np.where(mask, a, np.nan)), jnp.asarray(mask))
 
     def scan(mv, cv):
         return lax.associative_scan(_affine, (mv, cv), reverse=reverse, axis=1)
@@ -754,18 +758,18 @@ def test_associative_scan_runs_over_valid_elements_only(jit, reverse):
     f = mj.maskify(scan)
     f = jax.jit(f) if jit else f
     out_m, out_c = f(poison(m), poison(c))
-    loss = lambda mv, cv: jnp.sum(f(mv, cv)[1].filled(0) ** 2)  # noqa: E731
+    loss = lambda mv, cv: jnp.sum(f(mv, cv)[1].filled(0) ** 2)
     g_m, g_c = mj.grad(loss, argnums=(0, 1))(poison(m), poison(c))
     for r in range(mask.shape[0]):
         idx = np.flatnonzero(mask[r])
         np.testing.assert_array_equal(np.asarray(out_c.mask[r]), mask[r])
         if not idx.size:
             continue
-        ref = lambda mv, cv: lax.associative_scan(_affine, (mv, cv), reverse=reverse)  # noqa: E731
+        ref = lambda mv, cv: lax.associative_scan(_affine, (mv, cv), reverse=reverse)
         want_m, want_c = ref(jnp.asarray(m[r, idx]), jnp.asarray(c[r, idx]))
         np.testing.assert_allclose(np.asarray(out_m.data[r, idx]), np.asarray(want_m), rtol=1e-6)
         np.testing.assert_allclose(np.asarray(out_c.data[r, idx]), np.asarray(want_c), rtol=1e-6)
-        want_g = jax.grad(lambda mv, cv: jnp.sum(ref(mv, cv)[1] ** 2), argnums=(0, 1))(
+        want_g = jax.grad(lambda mv, cv, ref=ref: jnp.sum(ref(mv, cv)[1] ** 2), argnums=(0, 1))(
             jnp.asarray(m[r, idx]), jnp.asarray(c[r, idx])
         )
         np.testing.assert_allclose(np.asarray(g_m.data[r, idx]), np.asarray(want_g[0]), rtol=1e-5, atol=1e-6)
@@ -805,14 +809,14 @@ def test_associative_scan_is_found_however_it_is_called(jit):
         f = mj.maskify(form)
         f = jax.jit(f) if jit else f
         out = f(poisoned, w)
-        g = mj.grad(lambda v, w: jnp.sum(f(v, w).filled(0) ** 2), argnums=(0, 1))(poisoned, w)
+        g = mj.grad(lambda v, w, f=f: jnp.sum(f(v, w).filled(0) ** 2), argnums=(0, 1))(poisoned, w)
         np.testing.assert_array_equal(np.asarray(out.mask), mask, err_msg=name)
         g_w = 0.0
         for r in range(mask.shape[0]):
             idx = np.flatnonzero(mask[r])
-            ref = lambda v, w: layers(v[None], w, lax.associative_scan)[0]  # noqa: E731
+            ref = lambda v, w: layers(v[None], w, lax.associative_scan)[0]
             np.testing.assert_allclose(np.asarray(out.data[r, idx]), ref(jnp.asarray(x[r, idx]), w), rtol=1e-6)
-            want = jax.grad(lambda v, w: jnp.sum(ref(v, w) ** 2), argnums=(0, 1))(jnp.asarray(x[r, idx]), w)
+            want = jax.grad(lambda v, w, ref=ref: jnp.sum(ref(v, w) ** 2), argnums=(0, 1))(jnp.asarray(x[r, idx]), w)
             np.testing.assert_allclose(np.asarray(g[0].data[r, idx]), want[0], rtol=1e-5, err_msg=name)
             g_w += float(want[1])
         np.testing.assert_allclose(float(g[1]), g_w, rtol=1e-5, err_msg=name)
@@ -898,7 +902,7 @@ def test_attention_over_one_key_mask_takes_no_run_time_test(jit):
     # gradients of a finite loss equal the unpadded runs'; no NaN from the padding or the inf
     loss = lambda v, w: jnp.sum(
         mj.maskify(lambda u: _attention(u, u, w, 0.0))(mj.masked_array(v, xm.compact_mask)).data
-    )  # noqa: E731
+    )
     gv, gw = (jax.jit(jax.grad(loss, (0, 1))) if jit else jax.grad(loss, (0, 1)))(xm.data, w)
     want_w = 0
     for b, n in enumerate(LENGTHS):
@@ -950,13 +954,13 @@ def test_a_sum_over_masked_slices_is_a_known_zero(jit):
     assert not pooled_selects, pooled_selects
     out = (jax.jit(pool) if jit else pool)(xm, w)
     assert np.asarray(out.mask).tolist() == [[True, True], [False, False], [True, True]]
-    loss = lambda w: jnp.sum(pool(xm, w).filled(0.0))  # noqa: E731
+    loss = lambda w: jnp.sum(pool(xm, w).filled(0.0))
     grad = (jax.jit(jax.grad(loss)) if jit else jax.grad(loss))(w)
     want = 0
     for b, n in ((0, LENGTHS[0]), (2, LENGTHS[2])):
         seq = jnp.asarray(x[b, :n])
         np.testing.assert_allclose(np.asarray(out.data[b]), jnp.tanh(jnp.mean(seq, axis=0) @ w), rtol=1e-5)
-        want = want + jax.grad(lambda w: jnp.sum(jnp.tanh(jnp.mean(seq, axis=0) @ w)))(w)
+        want = want + jax.grad(lambda w, seq=seq: jnp.sum(jnp.tanh(jnp.mean(seq, axis=0) @ w)))(w)
     np.testing.assert_allclose(np.asarray(grad), np.asarray(want), rtol=1e-5, atol=1e-6)
 
 
@@ -1035,7 +1039,7 @@ def test_a_predicate_known_when_traced_picks_its_case_with_no_select():
     xm, _ = _padded(4)
     ym = mj.masked_array(xm.data * 2, jnp.roll(xm.compact_mask, 1, axis=1))
     for pred, want_data, want_mask in ((True, xm.data, xm.mask), (False, jnp.full(xm.shape, 7.0), xm.mask)):
-        f = mj.maskify(lambda v: lax.select_n(jnp.asarray(pred), jnp.full(v.shape, 7.0, v.dtype), v))
+        f = mj.maskify(lambda v, pred=pred: lax.select_n(jnp.asarray(pred), jnp.full(v.shape, 7.0, v.dtype), v))
         assert primitive_count(jax.make_jaxpr(f)(xm), "select_n", xm.shape) == 0
         for out in (f(xm), jax.jit(f)(xm)):
             np.testing.assert_array_equal(np.asarray(out.mask), np.asarray(want_mask))
@@ -1268,7 +1272,7 @@ def test_softmax_is_recognised_as_one_op_that_equals_each_unpadded_row(jit, cust
                 continue
             row = jnp.asarray(data[r][valid])
             np.testing.assert_allclose(np.asarray(out.data[r])[valid], fn(row), rtol=1e-6)
-            want = jax.grad(lambda v: jnp.sum(fn(v) * cot[r][valid]))(row)
+            want = jax.grad(lambda v, r=r, valid=valid: jnp.sum(fn(v) * cot[r][valid]))(row)
             np.testing.assert_allclose(np.asarray(grad[r])[valid], want, rtol=1e-5, atol=1e-7)
             assert not np.asarray(grad[r])[~valid].any()
         empty = f(mj.masked_array(jnp.ones((2, 0)), jnp.ones((2, 0), bool)))  # as jax: nothing to normalise

@@ -1,6 +1,6 @@
 """The array types: ``MaskedArray``, the sparse-layout protocol, the methods every array class has.
 
-Layer 1, above the op rules (:mod:`masked_jax.ops`). Everything above imports these names from
+Layer 2, above the op rules (:mod:`masked_jax.ops`). Everything above imports these names from
 here, never from the private modules:
 
 * ``_masked``: ``MaskedArray``, its constructors and mask checks, the bridge between arrays and the

@@ -26,6 +26,8 @@ from masked_jax.ops._base import Pair, ranked, with_mask_tangent
 from masked_jax.ops.shape import at_update
 
 if TYPE_CHECKING:
+    from types import ModuleType
+
     from jax.experimental import sparse as jsparse
 
 
@@ -520,24 +522,9 @@ class MaskedArray(ArrayMethods):
         mask = None if self._mask is None else jax.device_put(self._mask, device)
         return MaskedArray._from_pair(jax.device_put(self._data, device), mask)
 
-    def __array_namespace__(self, *, api_version: str | None = None):
-        """``masked_jax.numpy``: the Array API namespace with masked semantics.
+    if TYPE_CHECKING:  # installed by masked_jax.numpy, which is built on this class (see _array_methods)
 
-        Examples:
-            >>> import jax.numpy as jnp, masked_jax as mj
-            >>> xp = mj.masked_array(jnp.array([1.0, 5.0]), jnp.array([True, False])).__array_namespace__()
-            >>> xp.mean(xp.asarray([1.0, 3.0]))
-            MaskedArray(2.0, dtype=float32)
-        """
-        if api_version not in (None, "2024.12", "2023.12", "2022.12", "2021.12"):
-            raise ValueError(
-                f"masked_jax.numpy implements the Array API 2024.12 (and the versions before it); "
-                f"got api_version={api_version!r}."
-            )
-        # masked_jax.numpy is built on this module: imported on demand, as jax does for jax.numpy
-        from masked_jax import numpy as mnp
-
-        return mnp
+        def __array_namespace__(self, *, api_version: str | None = None) -> ModuleType: ...
 
     def __setitem__(self, index, value):
         raise TypeError(

@@ -239,7 +239,7 @@ def _relativity(closed, on_data, pairs) -> _positions.Relativity:
         try:
             extended = longer(plain_too)
             break
-        except Exception:  # noqa: BLE001, PERF203 - a program that does not trace at another length
+        except Exception:  # noqa: BLE001 - a program that does not trace at another length
             continue
     return _positions.relativity(closed, extended, lengths)
 

@@ -129,7 +129,7 @@ def _run(
             base = vals if sem == "dense" else fills
             which = 0 if sem == "dense" else 1  # analytical: filled outputs (dense) or raw data (masked)
 
-            def F(v, extra, which, base=base):
+            def F(v, extra, which, base=base, i=i):
                 vs = list(base)
                 vs[i] = v
                 extras = [None] * n

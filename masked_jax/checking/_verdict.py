@@ -190,7 +190,7 @@ def _compare(raw, leaves, names, sems, modes, fast, atol, rtol, roundoff=0.0, pr
                 cells = None
                 lm = raw["leak_map"][i] if sem == "masked" and raw.get("leak_map") is not None else None
                 if lm is not None and owns:
-                    over = lambda a: ~(np.asarray(a)[rows] <= atol)  # noqa: E731 - past atol, or NaN
+                    over = lambda a, rows=rows: ~(np.asarray(a)[rows] <= atol)  # noqa: E731 - past atol, or NaN
                     cells = over(lm["value"]).astype(np.uint8) | (over(lm["gradient"]).astype(np.uint8) << 1)
                     leaks["masked-out inputs reaching valid outputs (leak map cells)"] = float(np.count_nonzero(cells))
                 for mode in modes:
@@ -265,7 +265,7 @@ class _Table:
         ok = np.ones(num.shape[0], bool) if self.ok is None else np.asarray(self.ok)
         cols = np.asarray(self.spec) if masked else np.ones(num.shape[1], bool)
         r_idx, c_idx = np.flatnonzero(ok), np.flatnonzero(cols)
-        block = (lambda a: a) if ok.all() and cols.all() else (lambda a: a[np.ix_(r_idx, c_idx)])  # noqa: E731
+        block = (lambda a: a) if ok.all() and cols.all() else (lambda a: a[np.ix_(r_idx, c_idx)])
         fd = block(np.asarray(self.res["fd_err"])[self.rows]) if "fd_err" in self.res else 0
         atol, rtol, roundoff = self.tol
         scale = np.asarray(self.scale)[self.rows][r_idx] * roundoff

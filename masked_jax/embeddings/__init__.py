@@ -1,6 +1,6 @@
 """Embedding tables: row lookups, pooled bags, stacked tables, and row-sparse gradients of them.
 
-Layer 4, beside ``masked_jax._maskify``: it builds on the array types and the layouts, and
+Layer 6, beside ``masked_jax._maskify``: it builds on the array types and the layouts, and
 ``masked_jax``'s autodiff (one layer up) calls :func:`substitute_rows` and
 :func:`as_row_sparse` when a gradient is asked for with ``row_sparse=``.
 

@@ -5,9 +5,9 @@ semantics (an unspecified entry is 0). The layouts here have **masked**
 semantics: the specified entries are exactly the valid ones, an explicitly
 stored zero is valid, and an unspecified entry does not exist.
 
-Layer 2, above the array types (:mod:`masked_jax._core`). Each layout is a
-:class:`SparseMasked` subclass in its own module, with its rule table beside it; the
-rules they share are in ``_dispatch``. The names below the first group are for the
+Layer 3, above the array types (:mod:`masked_jax._core`). Each layout is a
+:class:`SparseMasked` subclass in its own module; its rule table (``rules``: op family to rule)
+is assigned in ``_dispatch``, beside the rules the layouts share. The names below the first group are for the
 layers above (embeddings, optimizers, checking): trusted constructors and row helpers.
 """
 

@@ -26,18 +26,18 @@ Examples:
 
 from __future__ import annotations
 
-from masked_jax._core import as_masked, masked_array  # noqa: F401
+from masked_jax._core import as_masked, masked_array
 from masked_jax.numpy import _frontend
 
 __all__ = ["as_masked", "masked_array"]
 _frontend.attach("numpy", globals())
 
-amax, amin = max, min  # noqa: F821  (installed by attach)
+amax, amin = max, min  # installed by attach
 __all__ += ["amax", "amin"]
 
 # The functions whose masked meaning is a composition of registered ops (the Array API's and
 # jax.numpy's), by topic, and the standard's constants and dtypes.
-from masked_jax.numpy import (  # noqa: E402
+from masked_jax.numpy import (
     _contractions,
     _creation,
     _dtypes,
@@ -163,12 +163,15 @@ __all__ += [
 __all__ += [*_metadata.ALIASES, *_metadata.JNP_ALIASES]
 
 # The extensions, as real submodules (``import masked_jax.numpy.linalg`` works as for jax.numpy).
-from masked_jax.numpy import fft as fft  # noqa: E402
-from masked_jax.numpy import linalg as linalg  # noqa: E402
+from masked_jax.numpy import fft as fft
+from masked_jax.numpy import linalg as linalg
 
 __all__ += ["fft", "linalg"]
 
-# jax.Array's methods that are not one op of the registry, on every masked array class
-from masked_jax.numpy import _array_methods  # noqa: E402
+# jax.Array's methods that are not one op of the registry, on every masked array class; and
+# MaskedArray.__array_namespace__, this module (handed down: the array types never import it)
+import sys as _sys
 
-_array_methods.install()
+from masked_jax.numpy import _array_methods
+
+_array_methods.install(_sys.modules[__name__])

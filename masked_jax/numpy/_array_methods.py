@@ -3,11 +3,13 @@
 Each calls the ``masked_jax.numpy`` function of the same name, which dispatches on the layout.
 :func:`install` puts them on :class:`~masked_jax._core.ArrayMethods` (the base of ``MaskedArray``
 and of the sparse layouts) once ``masked_jax.numpy`` is built, as ``jax.numpy`` installs
-``jax.Array``'s methods.
+``jax.Array``'s methods; and ``MaskedArray.__array_namespace__``, which returns the namespace
+``install`` is handed, so that the array types never import the package built on them.
 """
 
 from __future__ import annotations
 
+from types import ModuleType
 from typing import Any
 
 from jax import Array
@@ -67,6 +69,30 @@ searchsorted.__doc__ = (
     "entries of the sorted 1-d ``x``." + method_example("x[1].searchsorted(4.0)", "MaskedArray(1, dtype=int32)")
 )
 
+API_VERSIONS = (None, "2024.12", "2023.12", "2022.12", "2021.12")
+
+
+def _namespace_method(namespace: ModuleType):
+    def __array_namespace__(self, *, api_version: str | None = None) -> ModuleType:
+        """``masked_jax.numpy``: the Array API namespace with masked semantics.
+
+        Examples:
+            >>> import jax.numpy as jnp, masked_jax as mj
+            >>> xp = mj.masked_array(jnp.array([1.0, 5.0]), jnp.array([True, False])).__array_namespace__()
+            >>> xp.mean(xp.asarray([1.0, 3.0]))
+            MaskedArray(2.0, dtype=float32)
+        """
+        if api_version not in API_VERSIONS:
+            raise ValueError(
+                f"masked_jax.numpy implements the Array API 2024.12 (and the versions before it); "
+                f"got api_version={api_version!r}."
+            )
+        return namespace
+
+    __array_namespace__.__qualname__ = "MaskedArray.__array_namespace__"
+    return __array_namespace__
+
+
 _METHODS = {
     "__round__": __round__,
     "conjugate": conjugate,
@@ -78,8 +104,10 @@ _METHODS = {
 _PROPERTIES = {"real": _real, "imag": _imag}
 
 
-def install() -> None:
-    """Put these methods (and the ``real``/``imag`` properties) on every masked array class."""
+def install(namespace: ModuleType) -> None:
+    """Put these methods (and the ``real``/``imag`` properties) on every masked array class, and
+    ``__array_namespace__`` (returning ``namespace``, the ``masked_jax.numpy`` module) on ``MaskedArray``."""
+    MaskedArray.__array_namespace__ = _namespace_method(namespace)
     for name, fn in _METHODS.items():
         fn.__qualname__ = f"ArrayMethods.{name}"
         setattr(ArrayMethods, name, fn)

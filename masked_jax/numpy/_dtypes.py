@@ -20,7 +20,7 @@ def can_cast(from_, to, /) -> builtins.bool:
     return jnp.can_cast(dtype_of(from_), to)
 
 
-def finfo(type, /):  # noqa: A002 - the standard's parameter name
+def finfo(type, /):  # the standard's parameter name
     """``jax.numpy.finfo`` of a float dtype or array.
 
     Examples:
@@ -31,7 +31,7 @@ def finfo(type, /):  # noqa: A002 - the standard's parameter name
     return jnp.finfo(dtype_of(type))
 
 
-def iinfo(type, /):  # noqa: A002 - the standard's parameter name
+def iinfo(type, /):  # the standard's parameter name
     """``jax.numpy.iinfo`` of an integer dtype or array.
 
     Examples:

@@ -11,7 +11,7 @@ API_VERSION = "2024.12"
 # Constants and dtypes: jax.numpy's.
 e, pi, inf, nan, newaxis = jnp.e, jnp.pi, jnp.inf, jnp.nan, jnp.newaxis
 
-bool = jnp.bool_  # noqa: A001 - the standard's name
+bool = jnp.bool_  # the standard's name
 
 int8, int16, int32, int64 = jnp.int8, jnp.int16, jnp.int32, jnp.int64
 

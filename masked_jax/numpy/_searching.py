@@ -100,7 +100,7 @@ def bincount(x, weights=None, minlength: int = 0, *, length: int | None = None) 
     return jnp.bincount(jnp.where(valid, x.data, 0), weights=w, minlength=minlength, length=length)
 
 
-def histogram(a, bins=10, range=None, weights=None, density=None):  # noqa: A002 - numpy's name
+def histogram(a, bins=10, range=None, weights=None, density=None):  # numpy's names
     """``jax.numpy.histogram`` of the valid entries (masked entries and masked weights count
     nothing); the default range is that of the valid entries.
 

@@ -185,7 +185,7 @@ def where(condition: Pair, x: Pair, y: Pair, _facts: Facts = NO_FACTS) -> Pair:
     return Pair(data, and_masks(condition.mask, jnp.where(cond, xm, ym), facts=_facts))
 
 
-def clip(x: Pair, min: Pair | None = None, max: Pair | None = None) -> Pair:  # noqa: A002
+def clip(x: Pair, min: Pair | None = None, max: Pair | None = None) -> Pair:
     """``clip(x, min, max)``; bounds that are given must be valid too."""
     present = [p for p in (min, max) if p is not None]
     mask = and_masks(x.mask, *(p.mask for p in present))

@@ -174,7 +174,7 @@ def _sum_dtype(dtype, requested):
     return jax.eval_shape(lambda d: jnp.sum(d, dtype=requested), jax.ShapeDtypeStruct((), dtype)).dtype
 
 
-def sum(x: Pair, axis=None, dtype=None, keepdims=False, _facts: Facts = NO_FACTS) -> Pair:  # noqa: A001
+def sum(x: Pair, axis=None, dtype=None, keepdims=False, _facts: Facts = NO_FACTS) -> Pair:
     facts = _facts
     m = _compact(x, facts)
     data = jnp.asarray(x.data)
@@ -242,7 +242,7 @@ def std(x: Pair, axis=None, dtype=None, ddof=0, keepdims=False, *, correction=No
     return Pair(safe_sqrt(v.data), v.mask)
 
 
-def max(x: Pair, axis=None, keepdims=False, _facts: Facts = NO_FACTS) -> Pair:  # noqa: A001
+def max(x: Pair, axis=None, keepdims=False, _facts: Facts = NO_FACTS) -> Pair:
     m = _compact(x, _facts)
     axes = normalize_axis(axis, m.ndim)
     init = lowest(jnp.result_type(x.data))
@@ -250,7 +250,7 @@ def max(x: Pair, axis=None, keepdims=False, _facts: Facts = NO_FACTS) -> Pair:  
     return Pair(data, any_valid(m, jnp.shape(x.data), axes, keepdims, _facts))
 
 
-def min(x: Pair, axis=None, keepdims=False, _facts: Facts = NO_FACTS) -> Pair:  # noqa: A001
+def min(x: Pair, axis=None, keepdims=False, _facts: Facts = NO_FACTS) -> Pair:
     m = _compact(x, _facts)
     axes = normalize_axis(axis, m.ndim)
     init = highest(jnp.result_type(x.data))
@@ -305,14 +305,14 @@ def argmin(x: Pair, axis=None, keepdims=None) -> Pair:
     return _arg_extreme(x, axis, keepdims, largest=False)
 
 
-def any(x: Pair, axis=None, keepdims=False, _facts: Facts = NO_FACTS) -> Pair:  # noqa: A001
+def any(x: Pair, axis=None, keepdims=False, _facts: Facts = NO_FACTS) -> Pair:
     m = _compact(x, _facts)
     axes = normalize_axis(axis, m.ndim)
     data = jnp.any(fill(x.data, m, 0, facts=_facts), axis=axes, keepdims=keepdims)
     return Pair(data, any_valid(m, jnp.shape(x.data), axes, keepdims, _facts))
 
 
-def all(x: Pair, axis=None, keepdims=False, _facts: Facts = NO_FACTS) -> Pair:  # noqa: A001
+def all(x: Pair, axis=None, keepdims=False, _facts: Facts = NO_FACTS) -> Pair:
     m = _compact(x, _facts)
     axes = normalize_axis(axis, m.ndim)
     data = jnp.all(fill(x.data, m, 1, facts=_facts), axis=axes, keepdims=keepdims)

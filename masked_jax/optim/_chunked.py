@@ -89,7 +89,6 @@ def entrywise(inner, updates, state, params) -> bool:
     like = lambda x: (  # noqa: E731
         jax.ShapeDtypeStruct(tuple(x.shape), data_of(x).dtype)
         if is_masked_leaf(x)
-        # noqa: E731
         else (jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)))
     )
     u_like, s_like, p_like = (jax.tree_util.tree_map(like, t, is_leaf=is_masked_leaf) for t in (updates, state, params))

@@ -42,6 +42,9 @@ class KernelConfig(NamedTuple):
     num_warps: int = 4
 
 
+DEFAULT_CONFIG = KernelConfig()  # one immutable value, the default of every `config=`
+
+
 def _owners(ref, state):
     """Per flat leaf of ``state``: the index of the parameter leaf it is shaped like (an int), or
     the leaf itself where it is global state (step counts)."""
@@ -309,7 +312,7 @@ def _table_kernel(in_kernel, n_hoisted, hoisted_dtypes, n_rows_refs, n, d, block
     return kernel
 
 
-def _prepare(inner, i, treedef, state_def, owners, leaves, state_leaves, p_leaves, config=KernelConfig()):
+def _prepare(inner, i, treedef, state_def, owners, leaves, state_leaves, p_leaves, config=DEFAULT_CONFIG):
     """``(block, hoisted, in_kernel)`` for table ``i``: the rows a kernel program holds, and its
     :class:`_Plan` split (the scalars it needs, computed here, and the in-kernel update)."""
     shape = p_leaves[i].shape
@@ -381,7 +384,7 @@ def fused_update(
     *,
     tables=None,
     interpret: bool = False,
-    config: KernelConfig = KernelConfig(),
+    config: KernelConfig = DEFAULT_CONFIG,
 ):
     """``(params, state)`` after one step of the lazy lift ``optimizer`` (see :func:`fusable`): each
     table of :func:`fused_tables` updated by one kernel, then the other leaves (the one-call lazy

@@ -59,8 +59,8 @@ def _check_entrywise(optimizer) -> None:
         ref = _Reference.of(params)
         base, _ = optimizer.update(grad, state, params)
         for poison in (1e30, float("nan")):
-            spoil = lambda x: x.at[1].set(poison) if jnp.issubdtype(x.dtype, jnp.inexact) else x  # noqa: E731
-            bad_state = _map_local(ref, lambda leaves, _: [spoil(x) for x in leaves], state)
+            spoil = lambda x, poison=poison: x.at[1].set(poison) if jnp.issubdtype(x.dtype, jnp.inexact) else x  # noqa: E731
+            bad_state = _map_local(ref, lambda leaves, _, spoil=spoil: [spoil(x) for x in leaves], state)
             moved, _ = optimizer.update(spoil(grad), bad_state, spoil(params))
             if not np.allclose(np.asarray(moved[0]), np.asarray(base[0]), rtol=1e-6, atol=0):
                 raise ValueError(

@@ -128,7 +128,7 @@ def test_optimization_with_a_masked_entry_leaves_it_and_its_state_untouched(name
     mask = jnp.array([True, False, True])
     opt = optim.lazy(_make(name, kwargs))
     # polyak_sgd's value: the objective's terms of the valid entries (one per entry)
-    valid_terms = lambda p: objective(jnp.where(mask, p, final))  # noqa: E731
+    valid_terms = lambda p: objective(jnp.where(mask, p, final))
     params, state, _ = _run(opt, objective, initial, 10_000, mask, polyak=name == "polyak_sgd", value_of=valid_terms)
     assert float(params[1]) == float(initial[1])
     init_state = opt.init(initial)
