@@ -37,7 +37,6 @@ import jax
 import jax.numpy as jnp
 import jaxlib
 import numpy as np
-import optax
 from _families import FAMILIES, _train_entries, family
 from _timing import progress, result_path
 

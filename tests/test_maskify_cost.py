@@ -67,7 +67,7 @@ def test_associative_scan_equals_each_row_alone_on_every_padding(padding, revers
     f = jax.jit(f) if jit else f
     out_m, out_c = f(poison(m), poison(c))
     g_m, g_c = mj.grad(lambda mv, cv: jnp.sum(f(mv, cv)[1].filled(0) ** 2), argnums=(0, 1))(poison(m), poison(c))
-    ref = lambda mv, cv: lax.associative_scan(_affine, (mv, cv), reverse=reverse)  # noqa: E731
+    ref = lambda mv, cv: lax.associative_scan(_affine, (mv, cv), reverse=reverse)
     for r in range(mask.shape[0]):
         idx = np.flatnonzero(mask[r])
         np.testing.assert_array_equal(np.asarray(jnp.broadcast_to(out_c.mask, c.shape)[r, :, 0]), mask[r])
@@ -104,7 +104,7 @@ def test_scalar_arithmetic_on_the_host_equals_jax(prim, dtype, x64):
 
 
 def _compare_scalar_arithmetic(prim, dtype):
-    fn = lambda a, b: prim.bind(a, b)  # noqa: E731
+    fn = lambda a, b: prim.bind(a, b)
     on_host = 0
     for a, b in itertools.product(SPECIAL, SPECIAL):
         for derivatives in (True, False):

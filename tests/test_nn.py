@@ -297,7 +297,7 @@ def _attention_reference_grads(parts, k_tokens, kwargs, weights):
             continue
         w = weights[b : b + 1, qi] * reach[None, :, None, None]
 
-        def loss(q, k, v, bb):
+        def loss(q, k, v, bb, allowed=allowed, w=w):
             out = jax.nn.dot_product_attention(q, k, v, bb, jnp.asarray(allowed)[None, None])
             return jnp.sum(out * w)
 
@@ -395,7 +395,7 @@ def test_attention_return_residual_equals_each_sequence_without_its_padding(case
         kwargs["bias"] = jnp.asarray(np.random.default_rng(1).normal(size=(ATT_B, ATT_N, ATT_T, ATT_T)))
     if kwargs.get("mask") == "mask":
         kwargs["mask"] = jnp.asarray(np.random.default_rng(2).random((ATT_B, 1, ATT_T, ATT_T)) < 0.6)
-    run = lambda a, b, c: mnn.dot_product_attention(a, b, c, return_residual=True, **kwargs)  # noqa: E731
+    run = lambda a, b, c: mnn.dot_product_attention(a, b, c, return_residual=True, **kwargs)
     out, residual = jax.jit(run)(q, k, v) if jit else run(q, k, v)
     plain = mnn.dot_product_attention(q, k, v, **kwargs)
     np.testing.assert_array_equal(np.asarray(out.data), np.asarray(plain.data))

@@ -28,6 +28,7 @@ import jax
 import jax.extend.core.primitives as P
 import jax.numpy as jnp
 import numpy as np
+from jax.extend.core import Primitive
 
 
 class Factor(NamedTuple):
@@ -361,7 +362,7 @@ def _scalar_on_host(prim, values, dtypes, derivatives):
     """:func:`evaluate` by numpy for the arithmetic whose value and partial derivatives it computes
     as XLA does (one IEEE operation each: ``+ - * /``, ``max``, ``min`` on float16/32/64 scalars),
     with no program compiled; ``None`` for anything else."""
-    if not isinstance(prim, jax.extend.core.Primitive) or prim not in _HOST_ARITHMETIC or len(values) != 2:
+    if not isinstance(prim, Primitive) or prim not in _HOST_ARITHMETIC or len(values) != 2:
         return None
     dts = [np.dtype(jax.dtypes.canonicalize_dtype(d)) for d in dtypes]  # float64 is float32 without x64
     if any(d not in (np.float16, np.float32, np.float64) for d in dts) or dts[0] != dts[1]:
