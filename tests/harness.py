@@ -431,9 +431,13 @@ def eager_layouts(name):
 
 
 def slot_values(lay, dense):
-    """``dense`` read at every stored slot of ``lay`` (padding slots: 0)."""
+    """``dense`` read at every stored slot of ``lay`` that holds the first stored copy of its entry
+    (later duplicates and padding slots: 0), as a gradient is kept: read as an array, it is then
+    the dense gradient once."""
     dense = jnp.asarray(dense)
     mask = lay.block().mask
+    first = lay.first_copies()
+    mask = mask & jnp.reshape(first, first.shape + (1,) * (np.ndim(mask) - first.ndim))
     if isinstance(lay, RowSparseArray):
         return jnp.where(mask, jnp.take(dense, lay.clean_indices(), axis=0, mode="fill", fill_value=0), 0)
     idx = lay.clean_indices()  # (batch..., nse, n_sparse); duplicates each read the element
@@ -508,7 +512,7 @@ def check_layouts(name):
                     np.asarray(slot_values(lay, g_want.filled(0))),
                     rtol=1e-9,
                     atol=1e-12,
-                    err_msg=f"{name} on {kind}: gradient per stored slot (0 at padding)",
+                    err_msg=f"{name} on {kind}: gradient per stored slot (0 at padding and later duplicates)",
                 )
         _check_zero_size_layouts(name, spec, row, dtype)
 
