@@ -53,8 +53,8 @@ def median_seconds(fn, *args, repeats=20, warmup=3):
     return statistics.median(times)
 
 
-def interleaved_medians(fns, rounds=5, block=5, warmup=2, settle=0):
-    """Median seconds of each ``fns[name]()``.
+def interleaved_rounds(fns, rounds=5, block=5, warmup=2, settle=0):
+    """``{name: [[seconds of each timed call] per round]}`` of each ``fns[name]()``.
 
     Implementations take turns in ``rounds``, each timing ``block`` consecutive
     calls, so every implementation sees the same slow drift of this shared
@@ -72,11 +72,19 @@ def interleaved_medians(fns, rounds=5, block=5, warmup=2, settle=0):
         for name, fn in fns.items():
             for _ in range(settle):
                 jax.block_until_ready(fn())
+            block_times = []
             for _ in range(block):
                 t0 = time.perf_counter()
                 jax.block_until_ready(fn())
-                times[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(ts) for name, ts in times.items()}
+                block_times.append(time.perf_counter() - t0)
+            times[name].append(block_times)
+    return times
+
+
+def interleaved_medians(fns, rounds=5, block=5, warmup=2, settle=0):
+    """Median seconds of each ``fns[name]()`` over every call timed by :func:`interleaved_rounds`."""
+    times = interleaved_rounds(fns, rounds, block, warmup, settle)
+    return {name: statistics.median(t for r in ts for t in r) for name, ts in times.items()}
 
 
 def print_table(title, rows, baseline_cols):

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import jaxlib
 import numpy as np
 from _families import FAMILIES, _train_entries, family
-from _timing import progress, result_path
+from _timing import interleaved_rounds, progress, result_path
 
 import masked_jax as mj
 
@@ -338,23 +338,6 @@ def _equations(jaxpr):
     return count
 
 
-def _per_round(fns, rounds, block=3, warmup=2):
-    """``{name: [median seconds of each round]}``, the implementations taking turns in every round."""
-    for fn in fns.values():
-        for _ in range(warmup):
-            jax.block_until_ready(fn())
-    out = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            times = []
-            for _ in range(block):
-                t0 = time.perf_counter()
-                jax.block_until_ready(fn())
-                times.append(time.perf_counter() - t0)
-            out[name].append(float(np.median(times)))
-    return out
-
-
 def _agreement(table, outputs):
     """How far the maskify'd step's result is from the hand-masked one: the loss's relative
     difference, or the fraction of generated tokens that differ."""
@@ -399,7 +382,7 @@ def measure(name, table, repeats=3, rounds=7):
             "jaxpr eqns": equations,
             "eager first call s": t_eager,
         }
-    per_round = _per_round(steps, rounds)
+    per_round = {v: [float(np.median(r)) for r in ts] for v, ts in interleaved_rounds(steps, rounds, block=3).items()}
     ratios = np.asarray(per_round["maskify"]) / np.asarray(per_round["hand-masked"])
     for version in table:
         out[version] = {"step ms": 1e3 * float(np.median(per_round[version])), **out[version]}
